@@ -1,0 +1,114 @@
+"""The engine's view of one sequence being generated."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from ferrum.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Every status after this one is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One sequence: its tokens, how many of them are in the KV cache, and its status.
+
+    Invariant: `num_computed_tokens <= num_tokens`; the tokens in `[num_computed_tokens,
+    num_tokens)` still have to go through a forward before the next token can be sampled.
+    """
+
+    __slots__ = (
+        "req_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "arrival_time",
+        "status",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "block_hashes",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache at first admission (-1: not admitted yet).
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        # Chained hashes of the full blocks of `all_token_ids`, extended by the KV manager.
+        self.block_hashes: list[int] = []
+        # The stop token id or stop string that finished the request, if any.
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        # The engine resolves max_tokens=None to the room left in the context before admission.
+        assert self.sampling_params.max_tokens is not None
+        return self.sampling_params.max_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

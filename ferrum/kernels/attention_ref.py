@@ -1,0 +1,61 @@
+"""Torch reference for paged attention: the CPU path and the oracle the Triton kernels are tested on.
+
+KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys,
+1 values). Slot s lives at block `s // block_size`, offset `s % block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """kv_cache[:, slot] = (key[t], value[t]) for each token t."""
+    flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    query_start_loc: list[int],  # [num_reqs + 1], host
+    seq_lens: list[int],  # [num_reqs], host
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's query chunk over its whole paged context.
+
+    Query token j of request i (chunk length q_i, context length L_i) sits at position
+    L_i - q_i + j and attends to context positions 0..L_i - q_i + j. Math in float32.
+    Returns [num_tokens, num_heads, head_dim] in the query's dtype.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = query_start_loc[i], query_start_loc[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        num_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[i, :num_blocks].long()
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        q = query[start:end].float().transpose(0, 1)  # [H, q_len, D]
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, L]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] > q_pos[:, None]
+        scores.masked_fill_(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
+    return out

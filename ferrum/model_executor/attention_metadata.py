@@ -1,0 +1,30 @@
+"""Per-step attention metadata: one object, built by the runner, passed explicitly to the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Describes a flattened batch of `num_tokens` query tokens from `num_reqs` requests.
+
+    Request i owns query tokens `query_start_loc[i] : query_start_loc[i + 1]`; they are the last
+    `query_len_i` tokens of its `seq_lens[i]`-token context, so attention is causal within the
+    chunk and sees the whole cached prefix. KV for token t is written to slot `slot_mapping[t]`
+    (block_id * block_size + offset) of every layer's cache before attention reads it.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the model's device
+    seq_lens: torch.Tensor  # [num_reqs] int32, on the model's device
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on the model's device
+    slot_mapping: torch.Tensor  # [num_tokens] int64, on the model's device
+    # Host copies for the torch reference path, so it never syncs on the device tensors.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]

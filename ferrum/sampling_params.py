@@ -1,0 +1,124 @@
+"""Sampling parameters with vLLM's names, defaults and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+# Temperatures below this are treated as greedy decoding.
+_GREEDY_EPS = 1e-5
+# The most top-k / sampled-token logprobs one request may ask for.
+MAX_LOGPROBS = 20
+
+
+class SamplingType(Enum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each output token and when to stop.
+
+    Field names and defaults follow vLLM's `SamplingParams`; invalid values raise `ValueError`
+    naming the field and its limit.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    # Filled by the engine from the model's generation config; never part of the user's request.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k < 0:
+            # vLLM accepts -1 (and None) for "disabled"; 0 is the canonical spelling.
+            self.top_k = 0 if self.top_k is None or self.top_k == -1 else self.top_k
+        self._verify()
+        if self.temperature < _GREEDY_EPS:
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        def bad(name: str, limit: str, value: object) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {limit}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1", self.n)
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]", self.presence_penalty)
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "must be in (0, 2]", self.repetition_penalty)
+        if not (self.temperature >= 0.0) or self.temperature > 100.0:
+            raise bad("temperature", "must be in [0, 100]", self.temperature)
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]", self.top_p)
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer", self.top_k)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]", self.min_p)
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer or None", self.seed)
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1", self.max_tokens)
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "must contain only non-empty strings", s)
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                raise bad("stop_token_ids", "must contain only non-negative integers", t)
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature == 0.0:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def clone(self) -> SamplingParams:
+        copy = SamplingParams.__new__(SamplingParams)
+        copy.__dict__.update(self.__dict__)
+        copy.stop = list(self.stop)
+        copy.stop_token_ids = list(self.stop_token_ids)
+        copy.all_stop_token_ids = set(self.all_stop_token_ids)
+        return copy

@@ -1,0 +1,71 @@
+"""The two messages between scheduler and model runner.
+
+The scheduler never touches tensors and the runner never touches the block pool: everything the
+runner needs for one step travels in a `SchedulerOutput`, and everything the scheduler needs back
+travels in a `ModelRunnerOutput`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ferrum.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has not seen (first admission, or resumed after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Tokens generated before a preemption; they are recomputed like the prompt.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed since the previous step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    # Tokens to run this step per request; their sum is at most max_num_batched_tokens.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished or were preempted since the previous step: the runner drops them.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Log-probabilities of one sampled position: the sampled token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    # Rank of the sampled token in the full distribution (1 = most likely).
+    sampled_rank: int
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # Requests that produced a token this step, in batch order (partial prefills produce none).
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    # One entry per sampled request when any request in the batch asked for logprobs.
+    logprobs: list[Logprobs | None] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
