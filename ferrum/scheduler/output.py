@@ -41,8 +41,11 @@ class SchedulerOutput:
     # Tokens to run this step per request; their sum is at most max_num_batched_tokens.
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # Requests that finished or were preempted since the previous step: the runner drops them.
+    # Requests that finished (or were aborted) since the previous step: the runner forgets them.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Requests preempted this step: the runner drops their batch state but keeps their sampling
+    # generator, so a resumed seeded request continues the same random stream.
+    preempted_req_ids: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:

@@ -1,0 +1,5 @@
+import sys
+
+from ferrum.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,178 @@
+"""Turns per-step token updates into RequestOutputs: detokenization, stop strings, logprobs, n.
+
+A user request with `n > 1` runs as n child requests in the scheduler; their outputs are gathered
+here under the parent's id, in index order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ferrum.engine.detokenizer import IncrementalDetokenizer
+from ferrum.engine.request import RequestStatus
+from ferrum.engine.tokenizer import Tokenizer
+from ferrum.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ferrum.sampling_params import SamplingParams
+from ferrum.scheduler.output import Logprobs
+from ferrum.scheduler.scheduler import RequestUpdate
+
+
+@dataclass
+class _ChildState:
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: dict[str, _ChildState]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}#{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._parents: dict[str, _ParentState] = {}
+        self._parent_of: dict[str, _ParentState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        child_params: dict[str, SamplingParams],
+        arrival_time: float,
+    ) -> None:
+        children = {}
+        for index, (child_id, params) in enumerate(child_params.items()):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            child = _ChildState(index=index, params=params, detokenizer=detokenizer)
+            if params.logprobs is not None:
+                child.logprobs, child.cumulative_logprob = [], 0.0
+            children[child_id] = child
+        parent = _ParentState(
+            request_id, prompt, prompt_token_ids, children, RequestMetrics(arrival_time)
+        )
+        self._parents[request_id] = parent
+        for child_id in children:
+            self._parent_of[child_id] = parent
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._parents
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self._parents.get(request_id)
+        return list(parent.children) if parent else []
+
+    def process(
+        self,
+        updates: list[RequestUpdate],
+        logprobs: dict[str, Logprobs | None],
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs of the parents that changed, and child ids that hit a stop string."""
+        now = time.monotonic()
+        changed: dict[str, _ParentState] = {}
+        stopped_by_string: list[str] = []
+        for update in updates:
+            request = update.request
+            parent = self._parent_of.get(request.req_id)
+            if parent is None:
+                continue
+            child = parent.children[request.req_id]
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = now
+            if request.num_cached_tokens > 0:
+                parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
+            child.token_ids.extend(update.new_token_ids)
+            self._add_logprobs(child, logprobs.get(request.req_id))
+            stop_terminated = update.finished and request.status == RequestStatus.FINISHED_STOPPED
+            stop_string = child.detokenizer.update(update.new_token_ids, stop_terminated)
+            if update.finished:
+                child.finish_reason = request.status.finish_reason
+                child.stop_reason = request.stop_reason
+            elif stop_string is not None:
+                child.finish_reason, child.stop_reason = "stop", stop_string
+                stopped_by_string.append(request.req_id)
+            changed[parent.request_id] = parent
+        outputs = [self._make_output(parent, now) for parent in changed.values()]
+        return outputs, stopped_by_string
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Marks every unfinished child aborted and returns the final output."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children.values():
+            if child.finish_reason is None:
+                child.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
+        return self._make_output(parent, time.monotonic())
+
+    def _add_logprobs(self, child: _ChildState, step: Logprobs | None) -> None:
+        if child.logprobs is None or step is None:
+            return
+        entry: dict[int, Logprob] = {}
+        for rank_index, (token_id, value) in enumerate(zip(step.token_ids, step.logprobs)):
+            if rank_index == 0:
+                rank = step.sampled_rank
+            else:
+                rank = rank_index
+            if token_id not in entry:
+                entry[token_id] = Logprob(value, rank, self._decode_one(token_id))
+        child.logprobs.append(entry)
+        assert child.cumulative_logprob is not None
+        child.cumulative_logprob += step.logprobs[0]
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _make_output(self, parent: _ParentState, now: float) -> RequestOutput:
+        finished = parent.finished
+        if finished:
+            parent.metrics.finished_time = now
+            del self._parents[parent.request_id]
+            for child_id in parent.children:
+                self._parent_of.pop(child_id, None)
+        completions = [
+            CompletionOutput(
+                index=child.index,
+                text=child.detokenizer.get_next_output_text(
+                    finished=child.finish_reason is not None, delta=False
+                ),
+                token_ids=list(child.token_ids),
+                cumulative_logprob=child.cumulative_logprob,
+                logprobs=list(child.logprobs) if child.logprobs is not None else None,
+                finish_reason=child.finish_reason,
+                stop_reason=child.stop_reason,
+            )
+            for child in parent.children.values()
+        ]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=parent.num_cached_tokens,
+            metrics=parent.metrics,
+        )

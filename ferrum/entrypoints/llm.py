@@ -1,0 +1,126 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)` with vLLM's names."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from ferrum.engine.arg_utils import EngineArgs
+from ferrum.engine.llm_engine import LLMEngine, PromptType
+from ferrum.outputs import RequestOutput
+from ferrum.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Keyword arguments are the fields of `EngineArgs` (`dtype`, `device`, `load_format`,
+    `max_model_len`, `block_size`, `num_kv_blocks`, `enable_prefix_caching`, `max_num_seqs`,
+    `max_num_batched_tokens`, `seed`, ...).
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt; returns one RequestOutput per prompt, in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._per_prompt_params(sampling_params, len(prompts))
+        engine = self.llm_engine
+        # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                text, token_ids = engine.process_prompt(prompt)
+                engine.resolve_params(p, len(token_ids))
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}") from e
+            tokens_prompt = {"prompt_token_ids": token_ids}
+            if text is not None:
+                tokens_prompt["prompt"] = text
+            checked.append(tokens_prompt)
+        request_ids = []
+        for prompt, p in zip(checked, params):
+            request_id = engine.next_request_id()
+            engine.add_request(request_id, prompt, p)
+            request_ids.append(request_id)
+        return self._run_engine(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Renders each conversation with the model's chat template, then generates."""
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation),
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                **(chat_template_kwargs or {}),
+            )
+            # The template already holds any BOS token: do not add special tokens again.
+            prompts.append(
+                {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _per_prompt_params(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num_prompts
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
+        if len(params) != num_prompts:
+            raise ValueError(
+                f"sampling_params: got {len(params)} for {num_prompts} prompts (give one, or one "
+                "per prompt)"
+            )
+        return params
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(
+            total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        ) as bar:
+            try:
+                while len(finished) < len(request_ids):
+                    for output in engine.step():
+                        if output.finished and output.request_id in wanted:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            except BaseException:
+                engine.abort_request([r for r in request_ids if r not in finished])
+                raise
+        return [finished[r] for r in request_ids]

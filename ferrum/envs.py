@@ -1,0 +1,28 @@
+"""The only reader of os.environ: a few typed FERRUM_* debugging knobs.
+
+Everything that changes what the engine computes is a config field and a CLI flag, never one of
+these.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _get(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def logging_level() -> str:
+    """FERRUM_LOGGING_LEVEL: log level of the `ferrum` logger (default INFO)."""
+    return _get("FERRUM_LOGGING_LEVEL", "INFO").upper()
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET: whether Triton kernels run in the CPU interpreter."""
+    return _get("TRITON_INTERPRET", "0") == "1"
+
+
+def enable_triton_interpreter() -> None:
+    """Makes Triton kernels run on the CPU; must happen before triton is first imported."""
+    os.environ["TRITON_INTERPRET"] = "1"

@@ -1,0 +1,72 @@
+"""How many KV blocks fit, and the per-layer cache tensors.
+
+Per layer the cache is `[2, num_blocks, block_size, num_kv_heads, head_dim]`; block 0 is the
+padding block that the KV manager never hands out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferrum.config import CacheConfig, ModelConfig, SchedulerConfig
+
+_CPU_DEFAULT_KV_BYTES = 4 << 30
+_GIB = float(1 << 30)
+
+
+def kv_bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return (
+        2
+        * model_config.num_hidden_layers
+        * block_size
+        * model_config.num_kv_heads
+        * model_config.head_dim
+        * element_size
+    )
+
+
+def blocks_worth_keeping(scheduler_config: SchedulerConfig, block_size: int) -> int:
+    """Enough blocks for every sequence slot at full length (+ the padding block): more is waste."""
+    blocks_per_seq = -(-scheduler_config.max_model_len // block_size)
+    return scheduler_config.max_num_seqs * blocks_per_seq + 1
+
+
+def num_blocks_from_budget(
+    budget_bytes: int,
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    dtype: torch.dtype,
+) -> int:
+    """Blocks that fit in `budget_bytes`; fails with the numbers to change if one sequence can't."""
+    block_size = cache_config.block_size
+    per_block = kv_bytes_per_block(model_config, block_size, dtype)
+    num_blocks = min(budget_bytes // per_block, blocks_worth_keeping(scheduler_config, block_size))
+    needed = -(-scheduler_config.max_model_len // block_size) + 1
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV cache budget of {budget_bytes / _GIB:.2f} GiB holds {num_blocks} blocks of "
+            f"{block_size} tokens, but one sequence of max_model_len={scheduler_config.max_model_len} "
+            f"needs {needed} ({needed * per_block / _GIB:.2f} GiB): lower max_model_len, or raise "
+            f"gpu_memory_utilization / kv_cache_memory_bytes"
+        )
+    return int(num_blocks)
+
+
+def cpu_kv_budget(cache_config: CacheConfig) -> int:
+    return cache_config.kv_cache_memory_bytes or _CPU_DEFAULT_KV_BYTES
+
+
+def allocate_kv_caches(
+    model_config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+    return [
+        torch.zeros(shape, dtype=dtype, device=device)
+        for _ in range(model_config.num_hidden_layers)
+    ]

@@ -1,0 +1,232 @@
+"""Continuous batching under one token budget per step.
+
+Every step, running requests are served first (decodes and unfinished prompt chunks alike, in
+admission order), then waiting requests are admitted while budget, sequence slots and KV blocks
+last. "Prefill" and "decode" are not separate paths: each scheduled request simply gets
+`num_scheduled_tokens` so that its `num_computed_tokens` catches up with its `num_tokens`.
+When the KV pool runs dry, the most recently admitted running request is preempted (its blocks
+are freed and it is recomputed later), never a crash.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ferrum.config import SchedulerConfig
+from ferrum.engine.request import Request, RequestStatus
+from ferrum.kv.kv_cache_manager import KVCacheManager
+from ferrum.scheduler.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request: its new tokens and, if it finished, why."""
+
+    request: Request
+    new_token_ids: list[int]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        # Admission order: the tail is the most recently admitted, the first to be preempted.
+        self.running: list[Request] = []
+        # Finished since the previous schedule(); the runner forgets them at the next step.
+        self._finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        # Waiting requests whose prefix-cache lookup was already counted in the hit-rate stats.
+        self._looked_up: set[str] = set()
+
+    # -- requests in and out -------------------------------------------------------------------
+
+    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises ValueError if a request could never run, whatever else is in the engine."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds max_model_len={self.config.max_model_len}"
+            )
+        pool = self.kv_cache_manager.max_tokens_in_pool()
+        if total > pool:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds the KV cache capacity of {pool} tokens (num_kv_blocks); "
+                f"raise num_kv_blocks or lower max_tokens"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_request_fits(request.num_prompt_tokens, request.max_tokens)
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finishes (e.g. aborts, or stops on a stop string) requests; unknown ids are ignored."""
+        assert status.is_finished
+        finished = []
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+                self._looked_up.discard(req_id)
+            self._free(request, status)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self._finished_req_ids.add(request.req_id)
+        del self.requests[request.req_id]
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        computed_before: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                index += 1  # nothing to compute until its next token is known
+                continue
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            num_scheduled[request.req_id] = num_new
+            computed_before[request.req_id] = request.num_computed_tokens
+            cached_reqs.append(
+                CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens)
+            )
+            budget -= num_new
+            index += 1
+
+        # A step that had to preempt admits nobody: the pool is already short.
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
+                request, record_stats=request.req_id not in self._looked_up
+            )
+            self._looked_up.add(request.req_id)
+            num_new = min(request.num_tokens - num_computed, budget)
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+                break
+            self.waiting.popleft()
+            self._looked_up.discard(request.req_id)
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_computed
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+            num_scheduled[request.req_id] = num_new
+            computed_before[request.req_id] = num_computed
+            new_reqs.append(
+                NewRequestData(
+                    req_id=request.req_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    block_ids=list(self.kv_cache_manager.get_block_ids(request.req_id)),
+                    num_computed_tokens=num_computed,
+                )
+            )
+            budget -= num_new
+
+        for req_id, num_new in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens = computed_before[req_id] + num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=self._finished_req_ids,
+            preempted_req_ids={r.req_id for r in preempted},
+        )
+        self._finished_req_ids = set()
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        """Appends sampled tokens, applies token-level stop rules, frees finished requests."""
+        updates = []
+        for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.running.remove(request)
+                self._free(request, status)
+            updates.append(RequestUpdate(request, [token_id], status is not None))
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id == request.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.all_stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= request.max_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH
+        return None
