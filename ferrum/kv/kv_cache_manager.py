@@ -1,0 +1,189 @@
+"""Per-request block tables over one block pool, with prefix caching.
+
+A request owns a list of block ids (its block table); block `i` holds the KV of tokens
+`[i * block_size, (i + 1) * block_size)`. Blocks are taken on demand as tokens are scheduled and
+released, tail first, when the request finishes or is preempted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ferrum.engine.request import Request
+from ferrum.kv import block_hash
+from ferrum.kv.block_pool import ROOT_ENTRY_ID, BlockPool
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    block_ids: list[int] = field(default_factory=list)
+    # Cache entry id of the content of each leading full block handled by the prefix cache so far;
+    # `len(entry_ids) <= len(block_ids)`.
+    entry_ids: list[int] = field(default_factory=list)
+
+
+class KVCacheManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        self.block_pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._requests: dict[str, _RequestBlocks] = {}
+        # Tokens looked up in / served from the prefix cache (first lookup per admission).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by at least one request."""
+        return 1.0 - self.block_pool.num_free_blocks / self.block_pool.num_usable_blocks
+
+    def max_tokens_in_pool(self) -> int:
+        """The most tokens one request can ever hold; a longer one can never be scheduled."""
+        return self.num_usable_blocks * self.block_size
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        state = self._requests.get(req_id)
+        return [] if state is None else list(state.block_ids)
+
+    def get_computed_blocks(
+        self, request: Request, record_stats: bool = True
+    ) -> tuple[list[int], int]:
+        """The longest verified cached prefix of full blocks, short of the last token.
+
+        Returns `(block_ids, num_computed_tokens)`; takes no references, so the blocks must be
+        passed to `allocate_slots` before any other allocation. `([], 0)` with caching off.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        # At least the last token is always computed: it yields the logits of the next one.
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        token_ids = request.all_token_ids
+        size = self.block_size
+        parent_entry_id = ROOT_ENTRY_ID
+        block_ids: list[int] = []
+        for i in range(max_hit_blocks):
+            block_id = self.block_pool.lookup(
+                request.block_hashes[i], parent_entry_id, token_ids[i * size : (i + 1) * size]
+            )
+            if block_id is None:
+                break
+            entry = self.block_pool.entry(block_id)
+            assert entry is not None
+            parent_entry_id = entry.entry_id
+            block_ids.append(block_id)
+        num_computed_tokens = len(block_ids) * size
+        if record_stats:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_computed_tokens
+        return block_ids, num_computed_tokens
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Grows the request's block table to cover its computed, cached and new tokens.
+
+        Covers `num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens`
+        tokens. `new_computed_blocks` (from `get_computed_blocks`, at admission only) gain a
+        reference and come first. Returns the block ids appended, or None, changing nothing, when
+        the pool is short. Every block full once these tokens are computed is then cached.
+        """
+        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
+        computed_blocks = new_computed_blocks or []
+        state = self._requests.get(request.req_id)
+        num_held_blocks = 0 if state is None else len(state.block_ids)
+        if computed_blocks:
+            self._check_computed_blocks(request, num_held_blocks, computed_blocks)
+
+        size = self.block_size
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * size + num_new_tokens
+        num_needed_blocks = -(-num_tokens // size) - num_held_blocks - len(computed_blocks)
+        num_fresh_blocks = max(num_needed_blocks, 0)
+        # Touching a free cached block takes it out of the free queue, so it cannot be evicted.
+        num_free_touched = sum(1 for b in computed_blocks if self.block_pool.ref_count(b) == 0)
+        if num_fresh_blocks > self.block_pool.num_free_blocks - num_free_touched:
+            return None
+
+        if state is None:
+            state = self._requests[request.req_id] = _RequestBlocks()
+        self.block_pool.touch(computed_blocks)
+        for block_id in computed_blocks:
+            entry = self.block_pool.entry(block_id)
+            assert entry is not None
+            state.entry_ids.append(entry.entry_id)
+        new_block_ids = computed_blocks + self.block_pool.allocate(num_fresh_blocks)
+        state.block_ids.extend(new_block_ids)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, state, min(num_tokens, request.num_tokens))
+        return new_block_ids
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, tail first, and forgets it. A no-op for unknown ids."""
+        state = self._requests.pop(request.req_id, None)
+        if state is not None:
+            self.block_pool.free(reversed(state.block_ids))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False (and no change) while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def _check_computed_blocks(
+        self, request: Request, num_held_blocks: int, computed_blocks: list[int]
+    ) -> None:
+        if num_held_blocks or request.num_computed_tokens:
+            raise ValueError(
+                f"new_computed_blocks are only for a request being admitted; {request.req_id!r} "
+                f"holds {num_held_blocks} blocks and {request.num_computed_tokens} computed tokens"
+            )
+        if len(computed_blocks) > len(request.block_hashes):
+            raise ValueError(
+                f"new_computed_blocks has {len(computed_blocks)} blocks but request "
+                f"{request.req_id!r} has only {len(request.block_hashes)} full blocks"
+            )
+        size = self.block_size
+        parent_entry_id = ROOT_ENTRY_ID
+        for i, block_id in enumerate(computed_blocks):
+            token_ids = request.all_token_ids[i * size : (i + 1) * size]
+            if (
+                self.block_pool.lookup(request.block_hashes[i], parent_entry_id, token_ids)
+                != block_id
+            ):
+                raise ValueError(
+                    f"new_computed_blocks[{i}]={block_id} does not cache block {i} of "
+                    f"{request.req_id!r}; pass the result of get_computed_blocks unchanged"
+                )
+            entry = self.block_pool.entry(block_id)
+            assert entry is not None
+            parent_entry_id = entry.entry_id
+
+    def _cache_full_blocks(self, request: Request, state: _RequestBlocks, num_tokens: int) -> None:
+        """Caches the blocks of the first `num_tokens` tokens that are full and not yet handled."""
+        num_full_blocks = num_tokens // self.block_size
+        start = len(state.entry_ids)
+        if num_full_blocks <= start:
+            return
+        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        token_ids = request.all_token_ids
+        size = self.block_size
+        parent_entry_id = state.entry_ids[-1] if state.entry_ids else ROOT_ENTRY_ID
+        for i in range(start, num_full_blocks):
+            parent_entry_id = self.block_pool.cache_block(
+                state.block_ids[i],
+                request.block_hashes[i],
+                parent_entry_id,
+                token_ids[i * size : (i + 1) * size],
+            )
+            state.entry_ids.append(parent_entry_id)
