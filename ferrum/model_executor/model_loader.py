@@ -1,0 +1,79 @@
+"""Builds the model for a ModelConfig on a device and fills its weights (checkpoint or dummy)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ferrum.config import ModelConfig
+from ferrum.model_executor.models.registry import get_model_class
+from ferrum.model_executor.weight_loader import SafetensorsCheckpoint, WeightFileError
+
+DUMMY_STD = 0.02
+_MAX_LISTED = 8
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters are created directly in the target dtype; the previous default is restored."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    """The model of `model_config.architecture` on `device` in `model_config.dtype`, with weights
+    from the checkpoint's safetensors ("auto", "safetensors") or random ("dummy")."""
+    model_class = get_model_class(model_config.architecture)
+    device = torch.device(device)
+    with _default_dtype(getattr(torch, model_config.dtype)), torch.device(device):
+        model = model_class(model_config)
+    if model_config.load_format == "dummy":
+        initialize_dummy_weights(model, model_config.seed)
+    else:
+        load_checkpoint_weights(model, model_config.model)
+    return model.eval()
+
+
+def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
+    """In place, on the parameters' device, deterministic from `seed`: normal(0, DUMMY_STD) for
+    matrices and stacked experts, ones for norm weights, zeros for biases."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                if param.device not in generators:
+                    generators[param.device] = torch.Generator(device=param.device)
+                    generators[param.device].manual_seed(seed)
+                param.normal_(0.0, DUMMY_STD, generator=generators[param.device])
+
+
+def load_checkpoint_weights(model: nn.Module, model_dir: str) -> None:
+    """Streams the folder's safetensors into the model and checks every parameter was filled."""
+    checkpoint = SafetensorsCheckpoint(model_dir)
+    try:
+        with torch.no_grad():
+            loaded = model.load_weights(checkpoint)
+    except WeightFileError:
+        raise
+    except ValueError as e:
+        if checkpoint.current_file is None:
+            raise
+        raise ValueError(f"{e} (weight file {checkpoint.current_file})") from e
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        listed = ", ".join(missing[:_MAX_LISTED])
+        more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
+        raise ValueError(
+            f"checkpoint {model_dir} does not provide (all shards of) parameters: {listed}{more}"
+        )

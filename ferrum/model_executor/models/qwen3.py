@@ -1,0 +1,59 @@
+"""Qwen3 (dense): Llama-style blocks with a per-head RMSNorm on q and k before RoPE."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ferrum.config import ModelConfig
+from ferrum.model_executor.layers.layernorm import RMSNorm
+from ferrum.model_executor.layers.rotary import apply_rotary_emb
+from ferrum.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    required,
+)
+
+if TYPE_CHECKING:
+    from ferrum.model_executor.attention_metadata import AttentionMetadata
+
+
+class Qwen3Attention(LlamaAttention):
+    def __init__(self, model_config: ModelConfig) -> None:
+        hf = model_config.hf_config
+        bias = bool(hf.get("attention_bias", False))
+        super().__init__(model_config, qkv_bias=bias, o_bias=bias)
+        eps = float(hf.get("rms_norm_eps", 1e-6))
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        self.k_norm = RMSNorm(self.head_dim, eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        q, k, v = self.project_qkv(hidden)
+        q = apply_rotary_emb(self.q_norm(q), cos, sin)
+        k = apply_rotary_emb(self.k_norm(k), cos, sin)
+        out = self.attn(q, k, v, attn_metadata)
+        return self.o_proj(out.reshape(out.shape[0], self.q_size))
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    def make_decoder_layer(self, layer_idx: int) -> nn.Module:
+        hf = self.model_config.hf_config
+        hidden_size = int(required(hf, "hidden_size"))
+        return LlamaDecoderLayer(
+            Qwen3Attention(self.model_config),
+            LlamaMLP(
+                hidden_size, int(required(hf, "intermediate_size")), hf.get("hidden_act", "silu")
+            ),
+            hidden_size,
+            float(hf.get("rms_norm_eps", 1e-6)),
+        )

@@ -1,0 +1,28 @@
+"""Architecture name (config.json `architectures[0]`) -> model class, imported on demand."""
+
+from __future__ import annotations
+
+import importlib
+
+# architecture -> (module under ferrum.model_executor.models, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; "
+            f"supported: {supported_architectures()}"
+        )
+    module_name, class_name = _MODELS[architecture]
+    module = importlib.import_module(f"ferrum.model_executor.models.{module_name}")
+    return getattr(module, class_name)

@@ -1,0 +1,28 @@
+"""Session-wide fixtures shared by all test packages."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from tiny_checkpoints import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
+    """Factory `tiny_checkpoint(arch, **overrides) -> path`: builds each distinct tiny HF
+    checkpoint once per session (see tests/tiny_checkpoints.py) and returns its folder.
+    Callers must not modify the folder; copy it first."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    built: dict[str, str] = {}
+
+    def build(arch: str, **overrides: Any) -> str:
+        key = f"{arch}-{sorted(overrides.items())!r}"
+        if key not in built:
+            digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+            built[key] = make_tiny_checkpoint(root / f"{arch}-{digest}", arch, **overrides)
+        return built[key]
+
+    return build

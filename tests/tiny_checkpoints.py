@@ -1,0 +1,163 @@
+"""Tiny random Hugging Face checkpoints and an HF greedy oracle, for model and engine tests.
+
+Stable API (engine tests import it; the `tiny_checkpoint` fixture in tests/conftest.py caches
+builds per session):
+
+    make_tiny_checkpoint(path, arch, **config_overrides) -> str   # the folder, = str(path)
+    hf_greedy(path, prompts, max_new_tokens) -> list[list[int]]   # generated ids per prompt
+    hf_logits(path, token_ids) -> Tensor [len(token_ids), vocab]  # float32, HF forward
+
+`arch` is one of ARCHS:
+    "llama"      LlamaForCausalLM, GQA (4 heads / 2 kv heads), saved sharded (several files
+                 plus model.safetensors.index.json)
+    "llama3"     LlamaForCausalLM with llama3 RoPE scaling (small original context so the
+                 scaling changes frequencies)
+    "qwen2"      Qwen2ForCausalLM (qkv bias), tied word embeddings
+    "qwen3"      Qwen3ForCausalLM (q/k norm)
+    "qwen3_moe"  Qwen3MoeForCausalLM, 3 layers, 8 experts top-2, norm_topk_prob, layer 1 dense
+Shapes: hidden 64, head_dim 16, vocab 384 (token ids 0..383), max_position_embeddings 256.
+Special ids: bos 1, eos 2, pad 0 (config.json and generation_config.json); hf_greedy does not
+stop at eos, so engine comparisons should ignore eos. No tokenizer files are written.
+All are fp32 and deterministic; `seed` and `max_shard_size` are keyword options, anything else
+overrides a config.json key (e.g. tie_word_embeddings=True, num_hidden_layers=3).
+Every parameter is drawn from a fixed seed with std 0.15 (norm weights 1 + 0.1 * noise, biases
+0.1 * noise), so logits are well separated and greedy decoding is stable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+ARCHS = ("llama", "llama3", "qwen2", "qwen3", "qwen3_moe")
+INIT_STD = 0.15
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 384,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+_ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {"rope_theta": 10000.0, "tie_word_embeddings": False},
+    "llama3": {
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "qwen3": {"rope_theta": 1000000.0, "tie_word_embeddings": False},
+    "qwen3_moe": {
+        "rope_theta": 1000000.0,
+        "num_hidden_layers": 3,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "tie_word_embeddings": False,
+    },
+}
+
+# Default max_shard_size per arch: only "llama" is sharded (its tensors exceed 20 KB one by one).
+_DEFAULT_SHARD_SIZE = {"llama": "20KB"}
+
+
+def _config_class(arch: str) -> Any:
+    import transformers
+
+    return {
+        "llama": transformers.LlamaConfig,
+        "llama3": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+    }[arch]
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if name.endswith("bias"):
+                param.copy_(0.1 * noise)
+            elif param.dim() == 1:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(INIT_STD * noise)
+
+
+def make_tiny_checkpoint(
+    path: str | os.PathLike[str],
+    arch: str,
+    *,
+    seed: int = 0,
+    max_shard_size: str | int | None = None,
+    **config_overrides: Any,
+) -> str:
+    """Writes config.json + fp32 safetensors of a random tiny `arch` model into `path`."""
+    from transformers import AutoModelForCausalLM
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch: {arch!r} is not one of {ARCHS}")
+    kwargs = {**_COMMON, **_ARCH_CONFIGS[arch], **config_overrides}
+    config = _config_class(arch)(**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    shard_size = max_shard_size or _DEFAULT_SHARD_SIZE.get(arch, "1GB")
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(str(path), max_shard_size=shard_size)
+    return str(path)
+
+
+def load_hf_model(path: str | os.PathLike[str]) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logits(path: str | os.PathLike[str] | torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """HF float32 logits for every position of one sequence: [len(token_ids), vocab_size]."""
+    model = path if isinstance(path, torch.nn.Module) else load_hf_model(path)
+    out = model(input_ids=torch.tensor([token_ids]), use_cache=False)
+    return out.logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(
+    path: str | os.PathLike[str], prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Greedy continuation of each prompt with the HF model, one prompt at a time, exactly
+    `max_new_tokens` tokens each (no EOS stopping). Returns only the generated ids."""
+    model = load_hf_model(path)
+    outputs = []
+    for prompt in prompts:
+        ids = list(prompt)
+        for _ in range(max_new_tokens):
+            ids.append(int(hf_logits(model, ids)[-1].argmax()))
+        outputs.append(ids[len(prompt) :])
+    return outputs
