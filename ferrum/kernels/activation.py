@@ -1,0 +1,65 @@
+"""Triton SiLU-and-mul for SwiGLU MLPs: out = silu(gate) * up over a fused [gate | up] input.
+
+silu(g) = g / (1 + exp(-g)) is computed in fp32 and rounded to the input dtype before the multiply
+by up, whose fp32 product is rounded once more: the roundings of Hugging Face's
+`act_fn(gate_proj(x)) * up_proj(x)` in low precision.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    out_ptr,  # [num_tokens, inter]
+    x_ptr,  # [num_tokens, 2 * inter]
+    inter,
+    stride_out,
+    stride_x,
+    BLOCK: tl.constexpr,
+):
+    """Program (t, c): columns [c * BLOCK, (c + 1) * BLOCK) of token t."""
+    tok = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate = tl.load(x_ptr + tok * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + tok * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + tok * stride_out + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(
+    x: torch.Tensor,  # [num_tokens, 2 * inter]
+    out: torch.Tensor | None = None,  # [num_tokens, inter]
+) -> torch.Tensor:
+    """Returns out[t, i] = silu(x[t, i]) * x[t, inter + i], allocating out if None."""
+    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1 or x.shape[1] % 2:
+        raise ValueError(
+            "x must be [num_tokens, 2 * inter] fp16/bf16/fp32 with an even last dim and "
+            f"stride(1) == 1, got {tuple(x.shape)} {x.dtype} strides {x.stride()}"
+        )
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    if out is None:
+        out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
+    if (
+        out.shape != (num_tokens, inter)
+        or out.dtype != x.dtype
+        or out.device != x.device
+        or out.stride(1) != 1
+    ):
+        raise ValueError(
+            f"out must be [{num_tokens}, {inter}] {x.dtype} on {x.device} with stride(1) == 1, "
+            f"got {tuple(out.shape)} {out.dtype} {out.device} strides {out.stride()}"
+        )
+    if num_tokens > 0 and inter > 0:
+        grid = (num_tokens, triton.cdiv(inter, _BLOCK))
+        _silu_and_mul_kernel[grid](
+            out, x, inter, out.stride(0), x.stride(0), BLOCK=_BLOCK, num_warps=4
+        )
+    return out

@@ -1,0 +1,297 @@
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
+from ferrum.kernels.paged_attention import (
+    SPLIT_KV_MAX_PROGRAMS,
+    allocate_split_kv_workspace,
+    paged_attention,
+    paged_attention_split_kv,
+    paged_attention_unified,
+    split_kv_workspace_shapes,
+    use_split_kv,
+    write_kv_cache,
+)
+
+TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=4e-3, rtol=4e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    kv_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> Batch:
+    """Random queries and cache; each request's blocks are scattered over a shuffled pool and
+    block-table entries past the context hold -1."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.full((len(seq_lens), max(blocks_per_req) + 2), -1, dtype=torch.int32)
+    for i, n in enumerate(blocks_per_req):
+        block_tables[i, :n] = torch.tensor(pool[:n], dtype=torch.int32)
+        pool = pool[n:]
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
+    starts = [0, *itertools.accumulate(query_lens)]
+    return Batch(
+        query=query.to(device=device, dtype=dtype),
+        kv_cache=kv_cache.to(device=device, dtype=dtype),
+        block_tables=block_tables.to(device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def reference(b: Batch, scale: float) -> torch.Tensor:
+    return paged_attention_ref(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, scale
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(4, 2, 32, 8), (8, 2, 64, 16), (6, 2, 32, 16), (4, 4, 64, 8)],
+)
+def test_mixed_batch_matches_reference(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    # A decode over a 1-token context, a 7-token chunk over a 23-token prefix, a 13-token chunk
+    # over 32 cached tokens, and a 5-token prompt with no prefix.
+    b = make_batch(
+        [1, 7, 13, 5], [1, 30, 45, 5], num_heads, num_kv_heads, head_dim, block_size, dtype, device
+    )
+    scale = head_dim**-0.5
+    out = torch.full_like(b.query, float("nan"))
+    got = paged_attention(
+        b.query,
+        b.kv_cache,
+        b.block_tables,
+        b.query_start_loc,
+        b.seq_lens,
+        b.max_query_len,
+        b.max_seq_len,
+        scale,
+        out,
+    )
+    assert got is out
+    torch.testing.assert_close(out, reference(b, scale), **TOL[dtype])
+
+
+def test_long_chunk_spans_several_query_tiles(device: torch.device) -> None:
+    # 40 tokens x GQA 4 = 160 rows: more than one 128-row tile.
+    b = make_batch([40, 2], [70, 9], 8, 2, 32, 16, torch.float32, device, seed=1)
+    out = torch.empty_like(b.query)
+    paged_attention_unified(
+        b.query,
+        b.kv_cache,
+        b.block_tables,
+        b.query_start_loc,
+        b.seq_lens,
+        b.max_query_len,
+        0.3,
+        out,
+    )
+    torch.testing.assert_close(out, reference(b, 0.3), **TOL[torch.float32])
+
+
+def test_padded_requests_and_upper_bound_lengths(device: torch.device) -> None:
+    # CUDA-graph style: a trailing request with no query tokens, max lengths given as bounds.
+    b = make_batch([3, 1, 0], [20, 11, 4], 4, 1, 32, 8, torch.float32, device, seed=2)
+    out = torch.zeros_like(b.query)
+    paged_attention_unified(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 4, 0.2, out
+    )
+    torch.testing.assert_close(out, reference(b, 0.2), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), [(4, 2, 8), (8, 2, 16)])
+def test_split_kv_matches_single_pass_and_reference(
+    num_heads: int, num_kv_heads: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    seq_lens = [1, 37, 100, 16]
+    b = make_batch([1] * 4, seq_lens, num_heads, num_kv_heads, 32, block_size, dtype, device)
+    ws = allocate_split_kv_workspace(6, num_heads, 32, 128, device, partition_size=16)
+    scale = 32**-0.5
+    split = torch.empty_like(b.query)
+    paged_attention_split_kv(
+        b.query, b.kv_cache, b.block_tables, b.seq_lens, b.max_seq_len, scale, split, ws
+    )
+    single = torch.empty_like(b.query)
+    paged_attention_unified(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 1, scale, single
+    )
+    torch.testing.assert_close(split, single, **TOL[dtype])
+    torch.testing.assert_close(split, reference(b, scale), **TOL[dtype])
+
+
+def test_dispatch_takes_split_path_for_small_long_decode_batch(device: torch.device) -> None:
+    b = make_batch([1, 1], [50, 33], 4, 2, 32, 8, torch.float32, device, seed=3)
+    ws = allocate_split_kv_workspace(2, 4, 32, 64, device, partition_size=16)
+    ws.partial_sum.fill_(float("nan"))
+    out = torch.empty_like(b.query)
+    paged_attention(
+        b.query,
+        b.kv_cache,
+        b.block_tables,
+        b.query_start_loc,
+        b.seq_lens,
+        1,
+        b.max_seq_len,
+        0.25,
+        out,
+        workspace=ws,
+    )
+    # The split path wrote statistics for exactly the partitions inside each context.
+    assert not ws.partial_sum[0].isnan().any()
+    assert not ws.partial_sum[1, :, :3].isnan().any() and ws.partial_sum[1, :, 3].isnan().all()
+    torch.testing.assert_close(out, reference(b, 0.25), **TOL[torch.float32])
+
+
+def test_use_split_kv_heuristic() -> None:
+    ws = allocate_split_kv_workspace(8, 4, 32, 4096, "cpu", partition_size=512)
+    assert use_split_kv(4, 4, 2, 1, 2048, ws)
+    assert not use_split_kv(4, 4, 2, 1, 512, ws)  # one partition
+    assert not use_split_kv(4, 5, 2, 2, 2048, ws)  # not decode-only
+    assert not use_split_kv(4, 4, 2, 1, 8192, ws)  # context beyond the workspace
+    assert not use_split_kv(9, 9, 2, 1, 2048, ws)  # more requests than the workspace holds
+    assert not use_split_kv(4, 4, 2, 1, 2048, None)
+    many = allocate_split_kv_workspace(SPLIT_KV_MAX_PROGRAMS, 4, 32, 4096, "cpu")
+    assert not use_split_kv(SPLIT_KV_MAX_PROGRAMS, SPLIT_KV_MAX_PROGRAMS, 1, 1, 2048, many)
+
+
+def test_split_kv_workspace_shapes() -> None:
+    assert split_kv_workspace_shapes(3, 8, 64, 1025, 512) == ((3, 8, 3, 64), (3, 8, 3))
+    with pytest.raises(ValueError, match="partition_size"):
+        split_kv_workspace_shapes(3, 8, 64, 1025, 100)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        split_kv_workspace_shapes(0, 8, 64, 1025)
+
+
+def test_launcher_validation_errors() -> None:
+    b = make_batch([2, 1], [5, 9], 4, 2, 32, 8, torch.float32, torch.device("cpu"))
+    out = torch.empty_like(b.query)
+    args = dict(
+        query=b.query,
+        kv_cache=b.kv_cache,
+        block_tables=b.block_tables,
+        query_start_loc=b.query_start_loc,
+        seq_lens=b.seq_lens,
+        max_query_len=2,
+        scale=1.0,
+        out=out,
+    )
+    bad = {
+        "query": b.query.to(torch.float64),
+        "kv_cache": b.kv_cache.to(torch.float16),
+        "block_tables": b.block_tables.long(),
+        "query_start_loc": b.query_start_loc[:2],
+        "seq_lens": b.seq_lens.long(),
+        "out": out[:, :2],
+        "max_query_len": 4,
+    }
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=name):
+            paged_attention_unified(**{**args, name: value})
+    with pytest.raises(ValueError, match="head_dim"):
+        q = torch.zeros(3, 4, 24)
+        cache = torch.zeros(2, 4, 8, 2, 24)
+        paged_attention_unified(**{**args, "query": q, "kv_cache": cache, "out": q.clone()})
+    with pytest.raises(ValueError, match="block_size"):
+        cache = torch.zeros(2, 4, 6, 2, 32)
+        paged_attention_unified(**{**args, "kv_cache": cache})
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        cache = torch.zeros(2, 4, 8, 3, 32)
+        paged_attention_unified(**{**args, "kv_cache": cache})
+
+    ws = allocate_split_kv_workspace(1, 4, 32, 16, "cpu", partition_size=16)
+    with pytest.raises(ValueError, match="one token per request"):
+        paged_attention_split_kv(b.query, b.kv_cache, b.block_tables, b.seq_lens, 9, 1.0, out, ws)
+    q1 = b.query[:2]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        paged_attention_split_kv(q1, b.kv_cache, b.block_tables, b.seq_lens, 9, 1.0, q1, ws)
+    ws2 = allocate_split_kv_workspace(2, 4, 32, 16, "cpu", partition_size=16)
+    with pytest.raises(ValueError, match="partitions"):
+        paged_attention_split_kv(q1, b.kv_cache, b.block_tables, b.seq_lens, 40, 1.0, q1, ws2)
+    ws3 = allocate_split_kv_workspace(2, 8, 32, 16, "cpu", partition_size=16)
+    with pytest.raises(ValueError, match="workspace"):
+        paged_attention_split_kv(q1, b.kv_cache, b.block_tables, b.seq_lens, 9, 1.0, q1, ws3)
+
+
+def test_write_kv_cache_matches_reference(dtype: torch.dtype, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(4)
+    num_tokens, num_kv_heads, head_dim = 5, 3, 24
+    # key and value are strided views into one fused projection output.
+    kv = torch.randn(num_tokens, 2 * num_kv_heads * head_dim + 7, generator=gen)
+    kv = kv.to(device=device, dtype=dtype)
+    key = kv[:, : num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    value = kv[:, num_kv_heads * head_dim : 2 * num_kv_heads * head_dim].view(
+        num_tokens, num_kv_heads, head_dim
+    )
+    cache = torch.randn(2, 4, 8, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    slots = torch.tensor([3, 17, 8, 31, 0], dtype=torch.int64, device=device)
+    expected = cache.clone()
+    write_kv_cache_ref(key, value, expected, slots)
+    write_kv_cache(key, value, cache, slots)
+    torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+
+
+def test_write_kv_cache_skips_negative_slots(device: torch.device) -> None:
+    key = torch.ones(3, 2, 16, device=device)
+    cache = torch.zeros(2, 2, 8, 2, 16, device=device)
+    slots = torch.tensor([5, -1, 9], dtype=torch.int64, device=device)
+    write_kv_cache(key, 2 * key, cache, slots)
+    flat = cache.view(2, -1, 2, 16)
+    assert flat[0, 5].eq(1).all() and flat[1, 9].eq(2).all()
+    assert flat[:, [s for s in range(16) if s not in (5, 9)]].eq(0).all()
+
+
+def test_write_kv_cache_validation_errors() -> None:
+    key = torch.zeros(3, 2, 16)
+    cache = torch.zeros(2, 2, 8, 2, 16)
+    slots = torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv_cache(key, key, cache, slots.int())
+    with pytest.raises(ValueError, match="value"):
+        write_kv_cache(key, key.half(), cache, slots)
+    with pytest.raises(ValueError, match="kv_cache"):
+        write_kv_cache(key, key, torch.zeros(2, 2, 8, 3, 16), slots)
+    with pytest.raises(ValueError, match="key"):
+        write_kv_cache(key.transpose(1, 2), key, cache, slots)
