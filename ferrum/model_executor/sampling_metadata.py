@@ -1,0 +1,192 @@
+"""Per-step sampling tensors for a batch, built once from what the runner knows about each row.
+
+A field is None when no row in the batch needs it, so the sampler can skip that stage without
+looking at tensor values (no device-to-host syncs).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ferrum.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the runner knows about one batch row."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # The request's own generator when params.seed is set, on the logits' device.
+    generator: torch.Generator | None
+    # EOS (unless ignore_eos) and params.stop_token_ids: masked while len(output) < min_tokens.
+    stop_token_ids: set[int]
+
+
+def _to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host -> device copy that never waits for the device (pinned + non_blocking on CUDA)."""
+    cpu = torch.as_tensor(np.asarray(data)).to(dtype)
+    if device.type == "cuda":
+        return cpu.pin_memory().to(device, non_blocking=True)
+    return cpu.to(device)
+
+
+def _token_counts(
+    rows: list[list[int]], vocab_size: int, device: torch.device, dtype: torch.dtype, field: str
+) -> torch.Tensor:
+    """[len(rows), vocab_size]: how often each token id occurs in each row."""
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    total = int(lengths.sum())
+    counts = torch.zeros(len(rows), vocab_size, dtype=dtype, device=device)
+    if total == 0:
+        return counts
+    ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"{field} must lie in [0, vocab_size={vocab_size})")
+    row_index = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+    flat = _to_device(row_index * vocab_size + ids, torch.int64, device)
+    counts.view(-1).index_add_(0, flat, torch.ones(total, dtype=dtype, device=device))
+    return counts
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    # [N] bool, True for greedy rows; None unless the batch mixes greedy and random rows.
+    greedy_mask: torch.Tensor | None
+    # [N] float32; greedy rows hold 1.0. None when all rows are greedy.
+    temperature: torch.Tensor | None
+    # [N] int64, 0 = disabled; None when no random row uses top-k.
+    top_k: torch.Tensor | None
+    max_top_k: int
+    # Every row with top-p also has top-k: its survivors lie among the max_top_k largest logits.
+    top_k_covers_top_p: bool
+    top_p: torch.Tensor | None  # [N] float32, 1.0 = disabled
+    min_p: torch.Tensor | None  # [N] float32, 0.0 = disabled
+    # Row index -> the row's own generator (seeded random rows only).
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    # Penalties: each is None when no row uses it.
+    repetition_penalty: torch.Tensor | None = None  # [N] float32
+    frequency_penalty: torch.Tensor | None = None  # [N] float32
+    presence_penalty: torch.Tensor | None = None  # [N] float32
+    prompt_mask: torch.Tensor | None = None  # [N, V] bool: token occurs in the prompt
+    output_counts: torch.Tensor | None = None  # [N, V] float32: occurrences in the output
+    # Stop ids to mask while a row is below min_tokens, as parallel [M] row / token id tensors.
+    min_tokens_rows: torch.Tensor | None = None
+    min_tokens_token_ids: torch.Tensor | None = None
+    # Largest `logprobs` asked in the batch; None when no row asks.
+    max_num_logprobs: int | None = None
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty is not None
+            or self.frequency_penalty is not None
+            or self.presence_penalty is not None
+        )
+
+    @classmethod
+    def from_rows(
+        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
+    ) -> SamplingMetadata:
+        if not rows:
+            raise ValueError("SamplingMetadata needs at least one row")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        device = torch.device(device)
+        params = [r.params for r in rows]
+        greedy = [p.temperature == 0.0 for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+
+        meta = cls(
+            num_rows=len(rows),
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            greedy_mask=None,
+            temperature=None,
+            top_k=None,
+            max_top_k=0,
+            top_k_covers_top_p=False,
+            top_p=None,
+            min_p=None,
+        )
+        if not all_greedy:
+            meta._fill_random(rows, greedy, device)
+        meta._fill_penalties(rows, device)
+        meta._fill_min_tokens(rows, device)
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        meta.max_num_logprobs = max(asked) if asked else None
+        return meta
+
+    def _fill_random(
+        self, rows: list[SamplingRow], greedy: list[bool], device: torch.device
+    ) -> None:
+        params = [r.params for r in rows]
+        if not self.all_random:
+            self.greedy_mask = _to_device(greedy, torch.bool, device)
+        self.temperature = _to_device(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device
+        )
+        top_k = [min(p.top_k, self.vocab_size) for p in params]
+        if any(top_k):
+            self.top_k = _to_device(top_k, torch.int64, device)
+            self.max_top_k = max(top_k)
+        if any(p.top_p < 1.0 for p in params):
+            self.top_p = _to_device([p.top_p for p in params], torch.float32, device)
+            self.top_k_covers_top_p = all(k > 0 for k, p in zip(top_k, params) if p.top_p < 1.0)
+        if any(p.min_p > 0.0 for p in params):
+            self.min_p = _to_device([p.min_p for p in params], torch.float32, device)
+        for i, (row, g) in enumerate(zip(rows, greedy)):
+            if not g and row.generator is not None:
+                self.generators[i] = row.generator
+
+    def _fill_penalties(self, rows: list[SamplingRow], device: torch.device) -> None:
+        params = [r.params for r in rows]
+        if not any(p.uses_penalties for p in params):
+            return
+        # Rows without a penalty get no token counts: their neutral values ignore them anyway.
+        if any(p.repetition_penalty != 1.0 for p in params):
+            self.repetition_penalty = _to_device(
+                [p.repetition_penalty for p in params], torch.float32, device
+            )
+            prompts = [
+                r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows
+            ]
+            prompt_counts = _token_counts(
+                prompts, self.vocab_size, device, torch.int32, "prompt_token_ids"
+            )
+            self.prompt_mask = prompt_counts > 0
+        if any(p.frequency_penalty != 0.0 for p in params):
+            self.frequency_penalty = _to_device(
+                [p.frequency_penalty for p in params], torch.float32, device
+            )
+        if any(p.presence_penalty != 0.0 for p in params):
+            self.presence_penalty = _to_device(
+                [p.presence_penalty for p in params], torch.float32, device
+            )
+        outputs = [r.output_token_ids if r.params.uses_penalties else [] for r in rows]
+        self.output_counts = _token_counts(
+            outputs, self.vocab_size, device, torch.float32, "output_token_ids"
+        )
+
+    def _fill_min_tokens(self, rows: list[SamplingRow], device: torch.device) -> None:
+        row_index: list[int] = []
+        token_ids: list[int] = []
+        for i, row in enumerate(rows):
+            if len(row.output_token_ids) < row.params.min_tokens:
+                # Ids outside the logits can never be sampled, so they need no mask.
+                ids = sorted(t for t in row.stop_token_ids if 0 <= t < self.vocab_size)
+                row_index.extend([i] * len(ids))
+                token_ids.extend(ids)
+        if token_ids:
+            self.min_tokens_rows = _to_device(row_index, torch.int64, device)
+            self.min_tokens_token_ids = _to_device(token_ids, torch.int64, device)
