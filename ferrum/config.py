@@ -11,6 +11,15 @@ _DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16",
                   "fp32": "float32"}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# generation_config.json keys that become SamplingParams defaults (max_new_tokens -> max_tokens).
+_GENERATION_DEFAULTS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+)
 KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -109,16 +118,26 @@ class ModelConfig:
         head_dim = self.hf_config.get("head_dim")
         return int(head_dim) if head_dim else int(self.hf_config["hidden_size"]) // self.num_attention_heads
 
+    def generation_config(self) -> dict[str, Any]:
+        """generation_config.json of the model folder ({} when absent or unreadable)."""
+        path = os.path.join(self.model, "generation_config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return {}
+        return config if isinstance(config, dict) else {}
+
+    def default_sampling_kwargs(self) -> dict[str, Any]:
+        """The model's recommended sampling values, as SamplingParams keyword arguments."""
+        generation = self.generation_config()
+        names = {name: name for name in _GENERATION_DEFAULTS}
+        names["max_new_tokens"] = "max_tokens"
+        return {names[k]: v for k, v in generation.items() if k in names and v is not None}
+
     def eos_token_ids(self) -> list[int]:
         """EOS ids from generation_config.json (as HF `generate` uses), else config.json."""
-        ids: Any = None
-        path = os.path.join(self.model, "generation_config.json")
-        if os.path.isfile(path):
-            try:
-                with open(path, encoding="utf-8") as f:
-                    ids = json.load(f).get("eos_token_id")
-            except (OSError, json.JSONDecodeError):
-                ids = None
+        ids: Any = self.generation_config().get("eos_token_id")
         if ids is None:
             ids = self.hf_config.get("eos_token_id")
         if ids is None:

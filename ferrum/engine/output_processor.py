@@ -9,13 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ferrum.engine.core import EngineCoreOutput
 from ferrum.engine.detokenizer import IncrementalDetokenizer
-from ferrum.engine.request import RequestStatus
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import Logprobs
-from ferrum.scheduler.scheduler import RequestUpdate
 
 
 @dataclass
@@ -84,34 +83,36 @@ class OutputProcessor:
         return list(parent.children) if parent else []
 
     def process(
-        self,
-        updates: list[RequestUpdate],
-        logprobs: dict[str, Logprobs | None],
+        self, core_outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs of the parents that changed, and child ids that hit a stop string."""
+        """Returns the outputs of the parents that changed, and child ids that hit a stop string.
+
+        Outputs for children already finished here (e.g. by a stop string while the core ran
+        one more step) are dropped.
+        """
         now = time.monotonic()
         changed: dict[str, _ParentState] = {}
         stopped_by_string: list[str] = []
-        for update in updates:
-            request = update.request
-            parent = self._parent_of.get(request.req_id)
+        for core_output in core_outputs:
+            parent = self._parent_of.get(core_output.req_id)
             if parent is None:
                 continue
-            child = parent.children[request.req_id]
+            child = parent.children[core_output.req_id]
+            if child.finish_reason is not None:
+                continue
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
-            if request.num_cached_tokens > 0:
-                parent.num_cached_tokens = max(parent.num_cached_tokens, request.num_cached_tokens)
-            child.token_ids.extend(update.new_token_ids)
-            self._add_logprobs(child, logprobs.get(request.req_id))
-            stop_terminated = update.finished and request.status == RequestStatus.FINISHED_STOPPED
-            stop_string = child.detokenizer.update(update.new_token_ids, stop_terminated)
-            if update.finished:
-                child.finish_reason = request.status.finish_reason
-                child.stop_reason = request.stop_reason
+            parent.num_cached_tokens = max(parent.num_cached_tokens, core_output.num_cached_tokens)
+            child.token_ids.extend(core_output.new_token_ids)
+            self._add_logprobs(child, core_output.logprobs)
+            stop_terminated = core_output.finish_reason == "stop"
+            stop_string = child.detokenizer.update(core_output.new_token_ids, stop_terminated)
+            if core_output.finished:
+                child.finish_reason = core_output.finish_reason
+                child.stop_reason = core_output.stop_reason
             elif stop_string is not None:
                 child.finish_reason, child.stop_reason = "stop", stop_string
-                stopped_by_string.append(request.req_id)
+                stopped_by_string.append(core_output.req_id)
             changed[parent.request_id] = parent
         outputs = [self._make_output(parent, now) for parent in changed.values()]
         return outputs, stopped_by_string
@@ -123,7 +124,7 @@ class OutputProcessor:
             return None
         for child in parent.children.values():
             if child.finish_reason is None:
-                child.finish_reason = RequestStatus.FINISHED_ABORTED.finish_reason
+                child.finish_reason = "abort"
         return self._make_output(parent, time.monotonic())
 
     def _add_logprobs(self, child: _ChildState, step: Logprobs | None) -> None:

@@ -8,7 +8,8 @@ from typing import Any
 from tqdm import tqdm
 
 from ferrum.engine.arg_utils import EngineArgs
-from ferrum.engine.llm_engine import LLMEngine, PromptType
+from ferrum.engine.input_processor import PromptType
+from ferrum.engine.llm_engine import LLMEngine
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
 
@@ -30,6 +31,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json values (vLLM's default)."""
+        return SamplingParams(**self.llm_engine.config.model_config.default_sampling_kwargs())
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -41,14 +46,16 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = self._per_prompt_params(sampling_params, len(prompts))
         engine = self.llm_engine
         # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                text, token_ids = engine.process_prompt(prompt)
-                engine.resolve_params(p, len(token_ids))
+                text, token_ids = engine.input_processor.process_prompt(prompt)
+                engine.input_processor.resolve_params(p, len(token_ids))
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: {e}") from e
             tokens_prompt = {"prompt_token_ids": token_ids}
@@ -93,10 +100,8 @@ class LLM:
 
     @staticmethod
     def _per_prompt_params(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+        sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
     ) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [SamplingParams()] * num_prompts
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * num_prompts
         params = list(sampling_params)

@@ -34,6 +34,24 @@ class RequestUpdate:
     finished: bool
 
 
+def check_request_fits(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, pool_tokens: int
+) -> None:
+    """Raises ValueError if a request could never run, whatever else is in the engine."""
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+            f"exceeds max_model_len={max_model_len}"
+        )
+    if total > pool_tokens:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+            f"exceeds the KV cache capacity of {pool_tokens} tokens (num_kv_blocks); "
+            f"raise num_kv_blocks or lower max_tokens"
+        )
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
         self.config = config
@@ -52,20 +70,12 @@ class Scheduler:
     # -- requests in and out -------------------------------------------------------------------
 
     def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raises ValueError if a request could never run, whatever else is in the engine."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.config.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds max_model_len={self.config.max_model_len}"
-            )
-        pool = self.kv_cache_manager.max_tokens_in_pool()
-        if total > pool:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds the KV cache capacity of {pool} tokens (num_kv_blocks); "
-                f"raise num_kv_blocks or lower max_tokens"
-            )
+        check_request_fits(
+            num_prompt_tokens,
+            max_tokens,
+            self.config.max_model_len,
+            self.kv_cache_manager.max_tokens_in_pool(),
+        )
 
     def add_request(self, request: Request) -> None:
         self.check_request_fits(request.num_prompt_tokens, request.max_tokens)

@@ -45,7 +45,7 @@ def test_batch_and_prefix_hits_match_hf(tiny_checkpoint, arch: str) -> None:
     assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
 
     # Same prefixes, new suffixes: the shared full blocks come from the prefix cache.
-    kv = llm.llm_engine.scheduler.kv_cache_manager
+    kv = llm.llm_engine.core.kv_cache_manager
     hits_before = kv.prefix_cache_hits
     extended = [p + s for p, s in zip(prompts, random_prompts([3, 9, 6, 1], seed=2))]
     assert greedy(llm, extended) == hf_greedy(path, extended, MAX_TOKENS)
@@ -60,8 +60,8 @@ def test_chunked_prefill_and_preemption_match_hf(tiny_checkpoint, arch: str) -> 
     # 16 usable blocks of 4 tokens: each request fits alone (<= 9 blocks), not all at once.
     llm = make_llm(path, num_kv_blocks=17, max_num_batched_tokens=7, enable_prefix_caching=False)
     assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert llm.llm_engine.scheduler.kv_cache_manager.usage == 0.0
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.core.kv_cache_manager.usage == 0.0
 
 
 def test_greedy_tokens_do_not_depend_on_the_batch(tiny_checkpoint) -> None:

@@ -1,0 +1,152 @@
+"""The offline `LLM` API on the shipped model: text in, text out, stops, logprobs, chat, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ferrum import LLM, SamplingParams
+from ferrum.default_model import DEFAULT_MODEL_DIR
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(
+        DEFAULT_MODEL_DIR, dtype="float32", device="cpu", num_kv_blocks=256, max_model_len=512
+    )
+
+
+def greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, **kwargs)
+
+
+def test_prompts_of_every_form_come_back_in_order(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("The river")
+    outputs = llm.generate(
+        ["Once upon a time", {"prompt_token_ids": ids}, {"prompt": "In the year"}],
+        greedy(max_tokens=6, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [o.prompt for o in outputs] == ["Once upon a time", None, "In the year"]
+    assert outputs[0].prompt_token_ids == tokenizer.encode("Once upon a time")
+    assert outputs[1].prompt_token_ids == ids
+    for output in outputs:
+        completion = output.outputs[0]
+        assert output.finished and completion.finish_reason == "length"
+        assert len(completion.token_ids) == 6
+        assert completion.text == tokenizer.decode(completion.token_ids)
+
+
+def test_stop_string_across_token_boundaries(llm: LLM) -> None:
+    prompt = "The history of the"
+    full = llm.generate(prompt, greedy(max_tokens=24, ignore_eos=True), use_tqdm=False)[0]
+    text = full.outputs[0].text
+    assert len(text) > 12
+    # A stop string that starts inside one token and ends inside a later one.
+    stop = text[5:11]
+    cut = text.index(stop)
+    out = llm.generate(prompt, greedy(max_tokens=24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (text[:cut], "stop", stop)
+    kept = llm.generate(
+        prompt, greedy(max_tokens=24, stop=stop, include_stop_str_in_output=True), use_tqdm=False
+    )[0].outputs[0]
+    assert kept.text == text[: cut + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
+    prompt = "A long time ago"
+    base = llm.generate(prompt, greedy(max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    tokens = base.outputs[0].token_ids
+    stop_id = tokens[4]
+    first = tokens.index(stop_id)
+    out = llm.generate(prompt, greedy(max_tokens=12, stop_token_ids=[stop_id]), use_tqdm=False)
+    completion = out[0].outputs[0]
+    assert completion.token_ids == tokens[: first + 1]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", stop_id)
+    assert completion.text == llm.get_tokenizer().decode(tokens[:first])
+
+
+def test_logprobs(llm: LLM) -> None:
+    out = llm.generate("Water is", greedy(max_tokens=5, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 5
+    total = 0.0
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        assert token_id in entry and entry[token_id].rank == 1  # greedy takes the argmax
+        assert len(entry) == 3  # the sampled token is also the top-1
+        values = sorted((lp.logprob for lp in entry.values()), reverse=True)
+        assert values[0] == entry[token_id].logprob <= 0.0
+        assert sorted(lp.rank for lp in entry.values()) == [1, 2, 3]
+        total += entry[token_id].logprob
+    assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-6)
+
+
+def test_chat_uses_the_chat_template(llm: LLM) -> None:
+    messages = [{"role": "user", "content": "Tell me about rivers."}]
+    out = llm.chat(messages, greedy(max_tokens=8), use_tqdm=False)[0]
+    rendered = llm.get_tokenizer().apply_chat_template(messages, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    assert out.prompt == rendered
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(rendered, add_special_tokens=False)
+
+
+def test_max_tokens_none_fills_the_context() -> None:
+    small = LLM(
+        DEFAULT_MODEL_DIR, dtype="float32", device="cpu", num_kv_blocks=16, max_model_len=40
+    )
+    out = small.generate("Hello", SamplingParams(max_tokens=None, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].prompt_token_ids) + len(out[0].outputs[0].token_ids) == 40
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("word " * 600, SamplingParams(max_tokens=4), "max_model_len=512"),
+        ({"prompt_token_ids": []}, SamplingParams(), "empty"),
+        ({"prompt_token_ids": [1, 99999]}, SamplingParams(), r"outside \[0, 8192\)"),
+        ({"prompt_token_ids": "abc"}, SamplingParams(), "list of integers"),
+        (42, SamplingParams(), "prompt must be"),
+    ],
+)
+def test_bad_requests_fail_alone(llm: LLM, prompt, params, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["fine prompt", prompt], params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate("still serving", greedy(max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_sampling_params_count_must_match(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="sampling_params: got 2 for 3 prompts"):
+        llm.generate(["a", "b", "c"], [SamplingParams(), SamplingParams()], use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"n": 0}, "n"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"logprobs": 100}, "logprobs"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_invalid_sampling_params_name_the_field(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} "):
+        SamplingParams(**kwargs)
+
+
+def test_abort_returns_blocks_at_once(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("abort-me", "Once upon a time", greedy(max_tokens=50, ignore_eos=True))
+    engine.step()
+    kv = engine.core.kv_cache_manager
+    assert kv.usage > 0
+    (final,) = engine.abort_request("abort-me")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert kv.usage == 0.0 and not engine.has_unfinished_requests()
