@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from tiny_checkpoints import make_tiny_checkpoint
+import torch
+
+# Without a GPU, Triton kernels run in the interpreter; triton reads this when it is imported.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from tiny_checkpoints import make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -15,6 +16,7 @@ class AttentionMetadata:
     `query_len_i` tokens of its `seq_lens[i]`-token context, so attention is causal within the
     chunk and sees the whole cached prefix. KV for token t is written to slot `slot_mapping[t]`
     (block_id * block_size + offset) of every layer's cache before attention reads it.
+    `max_query_len` and `max_seq_len` may be upper bounds (CUDA-graph padding).
     """
 
     num_reqs: int
@@ -28,3 +30,5 @@ class AttentionMetadata:
     # Host copies for the torch reference path, so it never syncs on the device tensors.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Scratch of the Triton split-KV decode path (owned by the runner); None disables that path.
+    split_kv_workspace: Any = None

@@ -7,12 +7,14 @@ arrive once in full, running ones as diffs) and never touches the block pool.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from ferrum.config import EngineConfig
 from ferrum.model_executor.attention_metadata import AttentionMetadata
+from ferrum.model_executor.kernel_backend import apply_kernel_backend
 from ferrum.model_executor.kv_cache_sizing import (
     allocate_kv_caches,
     cpu_kv_budget,
@@ -63,6 +65,10 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.vocab_size
         self.model = load_model(config.model_config, device)
+        self.kernel_backend = apply_kernel_backend(
+            self.model, config.device_config.kernel_backend, device
+        )
+        self.split_kv_workspace = self._allocate_split_kv_workspace()
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.model_config.seed)
@@ -70,6 +76,21 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded generators live from a request's first admission to its end, across preemptions.
         self._seeded_generators: dict[str, torch.Generator] = {}
+
+    def _allocate_split_kv_workspace(self) -> Any:
+        """Scratch for the split-KV decode kernel on CUDA, sized once for the whole run."""
+        if self.kernel_backend != "triton" or self.device.type != "cuda":
+            return None
+        from ferrum.kernels.paged_attention import allocate_split_kv_workspace
+
+        model_config = self.config.model_config
+        return allocate_split_kv_workspace(
+            self.config.scheduler_config.max_num_seqs,
+            model_config.num_attention_heads,
+            model_config.head_dim,
+            model_config.max_model_len,
+            self.device,
+        )
 
     def determine_num_kv_blocks(self) -> int:
         """KV blocks for the pool: the CPU budget, or what a profiled peak leaves on the GPU."""
@@ -216,6 +237,7 @@ class ModelRunner:
             slot_mapping=to_device(slot_mapping),
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=seq_lens,
+            split_kv_workspace=self.split_kv_workspace,
         )
         return BatchInputs(
             input_ids=to_device(input_ids),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -15,7 +17,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self._kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def use_triton_kernels(self) -> None:
+        from ferrum.kernels.activation import silu_and_mul as kernel
+
+        self._kernel = kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kernel is not None and x.dim() == 2:
+            return self._kernel(x)
         return silu_and_mul(x)
 
 

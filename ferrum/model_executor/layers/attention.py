@@ -1,18 +1,20 @@
 """Paged attention layer: writes this step's K/V into the layer's cache, then attends over it.
 
 The cache per layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, bound once by the
-model runner through `bind_kv_cache`. Kernel calls sit behind `write_kv_cache` and
-`paged_attention` so a Triton backend can replace the torch reference.
+model runner through `bind_kv_cache`. The torch reference ops run by default;
+`use_triton_kernels()` switches the layer to the Triton kernels (RoPE, the optional Qwen3 q/k norm
+and the KV-cache write fused into one launch, then paged attention).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
+from ferrum.model_executor.layers.rotary import apply_rotary_emb
 
 if TYPE_CHECKING:
     from ferrum.model_executor.attention_metadata import AttentionMetadata
@@ -50,6 +52,14 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
+        self._attention_kernels: Any = None
+        self._rotary_kernels: Any = None
+
+    def use_triton_kernels(self) -> None:
+        from ferrum.kernels import paged_attention, rotary_kv
+
+        self._attention_kernels = paged_attention
+        self._rotary_kernels = rotary_kv
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         expected = (2, self.num_kv_heads, self.head_dim)
@@ -69,7 +79,64 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns [num_tokens, num_heads, head_dim]."""
+        kv_cache = self._bound_cache()
+        if self._attention_kernels is None:
+            write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+            return paged_attention(query, kv_cache, attn_metadata, self.scale)
+        self._attention_kernels.write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
+        return self._triton_attention(query, kv_cache, attn_metadata)
+
+    def forward_with_rope(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim], before RoPE
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], before RoPE
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        cos: torch.Tensor,  # [num_tokens, head_dim // 2] float32
+        sin: torch.Tensor,  # [num_tokens, head_dim // 2] float32
+        attn_metadata: AttentionMetadata,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
+    ) -> torch.Tensor:
+        """Optional per-head q/k RMSNorm, RoPE, the KV write, then attention."""
+        if self._rotary_kernels is None:
+            if q_norm is not None and k_norm is not None:
+                query, key = q_norm(query), k_norm(key)
+            query = apply_rotary_emb(query, cos, sin)
+            key = apply_rotary_emb(key, cos, sin)
+            return self.forward(query, key, value, attn_metadata)
+        kv_cache = self._bound_cache()
+        self._rotary_kernels.rotary_kv(
+            query,
+            key,
+            value,
+            cos,
+            sin,
+            kv_cache,
+            attn_metadata.slot_mapping,
+            q_norm_weight=None if q_norm is None else q_norm.weight,
+            k_norm_weight=None if k_norm is None else k_norm.weight,
+            eps=1e-6 if q_norm is None else q_norm.eps,
+        )
+        return self._triton_attention(query, kv_cache, attn_metadata)
+
+    def _bound_cache(self) -> torch.Tensor:
         if self.kv_cache is None:
             raise ValueError("kv_caches: no KV cache bound; call model.bind_kv_caches first")
-        write_kv_cache(key, value, self.kv_cache, attn_metadata.slot_mapping)
-        return paged_attention(query, self.kv_cache, attn_metadata, self.scale)
+        return self.kv_cache
+
+    def _triton_attention(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        return self._attention_kernels.paged_attention(
+            query,
+            kv_cache,
+            attn_metadata.block_tables,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            attn_metadata.max_query_len,
+            attn_metadata.max_seq_len,
+            self.scale,
+            out,
+            attn_metadata.split_kv_workspace,
+        )

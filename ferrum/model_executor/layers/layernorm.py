@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -34,11 +36,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = new_parameter(hidden_size)
         set_weight_loader(self.weight, default_weight_loader)
+        self._kernels: Any = None
+
+    def use_triton_kernels(self) -> None:
+        from ferrum.kernels import rms_norm as kernels
+
+        self._kernels = kernels
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """`norm(x)` -> normed; `norm(x, residual)` -> (normed(x + residual), x + residual)."""
+        """`norm(x)` -> normed; `norm(x, residual)` -> (normed(x + residual), x + residual).
+
+        The Triton path of the fused form works in place: x becomes the normed sum, residual
+        the sum.
+        """
+        if self._kernels is not None:
+            if residual is None:
+                return self._kernels.rms_norm(x, self.weight, self.eps)
+            self._kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -18,7 +18,7 @@ from ferrum.model_executor.layers.attention import Attention
 from ferrum.model_executor.layers.embed_head import LMHead, VocabEmbedding
 from ferrum.model_executor.layers.layernorm import RMSNorm
 from ferrum.model_executor.layers.linear import Linear, MergedLinear
-from ferrum.model_executor.layers.rotary import apply_rotary_emb, get_rope
+from ferrum.model_executor.layers.rotary import get_rope
 from ferrum.model_executor.weight_loader import load_named_weights
 
 if TYPE_CHECKING:
@@ -96,9 +96,7 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(hidden)
-        q = apply_rotary_emb(q, cos, sin)
-        k = apply_rotary_emb(k, cos, sin)
-        out = self.attn(q, k, v, attn_metadata)
+        out = self.attn.forward_with_rope(q, k, v, cos, sin, attn_metadata)
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 

@@ -9,7 +9,6 @@ from torch import nn
 
 from ferrum.config import ModelConfig
 from ferrum.model_executor.layers.layernorm import RMSNorm
-from ferrum.model_executor.layers.rotary import apply_rotary_emb
 from ferrum.model_executor.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -39,9 +38,9 @@ class Qwen3Attention(LlamaAttention):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(hidden)
-        q = apply_rotary_emb(self.q_norm(q), cos, sin)
-        k = apply_rotary_emb(self.k_norm(k), cos, sin)
-        out = self.attn(q, k, v, attn_metadata)
+        out = self.attn.forward_with_rope(
+            q, k, v, cos, sin, attn_metadata, q_norm=self.q_norm, k_norm=self.k_norm
+        )
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 
