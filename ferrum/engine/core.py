@@ -59,20 +59,24 @@ class EngineCore:
         loaded = time.perf_counter()
         num_blocks = config.cache_config.num_kv_blocks or self.runner.determine_num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        sized = time.perf_counter()
+        self.runner.capture_cuda_graphs()
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.startup_seconds = time.perf_counter() - start
         logger.info(
-            "engine core ready in %.2f s (model load %.2f s, KV cache %.2f s): %s on %s, %s, "
-            "%d KV blocks of %d tokens",
+            "engine core ready in %.2f s (model load %.2f s, KV cache sizing %.2f s, CUDA graphs "
+            "%.2f s): %s on %s, %s, %s kernels, %d KV blocks of %d tokens",
             self.startup_seconds,
             loaded - start,
-            self.startup_seconds - (loaded - start),
+            sized - loaded,
+            start + self.startup_seconds - sized,
             config.model_config.architecture,
             device,
             config.model_config.dtype,
+            self.runner.kernel_backend,
             self.kv_cache_manager.num_usable_blocks,
             config.cache_config.block_size,
         )

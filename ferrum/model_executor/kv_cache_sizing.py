@@ -38,11 +38,15 @@ def num_blocks_from_budget(
     cache_config: CacheConfig,
     scheduler_config: SchedulerConfig,
     dtype: torch.dtype,
+    cap_to_need: bool = False,
 ) -> int:
-    """Blocks that fit in `budget_bytes`; fails with the numbers to change if one sequence can't."""
+    """Blocks that fit in `budget_bytes` (at most what every sequence slot at full length needs,
+    with `cap_to_need`); fails with the numbers to change if one sequence can't fit."""
     block_size = cache_config.block_size
     per_block = kv_bytes_per_block(model_config, block_size, dtype)
-    num_blocks = min(budget_bytes // per_block, blocks_worth_keeping(scheduler_config, block_size))
+    num_blocks = budget_bytes // per_block
+    if cap_to_need:
+        num_blocks = min(num_blocks, blocks_worth_keeping(scheduler_config, block_size))
     needed = -(-scheduler_config.max_model_len // block_size) + 1
     if num_blocks < needed:
         raise ValueError(

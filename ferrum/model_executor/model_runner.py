@@ -13,12 +13,18 @@ import numpy as np
 import torch
 
 from ferrum.config import EngineConfig
-from ferrum.model_executor.attention_metadata import AttentionMetadata
+from ferrum.logger import init_logger
+from ferrum.model_executor.cuda_graph import CUDAGraphRunner
+from ferrum.model_executor.input_batch import (
+    HostBatch,
+    build_host_batch,
+    profile_batch,
+    to_device_inputs,
+)
 from ferrum.model_executor.kernel_backend import apply_kernel_backend
 from ferrum.model_executor.kv_cache_sizing import (
     allocate_kv_caches,
     cpu_kv_budget,
-    kv_bytes_per_block,
     num_blocks_from_budget,
 )
 from ferrum.model_executor.model_loader import load_model
@@ -27,6 +33,8 @@ from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRo
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import Logprobs, ModelRunnerOutput, SchedulerOutput
 
+logger = init_logger(__name__)
+_GIB = float(1 << 30)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -47,16 +55,6 @@ class CachedRequestState:
     generator: torch.Generator | None
 
 
-@dataclass(slots=True)
-class BatchInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata
-    # Flat indices of the tokens whose logits are sampled, and the requests they belong to.
-    logits_indices: torch.Tensor
-    sampled_req_ids: list[str]
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
@@ -73,6 +71,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.model_config.seed)
         self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CUDAGraphRunner | None = None
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded generators live from a request's first admission to its end, across preemptions.
         self._seeded_generators: dict[str, torch.Generator] = {}
@@ -102,26 +101,38 @@ class ModelRunner:
         else:
             budget = self._profile_gpu_kv_budget()
         return num_blocks_from_budget(
-            budget, cfg.model_config, cfg.cache_config, cfg.scheduler_config, self.dtype
+            budget,
+            cfg.model_config,
+            cfg.cache_config,
+            cfg.scheduler_config,
+            self.dtype,
+            # On the CPU an unused default budget would only cost memory; a GPU keeps every
+            # block it can for the prefix cache.
+            cap_to_need=self.device.type != "cuda",
         )
 
     @torch.inference_mode()
     def _profile_gpu_kv_budget(self) -> int:
-        """Runs one forward + sampling at max_num_batched_tokens and measures the peak."""
+        """Runs one forward + sampling at max_num_batched_tokens and measures the peak.
+
+        Budget = total * gpu_memory_utilization - weights - activation peak - CUDA-graph pool
+        (estimated as the activations of a max_num_seqs-token forward) - non-torch memory.
+        """
         sched = self.config.scheduler_config
         free_before, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free_before) - torch.cuda.memory_reserved(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
         num_tokens = sched.max_num_batched_tokens
         seq_lens = []
         while sum(seq_lens) < num_tokens:
             seq_lens.append(min(sched.max_model_len, num_tokens - sum(seq_lens)))
         num_blocks = sum(-(-n // self.block_size) for n in seq_lens) + 1
         self.initialize_kv_cache(num_blocks)
-        temp_kv_bytes = num_blocks * kv_bytes_per_block(
-            self.config.model_config, self.block_size, self.dtype
+        temp_kv_bytes = torch.cuda.memory_allocated(self.device) - weights
+        torch.cuda.reset_peak_memory_stats(self.device)
+        batch = to_device_inputs(
+            profile_batch(seq_lens, self.block_size), self.device, self.split_kv_workspace
         )
-        batch = _profile_batch(seq_lens, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
         num_sampled = min(sched.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:num_sampled])
@@ -130,19 +141,34 @@ class ModelRunner:
         ] * num_sampled
         self.sampler(logits, SamplingMetadata.from_rows(rows, self.vocab_size, self.device))
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - temp_kv_bytes
+        activations = torch.cuda.max_memory_allocated(self.device) - weights - temp_kv_bytes
         self.kv_caches = []
         self.model.bind_kv_caches([])
-        del hidden, logits
+        del hidden, logits, batch
         torch.cuda.empty_cache()
+        graph_pool = (
+            int(activations * min(1.0, sched.max_num_seqs / num_tokens))
+            if self.uses_cuda_graphs()
+            else 0
+        )
         util = self.config.cache_config.gpu_memory_utilization
-        budget = int(total * util) - peak - non_torch
+        budget = int(total * util) - weights - activations - graph_pool - non_torch
+        logger.info(
+            "memory: %.2f GiB weights, %.2f GiB activation peak at %d tokens, %.2f GiB for "
+            "CUDA graphs, %.2f GiB outside torch; %.2f GiB left for the KV cache",
+            weights / _GIB,
+            activations / _GIB,
+            num_tokens,
+            graph_pool / _GIB,
+            non_torch / _GIB,
+            max(budget, 0) / _GIB,
+        )
         if budget <= 0:
             raise ValueError(
-                f"the model and a forward of max_num_batched_tokens={num_tokens} peak at "
-                f"{peak / 2**30:.2f} GiB, leaving no KV cache room under gpu_memory_utilization="
-                f"{util} of {total / 2**30:.1f} GiB: raise gpu_memory_utilization or lower "
-                f"max_num_batched_tokens"
+                f"the model ({weights / _GIB:.2f} GiB) and a forward of max_num_batched_tokens="
+                f"{num_tokens} ({activations / _GIB:.2f} GiB) leave no KV cache room under "
+                f"gpu_memory_utilization={util} of {total / _GIB:.1f} GiB: raise "
+                "gpu_memory_utilization or lower max_num_batched_tokens"
             )
         return budget
 
@@ -151,6 +177,30 @@ class ModelRunner:
             self.config.model_config, num_blocks, self.block_size, self.dtype, self.device
         )
         self.model.bind_kv_caches(self.kv_caches)
+
+    def uses_cuda_graphs(self) -> bool:
+        """Graphs need CUDA, the Triton kernels, and no layer that syncs with the host."""
+        return (
+            self.device.type == "cuda"
+            and self.kernel_backend == "triton"
+            and not self.config.device_config.enforce_eager
+            and all(getattr(m, "cuda_graph_safe", True) for m in self.model.modules())
+        )
+
+    def capture_cuda_graphs(self) -> None:
+        """Captures decode graphs for batch sizes up to max_num_seqs (KV cache must be bound)."""
+        if not self.uses_cuda_graphs():
+            return
+        model_config = self.config.model_config
+        self.cuda_graphs = CUDAGraphRunner(
+            self.model,
+            max_batch_size=min(self.config.scheduler_config.max_num_seqs, 512),
+            max_blocks_per_req=-(-model_config.max_model_len // self.block_size),
+            max_model_len=model_config.max_model_len,
+            device=self.device,
+            split_kv_workspace=self.split_kv_workspace,
+        )
+        self.cuda_graphs.capture()
 
     # -- request state ---------------------------------------------------------------------------
 
@@ -188,78 +238,40 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def _prepare_inputs(self, scheduler_output: SchedulerOutput) -> BatchInputs:
-        block_size = self.block_size
-        req_ids = list(scheduler_output.num_scheduled_tokens)
-        num_reqs = len(req_ids)
-        num_tokens = scheduler_output.total_num_scheduled_tokens
-        input_ids = np.empty(num_tokens, dtype=np.int64)
-        positions = np.empty(num_tokens, dtype=np.int64)
-        slot_mapping = np.empty(num_tokens, dtype=np.int64)
-        query_start_loc = [0] * (num_reqs + 1)
-        seq_lens = [0] * num_reqs
-        max_blocks = max(len(self.requests[r].block_ids) for r in req_ids)
-        block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        logits_indices: list[int] = []
-        sampled_req_ids: list[str] = []
-        offset = 0
-        for i, req_id in enumerate(req_ids):
-            state = self.requests[req_id]
-            n = scheduler_output.num_scheduled_tokens[req_id]
-            start = state.num_computed_tokens
-            end = start + n
-            input_ids[offset : offset + n] = state.token_ids[start:end]
-            pos = np.arange(start, end, dtype=np.int64)
-            positions[offset : offset + n] = pos
-            blocks = np.asarray(state.block_ids, dtype=np.int64)
-            block_tables[i, : len(blocks)] = blocks
-            slot_mapping[offset : offset + n] = blocks[pos // block_size] * block_size + (
-                pos % block_size
+    def _forward(self, batch: HostBatch) -> torch.Tensor:
+        graphs = self.cuda_graphs
+        if graphs is not None and batch.is_decode_only and batch.num_reqs <= graphs.max_batch_size:
+            return graphs.run(
+                batch.input_ids,
+                batch.positions,
+                batch.slot_mapping,
+                np.asarray(batch.seq_lens, dtype=np.int32),
+                batch.block_tables,
             )
-            offset += n
-            query_start_loc[i + 1] = offset
-            seq_lens[i] = end
-            if end == len(state.token_ids):
-                logits_indices.append(offset - 1)
-                sampled_req_ids.append(req_id)
-
-        def to_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-        metadata = AttentionMetadata(
-            num_reqs=num_reqs,
-            num_tokens=num_tokens,
-            max_query_len=max(scheduler_output.num_scheduled_tokens.values()),
-            max_seq_len=max(seq_lens),
-            query_start_loc=to_device(np.asarray(query_start_loc, dtype=np.int32)),
-            seq_lens=to_device(np.asarray(seq_lens, dtype=np.int32)),
-            block_tables=to_device(block_tables),
-            slot_mapping=to_device(slot_mapping),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            split_kv_workspace=self.split_kv_workspace,
-        )
-        return BatchInputs(
-            input_ids=to_device(input_ids),
-            positions=to_device(positions),
-            attn_metadata=metadata,
-            logits_indices=to_device(np.asarray(logits_indices, dtype=np.int64)),
-            sampled_req_ids=sampled_req_ids,
-        )
+        inputs = to_device_inputs(batch, self.device, self.split_kv_workspace)
+        return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        batch = self._prepare_inputs(scheduler_output)
-        hidden_states = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        batch = build_host_batch(
+            self.requests,
+            scheduler_output.num_scheduled_tokens,
+            scheduler_output.total_num_scheduled_tokens,
+            self.block_size,
+        )
+        hidden_states = self._forward(batch)
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         if not batch.sampled_req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
-        logits = self.model.compute_logits(hidden_states[batch.logits_indices])
+        if len(batch.logits_indices) < hidden_states.shape[0]:
+            indices = torch.tensor(batch.logits_indices, dtype=torch.int64)
+            hidden_states = hidden_states[indices.to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(hidden_states)
         states = [self.requests[r] for r in batch.sampled_req_ids]
         rows = [
             SamplingRow(
@@ -300,41 +312,3 @@ def _logprobs_lists(
             continue
         result.append(Logprobs(token_ids[i][: k + 1], logprobs[i][: k + 1], ranks[i]))
     return result
-
-
-def _profile_batch(seq_lens: list[int], block_size: int, device: torch.device) -> BatchInputs:
-    """Prompts of the given lengths on consecutive blocks (from block 1), all tokens id 0."""
-    num_tokens = sum(seq_lens)
-    query_start_loc = [0]
-    for n in seq_lens:
-        query_start_loc.append(query_start_loc[-1] + n)
-    max_blocks = max(-(-n // block_size) for n in seq_lens)
-    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
-    slot_mapping = []
-    positions = []
-    next_block = 1
-    for i, n in enumerate(seq_lens):
-        num_blocks = -(-n // block_size)
-        block_tables[i, :num_blocks] = torch.arange(next_block, next_block + num_blocks)
-        slot_mapping.extend(range(next_block * block_size, next_block * block_size + n))
-        positions.extend(range(n))
-        next_block += num_blocks
-    metadata = AttentionMetadata(
-        num_reqs=len(seq_lens),
-        num_tokens=num_tokens,
-        max_query_len=max(seq_lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=block_tables.to(device),
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=list(seq_lens),
-    )
-    return BatchInputs(
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        attn_metadata=metadata,
-        logits_indices=torch.empty(0, dtype=torch.int64, device=device),
-        sampled_req_ids=[],
-    )

@@ -43,6 +43,9 @@ def fused_moe(
 
 
 class FusedMoE(nn.Module):
+    # The reference expert loop asks the host which experts got tokens: no CUDA graphs.
+    cuda_graph_safe = False
+
     def __init__(
         self,
         num_experts: int,

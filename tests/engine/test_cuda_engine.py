@@ -1,0 +1,54 @@
+"""The GPU path end to end: Triton kernels + CUDA graphs, equal to HF (runs only with CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrum import LLM, SamplingParams
+from tests.engine.test_hf_equivalence import MAX_TOKENS, greedy, random_prompts
+from tests.tiny_checkpoints import hf_greedy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def cuda_llm(path: str, **kwargs) -> LLM:
+    defaults = dict(skip_tokenizer_init=True, dtype="float32", device="cuda", block_size=16,
+                    max_model_len=256, max_num_seqs=16)
+    return LLM(path, **(defaults | kwargs))
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2"])
+def test_graphs_and_triton_match_hf(tiny_checkpoint, arch: str) -> None:
+    path = tiny_checkpoint(arch)
+    llm = cuda_llm(path, num_kv_blocks=64)
+    runner = llm.llm_engine.core.runner
+    assert runner.kernel_backend == "triton" and runner.cuda_graphs is not None
+    prompts = random_prompts([5, 40, 2, 19, 33], seed=21)
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def test_preemption_and_chunking_on_cuda(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    llm = cuda_llm(path, num_kv_blocks=8, max_num_batched_tokens=24, enable_prefix_caching=False)
+    prompts = random_prompts([23, 9, 30, 3, 11, 17], seed=22)
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+
+
+def test_eager_equals_graphs_in_bf16(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    prompts = random_prompts([7, 12, 30], seed=23)
+    graphs = cuda_llm(path, dtype="bfloat16", num_kv_blocks=64)
+    eager = cuda_llm(path, dtype="bfloat16", num_kv_blocks=64, enforce_eager=True)
+    assert eager.llm_engine.core.runner.cuda_graphs is None
+    assert greedy(graphs, prompts) == greedy(eager, prompts)
+
+
+def test_memory_sizing_from_gpu_memory_utilization(tiny_checkpoint) -> None:
+    llm = cuda_llm(tiny_checkpoint("qwen3"), gpu_memory_utilization=0.3, max_num_seqs=8)
+    blocks = llm.llm_engine.core.kv_cache_manager.num_usable_blocks
+    assert blocks > 1000  # a tiny model leaves most of the budget to the KV cache
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
