@@ -32,7 +32,8 @@ def resolve_eos_token_ids(config: EngineConfig, tokenizer: Tokenizer | None) -> 
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, final_outputs_only: bool = False) -> None:
+        """`final_outputs_only`: step() returns a request's output only when it finishes."""
         self.config = config
         self.tokenizer = load_tokenizer(config)
         self.core = EngineCore(config)
@@ -43,12 +44,14 @@ class LLMEngine:
             self.core.kv_cache_manager.max_tokens_in_pool(),
             resolve_eos_token_ids(config, self.tokenizer),
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, final_outputs_only)
         self._request_counter = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args.create_engine_config())
+    def from_engine_args(
+        cls, engine_args: EngineArgs, final_outputs_only: bool = False
+    ) -> LLMEngine:
+        return cls(engine_args.create_engine_config(), final_outputs_only)
 
     def next_request_id(self) -> str:
         return str(next(self._request_counter))

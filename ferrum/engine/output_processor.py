@@ -48,8 +48,11 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, final_only: bool = False) -> None:
+        """`final_only`: return a request's output once, when it finishes (offline batches);
+        otherwise after every step that advanced it (streaming)."""
         self.tokenizer = tokenizer
+        self.final_only = final_only
         self._parents: dict[str, _ParentState] = {}
         self._parent_of: dict[str, _ParentState] = {}
 
@@ -114,7 +117,11 @@ class OutputProcessor:
                 child.finish_reason, child.stop_reason = "stop", stop_string
                 stopped_by_string.append(core_output.req_id)
             changed[parent.request_id] = parent
-        outputs = [self._make_output(parent, now) for parent in changed.values()]
+        outputs = [
+            self._make_output(parent, now)
+            for parent in changed.values()
+            if parent.finished or not self.final_only
+        ]
         return outputs, stopped_by_string
 
     def abort(self, request_id: str) -> RequestOutput | None:

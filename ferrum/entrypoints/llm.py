@@ -26,7 +26,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, final_outputs_only=True)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

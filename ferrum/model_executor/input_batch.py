@@ -77,14 +77,20 @@ def build_host_batch(
         n = num_scheduled_tokens[req_id]
         start = state.num_computed_tokens
         end = start + n
-        input_ids[offset : offset + n] = state.token_ids[start:end]
-        pos = np.arange(start, end, dtype=np.int64)
-        positions[offset : offset + n] = pos
-        blocks = np.asarray(state.block_ids, dtype=np.int64)
-        block_tables[i, : len(blocks)] = blocks
-        slot_mapping[offset : offset + n] = blocks[pos // block_size] * block_size + (
-            pos % block_size
-        )
+        block_ids = state.block_ids
+        block_tables[i, : len(block_ids)] = block_ids
+        if n == 1:  # the decode fast path: plain ints, no temporary arrays
+            input_ids[offset] = state.token_ids[start]
+            positions[offset] = start
+            slot_mapping[offset] = block_ids[start // block_size] * block_size + start % block_size
+        else:
+            input_ids[offset : offset + n] = state.token_ids[start:end]
+            pos = np.arange(start, end, dtype=np.int64)
+            positions[offset : offset + n] = pos
+            blocks = np.asarray(block_ids, dtype=np.int64)
+            slot_mapping[offset : offset + n] = blocks[pos // block_size] * block_size + (
+                pos % block_size
+            )
         offset += n
         query_start_loc[i + 1] = offset
         seq_lens[i] = end

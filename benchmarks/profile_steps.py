@@ -1,0 +1,91 @@
+"""Profiles steady-state engine steps: where the wall time of a step goes, host and device.
+
+Admits a batch of dummy-weight requests, steps until every prompt is prefilled, then times and
+profiles `--steps` decode steps: wall time per step, the engine's host phases, and the top CUDA
+kernels. Usage: python benchmarks/profile_steps.py --model benchmarks/models/qwen3-0.6b
+--num-prompts 64 --input-len 256 [engine flags]
+"""
+
+# ruff: noqa: E402
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from ferrum.bench import workloads
+from ferrum.engine.arg_utils import EngineArgs
+from ferrum.entrypoints.llm import LLM
+from ferrum.sampling_params import SamplingParams
+
+
+def timed(phases: dict[str, float], name: str, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            phases[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    EngineArgs.add_cli_args(parser, model_positional=False)
+    parser.set_defaults(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    args = parser.parse_args()
+    llm = LLM(**vars(EngineArgs.from_cli_args(args, args.model)))
+    engine = llm.llm_engine
+    vocab = engine.config.model_config.vocab_size
+    prompts, _ = workloads.batch(args.num_prompts, args.input_len, 1, seed=7)
+    params = SamplingParams(max_tokens=4096 - args.input_len - 8, ignore_eos=True,
+                            temperature=args.temperature)
+    for i, prompt in enumerate(workloads.fold_to_vocab(prompts, vocab)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    core = engine.core
+    while core.scheduler.num_waiting or any(
+        r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
+    ):
+        engine.step()
+    for _ in range(5):
+        engine.step()
+
+    phases: dict[str, float] = defaultdict(float)
+    runner = core.runner
+    core.scheduler.schedule = timed(phases, "schedule", core.scheduler.schedule)
+    core.scheduler.update_from_output = timed(phases, "update", core.scheduler.update_from_output)
+    runner._forward = timed(phases, "forward (launch or replay)", runner._forward)
+    runner.sampler = timed(phases, "sampler", runner.sampler)
+    engine.output_processor.process = timed(phases, "output", engine.output_processor.process)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / args.steps
+    print(f"batch {args.num_prompts}: {wall * 1e3:.3f} ms per decode step")
+    for name, total in sorted(phases.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:28s} {total / args.steps * 1e3:8.3f} ms")
+
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    engine.abort_request([str(i) for i in range(args.num_prompts)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
