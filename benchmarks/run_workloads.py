@@ -1,0 +1,284 @@
+"""Runs the `lat`, `c16`, `c64` and `nano` workloads of BENCHMARKS.md on one model config.
+
+Random ("dummy") weights of the config's shapes, token-id prompts, `ignore_eos`, one engine in
+this process. Writes one JSON with every figure and the environment; the file is rewritten after
+each workload, so a run cut short keeps what it finished. Usage: see benchmarks/README.md.
+"""
+
+import time
+
+# Start-up is measured from here: before torch or ferrum is imported.
+_PROCESS_START = time.perf_counter()
+
+# ruff: noqa: E402
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO_ROOT))
+
+import torch
+
+import ferrum
+from ferrum.bench import workloads
+from ferrum.bench.latency import (
+    TTFT_SEED_OFFSET,
+    measure_latencies,
+    median,
+    timed_generate,
+)
+from ferrum.bench.throughput import measure_throughput
+from ferrum.engine.arg_utils import EngineArgs
+from ferrum.entrypoints.llm import LLM
+from ferrum.sampling_params import SamplingParams
+
+WORKLOADS = ("lat", "c16", "c64", "nano")
+# Timed `lat` prompts use seeds 1, 2, ...: lat_prompt(0) is the prefix of the c16/c64 prompt 0.
+LAT_SEED_BASE = 1
+# The throughput warm-up batch: its own seed, so it shares no prefix with a timed prompt.
+WARMUP_SEED = 424242
+WARMUP_OUTPUT_LEN = 8
+C_TEMPERATURE = 1.0
+NANO_TEMPERATURE = 0.6
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Run the BENCHMARKS.md workloads with dummy weights and write one JSON."
+    )
+    EngineArgs.add_cli_args(parser, model_positional=False)
+    parser.set_defaults(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {WORKLOADS}"
+    )
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply every token and prompt count (tiny CPU runs: 0.02; nano lengths stay >= 100)",
+    )
+    parser.add_argument("--lat-iters", type=int, default=5, help="timed repetitions of lat")
+    parser.add_argument("--lat-warmup", type=int, default=2, help="untimed repetitions of lat")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        parser.error("--model is required (a folder with config.json, e.g. benchmarks/models/...)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        names = _check_args(args)
+    except ValueError as e:
+        print(f"run_workloads: error: {e}", file=sys.stderr)
+        return 2
+    engine_args = EngineArgs.from_cli_args(args, args.model)
+    init_start = time.perf_counter()
+    llm = LLM(**vars(engine_args))
+    _synchronize(llm)
+    ready = time.perf_counter()
+    report: dict[str, Any] = {
+        "model": args.model,
+        "model_name": Path(args.model).name,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **environment(llm),
+        "engine_args": dataclasses.asdict(engine_args),
+        "scale": args.scale,
+        "startup_s": ready - _PROCESS_START,
+        "engine_init_s": ready - init_start,
+        "workloads": {},
+    }
+    _write(args.out, report)
+    print(f"engine ready: start-up {report['startup_s']:.2f} s", flush=True)
+    vocab_size = llm.llm_engine.config.model_config.vocab_size
+    warmed_up = False
+    for name in names:
+        if name != "lat" and not warmed_up:
+            report["throughput_warmup_s"] = _throughput_warmup(llm, vocab_size, args.scale)
+            warmed_up = True
+        start = time.perf_counter()
+        if name == "lat":
+            figures = run_lat(llm, vocab_size, args.scale, args.lat_warmup, args.lat_iters)
+        elif name == "nano":
+            figures = run_nano(llm, vocab_size, args.scale, engine_args.seed)
+        else:
+            figures = run_concurrent(
+                llm, vocab_size, args.scale, _scaled(int(name[1:]), args.scale)
+            )
+        figures["wall_s"] = time.perf_counter() - start
+        report["workloads"][name] = figures
+        _write(args.out, report)
+        print(f"{name}: {_summary(name, figures)}", flush=True)
+    report["total_s"] = time.perf_counter() - _PROCESS_START
+    _write(args.out, report)
+    print(f"wrote {args.out}", flush=True)
+    return 0
+
+
+def run_lat(
+    llm: LLM, vocab_size: int, scale: float, num_warmup: int, num_iters: int
+) -> dict[str, Any]:
+    """TTFT = median time of a max_tokens=1 request; TPOT = (t(513) - t(1)) / 512 (medians)."""
+    input_len = _scaled(128, scale)
+    decode_len = _scaled(512, scale)
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+
+    def prompts_for(seed: int) -> list[list[int]]:
+        prompt = workloads.lat_prompt(seed=LAT_SEED_BASE + seed, n_in=input_len)
+        return workloads.fold_to_vocab([prompt], vocab_size)
+
+    first_times = measure_latencies(
+        llm,
+        lambda seed: prompts_for(TTFT_SEED_OFFSET + seed),
+        SamplingParams(max_tokens=1, **greedy),
+        num_warmup,
+        num_iters,
+    )
+    full_times = measure_latencies(
+        llm, prompts_for, SamplingParams(max_tokens=decode_len + 1, **greedy), num_warmup, num_iters
+    )
+    ttft = median(first_times)
+    tpot = (median(full_times) - ttft) / decode_len
+    return {
+        "input_len": input_len,
+        "output_len": decode_len + 1,
+        "num_warmup": num_warmup,
+        "num_iters": num_iters,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "ttft_ms": ttft * 1e3,
+        "tpot_ms": tpot * 1e3,
+        "t_first_s": first_times,
+        "t_full_s": full_times,
+    }
+
+
+def run_concurrent(llm: LLM, vocab_size: int, scale: float, num_prompts: int) -> dict[str, Any]:
+    """`c16` / `c64`: every prompt submitted at once; output tokens / s."""
+    input_len, output_len = _scaled(256, scale), _scaled(256, scale)
+    prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=0)
+    result = measure_throughput(
+        llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, C_TEMPERATURE
+    )
+    return {
+        "num_prompts": num_prompts,
+        "input_len": input_len,
+        "output_len": output_len,
+        "temperature": C_TEMPERATURE,
+        **result.to_dict(),
+    }
+
+
+def run_nano(llm: LLM, vocab_size: int, scale: float, engine_seed: int) -> dict[str, Any]:
+    """`nano`: the seeded recipe at temperature 0.6 (sampling from the engine's seed)."""
+    num_seqs = _scaled(256, scale)
+    max_in, max_out = max(100, _scaled(1024, scale)), max(100, _scaled(1024, scale))
+    prompts, output_lens = workloads.nano(seed=0, num_seqs=num_seqs, max_in=max_in, max_out=max_out)
+    result = measure_throughput(
+        llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, NANO_TEMPERATURE
+    )
+    return {
+        "num_prompts": num_seqs,
+        "max_input_len": max_in,
+        "max_output_len": max_out,
+        "temperature": NANO_TEMPERATURE,
+        "engine_seed": engine_seed,
+        **result.to_dict(),
+    }
+
+
+def environment(llm: LLM) -> dict[str, Any]:
+    device = llm.llm_engine.config.device_config.device
+    if device.startswith("cuda"):
+        device_name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        device_name = platform.processor() or platform.machine() or "cpu"
+    return {
+        "device": device,
+        "device_name": device_name,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "ferrum_version": ferrum.__version__,
+        "python_version": platform.python_version(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": _git_dirty(),
+        "hostname": platform.node(),
+    }
+
+
+def _throughput_warmup(llm: LLM, vocab_size: int, scale: float) -> float:
+    """One short batch like c64: compiles the prefill and batched-decode paths untimed."""
+    prompts, _ = workloads.batch(
+        _scaled(64, scale), _scaled(256, scale), WARMUP_OUTPUT_LEN, seed=WARMUP_SEED
+    )
+    params = SamplingParams(
+        temperature=C_TEMPERATURE, ignore_eos=True, max_tokens=WARMUP_OUTPUT_LEN
+    )
+    return timed_generate(llm, workloads.fold_to_vocab(prompts, vocab_size), params)[0]
+
+
+def _check_args(args: argparse.Namespace) -> list[str]:
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if not names or unknown:
+        raise ValueError(
+            f"workloads must be a comma-separated subset of {WORKLOADS}, got {args.workloads!r}"
+        )
+    if not 0.0 < args.scale <= 1.0:
+        raise ValueError(f"scale must be in (0, 1], got {args.scale}")
+    if args.lat_iters < 1:
+        raise ValueError(f"lat_iters must be >= 1, got {args.lat_iters}")
+    if args.lat_warmup < 0:
+        raise ValueError(f"lat_warmup must be >= 0, got {args.lat_warmup}")
+    return names
+
+
+def _scaled(n: int, scale: float) -> int:
+    return max(1, round(n * scale))
+
+
+def _synchronize(llm: LLM) -> None:
+    if llm.llm_engine.config.device_config.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _summary(name: str, figures: dict[str, Any]) -> str:
+    if name == "lat":
+        return f"TTFT {figures['ttft_ms']:.2f} ms, TPOT {figures['tpot_ms']:.3f} ms"
+    return (
+        f"{figures['output_tokens_per_second']:.0f} output tok/s ({figures['elapsed_time']:.2f} s)"
+    )
+
+
+def _git(*command: str) -> str | None:
+    try:
+        result = subprocess.run(
+            ["git", *command], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def _git_dirty() -> bool | None:
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return None if status is None else bool(status)
+
+
+def _write(path: str, report: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
