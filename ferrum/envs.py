@@ -26,3 +26,14 @@ def triton_interpret() -> bool:
 def enable_triton_interpreter() -> None:
     """Makes Triton kernels run on the CPU; must happen before triton is first imported."""
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def debug_fail_forward() -> int | None:
+    """FERRUM_DEBUG_FAIL_FORWARD=N: the engine core process raises in its Nth non-empty forward
+    (1-based). A test-only fault hook for the server's error path; unset or <= 0 disables it."""
+    value = _get("FERRUM_DEBUG_FAIL_FORWARD", "")
+    try:
+        n = int(value)
+    except ValueError:
+        return None
+    return n if n > 0 else None

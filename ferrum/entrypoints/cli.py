@@ -1,4 +1,5 @@
-"""The `ferrum` command: `ferrum generate [MODEL] --prompt ...`, `ferrum --version`."""
+"""The `ferrum` command: `ferrum generate [MODEL] --prompt ...`, `ferrum serve [MODEL]`,
+`ferrum run [MODEL] [PROMPT]`, `ferrum --version`."""
 
 from __future__ import annotations
 
@@ -54,6 +55,41 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    from ferrum.engine.arg_utils import EngineArgs
+
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients use (default: MODEL as given, or the shipped model's name)",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes"
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level (its access log is at info)",
+    )
+    EngineArgs.add_cli_args(parser)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ferrum.entrypoints.openai.server import run_server
+
+    return run_server(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ferrum.entrypoints.run_chat import run_chat
+
+    return run_chat(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ferrum import __version__
     from ferrum.engine.arg_utils import EngineArgs
@@ -71,7 +107,37 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     _add_sampling_args(generate)
     generate.set_defaults(handler=_generate)
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible HTTP API",
+        description="OpenAI-compatible server. MODEL defaults to the small model shipped with "
+        "ferrum.",
+    )
+    _add_serve_args(serve)
+    serve.set_defaults(handler=_serve)
+    run = commands.add_parser(
+        "run",
+        help="chat with a model in the terminal",
+        description="Interactive chat (or one answer with PROMPT). MODEL defaults to the small "
+        "model shipped with ferrum.",
+    )
+    from ferrum.entrypoints.run_chat import add_run_args
+
+    add_run_args(run)
+    run.set_defaults(handler=_run)
+    _add_bench_commands(commands)
     return parser
+
+
+def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
+    from ferrum.bench import latency, throughput
+
+    bench = commands.add_parser("bench", help="offline benchmarks (latency, throughput)")
+    bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
+    for name, module in (("latency", latency), ("throughput", throughput)):
+        sub = bench_commands.add_parser(name, help=module.__doc__.splitlines()[0])
+        module.add_cli_args(sub)
+        sub.set_defaults(handler=module.main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    if getattr(args, "kernel_backend", None) == "triton" and getattr(args, "device", None) == "cpu":
+        from ferrum import envs
+
+        envs.enable_triton_interpreter()  # before anything imports triton
     try:
         return args.handler(args)
     except ValueError as e:

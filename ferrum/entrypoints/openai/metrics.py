@@ -1,0 +1,189 @@
+"""GET /metrics: Prometheus metrics of one server, in its own registry.
+
+Scheduler gauges and the prefix-cache counters are read from the core's latest stats at scrape
+time; latency histograms and token counters are updated as each request finishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ferrum.engine.async_llm import AsyncLLM
+from ferrum.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.engine.stats()
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge(
+            "ferrum:num_requests_running",
+            "Requests in the running batch",
+            stats.num_running if stats else 0,
+        )
+        yield gauge(
+            "ferrum:num_requests_waiting",
+            "Requests waiting to be scheduled",
+            stats.num_waiting if stats else 0,
+        )
+        yield gauge(
+            "ferrum:kv_cache_usage_perc",
+            "Fraction of KV cache blocks in use (1 = full)",
+            stats.kv_cache_usage if stats else 0.0,
+        )
+        yield counter(
+            "ferrum:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            stats.prefix_cache_queries if stats else 0,
+        )
+        yield counter(
+            "ferrum:prefix_cache_hits",
+            "Prompt tokens served from the prefix cache",
+            stats.prefix_cache_hits if stats else 0,
+        )
+        yield counter(
+            "ferrum:num_preemptions",
+            "Requests preempted to free KV cache blocks",
+            stats.num_preemptions if stats else 0,
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(_EngineStatsCollector(engine, model_name))
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "ferrum:time_to_first_token_seconds",
+            "Time from arrival to the first generated token",
+            labels,
+            registry=self.registry,
+            buckets=_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.time_per_output_token = Histogram(
+            "ferrum:time_per_output_token_seconds",
+            "Mean time between generated tokens after the first, per request",
+            labels,
+            registry=self.registry,
+            buckets=_LATENCY_BUCKETS,
+        ).labels(model_name)
+        self.e2e_latency = Histogram(
+            "ferrum:e2e_request_latency_seconds",
+            "Time from arrival to the end of the request",
+            labels,
+            registry=self.registry,
+            buckets=_E2E_BUCKETS,
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            "ferrum:prompt_tokens",
+            "Prompt tokens of finished requests",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            "ferrum:generation_tokens",
+            "Generated tokens of finished requests",
+            labels,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_success = Counter(
+            "ferrum:request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        engine.add_finished_listener(self.observe_finished)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        num_generated = sum(len(c.token_ids) for c in output.outputs)
+        self.generation_tokens.inc(num_generated)
+        for completion in output.outputs:
+            reason = completion.finish_reason or "abort"
+            self.request_success.labels(self.model_name, reason).inc()
+        metrics = output.metrics
+        if metrics is None or metrics.finished_time is None:
+            return
+        self.e2e_latency.observe(metrics.finished_time - metrics.arrival_time)
+        if metrics.first_token_time is None:
+            return
+        self.time_to_first_token.observe(metrics.first_token_time - metrics.arrival_time)
+        num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        if num_tokens > 1:
+            self.time_per_output_token.observe(
+                (metrics.finished_time - metrics.first_token_time) / (num_tokens - 1)
+            )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,363 @@
+"""`ferrum serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+The API process tokenizes, detokenizes and speaks HTTP; the engine core runs in its own process
+(`AsyncLLM` over `EngineCoreClient`). The port opens before the model is loaded: `/health` answers
+503 until the core is ready, and again after the core dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager, suppress
+from types import FrameType
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ferrum import __version__
+from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from ferrum.engine.arg_utils import EngineArgs
+from ferrum.engine.async_llm import AsyncLLM, EngineDeadError
+from ferrum.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from ferrum.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    shorten,
+)
+from ferrum.entrypoints.openai.serving_chat import OpenAIServingChat
+from ferrum.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from ferrum.logger import init_logger
+
+logger = init_logger(__name__)
+
+T = TypeVar("T")
+
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+        (503, "Engine loading or dead"),
+    )
+}
+_STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The response, or with stream=true a server-sent event stream",
+        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code)
+
+
+class APIKeyMiddleware:
+    """Every /v1 route needs `Authorization: Bearer <api key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(
+                    401,
+                    "missing or wrong API key (Authorization: Bearer <key>)",
+                    code="invalid_api_key",
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None once the client has gone (then `work` is cancelled, which aborts
+    its requests in the engine)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+    return None
+
+
+def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None) -> FastAPI:
+    completion = OpenAIServingCompletion(engine, model_names)
+    chat = OpenAIServingChat(engine, model_names)
+    metrics = ServerMetrics(engine, model_names[0])
+    created = int(time.time())
+    max_model_len = engine.config.model_config.max_model_len
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.startup_failed = False
+        starting = asyncio.create_task(_start_engine(app, engine))
+        try:
+            yield
+        finally:
+            starting.cancel()
+            await engine.shutdown()
+            logger.info("engine core stopped")
+
+    app = FastAPI(
+        title="ferrum",
+        version=__version__,
+        description="OpenAI-compatible API of the ferrum inference engine",
+        lifespan=lifespan,
+    )
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError) -> JSONResponse:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_api_error(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        api_error = APIError(error.status_code, str(error.detail))
+        return JSONResponse(api_error.body(), status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, error: Exception) -> JSONResponse:
+        logger.exception("internal error while serving a request")
+        api_error = APIError(500, f"internal error: {type(error).__name__}")
+        return error_response(api_error)
+
+    @app.get("/health", response_model=HealthResponse, responses=_ERROR_RESPONSES)
+    async def health() -> HealthResponse:
+        if engine.is_dead:
+            raise APIError(503, f"the engine is dead: {engine.dead_reason}", code="engine_dead")
+        if not engine.is_ready:
+            raise APIError(503, "the engine is still loading", code="engine_loading")
+        return HealthResponse()
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=__version__)
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus_metrics() -> Response:
+        return Response(content=metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
+    async def list_models() -> ModelList:
+        root = engine.config.model_config.model
+        cards = [
+            ModelCard(id=name, created=created, root=root, max_model_len=max_model_len)
+            for name in model_names
+        ]
+        return ModelList(data=cards)
+
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionResponse,
+        responses={**_ERROR_RESPONSES, **_STREAM_RESPONSE},
+    )
+    async def create_completion(body: CompletionRequest, raw: Request) -> Any:
+        return await _respond(raw, completion.create_completion(body))
+
+    @app.post(
+        "/v1/chat/completions",
+        response_model=ChatCompletionResponse,
+        responses={**_ERROR_RESPONSES, **_STREAM_RESPONSE},
+    )
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await _respond(raw, chat.create_chat_completion(body))
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        chat.check_request(body.model)
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "the server runs without a tokenizer (skip_tokenizer_init)")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        if body.prompt is not None:
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            assert body.messages is not None
+            if not body.messages:
+                raise APIError(400, "messages must not be empty", param="messages")
+            _, tokens = chat.render_messages(body.messages, body.add_generation_prompt)
+        return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        chat.check_request(body.model)
+        tokenizer = engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "the server runs without a tokenizer (skip_tokenizer_init)")
+        bad = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(
+                400,
+                f"tokens: token id {bad} is outside [0, {tokenizer.vocab_size})",
+                param="tokens",
+            )
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+    return app
+
+
+async def _respond(raw: Request, work: Awaitable[Any]) -> Any:
+    result = await until_disconnect(raw, work)
+    if result is None:
+        # The client is gone; nobody reads this.
+        return Response(status_code=499)
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return result
+
+
+async def _start_engine(app: FastAPI, engine: AsyncLLM) -> None:
+    try:
+        await engine.start()
+    except EngineDeadError as e:
+        logger.error("the engine failed to start: %s", e)
+        app.state.startup_failed = True
+        server = getattr(app.state, "server", None)
+        if server is not None:
+            server.should_exit = True
+        return
+    config = getattr(app.state, "server_config", None)
+    if config is not None:
+        logger.info("ready: serving at http://%s:%d/v1", config.host, config.port)
+
+
+def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
+    """The generated schema, minus FastAPI's 422 responses: invalid requests get 400 here."""
+    if app.openapi_schema is None:
+        schema = get_openapi(
+            title=app.title, version=app.version, description=app.description, routes=app.routes
+        )
+        for path_item in schema.get("paths", {}).values():
+            for operation in path_item.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _validation_api_error(error: RequestValidationError) -> APIError:
+    errors = error.errors()
+    if not errors:
+        return APIError(400, "invalid request")
+    first = errors[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"invalid JSON: {first.get('msg', '')}")
+    param = ".".join(location) or None
+    message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "")
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error(s))"
+    return APIError(400, shorten(message, 300), param=param)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn with a graceful SIGTERM/SIGINT: in-flight requests are aborted (their streams end
+    with finish_reason "abort"), the core process stops, and the process exits 0."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+        logger.info(
+            "received %s: aborting %d in-flight request(s) and shutting down",
+            signal.Signals(sig).name,
+            self.engine.num_open_requests,
+        )
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.engine.abort_all)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serves until SIGTERM/SIGINT; returns the process exit code."""
+    started = time.perf_counter()
+    engine_args = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR)
+    if not 0 < args.port < 65536:
+        raise ValueError(f"port must be in [1, 65535], got {args.port}")
+    config = engine_args.create_engine_config()
+    if config.model_config.skip_tokenizer_init:
+        raise ValueError("skip_tokenizer_init: the server needs a tokenizer")
+    model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    engine = AsyncLLM(config)
+    logger.info(
+        "ferrum %s serving %s as %s; config and tokenizer ready in %.2f s",
+        __version__,
+        config.model_config.model,
+        model_names,
+        time.perf_counter() - started,
+    )
+    app = build_app(engine, model_names, args.api_key)
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=10,
+    )
+    server = _Server(uvicorn_config, engine)
+    app.state.server = server
+    app.state.server_config = uvicorn_config
+    server.run()
+    if getattr(app.state, "startup_failed", False) or not server.started:
+        return 1
+    return 0

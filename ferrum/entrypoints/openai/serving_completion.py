@@ -1,0 +1,211 @@
+"""POST /v1/completions: text or token-id prompts (one or a batch), echo, legacy logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from ferrum.engine.async_llm import RequestStream
+from ferrum.engine.input_processor import PromptType
+from ferrum.entrypoints.openai.protocol import (
+    MAX_CHOICES,
+    APIError,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
+from ferrum.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ChoiceState,
+    OpenAIServing,
+    Tokenized,
+    as_api_error,
+    final_outputs,
+    finite_logprob,
+    sse_event,
+    stream_error_event,
+    unwrap_group_error,
+    usage_of,
+)
+from ferrum.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: SampleLogprobs, text_offset: int
+) -> CompletionLogprobs:
+    """OpenAI's legacy completions shape; offsets count characters from `text_offset`."""
+    result = CompletionLogprobs()
+    for token_id, entry in zip(token_ids, logprobs):
+        sampled = entry.get(token_id)
+        token = (sampled.decoded_token if sampled else None) or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(finite_logprob(sampled.logprob) if sampled else None)
+        result.top_logprobs.append(
+            {(lp.decoded_token or ""): finite_logprob(lp.logprob) for lp in entry.values()}
+            if entry
+            else None
+        )
+        result.text_offset.append(text_offset)
+        text_offset += len(token)
+    return result
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(
+        self, request: CompletionRequest
+    ) -> CompletionResponse | AsyncIterator[str]:
+        """The response, or (stream=True) an iterator of SSE events; raises APIError."""
+        self.check_request(request.model)
+        prompts = _split_prompts(request.prompt)
+        if len(prompts) * request.n > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"n ({request.n}) x prompts ({len(prompts)}) = {len(prompts) * request.n} "
+                f"completions exceeds the limit of {MAX_CHOICES}",
+                param="n",
+            )
+        if request.echo and request.logprobs is not None:
+            raise APIError(
+                400, "echo with logprobs is not supported (no prompt logprobs)", param="echo"
+            )
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        tokenized = [self.tokenize(p) for p in prompts]
+        submissions = []
+        for index, (text, token_ids) in enumerate(tokenized):
+            max_tokens = self.max_tokens_for(request.max_tokens, len(token_ids), "prompt")
+            params = self.sampling_params(request, max_tokens, request.logprobs)
+            submissions.append((f"{request_id}-{index}", (text, token_ids), params))
+        streams = self.add_requests(submissions, "prompt")
+        model = request.model or self.model_names[0]
+        echoes = [self._echo_text(t) if request.echo else "" for t in tokenized]
+        if request.stream:
+            return self._stream(request, request_id, model, tokenized, echoes, streams)
+        try:
+            outputs = await final_outputs(streams)
+        except BaseException as e:
+            self.abort(streams)
+            error = unwrap_group_error(e)
+            if isinstance(error, asyncio.CancelledError):
+                raise
+            raise as_api_error(error) from None
+        choices, num_generated = [], 0
+        for prompt_index, output in enumerate(outputs):
+            for completion in output.outputs:
+                num_generated += len(completion.token_ids)
+                choices.append(
+                    self._choice(request, prompt_index, completion, echoes[prompt_index])
+                )
+        return CompletionResponse(
+            id=request_id,
+            model=model,
+            choices=choices,
+            usage=usage_of(tokenized, list(outputs), num_generated),
+        )
+
+    def _echo_text(self, tokenized: Tokenized) -> str:
+        text, token_ids = tokenized
+        if text is not None:
+            return text
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def _choice(
+        self, request: CompletionRequest, prompt_index: int, completion: CompletionOutput, echo: str
+    ) -> CompletionChoice:
+        logprobs = None
+        if request.logprobs is not None and completion.logprobs is not None:
+            logprobs = completion_logprobs(completion.token_ids, completion.logprobs, len(echo))
+        return CompletionChoice(
+            index=prompt_index * request.n + completion.index,
+            text=echo + completion.text,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        model: str,
+        tokenized: list[Tokenized],
+        echoes: list[str],
+        streams: list[RequestStream],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        # With include_usage every chunk carries "usage" (null but in the last); else none does.
+        exclude = None if request.include_usage else {"usage"}
+        last_outputs: list[RequestOutput | None] = [None] * len(streams)
+        num_generated = 0
+        try:
+            for prompt_index, stream in enumerate(streams):
+                states: dict[int, ChoiceState] = {}
+                async for output in stream:
+                    last_outputs[prompt_index] = output
+                    choices = []
+                    for completion in output.outputs:
+                        choice = self._delta_choice(
+                            request, prompt_index, completion, echoes[prompt_index], states
+                        )
+                        if choice is not None:
+                            choices.append(choice)
+                    if choices:
+                        chunk = CompletionStreamResponse(
+                            id=request_id,
+                            created=created,
+                            model=model,
+                            choices=choices,
+                        )
+                        yield sse_event(chunk.model_dump_json(exclude=exclude))
+                num_generated += sum(state.num_tokens for state in states.values())
+            if request.include_usage:
+                chunk = CompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[],
+                    usage=usage_of(tokenized, last_outputs, num_generated),
+                )
+                yield sse_event(chunk.model_dump_json(exclude=exclude))
+        except Exception as e:
+            yield stream_error_event(e)
+        finally:
+            self.abort(streams)
+        yield SSE_DONE
+
+    def _delta_choice(
+        self,
+        request: CompletionRequest,
+        prompt_index: int,
+        completion: CompletionOutput,
+        echo: str,
+        states: dict[int, ChoiceState],
+    ) -> CompletionChoice | None:
+        """The choice's news since its last chunk, or None when there is nothing to send."""
+        state = states.setdefault(completion.index, ChoiceState())
+        update = state.advance(completion)
+        if update is None:
+            return None
+        delta, new_token_ids, new_logprobs, text_offset = update
+        logprobs = None
+        if request.logprobs is not None and new_logprobs is not None:
+            logprobs = completion_logprobs(new_token_ids, new_logprobs, len(echo) + text_offset)
+        return CompletionChoice(
+            index=prompt_index * request.n + completion.index,
+            text=(echo if state.num_chunks == 1 else "") + delta,
+            logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+
+
+def _split_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[PromptType]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]

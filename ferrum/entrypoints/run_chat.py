@@ -1,0 +1,162 @@
+"""`ferrum run [MODEL] [PROMPT]`: chat with a model in the terminal.
+
+With PROMPT it answers once and exits (`ferrum run "PROMPT"` alone uses the shipped model when
+PROMPT is no folder and has no path separator); without, it reads turns until `/exit`, Ctrl-D or Ctrl-C
+at the prompt. Replies stream as they are generated; the whole conversation goes through the
+model's chat template each turn. Ctrl-C during a reply stops that reply only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
+
+from ferrum.default_model import DEFAULT_MODEL_DIR
+from ferrum.engine.arg_utils import EngineArgs
+from ferrum.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferrum.engine.llm_engine import LLMEngine
+
+EXIT_COMMANDS = ("/exit", "/quit")
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("prompt", nargs="?", default=None, help="answer this once and exit")
+    parser.add_argument("--system", default=None, help="system message of the conversation")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="most tokens per reply (default: the model's, capped by the context left)",
+    )
+    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+
+
+class ChatSession:
+    """A conversation with one engine: the history, and one streamed reply per turn."""
+
+    def __init__(
+        self, engine: LLMEngine, params: SamplingParams, system: str | None = None
+    ) -> None:
+        if engine.tokenizer is None:
+            raise ValueError("skip_tokenizer_init: chat needs a tokenizer")
+        self.engine = engine
+        self.params = params
+        self.messages: list[dict[str, str]] = []
+        if system:
+            self.messages.append({"role": "system", "content": system})
+        self._ids = itertools.count()
+
+    def reply(self, user_text: str, on_text: Callable[[str], None]) -> str:
+        """Generates the assistant's answer, calling `on_text` with each new piece of text; the
+        turn is added to the history (also when interrupted, with the text so far)."""
+        tokenizer = self.engine.tokenizer
+        assert tokenizer is not None
+        messages = [*self.messages, {"role": "user", "content": user_text}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        params = self.params
+        if params.max_tokens is None:
+            room = min(
+                self.engine.config.model_config.max_model_len,
+                self.engine.core.kv_cache_manager.max_tokens_in_pool(),
+            ) - len(token_ids)
+            if room < 1:
+                raise ValueError(
+                    f"the conversation ({len(token_ids)} tokens) fills the context; start over"
+                )
+            params = params.clone()
+            params.max_tokens = room
+        request_id = f"chat-{next(self._ids)}"
+        self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)
+        sent = ""
+        try:
+            finished = False
+            while not finished:
+                for output in self.engine.step():
+                    if output.request_id != request_id:
+                        continue
+                    completion = output.outputs[0]
+                    delta = completion.text[len(sent) :]
+                    if delta:
+                        sent = completion.text
+                        on_text(delta)
+                    finished = output.finished
+        finally:
+            self.engine.abort_request(request_id)
+            self.messages = [*messages, {"role": "assistant", "content": sent}]
+        return sent
+
+
+def default_params(engine: LLMEngine, args: argparse.Namespace) -> SamplingParams:
+    """The model's generation_config.json values, overridden by the flags given."""
+    values: dict[str, Any] = engine.config.model_config.default_sampling_kwargs()
+    values["max_tokens"] = None
+    overrides = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "seed": args.sampling_seed,
+    }
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return SamplingParams(**values)
+
+
+def _is_prompt_not_model(value: str) -> bool:
+    return not os.path.isdir(value) and os.sep not in value
+
+
+def run_chat(
+    args: argparse.Namespace,
+    read_line: Callable[[str], str] = input,
+    out: TextIO | None = None,
+) -> int:
+    from ferrum.engine.llm_engine import LLMEngine
+
+    out = out or sys.stdout
+    if args.prompt is None and args.model is not None and _is_prompt_not_model(args.model):
+        # `ferrum run "PROMPT"`: one positional that is no model folder is the prompt.
+        args.prompt, args.model = args.model, None
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR))
+    session = ChatSession(engine, default_params(engine, args), args.system)
+
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    if args.prompt is not None:
+        session.reply(args.prompt, write)
+        write("\n")
+        return 0
+    write("ferrum chat: type a message; /exit or Ctrl-D to quit.\n")
+    while True:
+        try:
+            line = read_line(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            write("\n")
+            return 0
+        if line.strip() in EXIT_COMMANDS:
+            return 0
+        if not line.strip():
+            continue
+        try:
+            session.reply(line, write)
+        except KeyboardInterrupt:
+            write(" [interrupted]")
+        except ValueError as e:
+            write(f"error: {e}")
+        write("\n")

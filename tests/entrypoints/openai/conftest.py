@@ -1,0 +1,18 @@
+"""Fixtures of the server tests: one shared live server for the package."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from remote_server import API_KEY, RemoteServer
+
+
+@pytest.fixture(scope="package")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    """The shared server: API key required, 512-token context."""
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    remote = RemoteServer(["--max-model-len", "512"], log, api_key=API_KEY)
+    yield remote
+    code = remote.stop()
+    assert code == 0, remote.log()
