@@ -104,6 +104,15 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
         computed_blocks = new_computed_blocks or []
         state = self._requests.get(request.req_id)
+        if state is not None and not computed_blocks:
+            # The decode fast path: the held blocks already cover the new tokens and no block
+            # became full, so there is nothing to allocate or cache.
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(state.block_ids) * self.block_size and (
+                not self.enable_prefix_caching
+                or min(num_tokens, request.num_tokens) // self.block_size <= len(state.entry_ids)
+            ):
+                return []
         num_held_blocks = 0 if state is None else len(state.block_ids)
         if computed_blocks:
             self._check_computed_blocks(request, num_held_blocks, computed_blocks)
