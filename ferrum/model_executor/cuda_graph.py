@@ -81,6 +81,8 @@ class CUDAGraphRunner:
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        # The side stream must see the buffers (and KV cache) that the current stream filled.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         for size in reversed(self.sizes):
             metadata = self._metadata(size)
             args = (self.input_ids[:size], self.positions[:size], metadata)
