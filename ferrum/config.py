@@ -8,8 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _DTYPES = ("float32", "float16", "bfloat16")
-_DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16",
-                  "fp32": "float32"}
+_DTYPE_ALIASES = {
+    "float": "float32",
+    "half": "float16",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # generation_config.json keys that become SamplingParams defaults (max_new_tokens -> max_tokens).
 _GENERATION_DEFAULTS = (
@@ -116,7 +121,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         head_dim = self.hf_config.get("head_dim")
-        return int(head_dim) if head_dim else int(self.hf_config["hidden_size"]) // self.num_attention_heads
+        return (
+            int(head_dim)
+            if head_dim
+            else int(self.hf_config["hidden_size"]) // self.num_attention_heads
+        )
 
     def generation_config(self) -> dict[str, Any]:
         """generation_config.json of the model folder ({} when absent or unreadable)."""
@@ -146,7 +155,7 @@ class ModelConfig:
 
 
 def resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
-    """"auto" takes the checkpoint's dtype (float32 when it names none)."""
+    """ "auto" takes the checkpoint's dtype (float32 when it names none)."""
     if dtype == "auto":
         dtype = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
     dtype = dtype.removeprefix("torch.")

@@ -86,7 +86,9 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]", self.min_p)
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer or None", self.seed)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             raise bad("max_tokens", "must be an integer >= 1", self.max_tokens)
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0", self.min_tokens)

@@ -49,8 +49,10 @@ def _generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         for completion in output.outputs:
-            print(f"--- prompt: {prompt!r}  [{completion.finish_reason}, "
-                  f"{len(completion.token_ids)} tokens]")
+            print(
+                f"--- prompt: {prompt!r}  [{completion.finish_reason}, "
+                f"{len(completion.token_ids)} tokens]"
+            )
             print(prompt + completion.text if not args.chat else completion.text)
     return 0
 
@@ -130,11 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
-    from ferrum.bench import latency, throughput
+    from ferrum.bench import compare, latency, serve, throughput
 
-    bench = commands.add_parser("bench", help="offline benchmarks (latency, throughput)")
+    bench = commands.add_parser(
+        "bench", help="benchmarks: latency, throughput (offline), serve (a live server), compare"
+    )
     bench_commands = bench.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
-    for name, module in (("latency", latency), ("throughput", throughput)):
+    for name, module in (
+        ("latency", latency),
+        ("throughput", throughput),
+        ("serve", serve),
+        ("compare", compare),
+    ):
         sub = bench_commands.add_parser(name, help=module.__doc__.splitlines()[0])
         module.add_cli_args(sub)
         sub.set_defaults(handler=module.main)

@@ -94,7 +94,10 @@ class LLM:
             )
             # The template already holds any BOS token: do not add special tokens again.
             prompts.append(
-                {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+                {
+                    "prompt": text,
+                    "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
+                }
             )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -117,7 +120,10 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
         with tqdm(
-            total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
         ) as bar:
             try:
                 while len(finished) < len(request_ids):

@@ -13,8 +13,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 def cuda_llm(path: str, **kwargs) -> LLM:
-    defaults = dict(skip_tokenizer_init=True, dtype="float32", device="cuda", block_size=16,
-                    max_model_len=256, max_num_seqs=16)
+    defaults = dict(
+        skip_tokenizer_init=True,
+        dtype="float32",
+        device="cuda",
+        block_size=16,
+        max_model_len=256,
+        max_num_seqs=16,
+    )
     return LLM(path, **(defaults | kwargs))
 
 
@@ -49,6 +55,7 @@ def test_memory_sizing_from_gpu_memory_utilization(tiny_checkpoint) -> None:
     llm = cuda_llm(tiny_checkpoint("qwen3"), gpu_memory_utilization=0.3, max_num_seqs=8)
     blocks = llm.llm_engine.core.kv_cache_manager.num_usable_blocks
     assert blocks > 1000  # a tiny model leaves most of the budget to the KV cache
-    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4),
-                       use_tqdm=False)
+    out = llm.generate(
+        {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 4

@@ -80,8 +80,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch(tiny_checkpoint) -> None:
     noise = SamplingParams(temperature=1.3, max_tokens=7, ignore_eos=True)
     alone = llm.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = [{"prompt_token_ids": p} for p in random_prompts([3, 15, 6], seed=6)]
-    batch = llm.generate(others[:2] + [target] + others[2:], [noise, noise, seeded, noise],
-                         use_tqdm=False)
+    batch = llm.generate(
+        others[:2] + [target] + others[2:], [noise, noise, seeded, noise], use_tqdm=False
+    )
     assert batch[2].outputs[0].token_ids == alone
     again = llm.generate(target, seeded, use_tqdm=False)[0].outputs[0].token_ids
     assert again == alone

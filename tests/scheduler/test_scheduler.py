@@ -55,7 +55,9 @@ def test_chunked_prefill_and_decodes_share_one_budget() -> None:
     out, updates = run_step(s)
     # a decodes 1 token, b continues its prompt with 14, c gets the last token of budget.
     assert out.num_scheduled_tokens == {"a": 1, "b": 14, "c": 1}
-    assert [(c.req_id, c.new_block_ids, c.num_computed_tokens) for c in out.scheduled_cached_reqs] == [
+    assert [
+        (c.req_id, c.new_block_ids, c.num_computed_tokens) for c in out.scheduled_cached_reqs
+    ] == [
         ("a", [], 10),
         ("b", [6, 7, 8], 6),
     ]
