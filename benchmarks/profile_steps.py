@@ -47,8 +47,9 @@ def main() -> int:
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
     prompts, _ = workloads.batch(args.num_prompts, args.input_len, 1, seed=7)
-    params = SamplingParams(max_tokens=4096 - args.input_len - 8, ignore_eos=True,
-                            temperature=args.temperature)
+    params = SamplingParams(
+        max_tokens=4096 - args.input_len - 8, ignore_eos=True, temperature=args.temperature
+    )
     for i, prompt in enumerate(workloads.fold_to_vocab(prompts, vocab)):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     core = engine.core
@@ -82,7 +83,9 @@ def main() -> int:
         for _ in range(10):
             engine.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    )
     engine.abort_request([str(i) for i in range(args.num_prompts)])
     return 0
 
