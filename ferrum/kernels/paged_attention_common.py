@@ -1,0 +1,155 @@
+"""Pieces shared by the paged-attention kernels: the online-softmax KV loop, argument checks.
+
+KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys,
+1 values); slot s lives at block `s // block_size`, offset `s % block_size`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Running max of a row before it has seen a key: finite, so fully masked tiles give exp2 = 0.
+_NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
+# Max grid size along axes 1 and 2 of a CUDA launch.
+_MAX_GRID_YZ = 65535
+DEFAULT_PARTITION_SIZE = 512
+# Decode batches with fewer single-pass programs (num_reqs * num_kv_heads) than this split the
+# context across programs, so that small batches still fill the GPU's SMs.
+SPLIT_KV_MAX_PROGRAMS = 256
+
+
+@triton.jit
+def _attend_kv_range(
+    acc,  # [BLOCK_M, HEAD_DIM] fp32, running sum of p * v
+    m_i,  # [BLOCK_M] fp32, running max of the scaled scores (log2 domain)
+    l_i,  # [BLOCK_M] fp32, running sum of exp2(score - m_i)
+    q,  # [BLOCK_M, HEAD_DIM] in the cache dtype
+    q_pos,  # [BLOCK_M] int32, context position of each row's token (causal limit)
+    kv_lo,
+    kv_hi,
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_ptr,  # [max_blocks] int32, this request's row
+    kv_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax accumulation of keys at positions [kv_lo, kv_hi) into (acc, m_i, l_i)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + offs_n
+        in_range = pos < kv_hi
+        block_ids = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0)
+        slot_offs = (
+            block_ids.to(tl.int64) * stride_cache_block
+            + (pos % BLOCK_SIZE) * stride_cache_slot
+            + kv_head * stride_cache_head
+        )
+        k = tl.load(
+            k_cache_ptr + slot_offs[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0
+        )  # [HEAD_DIM, BLOCK_N]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        visible = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slot_offs[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0
+        )  # [BLOCK_N, HEAD_DIM]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _check_attention_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    if query.dim() != 3 or query.dtype not in _FLOAT_DTYPES or query.stride(-1) != 1:
+        raise ValueError(
+            "query must be [num_tokens, num_heads, head_dim] fp16/bf16/fp32 with stride(-1) == 1, "
+            f"got shape {tuple(query.shape)} {query.dtype} strides {query.stride()}"
+        )
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.stride(-1) != 1:
+        raise ValueError(
+            "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim] with "
+            f"stride(-1) == 1, got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
+        )
+    if kv_cache.dtype != query.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal query dtype {query.dtype}")
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if kv_cache.shape[4] != head_dim:
+        raise ValueError(f"kv_cache head_dim {kv_cache.shape[4]} != query head_dim {head_dim}")
+    if not _is_pow2(head_dim) or head_dim < 16 or head_dim > 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
+    if not _is_pow2(block_size):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or not seq_lens.is_contiguous():
+        raise ValueError(
+            f"seq_lens must be a contiguous 1-D int32 tensor, got {tuple(seq_lens.shape)} "
+            f"{seq_lens.dtype}"
+        )
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc is not None and (
+        query_start_loc.shape != (num_reqs + 1,)
+        or query_start_loc.dtype != torch.int32
+        or not query_start_loc.is_contiguous()
+    ):
+        raise ValueError(
+            f"query_start_loc must be a contiguous int32 tensor of shape [{num_reqs + 1}] "
+            f"(num_reqs + 1), got {tuple(query_start_loc.shape)} {query_start_loc.dtype}"
+        )
+    if (
+        block_tables.dim() != 2
+        or block_tables.dtype != torch.int32
+        or block_tables.shape[0] < num_reqs
+        or block_tables.stride(1) != 1
+    ):
+        raise ValueError(
+            f"block_tables must be int32 [>= {num_reqs}, max_blocks] with stride(1) == 1, "
+            f"got {tuple(block_tables.shape)} {block_tables.dtype} strides {block_tables.stride()}"
+        )
+    if num_reqs > _MAX_GRID_YZ:
+        raise ValueError(f"num_reqs must be <= {_MAX_GRID_YZ}, got {num_reqs}")
+    if out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must match query ({tuple(query.shape)}, {query.dtype}) with stride(-1) == 1, "
+            f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}"
+        )
+    tensors = (kv_cache, block_tables, seq_lens, out) + (
+        (query_start_loc,) if query_start_loc is not None else ()
+    )
+    for t in tensors:
+        if t.device != query.device:
+            raise ValueError(f"all tensors must be on {query.device}, got one on {t.device}")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not be rounded to tf32: the fp32 path is the exactness reference.
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -1,0 +1,344 @@
+"""Split-KV paged attention for decode-only batches over long contexts.
+
+The context of each request is cut into partitions processed by separate programs, which write
+unnormalised partial results to a caller-owned workspace; a second kernel combines them with a
+log-sum-exp reduce. Same math as `paged_attention_ref`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrum.kernels.paged_attention_common import (
+    _LOG2E,
+    _NEG_BIG,
+    DEFAULT_PARTITION_SIZE,
+    SPLIT_KV_MAX_PROGRAMS,
+    _attend_kv_range,
+    _check_attention_args,
+    _dot_precision,
+)
+
+
+@triton.jit
+def _paged_attention_split_kernel(
+    partial_out_ptr,  # [max_num_seqs, num_heads, max_partitions, head_dim] fp32
+    partial_max_ptr,  # [max_num_seqs, num_heads, max_partitions] fp32
+    partial_sum_ptr,  # [max_num_seqs, num_heads, max_partitions] fp32
+    query_ptr,  # [num_reqs, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_reqs, max_blocks] int32
+    seq_lens_ptr,  # [num_reqs] int32
+    qk_scale,
+    stride_q_tok,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt_req,
+    stride_po_req,
+    stride_po_head,
+    stride_po_part,
+    stride_pm_req,
+    stride_pm_head,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Program (part, kv_head, req) of a decode batch (token i belongs to request i).
+
+    Attends the group's query heads to keys [part * P, min((part + 1) * P, seq_len)) and stores
+    acc = sum_k exp2(s_k - m) v_k, m = max_k s_k and l = sum_k exp2(s_k - m), with s the scores
+    scaled by scale * log2(e). Partitions past the context store nothing.
+    """
+    part = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    kv_lo = part * PARTITION_SIZE
+    if kv_lo >= seq_len:
+        return
+    kv_hi = tl.minimum(seq_len, kv_lo + PARTITION_SIZE)
+
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    q_offs = req.to(tl.int64) * stride_q_tok + head * stride_q_head
+    q = tl.load(query_ptr + q_offs[:, None] + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc, m_i, l_i = _attend_kv_range(
+        acc,
+        m_i,
+        l_i,
+        q.to(k_cache_ptr.dtype.element_ty),
+        tl.full([BLOCK_M], 0, dtype=tl.int32) + seq_len - 1,
+        kv_lo,
+        kv_hi,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr + req.to(tl.int64) * stride_bt_req,
+        kv_head,
+        stride_cache_block,
+        stride_cache_slot,
+        stride_cache_head,
+        qk_scale,
+        BLOCK_N,
+        BLOCK_SIZE,
+        HEAD_DIM,
+        DOT_PRECISION,
+    )
+    po_offs = req.to(tl.int64) * stride_po_req + head * stride_po_head + part * stride_po_part
+    tl.store(partial_out_ptr + po_offs[:, None] + offs_d[None, :], acc, mask=row_valid[:, None])
+    pm_offs = req.to(tl.int64) * stride_pm_req + head * stride_pm_head + part
+    tl.store(partial_max_ptr + pm_offs, m_i, mask=row_valid)
+    tl.store(partial_sum_ptr + pm_offs, l_i, mask=row_valid)
+
+
+@triton.jit
+def _split_kv_reduce_kernel(
+    out_ptr,  # [num_reqs, num_heads, head_dim]
+    partial_out_ptr,  # [max_num_seqs, num_heads, max_partitions, head_dim] fp32
+    partial_max_ptr,  # [max_num_seqs, num_heads, max_partitions] fp32
+    partial_sum_ptr,  # [max_num_seqs, num_heads, max_partitions] fp32
+    seq_lens_ptr,  # [num_reqs] int32
+    stride_o_tok,
+    stride_o_head,
+    stride_po_req,
+    stride_po_head,
+    stride_po_part,
+    stride_pm_req,
+    stride_pm_head,
+    HEAD_DIM: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+):
+    """Program (req, head): out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p, M = max_p m_p."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_parts = tl.cdiv(seq_len, PARTITION_SIZE)
+    pm_base = req.to(tl.int64) * stride_pm_req + head * stride_pm_head
+    po_base = req.to(tl.int64) * stride_po_req + head * stride_po_head
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    m_max = tl.full([], _NEG_BIG, dtype=tl.float32)
+    for p in range(0, num_parts):
+        m_max = tl.maximum(m_max, tl.load(partial_max_ptr + pm_base + p))
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    denom = tl.full([], 0.0, dtype=tl.float32)
+    for p in range(0, num_parts):
+        w = tl.exp2(tl.load(partial_max_ptr + pm_base + p) - m_max)
+        denom += w * tl.load(partial_sum_ptr + pm_base + p)
+        acc += w * tl.load(partial_out_ptr + po_base + p * stride_po_part + offs_d)
+    out = acc / tl.where(denom > 0.0, denom, 1.0)
+    o_offs = req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True, slots=True)
+class SplitKVWorkspace:
+    """Caller-owned fp32 scratch for the split-KV decode path, sized once at start-up.
+
+    Holds partial results for up to `max_num_seqs` decode requests whose contexts span at most
+    `partial_out.shape[2]` partitions of `partition_size` keys.
+    """
+
+    partial_out: torch.Tensor  # [max_num_seqs, num_heads, max_partitions, head_dim] fp32
+    partial_max: torch.Tensor  # [max_num_seqs, num_heads, max_partitions] fp32
+    partial_sum: torch.Tensor  # [max_num_seqs, num_heads, max_partitions] fp32
+    partition_size: int
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.partial_out.shape[0]
+
+    @property
+    def max_partitions(self) -> int:
+        return self.partial_out.shape[2]
+
+
+def split_kv_workspace_shapes(
+    max_num_seqs: int,
+    num_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+) -> tuple[tuple[int, int, int, int], tuple[int, int, int]]:
+    """Shapes of (partial_out, partial_max == partial_sum) for the split-KV workspace."""
+    for name, val in (
+        ("max_num_seqs", max_num_seqs),
+        ("num_heads", num_heads),
+        ("head_dim", head_dim),
+        ("max_seq_len", max_seq_len),
+    ):
+        if val < 1:
+            raise ValueError(f"{name} must be >= 1, got {val}")
+    _check_partition_size(partition_size)
+    max_partitions = triton.cdiv(max_seq_len, partition_size)
+    return (
+        (max_num_seqs, num_heads, max_partitions, head_dim),
+        (max_num_seqs, num_heads, max_partitions),
+    )
+
+
+def allocate_split_kv_workspace(
+    max_num_seqs: int,
+    num_heads: int,
+    head_dim: int,
+    max_seq_len: int,
+    device: torch.device | str,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+) -> SplitKVWorkspace:
+    """Allocates the workspace for `split_kv_workspace_shapes(...)` on `device`."""
+    out_shape, stat_shape = split_kv_workspace_shapes(
+        max_num_seqs, num_heads, head_dim, max_seq_len, partition_size
+    )
+    return SplitKVWorkspace(
+        partial_out=torch.empty(out_shape, dtype=torch.float32, device=device),
+        partial_max=torch.empty(stat_shape, dtype=torch.float32, device=device),
+        partial_sum=torch.empty(stat_shape, dtype=torch.float32, device=device),
+        partition_size=partition_size,
+    )
+
+
+def _check_partition_size(partition_size: int) -> None:
+    if partition_size < 16 or partition_size & (partition_size - 1):
+        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+
+
+def paged_attention_split_kv(
+    query: torch.Tensor,  # [num_reqs, num_heads, head_dim], one decode token per request
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+    workspace: SplitKVWorkspace,
+) -> torch.Tensor:
+    """Split-KV decode attention (token i is request i's only query token); writes `out`.
+
+    `max_seq_len` must be >= every seq_len (an upper bound is fine); it sets the partition grid.
+    """
+    _check_attention_args(query, kv_cache, block_tables, None, seq_lens, out)
+    num_reqs = seq_lens.shape[0]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    if query.shape[0] != num_reqs:
+        raise ValueError(
+            f"query must hold one token per request for split-KV: num_tokens {query.shape[0]} "
+            f"!= num_reqs {num_reqs}"
+        )
+    if max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+    num_parts = triton.cdiv(max_seq_len, workspace.partition_size)
+    if num_reqs > workspace.max_num_seqs:
+        raise ValueError(
+            f"num_reqs {num_reqs} exceeds workspace max_num_seqs {workspace.max_num_seqs}"
+        )
+    if num_parts > workspace.max_partitions:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} needs {num_parts} partitions, workspace has "
+            f"{workspace.max_partitions}"
+        )
+    ws_out, ws_max, ws_sum = workspace.partial_out, workspace.partial_max, workspace.partial_sum
+    if (
+        ws_out.shape[1] != num_heads
+        or ws_out.shape[3] != head_dim
+        or ws_out.stride(3) != 1
+        or ws_max.shape != ws_out.shape[:3]
+        or ws_sum.stride() != ws_max.stride()
+        or ws_max.stride(2) != 1
+        or any(t.dtype != torch.float32 for t in (ws_out, ws_max, ws_sum))
+        or any(t.device != query.device for t in (ws_out, ws_max, ws_sum))
+    ):
+        raise ValueError(
+            "workspace must come from allocate_split_kv_workspace for num_heads="
+            f"{num_heads}, head_dim={head_dim} on {query.device}"
+        )
+    if num_reqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    block_m = max(16, triton.next_power_of_2(group))
+    block_n = 64 if head_dim <= 128 else 32
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_attention_split_kernel[(num_parts, num_kv_heads, num_reqs)](
+        ws_out,
+        ws_max,
+        ws_sum,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        ws_out.stride(0),
+        ws_out.stride(1),
+        ws_out.stride(2),
+        ws_max.stride(0),
+        ws_max.stride(1),
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        PARTITION_SIZE=workspace.partition_size,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        num_warps=4,
+    )
+    _split_kv_reduce_kernel[(num_reqs, num_heads)](
+        out,
+        ws_out,
+        ws_max,
+        ws_sum,
+        seq_lens,
+        out.stride(0),
+        out.stride(1),
+        ws_out.stride(0),
+        ws_out.stride(1),
+        ws_out.stride(2),
+        ws_max.stride(0),
+        ws_max.stride(1),
+        HEAD_DIM=head_dim,
+        PARTITION_SIZE=workspace.partition_size,
+        num_warps=1 if head_dim <= 64 else 2,
+    )
+    return out
+
+
+def use_split_kv(
+    num_reqs: int,
+    num_tokens: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    workspace: SplitKVWorkspace | None,
+) -> bool:
+    """True when a decode-only batch is too small to fill the GPU and its context is long enough
+    to span several partitions of the workspace (and fits in it)."""
+    if workspace is None or max_query_len != 1 or num_tokens != num_reqs:
+        return False
+    num_parts = triton.cdiv(max_seq_len, workspace.partition_size)
+    return (
+        1 < num_parts <= workspace.max_partitions
+        and num_reqs <= workspace.max_num_seqs
+        and num_reqs * num_kv_heads < SPLIT_KV_MAX_PROGRAMS
+    )
