@@ -60,6 +60,7 @@ class EngineCore:
         num_blocks = config.cache_config.num_kv_blocks or self.runner.determine_num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
         sized = time.perf_counter()
+        self.runner.warm_up(num_blocks)
         self.runner.capture_cuda_graphs()
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching
@@ -67,8 +68,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.startup_seconds = time.perf_counter() - start
         logger.info(
-            "engine core ready in %.2f s (model load %.2f s, KV cache sizing %.2f s, CUDA graphs "
-            "%.2f s): %s on %s, %s, %s kernels, %d KV blocks of %d tokens",
+            "engine core ready in %.2f s (model load %.2f s, KV cache sizing %.2f s, warm-up and "
+            "CUDA graphs %.2f s): %s on %s, %s, %s kernels, %d KV blocks of %d tokens",
             self.startup_seconds,
             loaded - start,
             sized - loaded,

@@ -6,6 +6,7 @@ arrive once in full, running ones as diffs) and never touches the block pool.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -177,6 +178,27 @@ class ModelRunner:
             self.config.model_config, num_blocks, self.block_size, self.dtype, self.device
         )
         self.model.bind_kv_caches(self.kv_caches)
+
+    @torch.inference_mode()
+    def warm_up(self, num_blocks: int) -> None:
+        """Compiles the Triton kernel variants (attention tiles by chunk length) that a first
+        request would otherwise wait for. Writes KV only into blocks that no request holds yet."""
+        if self.kernel_backend != "triton" or self.device.type != "cuda":
+            return
+        start = time.perf_counter()
+        sched = self.config.scheduler_config
+        for query_len in (1, 2, 4, 8, 16, 32, 64, 128):
+            blocks_needed = -(-query_len // self.block_size) + 1
+            if query_len > min(sched.max_num_batched_tokens, sched.max_model_len) or (
+                blocks_needed > num_blocks
+            ):
+                break
+            batch = to_device_inputs(
+                profile_batch([query_len], self.block_size), self.device, self.split_kv_workspace
+            )
+            self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+        torch.cuda.synchronize(self.device)
+        logger.info("kernel warm-up in %.2f s", time.perf_counter() - start)
 
     def uses_cuda_graphs(self) -> bool:
         """Graphs need CUDA, the Triton kernels, and no layer that syncs with the host."""
