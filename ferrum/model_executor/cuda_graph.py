@@ -1,8 +1,13 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, captured once at start-up.
+"""CUDA graphs captured once at start-up: decode batches and single-request prompt chunks.
 
-A decode-only batch of B requests (one token each) runs as the graph of the smallest captured
-size >= B. The graphs read static input buffers owned by this object; rows past B are padding
-that writes its KV to slot 0 (block 0 is never handed out) and attends over that one slot.
+- Decode: a batch of B requests with one token each runs as the graph of the smallest captured
+  batch size >= B. Rows past B are padding requests: one token at position 0 whose KV goes to
+  slot 0 (block 0 is never handed out), attending over that one slot.
+- Prefill: one request's chunk of L tokens (over any cached prefix) runs as the graph of the
+  smallest captured token count >= L. Tokens past L belong to no request: their KV goes to slot 0
+  and attention leaves their rows unwritten; no op mixes rows, so they never touch real tokens.
+
+The graphs read static input buffers owned by this object, filled by two host->device copies.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from ferrum.model_executor.attention_metadata import AttentionMetadata
 
 logger = init_logger(__name__)
 
+PREFILL_SIZES = (16, 32, 64, 128, 256, 512)
+# int32 slots before seq_lens in the int buffer: the prefill query_start_loc, padded to 16 bytes.
+_HEADER = 4
+
 
 def capture_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, then multiples of 8 up to max_batch_size (which is always included)."""
@@ -26,11 +35,16 @@ def capture_sizes(max_batch_size: int) -> list[int]:
     return sorted(set(sizes + [max_batch_size]))
 
 
+def _smallest_at_least(sizes: list[int], n: int) -> int | None:
+    return next((s for s in sizes if s >= n), None)
+
+
 class CUDAGraphRunner:
     def __init__(
         self,
         model: nn.Module,
         max_batch_size: int,
+        max_prefill_tokens: int,
         max_blocks_per_req: int,
         max_model_len: int,
         device: torch.device,
@@ -40,36 +54,52 @@ class CUDAGraphRunner:
         self.device = device
         self.max_model_len = max_model_len
         self.split_kv_workspace = split_kv_workspace
-        self.sizes = capture_sizes(max_batch_size)
-        n, width = max_batch_size, max_blocks_per_req
-        # Two device buffers, each filled by one host->device copy per step: int64 rows
-        # [input_ids, positions, slot_mapping] and int32 [seq_lens (n), block_tables (n x width)].
+        self.decode_sizes = capture_sizes(max_batch_size)
+        self.prefill_sizes = [s for s in PREFILL_SIZES if s <= max_prefill_tokens]
+        n = max(max_batch_size, *self.prefill_sizes) if self.prefill_sizes else max_batch_size
+        width = max_blocks_per_req
+        self._num_rows = max_batch_size
+        # int64 [input_ids, positions, slot_mapping] x n tokens, and int32 [query_start_loc of the
+        # prefill graphs (2, padded to 4 for alignment) | seq_lens (rows) | block_tables].
         self._tokens = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self._lens_tables = torch.zeros(n * (1 + width), dtype=torch.int32, device=device)
         self._tokens_host = torch.zeros(3, n, dtype=torch.int64).pin_memory()
-        self._lens_tables_host = torch.zeros(n * (1 + width), dtype=torch.int32).pin_memory()
+        rows = max_batch_size
+        size = _HEADER + rows * (1 + width)
+        self._ints = torch.zeros(size, dtype=torch.int32, device=device)
+        self._ints_host = torch.zeros(size, dtype=torch.int32).pin_memory()
         self.input_ids, self.positions, self.slot_mapping = self._tokens
-        self.seq_lens = self._lens_tables[:n]
-        self.block_tables = self._lens_tables[n:].view(n, width)
+        self.prefill_query_start_loc = self._ints[:2]
+        self.seq_lens = self._ints[_HEADER : _HEADER + rows]
+        self.block_tables = self._ints[_HEADER + rows :].view(rows, width)
         self.seq_lens.fill_(1)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.decode_query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
 
     @property
     def max_batch_size(self) -> int:
-        return self.sizes[-1]
+        return self.decode_sizes[-1]
 
-    def _metadata(self, batch_size: int) -> AttentionMetadata:
+    def decode_size(self, num_reqs: int) -> int | None:
+        return _smallest_at_least(self.decode_sizes, num_reqs)
+
+    def prefill_size(self, num_tokens: int) -> int | None:
+        return _smallest_at_least(self.prefill_sizes, num_tokens)
+
+    def _metadata(self, kind: str, size: int) -> AttentionMetadata:
+        decode = kind == "decode"
+        num_reqs = size if decode else 1
         return AttentionMetadata(
-            num_reqs=batch_size,
-            num_tokens=batch_size,
-            max_query_len=1,
+            num_reqs=num_reqs,
+            num_tokens=size,
+            max_query_len=1 if decode else size,
             max_seq_len=self.max_model_len,
-            query_start_loc=self.query_start_loc[: batch_size + 1],
-            seq_lens=self.seq_lens[:batch_size],
-            block_tables=self.block_tables[:batch_size],
-            slot_mapping=self.slot_mapping[:batch_size],
+            query_start_loc=(
+                self.decode_query_start_loc[: size + 1] if decode else self.prefill_query_start_loc
+            ),
+            seq_lens=self.seq_lens[:num_reqs],
+            block_tables=self.block_tables[:num_reqs],
+            slot_mapping=self.slot_mapping[:size],
             query_start_loc_cpu=[],
             seq_lens_cpu=[],
             split_kv_workspace=self.split_kv_workspace,
@@ -77,36 +107,36 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every size, largest first, into one memory pool."""
+        """Captures every graph, largest first within each kind, into one memory pool."""
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         # The side stream must see the buffers (and KV cache) that the current stream filled.
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        for size in reversed(self.sizes):
-            metadata = self._metadata(size)
-            args = (self.input_ids[:size], self.positions[:size], metadata)
+        # A prefill graph's one request: a one-token chunk until real inputs arrive.
+        self.prefill_query_start_loc.copy_(torch.tensor([0, 1], dtype=torch.int32))
+        keys = [("prefill", s) for s in reversed(self.prefill_sizes)]
+        keys += [("decode", s) for s in reversed(self.decode_sizes)]
+        for key in keys:
+            kind, size = key
+            args = (self.input_ids[:size], self.positions[:size], self._metadata(kind, size))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # compiles the kernels and settles the allocator
                     self.model(*args)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[size] = self.model(*args)
-            self.graphs[size] = graph
+                self.outputs[key] = self.model(*args)
+            self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
         logger.info(
-            "captured %d CUDA graphs (decode batch sizes 1..%d) in %.2f s",
-            len(self.sizes),
+            "captured %d CUDA graphs (decode batch sizes 1..%d, single-request prefill chunks of "
+            "up to %d tokens) in %.2f s",
+            len(self.graphs),
             self.max_batch_size,
+            self.prefill_sizes[-1] if self.prefill_sizes else 0,
             time.perf_counter() - start,
         )
-
-    def padded_size(self, num_reqs: int) -> int | None:
-        for size in self.sizes:
-            if size >= num_reqs:
-                return size
-        return None
 
     def run(
         self,
@@ -116,27 +146,31 @@ class CUDAGraphRunner:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
     ) -> torch.Tensor:
-        """Replays the graph for len(input_ids) decode tokens; returns their hidden states."""
-        num_reqs = len(input_ids)
-        size = self.padded_size(num_reqs)
-        assert size is not None
-        n, width = self.block_tables.shape
+        """Replays a graph for a decode-only batch (one token per row of seq_lens) or for one
+        request's chunk (len(seq_lens) == 1); returns the hidden states of the real tokens."""
+        num_tokens, num_reqs = len(input_ids), len(seq_lens)
+        decode = num_tokens == num_reqs
+        size = self.decode_size(num_reqs) if decode else self.prefill_size(num_tokens)
+        assert size is not None and (decode or num_reqs == 1)
+        rows = self._num_rows
+        width = self.block_tables.shape[1]
         tokens = self._tokens_host.numpy()
-        tokens[0, :num_reqs] = input_ids
-        tokens[1, :num_reqs] = positions
-        tokens[2, :num_reqs] = slot_mapping
-        # Padding rows: token 0 at position 0, KV into slot 0, a one-token context on block 0.
-        tokens[:, num_reqs:size] = 0
-        lens_tables = self._lens_tables_host.numpy()
-        lens = lens_tables[:n]
-        lens[:num_reqs] = seq_lens
-        lens[num_reqs:size] = 1
+        tokens[0, :num_tokens] = input_ids
+        tokens[1, :num_tokens] = positions
+        tokens[2, :num_tokens] = slot_mapping
+        tokens[:, num_tokens:size] = 0  # padding: token 0 at position 0, KV into slot 0
+        ints = self._ints_host.numpy()
+        ints[:2] = (0, num_tokens)
+        ints[_HEADER : _HEADER + num_reqs] = seq_lens
+        num_rows = size if decode else 1
+        ints[_HEADER + num_reqs : _HEADER + num_rows] = 1  # padding requests: one-token context
         # Entries past a row's context are never read, so stale ones need no clearing.
-        tables = lens_tables[n:].reshape(n, width)
+        tables = ints[_HEADER + rows :].reshape(rows, width)
         tables[:num_reqs, : block_tables.shape[1]] = block_tables
-        tables[num_reqs:size, 0] = 0
-        used = n + size * width
+        tables[num_reqs:num_rows, 0] = 0
+        used = _HEADER + rows + num_rows * width
         self._tokens.copy_(self._tokens_host, non_blocking=True)
-        self._lens_tables[:used].copy_(self._lens_tables_host[:used], non_blocking=True)
-        self.graphs[size].replay()
-        return self.outputs[size][:num_reqs]
+        self._ints[:used].copy_(self._ints_host[:used], non_blocking=True)
+        key = ("decode" if decode else "prefill", size)
+        self.graphs[key].replay()
+        return self.outputs[key][:num_tokens]

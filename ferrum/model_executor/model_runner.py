@@ -210,13 +210,16 @@ class ModelRunner:
         )
 
     def capture_cuda_graphs(self) -> None:
-        """Captures decode graphs for batch sizes up to max_num_seqs (KV cache must be bound)."""
+        """Captures decode graphs for batch sizes up to max_num_seqs and single-request prefill
+        graphs for chunks of up to 512 tokens (the KV cache must be bound)."""
         if not self.uses_cuda_graphs():
             return
         model_config = self.config.model_config
+        sched = self.config.scheduler_config
         self.cuda_graphs = CUDAGraphRunner(
             self.model,
-            max_batch_size=min(self.config.scheduler_config.max_num_seqs, 512),
+            max_batch_size=min(sched.max_num_seqs, 512),
+            max_prefill_tokens=min(sched.max_num_batched_tokens, model_config.max_model_len),
             max_blocks_per_req=-(-model_config.max_model_len // self.block_size),
             max_model_len=model_config.max_model_len,
             device=self.device,
@@ -262,7 +265,10 @@ class ModelRunner:
 
     def _forward(self, batch: HostBatch) -> torch.Tensor:
         graphs = self.cuda_graphs
-        if graphs is not None and batch.is_decode_only and batch.num_reqs <= graphs.max_batch_size:
+        if graphs is not None and (
+            (batch.is_decode_only and graphs.decode_size(batch.num_reqs) is not None)
+            or (batch.num_reqs == 1 and graphs.prefill_size(len(batch.input_ids)) is not None)
+        ):
             return graphs.run(
                 batch.input_ids,
                 batch.positions,

@@ -34,6 +34,18 @@ def test_graphs_and_triton_match_hf(tiny_checkpoint, arch: str) -> None:
     assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
 
 
+def test_single_request_prefill_graphs_match_hf(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    llm = cuda_llm(path, num_kv_blocks=64)
+    assert llm.llm_engine.core.runner.cuda_graphs.prefill_sizes[0] == 16
+    prompts = random_prompts([3, 17, 40], seed=24)
+    # Alone, each prompt is one request's chunk: it runs as a prefill graph.
+    assert [greedy(llm, [p])[0] for p in prompts] == hf_greedy(path, prompts, MAX_TOKENS)
+    # A shared prefix makes the chunk attend over cached blocks (context longer than the chunk).
+    extended = [prompts[2] + [7, 8, 9, 10, 11]]
+    assert greedy(llm, extended) == hf_greedy(path, extended, MAX_TOKENS)
+
+
 def test_preemption_and_chunking_on_cuda(tiny_checkpoint) -> None:
     path = tiny_checkpoint("qwen3")
     llm = cuda_llm(path, num_kv_blocks=8, max_num_batched_tokens=24, enable_prefix_caching=False)
