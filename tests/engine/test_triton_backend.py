@@ -11,7 +11,7 @@ from tests.tiny_checkpoints import hf_greedy
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen3_moe"])
 def test_triton_kernels_match_hf(tiny_checkpoint, arch: str) -> None:
     path = tiny_checkpoint(arch)
     prompts = random_prompts([6, 13, 2], seed=11)

@@ -7,7 +7,7 @@ into that expert's slice) or already stacked (HF `gate_up_proj [E, 2I, H]`, `dow
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import nn
@@ -42,10 +42,12 @@ def fused_moe(
     return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
 
 
-class FusedMoE(nn.Module):
-    # The reference expert loop asks the host which experts got tokens: no CUDA graphs.
-    cuda_graph_safe = False
+MoeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
+
+class FusedMoE(nn.Module):
     def __init__(
         self,
         num_experts: int,
@@ -68,6 +70,10 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
+        # The reference expert loop asks the host which experts got tokens: no CUDA graphs.
+        # The Triton path sizes everything from the token count and is graph safe.
+        self.cuda_graph_safe = False
+        self._kernel: MoeKernel = fused_moe
         self.w13 = new_parameter(num_experts, 2 * intermediate_size, hidden_size)
         self.w2 = new_parameter(num_experts, hidden_size, intermediate_size)
         experts = range(num_experts)
@@ -75,6 +81,12 @@ class FusedMoE(nn.Module):
             self.w13, self._load_w13, frozenset((p, e) for p in (GATE, UP) for e in experts)
         )
         set_weight_loader(self.w2, self._load_w2, frozenset((DOWN, e) for e in experts))
+
+    def use_triton_kernels(self) -> None:
+        from ferrum.kernels.fused_moe import fused_moe as kernel
+
+        self._kernel = kernel
+        self.cuda_graph_safe = True
 
     def _expert_id(self, expert_id: int | None) -> int | None:
         if expert_id is not None and not 0 <= expert_id < self.num_experts:
@@ -117,4 +129,4 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden: [T, H], router_logits: [T, E] -> [T, H]."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        return fused_moe(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        return self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids)

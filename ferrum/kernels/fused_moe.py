@@ -1,0 +1,224 @@
+"""Triton fused mixture-of-experts: expert-grouped GEMMs over stacked weights.
+
+out[t] = sum_j w[t, j] * w2[e] @ (silu(g) * u), e = topk_ids[t, j], (g, u) = split(w13[e] @ x[t]).
+Pairs p = t * top_k + j are grouped by expert and padded to BLOCK_M (`moe_align_block_size`); one
+grouped-GEMM kernel runs twice: x @ w13[e]^T with SiLU-and-mul in the epilogue -> act [T*k, I],
+then act @ w2[e]^T times the routing weight -> [T*k, H] fp32, summed over k. Roundings follow
+`fused_moe_ref`: each matmul, the silu and the product are rounded to the input dtype; the weighted
+sum is fp32. Every size is a function of (T, k, E, H, I): no host sync, safe in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrum.kernels.moe_align import moe_align_block_size
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# (max num_tokens, config): the first bucket with num_tokens <= its bound is used. Small batches
+# take narrow N tiles so that the few active experts still spread their weights over every SM.
+_DEFAULT_CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
+    (16, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}),
+    (128, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}),
+    (1024, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+    (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    out_ptr,  # [num_pairs, N]
+    a_ptr,  # [num_pairs // A_ROW_DIV, K]
+    w_ptr,  # [E, N or 2N (GATED), K]
+    topk_weights_ptr,  # [num_pairs] float32, read when MUL_WEIGHT
+    sorted_pair_ids_ptr,  # [max_blocks * BLOCK_M] int32
+    expert_ids_ptr,  # [max_blocks] int32
+    num_post_padded_ptr,  # [1] int32
+    N,
+    K,
+    num_pairs,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    A_ROW_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (n, m): rows = pairs of M-block m (all of one expert e), columns n*BLOCK_N.. of
+    out[pair] = a[pair // A_ROW_DIV] @ w[e]^T. GATED: out = silu(a @ w[e, :N]^T) * (a @ w[e, N:]^T).
+    MUL_WEIGHT: out = round(a @ w[e]^T) * topk_weight[pair] in fp32. Padding rows are not stored."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pair_ids_ptr + offs_m)
+    row_mask = pairs < num_pairs
+    a_rows = (pairs // A_ROW_DIV).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    dtype = a_ptr.dtype.element_ty
+    result = acc.to(dtype).to(tl.float32)
+    if GATED:
+        up = acc_up.to(dtype).to(tl.float32)
+        act = (result / (1.0 + tl.exp(-result))).to(dtype).to(tl.float32)
+        result = act * up
+    if MUL_WEIGHT:
+        result = result * tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(
+        out_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :]
+    )
+
+
+def get_config(num_tokens: int) -> dict[str, int]:
+    for bound, config in _DEFAULT_CONFIGS:
+        if num_tokens <= bound:
+            return config
+    return _DEFAULT_CONFIGS[-1][1]
+
+
+def _tile(block: int, dim: int) -> int:
+    """The block shrunk to the dimension (tl.dot needs >= 16)."""
+    return max(16, min(block, triton.next_power_of_2(dim)))
+
+
+def _launch_gemm(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    w: torch.Tensor,
+    topk_weights: torch.Tensor,
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    n: int,
+    a_row_div: int,
+    gated: bool,
+    config: dict[str, int],
+) -> None:
+    sorted_pair_ids, expert_ids, num_post_padded = align
+    k = a.shape[1]
+    block_n, block_k = _tile(config["BLOCK_N"], n), _tile(config["BLOCK_K"], k)
+    grid = (triton.cdiv(n, block_n), expert_ids.numel())
+    _moe_gemm_kernel[grid](
+        out,
+        a,
+        w,
+        topk_weights,
+        sorted_pair_ids,
+        expert_ids,
+        num_post_padded,
+        n,
+        k,
+        out.shape[0],
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        out.stride(0),
+        A_ROW_DIV=a_row_div,
+        GATED=gated,
+        MUL_WEIGHT=not gated,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=config["BLOCK_M"],
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+    )
+
+
+def _check_inputs(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> None:
+    if hidden.dim() != 2 or hidden.dtype not in _FLOAT_DTYPES or hidden.stride(1) != 1:
+        raise ValueError(
+            f"hidden must be [num_tokens, hidden_size] fp16/bf16/fp32 with stride(1) == 1, got "
+            f"{tuple(hidden.shape)} {hidden.dtype} strides {hidden.stride()}"
+        )
+    num_tokens, hidden_size = hidden.shape
+    if w2.dim() != 3 or w2.shape[1] != hidden_size:
+        raise ValueError(f"w2 must be [E, {hidden_size}, I], got {tuple(w2.shape)}")
+    num_experts, _, inter = w2.shape
+    for name, w, shape in (
+        ("w13", w13, (num_experts, 2 * inter, hidden_size)),
+        ("w2", w2, (num_experts, hidden_size, inter)),
+    ):
+        if tuple(w.shape) != shape or w.dtype != hidden.dtype or not w.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous {list(shape)} {hidden.dtype}, got "
+                f"{tuple(w.shape)} {w.dtype} contiguous={w.is_contiguous()}"
+            )
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids must be [{num_tokens}, top_k], got {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids dtype must be int32/int64, got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
+        raise ValueError(
+            f"topk_weights must be float32 {list(topk_ids.shape)}, got "
+            f"{tuple(topk_weights.shape)} {topk_weights.dtype}"
+        )
+    for name, t in (
+        ("w13", w13),
+        ("w2", w2),
+        ("topk_weights", topk_weights),
+        ("topk_ids", topk_ids),
+    ):
+        if t.device != hidden.device:
+            raise ValueError(f"{name} must be on {hidden.device}, got {t.device}")
+
+
+def fused_moe(
+    hidden: torch.Tensor,  # [num_tokens, hidden_size]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate_size, hidden_size]
+    w2: torch.Tensor,  # [num_experts, hidden_size, intermediate_size]
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """The mixture of `fused_moe_ref`, [num_tokens, hidden_size] in hidden's dtype. `config`
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the default for num_tokens."""
+    _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    num_tokens, hidden_size = hidden.shape
+    num_experts, _, inter = w2.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0 or inter == 0:
+        return torch.zeros_like(hidden)
+    config = config if config is not None else get_config(num_tokens)
+    align = moe_align_block_size(topk_ids, num_experts, config["BLOCK_M"])
+    flat_weights = topk_weights.reshape(-1)
+
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    _launch_gemm(act, hidden, w13, flat_weights, align, inter, top_k, True, config)
+    out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    _launch_gemm(out, act, w2, flat_weights, align, hidden_size, 1, False, config)
+    return out.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)

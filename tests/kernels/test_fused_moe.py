@@ -1,0 +1,129 @@
+"""Triton fused MoE and its token->expert align op against the torch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrum.kernels.fused_moe import fused_moe, get_config
+from ferrum.kernels.fused_moe_ref import fused_moe_ref
+from ferrum.kernels.moe_align import max_num_blocks, moe_align_block_size
+from ferrum.model_executor.layers.fused_moe import FusedMoE, select_experts
+
+TOLERANCE = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.float16: {"atol": 2e-3, "rtol": 2e-3},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+
+
+def make_problem(num_tokens, hidden, inter, num_experts, top_k, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) * 0.2
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    return x.to(device, dtype), w13.to(device, dtype), w2.to(device, dtype), logits.to(device)
+
+
+def check(x, w13, w2, weights, ids, config=None) -> None:
+    out = fused_moe(x, w13, w2, weights, ids, config=config)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    expected = fused_moe_ref(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[x.dtype])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_matches_reference(num_tokens, renormalize, dtype, device) -> None:
+    x, w13, w2, logits = make_problem(num_tokens, 64, 32, 5, 2, dtype, device, seed=num_tokens)
+    weights, ids = select_experts(logits, 2, renormalize)
+    check(x, w13, w2, weights, ids)
+
+
+def test_odd_dims_int32_ids_and_multi_block_k(dtype, device) -> None:
+    # H and I not powers of two; BLOCK_K 16 loops over K; 7 tokens * 3 choices over 3 M-blocks.
+    x, w13, w2, logits = make_problem(7, 48, 24, 6, 3, dtype, device, seed=4)
+    weights, ids = select_experts(logits, 3, True)
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
+    check(x, w13, w2, weights, ids.to(torch.int32), config=config)
+
+
+def test_unused_experts_are_never_read(dtype, device) -> None:
+    x, w13, w2, _ = make_problem(9, 64, 32, 6, 2, dtype, device, seed=2)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.tensor([1, 4])[torch.randperm(2, generator=gen)] for _ in range(9)])
+    weights = torch.rand(9, 2, generator=gen)
+    ids, weights = ids.to(device), weights.to(device)
+    expected = fused_moe_ref(x, w13, w2, weights, ids)
+    for e in (0, 2, 3, 5):
+        w13[e] = float("nan")
+        w2[e] = float("nan")
+    out = fused_moe(x, w13, w2, weights, ids)
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
+
+
+def test_all_tokens_on_one_expert(dtype, device) -> None:
+    # 20 pairs on expert 3 span two 16-row M-blocks, the second one part padding.
+    x, w13, w2, _ = make_problem(20, 64, 32, 5, 1, dtype, device, seed=6)
+    ids = torch.full((20, 1), 3, device=device)
+    weights = torch.rand(20, 1, generator=torch.Generator().manual_seed(1)).to(device)
+    config = dict(get_config(20), BLOCK_M=16)
+    check(x, w13, w2, weights, ids, config=config)
+
+
+def test_no_tokens(device) -> None:
+    x, w13, w2, logits = make_problem(0, 64, 32, 5, 2, torch.float32, device)
+    weights, ids = select_experts(logits, 2, False)
+    out = fused_moe(x, w13, w2, weights, ids)
+    assert out.shape == (0, 64)
+
+
+def test_align_exact() -> None:
+    # Pairs: 0:(t0,e2) 1:(t0,e0) 2:(t1,e2) 3:(t1,e3) 4:(t2,e0) 5:(t2,e2); sentinel 6.
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]])
+    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, num_experts=5, block_m=4)
+    s = 6
+    assert sorted_ids.tolist() == [1, 4, s, s, 0, 2, 5, s, 3, s, s, s] + [s] * 12
+    assert expert_ids.tolist() == [0, 2, 3, -1, -1, -1]
+    assert num_post.tolist() == [12]
+    assert sorted_ids.dtype == expert_ids.dtype == num_post.dtype == torch.int32
+
+
+def test_align_static_bound_is_tight_enough() -> None:
+    # Every pair on its own expert: each of the min(E, pairs) groups takes one whole block.
+    ids = torch.arange(8).view(4, 2)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, num_experts=128, block_m=16)
+    assert max_num_blocks(8, 128, 16) == 8 == expert_ids.numel()
+    assert expert_ids.tolist() == list(range(8)) and num_post.tolist() == [128]
+    assert sorted_ids.view(8, 16)[:, 0].tolist() == list(range(8))
+
+
+def test_layer_switches_to_triton(device) -> None:
+    layer = FusedMoE(num_experts=5, top_k=2, hidden_size=64, intermediate_size=32, renormalize=True)
+    x, w13, w2, logits = make_problem(3, 64, 32, 5, 2, torch.float32, device, seed=8)
+    layer.w13.data, layer.w2.data = w13, w2
+    expected = layer(x, logits)
+    assert not layer.cuda_graph_safe
+    layer.use_triton_kernels()
+    assert layer.cuda_graph_safe
+    torch.testing.assert_close(layer(x, logits), expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize(
+    ("field", "change"),
+    [
+        ("w13", lambda p: p.update(w13=p["w13"][:, :-1])),
+        ("w2", lambda p: p.update(w2=p["w2"].half())),
+        ("topk_weights", lambda p: p.update(topk_weights=p["topk_weights"].double())),
+        ("topk_ids", lambda p: p.update(topk_ids=p["topk_ids"].float())),
+        ("hidden", lambda p: p.update(hidden=p["hidden"][0])),
+    ],
+)
+def test_bad_input_names_the_field(field, change) -> None:
+    x, w13, w2, logits = make_problem(2, 64, 32, 5, 2, torch.float32, "cpu")
+    weights, ids = select_experts(logits, 2, False)
+    args = {"hidden": x, "w13": w13, "w2": w2, "topk_weights": weights, "topk_ids": ids}
+    change(args)
+    with pytest.raises(ValueError, match=field):
+        fused_moe(**args)
