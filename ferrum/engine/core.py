@@ -100,7 +100,11 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         # An empty step still tells the runner which requests finished.
-        runner_output = self.runner.execute_model(scheduler_output)
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+        except BaseException:
+            self.scheduler.recover_from_failed_step(scheduler_output)
+            raise
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         logprobs = (
             dict(zip(runner_output.req_ids, runner_output.logprobs))

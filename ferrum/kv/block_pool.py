@@ -150,6 +150,16 @@ class BlockPool:
         self._cached[block_hash] = block_id
         return entry.entry_id
 
+    def uncache(self, block_id: int) -> None:
+        """Forgets the cached content of a block (no-op if it has none); nothing chained after it
+        can be hit any more, since a hit needs its parent's entry."""
+        entry = self._entries[block_id]
+        if entry is None:
+            return
+        if self._cached.get(entry.block_hash) == block_id:
+            del self._cached[entry.block_hash]
+        self._entries[block_id] = None
+
     def reset_prefix_cache(self) -> bool:
         """Drops every cache entry when no block is in use (False and no change otherwise).
 

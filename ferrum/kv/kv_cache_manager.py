@@ -35,6 +35,18 @@ class KVCacheManager:
         # Tokens looked up in / served from the prefix cache (first lookup per admission).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Blocks registered in the prefix cache since `begin_step`: their KV is only written by
+        # that step's forward, so a failed step must take them back out.
+        self._step_cached_block_ids: list[int] = []
+
+    def begin_step(self) -> None:
+        self._step_cached_block_ids.clear()
+
+    def discard_step_cache(self) -> None:
+        """Uncaches the blocks registered since `begin_step` (their forward did not finish)."""
+        for block_id in self._step_cached_block_ids:
+            self.block_pool.uncache(block_id)
+        self._step_cached_block_ids.clear()
 
     @property
     def num_usable_blocks(self) -> int:
@@ -189,10 +201,13 @@ class KVCacheManager:
         size = self.block_size
         parent_entry_id = state.entry_ids[-1] if state.entry_ids else ROOT_ENTRY_ID
         for i in range(start, num_full_blocks):
+            block_id = state.block_ids[i]
             parent_entry_id = self.block_pool.cache_block(
-                state.block_ids[i],
+                block_id,
                 request.block_hashes[i],
                 parent_entry_id,
                 token_ids[i * size : (i + 1) * size],
             )
             state.entry_ids.append(parent_entry_id)
+            if self.block_pool.entry(block_id) is not None:
+                self._step_cached_block_ids.append(block_id)

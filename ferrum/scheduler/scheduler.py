@@ -64,6 +64,9 @@ class Scheduler:
         # Finished since the previous schedule(); the runner forgets them at the next step.
         self._finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Requests sent back to the queue outside schedule() (a failed step): the runner must
+        # drop their state at the next step.
+        self._preempted_req_ids: set[str] = set()
         # Waiting requests whose prefix-cache lookup was already counted in the hit-rate stats.
         self._looked_up: set[str] = set()
 
@@ -119,6 +122,7 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.kv_cache_manager.begin_step()
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         computed_before: dict[str, int] = {}
@@ -196,10 +200,22 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_req_ids,
-            preempted_req_ids={r.req_id for r in preempted},
+            preempted_req_ids={r.req_id for r in preempted} | self._preempted_req_ids,
         )
         self._finished_req_ids = set()
+        self._preempted_req_ids = set()
         return output
+
+    def recover_from_failed_step(self, scheduler_output: SchedulerOutput) -> None:
+        """After a forward that did not finish: no KV of that step exists, so its new prefix-cache
+        entries are dropped and every request it scheduled is recomputed from scratch later."""
+        self.kv_cache_manager.discard_step_cache()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._preempt(request)
+                self._preempted_req_ids.add(req_id)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -1,0 +1,43 @@
+"""A forward that raises leaves no half-written KV in the prefix cache and loses no request."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferrum import SamplingParams
+from tests.engine.test_hf_equivalence import MAX_TOKENS, greedy, make_llm, random_prompts
+from tests.tiny_checkpoints import hf_greedy
+
+
+def test_failed_forward_is_recovered(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_checkpoint("qwen3")
+    llm = make_llm(path, num_kv_blocks=64)
+    engine = llm.llm_engine
+    prompts = random_prompts([21, 13], seed=31)
+    model = engine.core.runner.model
+    calls = {"n": 0}
+    real_forward = model.forward
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected fault")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", failing_forward)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.step()
+    # The blocks registered for the failed step are not in the prefix cache.
+    assert engine.core.kv_cache_manager.block_pool.num_cached_blocks == 0
+    # The same engine goes on: the requests are recomputed and come out right.
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = output.outputs[0].token_ids
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    assert [outputs["0"], outputs["1"]] == expected
+    # Prefix-cache hits after the failure serve correct KV.
+    assert greedy(llm, prompts) == expected
