@@ -9,6 +9,8 @@ from enum import Enum
 _GREEDY_EPS = 1e-5
 # The most top-k / sampled-token logprobs one request may ask for.
 MAX_LOGPROBS = 20
+# The most completions one request may ask for.
+MAX_N = 1024
 
 
 class SamplingType(Enum):
@@ -55,7 +57,7 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k < 0:
+        if self.top_k is None or (isinstance(self.top_k, int) and self.top_k < 0):
             # vLLM accepts -1 (and None) for "disabled"; 0 is the canonical spelling.
             self.top_k = 0 if self.top_k is None or self.top_k == -1 else self.top_k
         self._verify()
@@ -68,39 +70,49 @@ class SamplingParams:
         def bad(name: str, limit: str, value: object) -> ValueError:
             return ValueError(f"SamplingParams.{name} {limit}, got {value!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1", self.n)
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad("presence_penalty", "must be in [-2, 2]", self.presence_penalty)
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad("frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", "must be in (0, 2]", self.repetition_penalty)
-        if not (self.temperature >= 0.0) or self.temperature > 100.0:
-            raise bad("temperature", "must be in [0, 100]", self.temperature)
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be in (0, 1]", self.top_p)
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer", self.top_k)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", "must be in [0, 1]", self.min_p)
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer or None", self.seed)
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_real(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]", self.n)
+        for name, low, high in (
+            ("presence_penalty", -2.0, 2.0),
+            ("frequency_penalty", -2.0, 2.0),
+            ("temperature", 0.0, 100.0),
+            ("min_p", 0.0, 1.0),
         ):
+            value = getattr(self, name)
+            if not is_real(value) or not low <= value <= high:
+                raise bad(name, f"must be a number in [{low:g}, {high:g}]", value)
+        if not is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", "must be a number in (0, 2]", self.repetition_penalty)
+        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be a number in (0, 1]", self.top_p)
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer", self.top_k)
+        # Completion i of n draws from seed + i: all of them must be valid 64-bit seeds.
+        if self.seed is not None and (
+            not is_int(self.seed) or not -(2**63) <= self.seed <= 2**63 - self.n
+        ):
+            raise bad("seed", "must be an integer in [-2**63, 2**63 - n] or None", self.seed)
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1", self.max_tokens)
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "must contain only non-empty strings", s)
         for t in self.stop_token_ids:
-            if not isinstance(t, int) or t < 0:
+            if not is_int(t) or t < 0:
                 raise bad("stop_token_ids", "must contain only non-negative integers", t)
 
     @property

@@ -73,6 +73,9 @@ class LLMEngine:
             child_request_id(request_id, index, params.n): child
             for index, child in enumerate(self.input_processor.child_params(params))
         }
+        taken = next((c for c in children if self.output_processor.has_request(c)), None)
+        if taken is not None:
+            raise ValueError(f"request_id {request_id!r} collides with request {taken!r}")
         self.output_processor.add_request(request_id, text, token_ids, children, arrival_time)
         eos = self.input_processor.eos_for(params)
         for child_id, child in children.items():

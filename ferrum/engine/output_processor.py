@@ -79,7 +79,8 @@ class OutputProcessor:
             self._parent_of[child_id] = parent
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._parents
+        """Whether the id is taken, as a request's or as one of its completions' internal id."""
+        return request_id in self._parents or request_id in self._parent_of
 
     def child_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
@@ -110,12 +111,14 @@ class OutputProcessor:
             self._add_logprobs(child, core_output.logprobs)
             stop_terminated = core_output.finish_reason == "stop"
             stop_string = child.detokenizer.update(core_output.new_token_ids, stop_terminated)
-            if core_output.finished:
+            if stop_string is not None:
+                # A stop string wins over the core's reason for the same token (e.g. "length").
+                child.finish_reason, child.stop_reason = "stop", stop_string
+                if not core_output.finished:
+                    stopped_by_string.append(core_output.req_id)
+            elif core_output.finished:
                 child.finish_reason = core_output.finish_reason
                 child.stop_reason = core_output.stop_reason
-            elif stop_string is not None:
-                child.finish_reason, child.stop_reason = "stop", stop_string
-                stopped_by_string.append(core_output.req_id)
             changed[parent.request_id] = parent
         outputs = [
             self._make_output(parent, now)

@@ -175,7 +175,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except (TypeError, UnicodeEncodeError) as e:
+            # e.g. a lone surrogate such as "\udcff", which JSON allows and UTF-8 does not.
+            raise ValueError(f"text is not valid Unicode text: {e}") from e
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -81,6 +81,8 @@ class Scheduler:
         )
 
     def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"request_id {request.req_id!r} is already in use")
         self.check_request_fits(request.num_prompt_tokens, request.max_tokens)
         self.requests[request.req_id] = request
         self.waiting.append(request)

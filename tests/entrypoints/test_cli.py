@@ -60,7 +60,7 @@ def test_generate_with_the_shipped_model(capsys: pytest.CaptureFixture[str]) -> 
 def test_bad_flag_values_give_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["generate", "--prompt", "x", "--top-p", "2", "--device", "cpu"])
     assert code == 2
-    assert "SamplingParams.top_p must be in (0, 1]" in capsys.readouterr().err
+    assert "SamplingParams.top_p must be a number in (0, 1]" in capsys.readouterr().err
     code = main(["generate", "/nonexistent/model", "--device", "cpu"])
     assert code == 2
     assert "is not a local model folder" in capsys.readouterr().err

@@ -163,3 +163,47 @@ def test_shipped_model_greedy_equals_transformers(llm: LLM) -> None:
     # The trained model writes English words, not noise.
     words = " ".join(o.outputs[0].text for o in outputs).lower().split()
     assert sum(w in {"the", "a", "is", "to", "of", "table"} for w in words) >= 5
+
+
+def test_stop_string_completed_by_the_last_allowed_token(llm: LLM) -> None:
+    prompt = "The history of the"
+    text = llm.generate(prompt, greedy(max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    text = text.outputs[0].text
+    stop = text[-4:]
+    out = llm.generate(prompt, greedy(max_tokens=12, stop=stop), use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (
+        text[: text.index(stop)],
+        "stop",
+        stop,
+    )
+
+
+def test_request_ids_cannot_collide_with_completion_ids(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request("x", "Hello", SamplingParams(n=2, max_tokens=2, seed=1))
+    with pytest.raises(ValueError, match="collides|already in use"):
+        engine.add_request("0#x", "Hello", SamplingParams(max_tokens=2))
+    engine.abort_request("x")
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"n": True},
+        {"logprobs": 2.5},
+        {"temperature": "1"},
+        {"seed": 2**70},
+        {"seed": 2**63 - 1, "n": 2},
+        {"n": 10**8},
+        {"max_tokens": True},
+    ],
+)
+def test_sampling_params_reject_wrong_types_and_ranges(kwargs) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{next(iter(kwargs))} "):
+        SamplingParams(**kwargs)
+
+
+def test_text_that_is_not_valid_unicode_is_a_value_error(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.generate("bad \udcff text", greedy(max_tokens=2), use_tqdm=False)

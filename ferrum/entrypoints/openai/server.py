@@ -67,7 +67,20 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 _STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "The response, or with stream=true a server-sent event stream",
-        "content": {"text/event-stream": {"schema": {"type": "string"}}},
+        # Each server-sent event: `data` holds one JSON chunk, or "[DONE]" at the end.
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {
+                        "data": {"type": "string"},
+                        "event": {"type": "string"},
+                        "id": {"type": "string"},
+                    },
+                }
+            }
+        },
     }
 }
 
