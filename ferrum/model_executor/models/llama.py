@@ -77,6 +77,9 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, hidden_size, o_bias)
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
+        # Per-head RMSNorm of q and k before RoPE (Qwen3 sets them).
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
 
     def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, hidden] -> q [T, num_heads, D], k and v [T, num_kv_heads, D] (before RoPE)."""
@@ -96,7 +99,9 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(hidden)
-        out = self.attn.forward_with_rope(q, k, v, cos, sin, attn_metadata)
+        out = self.attn.forward_with_rope(
+            q, k, v, cos, sin, attn_metadata, q_norm=self.q_norm, k_norm=self.k_norm
+        )
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 

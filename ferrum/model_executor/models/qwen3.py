@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import torch
 from torch import nn
 
 from ferrum.config import ModelConfig
@@ -17,9 +14,6 @@ from ferrum.model_executor.models.llama import (
     required,
 )
 
-if TYPE_CHECKING:
-    from ferrum.model_executor.attention_metadata import AttentionMetadata
-
 
 class Qwen3Attention(LlamaAttention):
     def __init__(self, model_config: ModelConfig) -> None:
@@ -29,19 +23,6 @@ class Qwen3Attention(LlamaAttention):
         eps = float(hf.get("rms_norm_eps", 1e-6))
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        q, k, v = self.project_qkv(hidden)
-        out = self.attn.forward_with_rope(
-            q, k, v, cos, sin, attn_metadata, q_norm=self.q_norm, k_norm=self.k_norm
-        )
-        return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
