@@ -15,8 +15,8 @@ from typing import Any
 
 from ferrum.config import EngineConfig
 from ferrum.engine.arg_utils import EngineArgs
-from ferrum.engine.core import EngineCoreOutput, SchedulerStats
 from ferrum.engine.core_client import CoreInfo, EngineCoreClient
+from ferrum.engine.core_output import EngineCoreOutput, SchedulerStats
 from ferrum.engine.input_processor import InputProcessor, PromptType
 from ferrum.engine.llm_engine import load_tokenizer, resolve_eos_token_ids
 from ferrum.engine.output_processor import OutputProcessor, child_request_id

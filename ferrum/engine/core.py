@@ -8,46 +8,18 @@ device busy while the front end handles HTTP and text.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from ferrum.config import EngineConfig
+from ferrum.engine.core_output import EngineCoreOutput, SchedulerStats
 from ferrum.engine.request import Request, RequestStatus
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.logger import init_logger
 from ferrum.model_executor.model_runner import ModelRunner
-from ferrum.scheduler.output import Logprobs
 from ferrum.scheduler.scheduler import Scheduler
 
 logger = init_logger(__name__)
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """One request's progress in one step."""
-
-    req_id: str
-    new_token_ids: list[int]
-    # "stop" / "length" / "abort" once finished by the core, else None.
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: Logprobs | None = None
-    num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 class EngineCore:

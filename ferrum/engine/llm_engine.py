@@ -7,7 +7,8 @@ import time
 
 from ferrum.config import EngineConfig
 from ferrum.engine.arg_utils import EngineArgs
-from ferrum.engine.core import EngineCore, SchedulerStats
+from ferrum.engine.core import EngineCore
+from ferrum.engine.core_output import SchedulerStats
 from ferrum.engine.input_processor import InputProcessor, PromptType
 from ferrum.engine.output_processor import OutputProcessor, child_request_id
 from ferrum.engine.request import Request, RequestStatus

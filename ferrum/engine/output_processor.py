@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ferrum.engine.core import EngineCoreOutput
+from ferrum.engine.core_output import EngineCoreOutput
 from ferrum.engine.detokenizer import IncrementalDetokenizer
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
