@@ -111,6 +111,8 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "must contain only non-empty strings", s)
+        if self.stop and not self.detokenize:
+            raise bad("stop", "strings need detokenize=True", self.stop)
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0:
                 raise bad("stop_token_ids", "must contain only non-negative integers", t)

@@ -59,6 +59,8 @@ class InputProcessor:
     def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """A copy with max_tokens=None resolved and the model's EOS ids; checks length limits."""
         params = params.clone()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True)")
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - num_prompt_tokens
             if params.max_tokens < 1:

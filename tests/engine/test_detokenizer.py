@@ -191,9 +191,11 @@ def test_min_tokens_delays_stop_strings(tok: Tokenizer) -> None:
 
 def test_no_tokenizer_or_detokenize_false_keeps_text_empty(tok: Tokenizer) -> None:
     ids = tok.encode("STOP now")
+    with pytest.raises(ValueError, match="SamplingParams.stop strings need detokenize=True"):
+        SamplingParams(stop=["STOP"], detokenize=False)
     for detok in (
         IncrementalDetokenizer(None, [1, 2], SamplingParams(stop=["STOP"])),
-        IncrementalDetokenizer(tok, [1, 2], SamplingParams(stop=["STOP"], detokenize=False)),
+        IncrementalDetokenizer(tok, [1, 2], SamplingParams(detokenize=False)),
     ):
         assert detok.update(ids, stop_terminated=False) is None
         assert detok.update([5], stop_terminated=True) is None

@@ -207,3 +207,9 @@ def test_sampling_params_reject_wrong_types_and_ranges(kwargs) -> None:
 def test_text_that_is_not_valid_unicode_is_a_value_error(llm: LLM) -> None:
     with pytest.raises(ValueError, match="not valid Unicode"):
         llm.generate("bad \udcff text", greedy(max_tokens=2), use_tqdm=False)
+
+
+def test_stop_strings_without_a_tokenizer_are_rejected(tiny_checkpoint) -> None:
+    llm = LLM(tiny_checkpoint("qwen3"), skip_tokenizer_init=True, device="cpu", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(stop="x"), use_tqdm=False)
