@@ -9,14 +9,10 @@ import sys
 from ferrum.default_model import DEFAULT_MODEL_DIR
 
 
-def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+def _add_generate_sampling_args(parser: argparse.ArgumentParser) -> None:
+    from ferrum.entrypoints.sampling_args import add_sampling_args
+
+    add_sampling_args(parser, "default 64; other values default to greedy decoding")
     parser.add_argument("--n", type=int, default=1, help="completions per prompt")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
@@ -25,19 +21,14 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from ferrum import LLM, SamplingParams
     from ferrum.engine.arg_utils import EngineArgs
+    from ferrum.entrypoints.sampling_args import sampling_overrides
 
     engine_args = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR)
     params = SamplingParams(
         n=args.n,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.sampling_seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        **({"max_tokens": 64, "temperature": 0.0} | sampling_overrides(args)),
     )
     prompts = args.prompt or ["The"]
     llm = LLM(**vars(engine_args))
@@ -107,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(generate)
     generate.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     generate.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    _add_sampling_args(generate)
+    _add_generate_sampling_args(generate)
     generate.set_defaults(handler=_generate)
     serve = commands.add_parser(
         "serve",

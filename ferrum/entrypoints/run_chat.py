@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.engine.arg_utils import EngineArgs
+from ferrum.entrypoints.sampling_args import add_sampling_args, sampling_overrides
 from ferrum.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -29,18 +30,9 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
     parser.add_argument("prompt", nargs="?", default=None, help="answer this once and exit")
     parser.add_argument("--system", default=None, help="system message of the conversation")
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help="most tokens per reply (default: the model's, capped by the context left)",
+    add_sampling_args(
+        parser, "defaults: the context left, and the model's generation_config.json values"
     )
-    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--min-p", type=float, default=None)
-    parser.add_argument("--repetition-penalty", type=float, default=None)
-    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
 
 
 class ChatSession:
@@ -103,16 +95,7 @@ def default_params(engine: LLMEngine, args: argparse.Namespace) -> SamplingParam
     """The model's generation_config.json values, overridden by the flags given."""
     values: dict[str, Any] = engine.config.model_config.default_sampling_kwargs()
     values["max_tokens"] = None
-    overrides = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty,
-        "seed": args.sampling_seed,
-    }
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    values.update(sampling_overrides(args))
     return SamplingParams(**values)
 
 
