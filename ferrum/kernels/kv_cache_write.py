@@ -55,6 +55,37 @@ def _write_kv_cache_kernel(
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def check_cache_args(
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_tokens: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Raises ValueError unless kv_cache is [2, blocks, block_size, num_kv_heads, head_dim] float
+    with unit last stride and slot_mapping is contiguous int64 [num_tokens]."""
+    if (
+        kv_cache.dim() != 5
+        or kv_cache.shape[0] != 2
+        or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim)
+        or kv_cache.stride(-1) != 1
+        or kv_cache.dtype not in _FLOAT_DTYPES
+    ):
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] float with "
+            f"stride(-1) == 1, got {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
+        )
+    if (
+        slot_mapping.shape != (num_tokens,)
+        or slot_mapping.dtype != torch.int64
+        or not slot_mapping.is_contiguous()
+    ):
+        raise ValueError(
+            f"slot_mapping must be contiguous int64 of shape [{num_tokens}] (num_tokens), got "
+            f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}"
+        )
+
+
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -72,26 +103,7 @@ def write_kv_cache(
             f"value must match key ({tuple(key.shape)}, {key.dtype}) with stride(-1) == 1, got "
             f"{tuple(value.shape)} {value.dtype}"
         )
-    if (
-        kv_cache.dim() != 5
-        or kv_cache.shape[0] != 2
-        or tuple(kv_cache.shape[3:]) != tuple(key.shape[1:])
-        or kv_cache.stride(-1) != 1
-        or kv_cache.dtype not in _FLOAT_DTYPES
-    ):
-        raise ValueError(
-            f"kv_cache must be [2, num_blocks, block_size, {key.shape[1]}, {key.shape[2]}] float "
-            f"with stride(-1) == 1, got {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
-        )
-    if (
-        slot_mapping.shape != (key.shape[0],)
-        or slot_mapping.dtype != torch.int64
-        or not slot_mapping.is_contiguous()
-    ):
-        raise ValueError(
-            f"slot_mapping must be contiguous int64 of shape [{key.shape[0]}] (num_tokens), got "
-            f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}"
-        )
+    check_cache_args(kv_cache, slot_mapping, *key.shape)
     for t in (value, kv_cache, slot_mapping):
         if t.device != key.device:
             raise ValueError(f"all tensors must be on {key.device}, got one on {t.device}")

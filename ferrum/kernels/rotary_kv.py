@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels.kv_cache_write import check_cache_args
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 512
 
@@ -229,26 +231,7 @@ def rotary_kv(
             f"cos and sin must have equal rows, >= num_tokens ({num_tokens}) when positions is "
             f"None, got {cos.shape[0]} and {sin.shape[0]}"
         )
-    if (
-        kv_cache.dim() != 5
-        or kv_cache.shape[0] != 2
-        or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim)
-        or kv_cache.stride(-1) != 1
-        or kv_cache.dtype not in _FLOAT_DTYPES
-    ):
-        raise ValueError(
-            f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] float with "
-            f"stride(-1) == 1, got {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
-        )
-    if (
-        slot_mapping.shape != (num_tokens,)
-        or slot_mapping.dtype != torch.int64
-        or not slot_mapping.is_contiguous()
-    ):
-        raise ValueError(
-            f"slot_mapping must be contiguous int64 of shape [{num_tokens}] (num_tokens), got "
-            f"{tuple(slot_mapping.shape)} {slot_mapping.dtype}"
-        )
+    check_cache_args(kv_cache, slot_mapping, num_tokens, num_kv_heads, head_dim)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight must be given together")
     has_norm = q_norm_weight is not None
