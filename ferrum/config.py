@@ -197,6 +197,8 @@ class SchedulerConfig:
     max_model_len: int
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # Schedule step N+1 while the device runs step N (its tokens reach the host one step later).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:

@@ -39,6 +39,8 @@ _HELP = {
     "seed": "seed of the engine's random generator (unseeded requests draw from it)",
     "kernel_backend": "auto (Triton on CUDA, torch elsewhere), torch, or triton",
     "enforce_eager": "never capture CUDA graphs",
+    "async_scheduling": "schedule the next step while the device runs the current one "
+    "(default: on with CUDA)",
 }
 
 
@@ -61,6 +63,7 @@ class EngineArgs:
     seed: int = 0
     kernel_backend: str = "auto"
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
         model_config = ModelConfig.from_args(
@@ -72,6 +75,10 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             seed=self.seed,
         )
+        device = self.device or _default_device()
+        async_scheduling = self.async_scheduling
+        if async_scheduling is None:
+            async_scheduling = device.startswith("cuda")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -85,9 +92,10 @@ class EngineArgs:
                 max_model_len=model_config.max_model_len,
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
+                async_scheduling=async_scheduling,
             ),
             device_config=DeviceConfig(
-                device=self.device or _default_device(),
+                device=device,
                 kernel_backend=self.kernel_backend,
                 enforce_eager=self.enforce_eager,
             ),
@@ -105,7 +113,7 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": _HELP[f.name]}
-            if f.type == "bool":
+            if f.type in ("bool", "bool | None"):
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["type"] = _parse_type(f.type)

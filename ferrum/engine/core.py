@@ -8,6 +8,7 @@ device busy while the front end handles HTTP and text.
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -16,7 +17,8 @@ from ferrum.engine.core_output import EngineCoreOutput, SchedulerStats
 from ferrum.engine.request import Request, RequestStatus
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.logger import init_logger
-from ferrum.model_executor.model_runner import ModelRunner
+from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
+from ferrum.scheduler.output import SchedulerOutput
 from ferrum.scheduler.scheduler import Scheduler
 
 logger = init_logger(__name__)
@@ -38,10 +40,16 @@ class EngineCore:
             num_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        self.async_scheduling = config.scheduler_config.async_scheduling
+        # Launched steps not completed yet, oldest first (at most one between calls of `step`).
+        self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()
+        # Outputs of completed steps not yet returned by `step`.
+        self._completed_outputs: list[EngineCoreOutput] = []
         self.startup_seconds = time.perf_counter() - start
         logger.info(
             "engine core ready in %.2f s (model load %.2f s, KV cache sizing %.2f s, warm-up and "
-            "CUDA graphs %.2f s): %s on %s, %s, %s kernels, %d KV blocks of %d tokens",
+            "CUDA graphs %.2f s): %s on %s, %s, %s kernels, %d KV blocks of %d tokens, %s "
+            "scheduling",
             self.startup_seconds,
             loaded - start,
             sized - loaded,
@@ -52,6 +60,7 @@ class EngineCore:
             self.runner.kernel_backend,
             self.kv_cache_manager.num_usable_blocks,
             config.cache_config.block_size,
+            "async" if config.scheduler_config.async_scheduling else "synchronous",
         )
 
     def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -67,23 +76,56 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests still running or waiting, or outputs not yet returned by `step`."""
+        return self.scheduler.has_unfinished_requests() or bool(self._completed_outputs)
 
     def step(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
+        """Schedules and launches one step; returns the outputs of the steps completed meanwhile.
+
+        Synchronous: that is the step just launched. Async scheduling: the step launched by the
+        previous call, completed after this one is queued, so the host schedules and processes
+        outputs while the device computes. Outputs then lag one call; a step launched when
+        nothing was left to run completes (with no outputs) on the next call. Outputs of steps
+        completed before an exception are returned by the next call.
+        """
+        if self._in_flight and (not self.async_scheduling or self.scheduler.needs_host_history()):
+            self._complete_oldest()
         # An empty step still tells the runner which requests finished.
+        scheduler_output = self.scheduler.schedule()
         try:
-            runner_output = self.runner.execute_model(scheduler_output)
+            launched = self.runner.launch(scheduler_output)
         except BaseException:
-            self.scheduler.recover_from_failed_step(scheduler_output)
+            try:
+                while self._in_flight:  # launched before the failure: may be intact
+                    self._complete_oldest()
+            finally:
+                self.scheduler.recover_from_failed_step(scheduler_output)
             raise
+        self._in_flight.append((scheduler_output, launched))
+        if not self.async_scheduling or len(self._in_flight) > 1:
+            self._complete_oldest()
+        outputs, self._completed_outputs = self._completed_outputs, []
+        return outputs
+
+    def _complete_oldest(self) -> None:
+        """Waits for the oldest launched step and applies its tokens. If the device failed, every
+        launched step's work is lost and their requests are requeued."""
+        scheduler_output, launched = self._in_flight[0]
+        try:
+            runner_output = self.runner.complete(launched)
+        except BaseException:
+            for failed, _ in self._in_flight:
+                self.scheduler.recover_from_failed_step(failed)
+            self._in_flight.clear()
+            raise
+        self._in_flight.popleft()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         logprobs = (
             dict(zip(runner_output.req_ids, runner_output.logprobs))
             if runner_output.logprobs is not None
             else {}
         )
-        return [
+        self._completed_outputs.extend(
             EngineCoreOutput(
                 req_id=u.request.req_id,
                 new_token_ids=u.new_token_ids,
@@ -93,7 +135,7 @@ class EngineCore:
                 num_cached_tokens=max(u.request.num_cached_tokens, 0),
             )
             for u in updates
-        ]
+        )
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

@@ -232,12 +232,12 @@ def _busy_loop(core: Any, inbox: Connection, outbox: Connection) -> None:
 
 
 def _inject_forward_fault(core: Any, fail_at: int) -> None:
-    """Makes the runner's `fail_at`-th non-empty forward raise (FERRUM_DEBUG_FAIL_FORWARD)."""
+    """Makes the runner's `fail_at`-th non-empty step launch raise (FERRUM_DEBUG_FAIL_FORWARD)."""
     runner = core.runner
-    execute_model = runner.execute_model
+    launch = runner.launch
     count = 0
 
-    def failing_execute_model(scheduler_output: Any) -> Any:
+    def failing_launch(scheduler_output: Any) -> Any:
         nonlocal count
         if not scheduler_output.is_empty:
             count += 1
@@ -245,7 +245,7 @@ def _inject_forward_fault(core: Any, fail_at: int) -> None:
                 raise RuntimeError(
                     f"injected fault in forward {fail_at} (FERRUM_DEBUG_FAIL_FORWARD)"
                 )
-        return execute_model(scheduler_output)
+        return launch(scheduler_output)
 
-    runner.execute_model = failing_execute_model
+    runner.launch = failing_launch
     logger.warning("FERRUM_DEBUG_FAIL_FORWARD=%d: forward %d will raise", fail_at, fail_at)

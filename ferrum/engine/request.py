@@ -36,8 +36,11 @@ _FINISH_REASONS = {
 class Request:
     """One sequence: its tokens, how many of them are in the KV cache, and its status.
 
-    Invariant: `num_computed_tokens <= num_tokens`; the tokens in `[num_computed_tokens,
-    num_tokens)` still have to go through a forward before the next token can be sampled.
+    Invariant: `num_computed_tokens <= num_tokens + num_output_placeholders`. The tokens in
+    `[num_computed_tokens, num_tokens)` still have to go through a forward before the next token
+    can be sampled. A placeholder is an output token that a launched step samples but whose value
+    the scheduler has not seen yet: with async scheduling the next step is scheduled (and its
+    input read on the device) before the previous step's tokens reach the host.
     """
 
     __slots__ = (
@@ -51,6 +54,7 @@ class Request:
         "status",
         "num_computed_tokens",
         "num_cached_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "block_hashes",
         "stop_reason",
@@ -75,6 +79,8 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at first admission (-1: not admitted yet).
         self.num_cached_tokens = -1
+        # Tokens sampled by launched steps whose values have not been appended yet (0, 1 or 2).
+        self.num_output_placeholders = 0
         self.num_preemptions = 0
         # Chained hashes of the full blocks of `all_token_ids`, extended by the KV manager.
         self.block_hashes: list[int] = []

@@ -7,6 +7,7 @@ released, tail first, when the request finishes or is preempted.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from ferrum.engine.request import Request
@@ -35,18 +36,25 @@ class KVCacheManager:
         # Tokens looked up in / served from the prefix cache (first lookup per admission).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # Blocks registered in the prefix cache since `begin_step`: their KV is only written by
-        # that step's forward, so a failed step must take them back out.
-        self._step_cached_block_ids: list[int] = []
+        # Blocks registered in the prefix cache by each step begun and not yet ended, oldest
+        # first: their KV is only written by that step's forward, so a failed step must take them
+        # back out. With async scheduling two steps can be unfinished at once.
+        self._unfinished_steps: deque[list[int]] = deque()
 
     def begin_step(self) -> None:
-        self._step_cached_block_ids.clear()
+        self._unfinished_steps.append([])
+
+    def end_step(self) -> None:
+        """The oldest unfinished step's forward completed: its cache entries hold real KV."""
+        if self._unfinished_steps:
+            self._unfinished_steps.popleft()
 
     def discard_step_cache(self) -> None:
-        """Uncaches the blocks registered since `begin_step` (their forward did not finish)."""
-        for block_id in self._step_cached_block_ids:
-            self.block_pool.uncache(block_id)
-        self._step_cached_block_ids.clear()
+        """Uncaches the blocks registered by every unfinished step (their forward failed)."""
+        for block_ids in self._unfinished_steps:
+            for block_id in block_ids:
+                self.block_pool.uncache(block_id)
+        self._unfinished_steps.clear()
 
     @property
     def num_usable_blocks(self) -> int:
@@ -209,5 +217,5 @@ class KVCacheManager:
                 token_ids[i * size : (i + 1) * size],
             )
             state.entry_ids.append(parent_entry_id)
-            if self.block_pool.entry(block_id) is not None:
-                self._step_cached_block_ids.append(block_id)
+            if self._unfinished_steps and self.block_pool.entry(block_id) is not None:
+                self._unfinished_steps[-1].append(block_id)

@@ -7,12 +7,15 @@
   smallest captured token count >= L. Tokens past L belong to no request: their KV goes to slot 0
   and attention leaves their rows unwritten; no op mixes rows, so they never touch real tokens.
 
-The graphs read static input buffers owned by this object, filled by two host->device copies.
+The graphs read static input buffers owned by this object, filled by two host->device copies
+from pinned host buffers. With async scheduling the host prepares step N+1 while step N's copies
+may still be queued, so the host buffers alternate between two sets.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -62,11 +65,12 @@ class CUDAGraphRunner:
         # int64 [input_ids, positions, slot_mapping] x n tokens, and int32 [query_start_loc of the
         # prefill graphs (2, padded to 4 for alignment) | seq_lens (rows) | block_tables].
         self._tokens = torch.zeros(3, n, dtype=torch.int64, device=device)
-        self._tokens_host = torch.zeros(3, n, dtype=torch.int64).pin_memory()
+        self._tokens_host = [torch.zeros(3, n, dtype=torch.int64).pin_memory() for _ in range(2)]
         rows = max_batch_size
         size = _HEADER + rows * (1 + width)
         self._ints = torch.zeros(size, dtype=torch.int32, device=device)
-        self._ints_host = torch.zeros(size, dtype=torch.int32).pin_memory()
+        self._ints_host = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._num_runs = 0
         self.input_ids, self.positions, self.slot_mapping = self._tokens
         self.prefill_query_start_loc = self._ints[:2]
         self.seq_lens = self._ints[_HEADER : _HEADER + rows]
@@ -145,21 +149,27 @@ class CUDAGraphRunner:
         slot_mapping: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
+        fill_input_ids: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """Replays a graph for a decode-only batch (one token per row of seq_lens) or for one
-        request's chunk (len(seq_lens) == 1); returns the hidden states of the real tokens."""
+        request's chunk (len(seq_lens) == 1); returns the hidden states of the real tokens.
+        `fill_input_ids` may write device-side tokens into the input ids before the replay."""
         num_tokens, num_reqs = len(input_ids), len(seq_lens)
         decode = num_tokens == num_reqs
         size = self.decode_size(num_reqs) if decode else self.prefill_size(num_tokens)
         assert size is not None and (decode or num_reqs == 1)
         rows = self._num_rows
         width = self.block_tables.shape[1]
-        tokens = self._tokens_host.numpy()
+        # Two runs back, the previous user of this host buffer set has completed its copies.
+        tokens_host = self._tokens_host[self._num_runs % 2]
+        ints_host = self._ints_host[self._num_runs % 2]
+        self._num_runs += 1
+        tokens = tokens_host.numpy()
         tokens[0, :num_tokens] = input_ids
         tokens[1, :num_tokens] = positions
         tokens[2, :num_tokens] = slot_mapping
         tokens[:, num_tokens:size] = 0  # padding: token 0 at position 0, KV into slot 0
-        ints = self._ints_host.numpy()
+        ints = ints_host.numpy()
         ints[:2] = (0, num_tokens)
         ints[_HEADER : _HEADER + num_reqs] = seq_lens
         num_rows = size if decode else 1
@@ -169,8 +179,10 @@ class CUDAGraphRunner:
         tables[:num_reqs, : block_tables.shape[1]] = block_tables
         tables[num_reqs:num_rows, 0] = 0
         used = _HEADER + rows + num_rows * width
-        self._tokens.copy_(self._tokens_host, non_blocking=True)
-        self._ints[:used].copy_(self._ints_host[:used], non_blocking=True)
+        self._tokens.copy_(tokens_host, non_blocking=True)
+        self._ints[:used].copy_(ints_host[:used], non_blocking=True)
+        if fill_input_ids is not None:
+            fill_input_ids(self.input_ids[:num_tokens])
         key = ("decode" if decode else "prefill", size)
         self.graphs[key].replay()
         return self.outputs[key][:num_tokens]

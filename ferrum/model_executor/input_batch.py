@@ -20,6 +20,8 @@ class RequestTokens(Protocol):
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    # Sampled by launched steps, not yet in token_ids: they follow it, in launch order.
+    num_pending_tokens: int
 
 
 @dataclass(slots=True)
@@ -35,6 +37,10 @@ class HostBatch:
     # Flat indices of the tokens whose logits are sampled, and the requests they belong to.
     logits_indices: list[int]
     sampled_req_ids: list[str]
+    # Flat indices of input tokens not yet on the host (sampled by the previous launched step,
+    # input_ids holds 0 there), and their requests: filled on the device before the forward.
+    placeholder_indices: list[int]
+    placeholder_req_ids: list[str]
 
     @property
     def num_reqs(self) -> int:
@@ -59,7 +65,10 @@ def build_host_batch(
     num_tokens: int,
     block_size: int,
 ) -> HostBatch:
-    """Request i's tokens [computed, computed + scheduled) in scheduling order, with their slots."""
+    """Request i's tokens [computed, computed + scheduled) in scheduling order, with their slots.
+
+    A decode whose input is its pending token (the one the previous launched step samples) gets
+    a placeholder; prompt chunks only ever cover known tokens."""
     req_ids = list(num_scheduled_tokens)
     num_reqs = len(req_ids)
     input_ids = np.empty(num_tokens, dtype=np.int64)
@@ -71,6 +80,8 @@ def build_host_batch(
     block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
     logits_indices: list[int] = []
     sampled_req_ids: list[str] = []
+    placeholder_indices: list[int] = []
+    placeholder_req_ids: list[str] = []
     offset = 0
     for i, req_id in enumerate(req_ids):
         state = requests[req_id]
@@ -79,11 +90,19 @@ def build_host_batch(
         end = start + n
         block_ids = state.block_ids
         block_tables[i, : len(block_ids)] = block_ids
+        num_known = len(state.token_ids)
         if n == 1:  # the decode fast path: plain ints, no temporary arrays
-            input_ids[offset] = state.token_ids[start]
+            if start < num_known:
+                input_ids[offset] = state.token_ids[start]
+            else:
+                assert start == num_known and state.num_pending_tokens, (req_id, start)
+                input_ids[offset] = 0
+                placeholder_indices.append(offset)
+                placeholder_req_ids.append(req_id)
             positions[offset] = start
             slot_mapping[offset] = block_ids[start // block_size] * block_size + start % block_size
         else:
+            assert end <= num_known, (req_id, end, num_known)
             input_ids[offset : offset + n] = state.token_ids[start:end]
             pos = np.arange(start, end, dtype=np.int64)
             positions[offset : offset + n] = pos
@@ -94,7 +113,7 @@ def build_host_batch(
         offset += n
         query_start_loc[i + 1] = offset
         seq_lens[i] = end
-        if end == len(state.token_ids):
+        if end == num_known + state.num_pending_tokens:
             logits_indices.append(offset - 1)
             sampled_req_ids.append(req_id)
     return HostBatch(
@@ -108,6 +127,8 @@ def build_host_batch(
         max_query_len=max(num_scheduled_tokens.values()),
         logits_indices=logits_indices,
         sampled_req_ids=sampled_req_ids,
+        placeholder_indices=placeholder_indices,
+        placeholder_req_ids=placeholder_req_ids,
     )
 
 
@@ -165,4 +186,6 @@ def profile_batch(seq_lens: list[int], block_size: int) -> HostBatch:
         max_query_len=max(seq_lens),
         logits_indices=[],
         sampled_req_ids=[],
+        placeholder_indices=[],
+        placeholder_req_ids=[],
     )

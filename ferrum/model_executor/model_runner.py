@@ -32,7 +32,7 @@ from ferrum.model_executor.model_loader import load_model
 from ferrum.model_executor.sampler import Sampler, SamplerOutput
 from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow
 from ferrum.sampling_params import SamplingParams
-from ferrum.scheduler.output import Logprobs, ModelRunnerOutput, SchedulerOutput
+from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = init_logger(__name__)
 _GIB = float(1 << 30)
@@ -54,6 +54,8 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    # Sampled by launched steps and not yet completed (appended to token_ids on completion).
+    num_pending_tokens: int = 0
 
 
 class ModelRunner:
@@ -76,20 +78,27 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded generators live from a request's first admission to its end, across preemptions.
         self._seeded_generators: dict[str, torch.Generator] = {}
+        # The latest launched step's sampled tokens (on the device) and each request's row there.
+        self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
+        self._last_sampled_rows: dict[str, int] = {}
 
     def _allocate_split_kv_workspace(self) -> Any:
         """Scratch for the split-KV decode kernel on CUDA, sized once for the whole run."""
         if self.kernel_backend != "triton" or self.device.type != "cuda":
             return None
-        from ferrum.kernels.paged_attention import allocate_split_kv_workspace
+        from ferrum.kernels.paged_attention import (
+            SPLIT_KV_MAX_PROGRAMS,
+            allocate_split_kv_workspace,
+        )
 
         model_config = self.config.model_config
-        return allocate_split_kv_workspace(
+        # Batches of at least SPLIT_KV_MAX_PROGRAMS / num_kv_heads requests take one pass.
+        max_num_seqs = min(
             self.config.scheduler_config.max_num_seqs,
-            model_config.num_attention_heads,
-            model_config.head_dim,
-            model_config.max_model_len,
-            self.device,
+            -(-SPLIT_KV_MAX_PROGRAMS // model_config.num_kv_heads),
+        )
+        return allocate_split_kv_workspace(
+            max_num_seqs, model_config.num_attention_heads, model_config.head_dim, self.device
         )
 
     def determine_num_kv_blocks(self) -> int:
@@ -263,6 +272,21 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
 
+    def _fill_placeholders(self, input_ids: torch.Tensor, batch: HostBatch) -> None:
+        """Writes each placeholder's token, sampled by the previous launched step, into the
+        device input ids (stream-ordered after that step's sampling: no host sync)."""
+        if not batch.placeholder_indices:
+            return
+        rows = [self._last_sampled_rows[r] for r in batch.placeholder_req_ids]
+        n = len(rows)
+        if batch.placeholder_indices[-1] == n - 1 and rows == list(range(n)):
+            # The steady decode batch: same requests, same order as the previous step.
+            input_ids[:n].copy_(self._last_sampled[:n])
+            return
+        index = np.array([batch.placeholder_indices, rows], dtype=np.int64)
+        index_dev = torch.from_numpy(index).to(self.device, non_blocking=True)
+        input_ids[index_dev[0]] = self._last_sampled[index_dev[1]]
+
     def _forward(self, batch: HostBatch) -> torch.Tensor:
         graphs = self.cuda_graphs
         if graphs is not None and (
@@ -275,15 +299,21 @@ class ModelRunner:
                 batch.slot_mapping,
                 np.asarray(batch.seq_lens, dtype=np.int32),
                 batch.block_tables,
+                fill_input_ids=lambda ids: self._fill_placeholders(ids, batch),
             )
         inputs = to_device_inputs(batch, self.device, self.split_kv_workspace)
+        self._fill_placeholders(inputs.input_ids, batch)
         return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Queues one step's forward and sampling on the device and the copy of its tokens to
+        the host, without waiting for any of it. Steps complete (`complete`) in launch order;
+        between the two, the next step may be launched: a decode whose input is this step's
+        token reads it on the device."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return LaunchedStep([], [], None, None)
         batch = build_host_batch(
             self.requests,
             scheduler_output.num_scheduled_tokens,
@@ -294,7 +324,7 @@ class ModelRunner:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += n
         if not batch.sampled_req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return LaunchedStep([], [], None, None)
 
         if len(batch.logits_indices) < hidden_states.shape[0]:
             indices = torch.tensor(batch.logits_indices, dtype=torch.int64)
@@ -308,35 +338,49 @@ class ModelRunner:
                 output_token_ids=s.output_token_ids,
                 generator=s.generator,
                 stop_token_ids=s.params.all_stop_token_ids,
+                num_pending_tokens=s.num_pending_tokens,
             )
             for s in states
         ]
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, self.device)
         sampler_output = self.sampler(logits, metadata, self.generator)
-        sampled = sampler_output.sampled_token_ids.tolist()
-        for state, token_id in zip(states, sampled):
+        self._last_sampled = sampler_output.sampled_token_ids
+        self._last_sampled_rows = {r: i for i, r in enumerate(batch.sampled_req_ids)}
+        for state in states:
+            state.num_pending_tokens += 1
+        host_output = sampler_output.start_copy_to_host()
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(batch.sampled_req_ids, states, host_output, done)
+
+    def complete(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Waits for a launched step's tokens and hands them to the host."""
+        if step.output is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        if step.done is not None:
+            step.done.synchronize()
+        sampled, logprobs = step.output.to_host([s.params.logprobs for s in step.states])
+        for state, token_id in zip(step.states, sampled):
+            state.num_pending_tokens -= 1
             state.output_token_ids.append(token_id)
             state.token_ids.append(token_id)
-        return ModelRunnerOutput(
-            req_ids=batch.sampled_req_ids,
-            sampled_token_ids=sampled,
-            logprobs=_logprobs_lists(states, sampler_output),
-        )
+        if logprobs is not None and all(lp is None for lp in logprobs):
+            logprobs = None
+        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, synchronously: launch and complete."""
+        return self.complete(self.launch(scheduler_output))
 
 
-def _logprobs_lists(
-    states: list[CachedRequestState], output: SamplerOutput
-) -> list[Logprobs | None] | None:
-    if output.logprobs is None or all(s.params.logprobs is None for s in states):
-        return None
-    token_ids = output.logprob_token_ids.tolist()
-    logprobs = output.logprobs.tolist()
-    ranks = output.sampled_ranks.tolist()
-    result: list[Logprobs | None] = []
-    for i, state in enumerate(states):
-        k = state.params.logprobs
-        if k is None:
-            result.append(None)
-            continue
-        result.append(Logprobs(token_ids[i][: k + 1], logprobs[i][: k + 1], ranks[i]))
-    return result
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step queued on the device: its sampled requests, in batch order, and the host copy of
+    its sampler output, valid once `done` (None on the CPU) has completed."""
+
+    req_ids: list[str]
+    states: list[CachedRequestState]
+    output: SamplerOutput | None
+    done: torch.cuda.Event | None

@@ -26,6 +26,23 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [N, k+1] float32
     sampled_ranks: torch.Tensor | None  # [N] int64, 1 = most likely under the raw logits
 
+    def start_copy_to_host(self) -> SamplerOutput:
+        """The same output in pinned host memory, copied without waiting for the device: read it
+        only after an event recorded behind the copies has completed."""
+
+        def copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
+            if tensor is None or tensor.device.type == "cpu":
+                return tensor
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=True)
+
+        return SamplerOutput(
+            copy(self.sampled_token_ids),
+            copy(self.logprob_token_ids),
+            copy(self.logprobs),
+            copy(self.sampled_ranks),
+        )
+
     def to_host(
         self, num_logprobs: Sequence[int | None]
     ) -> tuple[list[int], list[Logprobs | None] | None]:

@@ -135,7 +135,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._num_tokens_to_compute(request), budget)
             if num_new == 0:
                 index += 1  # nothing to compute until its next token is known
                 continue
@@ -194,7 +194,10 @@ class Scheduler:
             budget -= num_new
 
         for req_id, num_new in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens = computed_before[req_id] + num_new
+            request = self.requests[req_id]
+            request.num_computed_tokens = computed_before[req_id] + num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # this step samples its next token
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -208,9 +211,27 @@ class Scheduler:
         self._preempted_req_ids = set()
         return output
 
+    def _num_tokens_to_compute(self, request: Request) -> int:
+        """Tokens of a running request that a forward can take now: its known tokens and the one
+        a launched step is still sampling (read on the device), none once its length limit is
+        reached by the tokens already coming."""
+        coming = request.num_tokens + request.num_output_placeholders
+        if request.num_output_placeholders and (
+            request.num_output_tokens + request.num_output_placeholders >= request.max_tokens
+            or coming >= self.config.max_model_len
+        ):
+            return 0
+        return coming - request.num_computed_tokens
+
+    def needs_host_history(self) -> bool:
+        """True when a running request samples from its exact output history on the host
+        (penalties): the previous step's tokens must arrive before the next step is scheduled."""
+        return any(r.sampling_params.uses_penalties for r in self.running)
+
     def recover_from_failed_step(self, scheduler_output: SchedulerOutput) -> None:
-        """After a forward that did not finish: no KV of that step exists, so its new prefix-cache
-        entries are dropped and every request it scheduled is recomputed from scratch later."""
+        """After a forward that did not finish: no KV of that step exists, so the prefix-cache
+        entries of every unfinished step are dropped and every request it scheduled is recomputed
+        from scratch later."""
         self.kv_cache_manager.discard_step_cache()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -223,6 +244,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -230,16 +252,26 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
-        """Appends sampled tokens, applies token-level stop rules, frees finished requests."""
+        """Appends sampled tokens, applies token-level stop rules, frees finished requests.
+
+        Steps complete in launch order. A request preempted after its step was launched (async
+        scheduling) still takes the token: it is recomputed with it, as if sampled before."""
+        self.kv_cache_manager.end_step()
         updates = []
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if request is None:
+                continue  # finished or aborted while the step ran
+            if request.num_output_placeholders:  # 0 once preempted
+                request.num_output_placeholders -= 1
             request.append_output_token(token_id)
             status = self._check_stop(request, token_id)
             if status is not None:
-                self.running.remove(request)
+                if request.status == RequestStatus.RUNNING:
+                    self.running.remove(request)
+                else:
+                    self.waiting.remove(request)
+                    self._looked_up.discard(req_id)
                 self._free(request, status)
             updates.append(RequestUpdate(request, [token_id], status is not None))
         return updates

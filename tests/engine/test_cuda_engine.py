@@ -71,3 +71,22 @@ def test_memory_sizing_from_gpu_memory_utilization(tiny_checkpoint) -> None:
         {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=4), use_tqdm=False
     )
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_async_scheduling_equals_synchronous_with_graphs(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 12, 30, 3], seed=25)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12, logprobs=3),
+        SamplingParams(temperature=1.0, seed=8, max_tokens=9, min_tokens=3, stop_token_ids=[5]),
+        SamplingParams(temperature=0.8, seed=9, max_tokens=6, frequency_penalty=0.4),
+    ]
+    async_llm = cuda_llm(path, num_kv_blocks=64)
+    assert async_llm.llm_engine.core.async_scheduling  # the default with CUDA
+    sync_llm = cuda_llm(path, num_kv_blocks=64, async_scheduling=False)
+    got = async_llm.generate(prompts, params, use_tqdm=False)
+    expected = sync_llm.generate(prompts, params, use_tqdm=False)
+    for g, e in zip(got, expected):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids
+        assert g.outputs[0].logprobs == e.outputs[0].logprobs

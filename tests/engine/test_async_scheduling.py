@@ -1,0 +1,156 @@
+"""Async scheduling (step N+1 scheduled and launched before step N's tokens reach the host) gives
+the same tokens as the synchronous engine: greedy equals Hugging Face, seeded sampling, stop
+rules, penalties (which fall back to waiting), preemption and failures lose nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferrum import SamplingParams
+from tests.engine.test_hf_equivalence import MAX_TOKENS, greedy, make_llm, random_prompts
+from tests.tiny_checkpoints import hf_greedy
+
+
+def generate(llm, prompts, params) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_matches_hf_with_prefix_hits(tiny_checkpoint, arch: str) -> None:
+    path = tiny_checkpoint(arch)
+    prompts = random_prompts([5, 17, 2, 30], seed=1)
+    llm = make_llm(path, num_kv_blocks=128, async_scheduling=True)
+    assert llm.llm_engine.core.async_scheduling
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+    extended = [p + s for p, s in zip(prompts, random_prompts([3, 9, 6, 1], seed=2))]
+    assert greedy(llm, extended) == hf_greedy(path, extended, MAX_TOKENS)
+    assert llm.llm_engine.core.kv_cache_manager.usage == 0.0
+
+
+def test_chunked_prefill_and_preemption_match_hf(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    prompts = random_prompts([23, 9, 14, 3, 11], seed=3)
+    llm = make_llm(
+        path,
+        num_kv_blocks=17,
+        max_num_batched_tokens=7,
+        enable_prefix_caching=False,
+        async_scheduling=True,
+    )
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+    core = llm.llm_engine.core
+    assert core.scheduler.num_preemptions > 0
+    assert core.kv_cache_manager.usage == 0.0
+
+
+def test_sampling_and_stop_rules_match_synchronous(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    prompts = random_prompts([9, 4, 15], seed=7)
+    cases = [
+        # seeded random sampling with logprobs
+        SamplingParams(temperature=0.8, top_k=20, seed=11, max_tokens=9, logprobs=2),
+        # stop token ids and min_tokens (masked on the device with the pending token counted)
+        SamplingParams(
+            temperature=1.0, seed=3, max_tokens=12, min_tokens=4, stop_token_ids=[1, 2, 3, 5, 8]
+        ),
+        # penalties: the engine waits for each step's tokens before scheduling the next
+        SamplingParams(
+            temperature=0.7,
+            seed=5,
+            max_tokens=10,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            presence_penalty=0.2,
+        ),
+    ]
+    sync_llm = make_llm(path, num_kv_blocks=64, async_scheduling=False)
+    async_llm = make_llm(path, num_kv_blocks=64, async_scheduling=True)
+    for params in cases:
+        expected = sync_llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+        )
+        got = async_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for e, g in zip(expected, got):
+            assert g.outputs[0].token_ids == e.outputs[0].token_ids
+            assert g.outputs[0].finish_reason == e.outputs[0].finish_reason
+            assert g.outputs[0].logprobs == e.outputs[0].logprobs
+    assert async_llm.llm_engine.core.kv_cache_manager.usage == 0.0
+
+
+def test_requests_finishing_at_different_steps_lose_no_token(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    prompts = random_prompts([6, 11, 3, 8], seed=9)
+    llm = make_llm(path, num_kv_blocks=64, async_scheduling=True)
+    engine = llm.llm_engine
+    lengths = [1, 2, 5, 3]
+    for i, (prompt, n) in enumerate(zip(prompts, lengths)):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+    expected = [hf_greedy(path, [p], n)[0] for p, n in zip(prompts, lengths)]
+    assert [finished[str(i)] for i in range(4)] == expected
+    # No request ran past its max_tokens: nothing is left to free.
+    assert engine.core.kv_cache_manager.usage == 0.0
+
+
+def test_abort_while_a_step_is_in_flight(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    prompts = random_prompts([7, 12], seed=13)
+    llm = make_llm(path, num_kv_blocks=64, async_scheduling=True)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    engine.step()
+    engine.step()
+    engine.abort_request(["0"])
+    tokens = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.request_id == "1"
+            tokens = output.outputs[0].token_ids
+    assert tokens == hf_greedy(path, [prompts[1]], MAX_TOKENS)[0]
+    assert engine.core.kv_cache_manager.usage == 0.0
+
+
+def test_failed_launch_keeps_the_previous_steps_tokens(
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tiny_checkpoint("qwen3")
+    prompts = random_prompts([21, 13], seed=31)
+    llm = make_llm(path, num_kv_blocks=64, async_scheduling=True)
+    engine = llm.llm_engine
+    model = engine.core.runner.model
+    calls = {"n": 0}
+    real_forward = model.forward
+
+    def failing_forward(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("injected fault")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", failing_forward)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    tokens: dict[str, list[int]] = {}
+    failures = 0
+    while engine.has_unfinished_requests():
+        try:
+            outputs = engine.step()
+        except RuntimeError:
+            failures += 1
+            continue
+        for output in outputs:
+            tokens[output.request_id] = output.outputs[0].token_ids
+    assert failures == 1
+    assert [tokens["0"], tokens["1"]] == hf_greedy(path, prompts, MAX_TOKENS)
+    assert engine.core.kv_cache_manager.usage == 0.0
+    # Prefix-cache entries of the failed step were dropped: hits serve correct KV.
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
