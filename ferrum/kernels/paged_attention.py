@@ -7,9 +7,9 @@ Two attention paths, same math as `paged_attention_ref`:
 - unified: one launch for mixed batches (prompt chunks over a cached prefix plus decodes). A
   program owns one KV head group and a tile of one request's query tokens; its rows are
   (token, query head of the group) pairs, so each KV tile is loaded once per group.
-- split-KV (decode-only batches): the context is cut into partitions processed by separate
-  programs, which write unnormalised partial results to a caller-owned workspace; a second kernel
-  combines them with a log-sum-exp reduce.
+- split-KV (small decode-only batches): each request's context is cut into equal parts processed
+  by separate programs, which write unnormalised partial results to a caller-owned workspace; a
+  second kernel combines them with a log-sum-exp reduce.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from ferrum.kernels.kv_cache_write import write_kv_cache
 from ferrum.kernels.paged_attention_common import (
     _LOG2E,
     _NEG_BIG,
-    DEFAULT_PARTITION_SIZE,
     SPLIT_KV_MAX_PROGRAMS,
+    SPLIT_KV_MAX_SPLITS,
+    SPLIT_KV_MIN_SEQ_LEN,
     _attend_kv_range,
     _check_attention_args,
     _dot_precision,
@@ -31,16 +32,19 @@ from ferrum.kernels.paged_attention_common import (
 from ferrum.kernels.paged_attention_split_kv import (
     SplitKVWorkspace,
     allocate_split_kv_workspace,
+    default_num_splits,
     paged_attention_split_kv,
     split_kv_workspace_shapes,
     use_split_kv,
 )
 
 __all__ = [
-    "DEFAULT_PARTITION_SIZE",
     "SPLIT_KV_MAX_PROGRAMS",
+    "SPLIT_KV_MAX_SPLITS",
+    "SPLIT_KV_MIN_SEQ_LEN",
     "SplitKVWorkspace",
     "allocate_split_kv_workspace",
+    "default_num_splits",
     "paged_attention",
     "paged_attention_split_kv",
     "paged_attention_unified",

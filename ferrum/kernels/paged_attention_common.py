@@ -16,10 +16,14 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 # Max grid size along axes 1 and 2 of a CUDA launch.
 _MAX_GRID_YZ = 65535
-DEFAULT_PARTITION_SIZE = 512
 # Decode batches with fewer single-pass programs (num_reqs * num_kv_heads) than this split the
-# context across programs, so that small batches still fill the GPU's SMs.
+# context across programs, so that small batches still fill the GPU's SMs ...
 SPLIT_KV_MAX_PROGRAMS = 256
+# ... into about this many programs, at most SPLIT_KV_MAX_SPLITS parts per request ...
+SPLIT_KV_TARGET_PROGRAMS = 512
+SPLIT_KV_MAX_SPLITS = 32
+# ... unless no context can be longer than this (two key tiles: one pass is as fast).
+SPLIT_KV_MIN_SEQ_LEN = 128
 
 
 @triton.jit

@@ -1,8 +1,11 @@
 """Split-KV paged attention for decode-only batches over long contexts.
 
-The context of each request is cut into partitions processed by separate programs, which write
-unnormalised partial results to a caller-owned workspace; a second kernel combines them with a
-log-sum-exp reduce. Same math as `paged_attention_ref`.
+The context of each request is cut into `num_splits` equal ranges (rounded up to whole key tiles)
+processed by separate programs, which write unnormalised partial results to a caller-owned
+workspace; a second kernel combines them with a log-sum-exp reduce. The ranges follow each
+request's actual context length on the device, so the grid depends only on the batch shape (CUDA
+graph safe) and short contexts are split as finely as long ones. Same math as
+`paged_attention_ref`.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import triton.language as tl
 from ferrum.kernels.paged_attention_common import (
     _LOG2E,
     _NEG_BIG,
-    DEFAULT_PARTITION_SIZE,
     SPLIT_KV_MAX_PROGRAMS,
+    SPLIT_KV_MAX_SPLITS,
+    SPLIT_KV_MIN_SEQ_LEN,
+    SPLIT_KV_TARGET_PROGRAMS,
     _attend_kv_range,
     _check_attention_args,
     _dot_precision,
@@ -25,10 +30,16 @@ from ferrum.kernels.paged_attention_common import (
 
 
 @triton.jit
+def _split_length(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per part: seq_len / num_splits rounded up to whole BLOCK_N tiles."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
 def _paged_attention_split_kernel(
-    partial_out_ptr,  # [max_num_seqs, num_heads, max_partitions, head_dim] fp32
-    partial_max_ptr,  # [max_num_seqs, num_heads, max_partitions] fp32
-    partial_sum_ptr,  # [max_num_seqs, num_heads, max_partitions] fp32
+    partial_out_ptr,  # [max_num_seqs, num_heads, max_splits, head_dim] fp32
+    partial_max_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
+    partial_sum_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
     query_ptr,  # [num_reqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -46,28 +57,30 @@ def _paged_attention_split_kernel(
     stride_po_part,
     stride_pm_req,
     stride_pm_head,
+    num_splits,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Program (part, kv_head, req) of a decode batch (token i belongs to request i).
 
-    Attends the group's query heads to keys [part * P, min((part + 1) * P, seq_len)) and stores
-    acc = sum_k exp2(s_k - m) v_k, m = max_k s_k and l = sum_k exp2(s_k - m), with s the scores
-    scaled by scale * log2(e). Partitions past the context store nothing.
+    With C = _split_length(seq_len, num_splits, BLOCK_N), attends the group's query heads to keys
+    [part * C, min((part + 1) * C, seq_len)) and stores acc = sum_k exp2(s_k - m) v_k,
+    m = max_k s_k and l = sum_k exp2(s_k - m), with s the scores scaled by scale * log2(e).
+    Parts past the context store nothing.
     """
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    kv_lo = part * PARTITION_SIZE
+    length = _split_length(seq_len, num_splits, BLOCK_N)
+    kv_lo = part * length
     if kv_lo >= seq_len:
         return
-    kv_hi = tl.minimum(seq_len, kv_lo + PARTITION_SIZE)
+    kv_hi = tl.minimum(seq_len, kv_lo + length)
 
     rows = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -110,9 +123,9 @@ def _paged_attention_split_kernel(
 @triton.jit
 def _split_kv_reduce_kernel(
     out_ptr,  # [num_reqs, num_heads, head_dim]
-    partial_out_ptr,  # [max_num_seqs, num_heads, max_partitions, head_dim] fp32
-    partial_max_ptr,  # [max_num_seqs, num_heads, max_partitions] fp32
-    partial_sum_ptr,  # [max_num_seqs, num_heads, max_partitions] fp32
+    partial_out_ptr,  # [max_num_seqs, num_heads, max_splits, head_dim] fp32
+    partial_max_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
+    partial_sum_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
     seq_lens_ptr,  # [num_reqs] int32
     stride_o_tok,
     stride_o_head,
@@ -121,14 +134,16 @@ def _split_kv_reduce_kernel(
     stride_po_part,
     stride_pm_req,
     stride_pm_head,
+    num_splits,
     HEAD_DIM: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """Program (req, head): out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p, M = max_p m_p."""
+    """Program (req, head): out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p, M = max_p m_p,
+    over the parts inside the context."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
-    num_parts = tl.cdiv(seq_len, PARTITION_SIZE)
+    num_parts = tl.cdiv(seq_len, _split_length(seq_len, num_splits, BLOCK_N))
     pm_base = req.to(tl.int64) * stride_pm_req + head * stride_pm_head
     po_base = req.to(tl.int64) * stride_po_req + head * stride_po_head
     offs_d = tl.arange(0, HEAD_DIM)
@@ -149,47 +164,37 @@ def _split_kv_reduce_kernel(
 
 @dataclass(frozen=True, slots=True)
 class SplitKVWorkspace:
-    """Caller-owned fp32 scratch for the split-KV decode path, sized once at start-up.
+    """Caller-owned fp32 scratch for the split-KV decode path, sized once at start-up: partial
+    results of up to `max_splits` parts for each of up to `max_num_seqs` decode requests."""
 
-    Holds partial results for up to `max_num_seqs` decode requests whose contexts span at most
-    `partial_out.shape[2]` partitions of `partition_size` keys.
-    """
-
-    partial_out: torch.Tensor  # [max_num_seqs, num_heads, max_partitions, head_dim] fp32
-    partial_max: torch.Tensor  # [max_num_seqs, num_heads, max_partitions] fp32
-    partial_sum: torch.Tensor  # [max_num_seqs, num_heads, max_partitions] fp32
-    partition_size: int
+    partial_out: torch.Tensor  # [max_num_seqs, num_heads, max_splits, head_dim] fp32
+    partial_max: torch.Tensor  # [max_num_seqs, num_heads, max_splits] fp32
+    partial_sum: torch.Tensor  # [max_num_seqs, num_heads, max_splits] fp32
 
     @property
     def max_num_seqs(self) -> int:
         return self.partial_out.shape[0]
 
     @property
-    def max_partitions(self) -> int:
+    def max_splits(self) -> int:
         return self.partial_out.shape[2]
 
 
 def split_kv_workspace_shapes(
-    max_num_seqs: int,
-    num_heads: int,
-    head_dim: int,
-    max_seq_len: int,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
+    max_num_seqs: int, num_heads: int, head_dim: int, max_splits: int = SPLIT_KV_MAX_SPLITS
 ) -> tuple[tuple[int, int, int, int], tuple[int, int, int]]:
     """Shapes of (partial_out, partial_max == partial_sum) for the split-KV workspace."""
     for name, val in (
         ("max_num_seqs", max_num_seqs),
         ("num_heads", num_heads),
         ("head_dim", head_dim),
-        ("max_seq_len", max_seq_len),
+        ("max_splits", max_splits),
     ):
         if val < 1:
             raise ValueError(f"{name} must be >= 1, got {val}")
-    _check_partition_size(partition_size)
-    max_partitions = triton.cdiv(max_seq_len, partition_size)
     return (
-        (max_num_seqs, num_heads, max_partitions, head_dim),
-        (max_num_seqs, num_heads, max_partitions),
+        (max_num_seqs, num_heads, max_splits, head_dim),
+        (max_num_seqs, num_heads, max_splits),
     )
 
 
@@ -197,25 +202,22 @@ def allocate_split_kv_workspace(
     max_num_seqs: int,
     num_heads: int,
     head_dim: int,
-    max_seq_len: int,
     device: torch.device | str,
-    partition_size: int = DEFAULT_PARTITION_SIZE,
+    max_splits: int = SPLIT_KV_MAX_SPLITS,
 ) -> SplitKVWorkspace:
     """Allocates the workspace for `split_kv_workspace_shapes(...)` on `device`."""
-    out_shape, stat_shape = split_kv_workspace_shapes(
-        max_num_seqs, num_heads, head_dim, max_seq_len, partition_size
-    )
+    out_shape, stat_shape = split_kv_workspace_shapes(max_num_seqs, num_heads, head_dim, max_splits)
     return SplitKVWorkspace(
         partial_out=torch.empty(out_shape, dtype=torch.float32, device=device),
         partial_max=torch.empty(stat_shape, dtype=torch.float32, device=device),
         partial_sum=torch.empty(stat_shape, dtype=torch.float32, device=device),
-        partition_size=partition_size,
     )
 
 
-def _check_partition_size(partition_size: int) -> None:
-    if partition_size < 16 or partition_size & (partition_size - 1):
-        raise ValueError(f"partition_size must be a power of two >= 16, got {partition_size}")
+def default_num_splits(num_reqs: int, num_kv_heads: int, max_splits: int) -> int:
+    """Parts per request so that the batch has about SPLIT_KV_TARGET_PROGRAMS programs."""
+    wanted = triton.cdiv(SPLIT_KV_TARGET_PROGRAMS, max(num_reqs * num_kv_heads, 1))
+    return max(1, min(max_splits, triton.next_power_of_2(wanted)))
 
 
 def paged_attention_split_kv(
@@ -227,10 +229,14 @@ def paged_attention_split_kv(
     scale: float,
     out: torch.Tensor,  # [num_reqs, num_heads, head_dim]
     workspace: SplitKVWorkspace,
+    num_splits: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Split-KV decode attention (token i is request i's only query token); writes `out`.
 
-    `max_seq_len` must be >= every seq_len (an upper bound is fine); it sets the partition grid.
+    `max_seq_len` must be >= every seq_len (an upper bound is fine). `num_splits` (default:
+    `default_num_splits`) and `block_n` (the key tile, a power of two >= 16) are for tests and
+    tuning.
     """
     _check_attention_args(query, kv_cache, block_tables, None, seq_lens, out)
     num_reqs = seq_lens.shape[0]
@@ -243,16 +249,21 @@ def paged_attention_split_kv(
         )
     if max_seq_len < 1:
         raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
-    num_parts = triton.cdiv(max_seq_len, workspace.partition_size)
     if num_reqs > workspace.max_num_seqs:
         raise ValueError(
             f"num_reqs {num_reqs} exceeds workspace max_num_seqs {workspace.max_num_seqs}"
         )
-    if num_parts > workspace.max_partitions:
+    if num_splits is None:
+        num_splits = default_num_splits(num_reqs, kv_cache.shape[3], workspace.max_splits)
+    if not 1 <= num_splits <= workspace.max_splits:
         raise ValueError(
-            f"max_seq_len {max_seq_len} needs {num_parts} partitions, workspace has "
-            f"{workspace.max_partitions}"
+            f"num_splits must be in [1, workspace max_splits={workspace.max_splits}], "
+            f"got {num_splits}"
         )
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     ws_out, ws_max, ws_sum = workspace.partial_out, workspace.partial_max, workspace.partial_sum
     if (
         ws_out.shape[1] != num_heads
@@ -272,9 +283,8 @@ def paged_attention_split_kv(
         return out
     group = num_heads // num_kv_heads
     block_m = max(16, triton.next_power_of_2(group))
-    block_n = 64 if head_dim <= 128 else 32
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _paged_attention_split_kernel[(num_parts, num_kv_heads, num_reqs)](
+    _paged_attention_split_kernel[(num_splits, num_kv_heads, num_reqs)](
         ws_out,
         ws_max,
         ws_sum,
@@ -295,12 +305,12 @@ def paged_attention_split_kv(
         ws_out.stride(2),
         ws_max.stride(0),
         ws_max.stride(1),
+        num_splits,
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
-        PARTITION_SIZE=workspace.partition_size,
         DOT_PRECISION=_dot_precision(query.dtype),
         num_warps=4,
     )
@@ -317,8 +327,9 @@ def paged_attention_split_kv(
         ws_out.stride(2),
         ws_max.stride(0),
         ws_max.stride(1),
+        num_splits,
         HEAD_DIM=head_dim,
-        PARTITION_SIZE=workspace.partition_size,
+        BLOCK_N=block_n,
         num_warps=1 if head_dim <= 64 else 2,
     )
     return out
@@ -332,13 +343,13 @@ def use_split_kv(
     max_seq_len: int,
     workspace: SplitKVWorkspace | None,
 ) -> bool:
-    """True when a decode-only batch is too small to fill the GPU and its context is long enough
-    to span several partitions of the workspace (and fits in it)."""
+    """True for a decode-only batch too small to fill the GPU (fewer than
+    SPLIT_KV_MAX_PROGRAMS single-pass programs) whose contexts may be longer than
+    SPLIT_KV_MIN_SEQ_LEN, when the workspace holds it."""
     if workspace is None or max_query_len != 1 or num_tokens != num_reqs:
         return False
-    num_parts = triton.cdiv(max_seq_len, workspace.partition_size)
     return (
-        1 < num_parts <= workspace.max_partitions
+        max_seq_len > SPLIT_KV_MIN_SEQ_LEN
         and num_reqs <= workspace.max_num_seqs
         and num_reqs * num_kv_heads < SPLIT_KV_MAX_PROGRAMS
     )

@@ -9,7 +9,10 @@ import torch
 from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from ferrum.kernels.paged_attention import (
     SPLIT_KV_MAX_PROGRAMS,
+    SPLIT_KV_MAX_SPLITS,
+    SPLIT_KV_MIN_SEQ_LEN,
     allocate_split_kv_workspace,
+    default_num_splits,
     paged_attention,
     paged_attention_split_kv,
     paged_attention_unified,
@@ -143,16 +146,31 @@ def test_padded_requests_and_upper_bound_lengths(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), [(4, 2, 8), (8, 2, 16)])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
 def test_split_kv_matches_single_pass_and_reference(
-    num_heads: int, num_kv_heads: int, block_size: int, dtype: torch.dtype, device: torch.device
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    num_splits: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
     seq_lens = [1, 37, 100, 16]
     b = make_batch([1] * 4, seq_lens, num_heads, num_kv_heads, 32, block_size, dtype, device)
-    ws = allocate_split_kv_workspace(6, num_heads, 32, 128, device, partition_size=16)
+    ws = allocate_split_kv_workspace(6, num_heads, 32, device, max_splits=8)
     scale = 32**-0.5
     split = torch.empty_like(b.query)
     paged_attention_split_kv(
-        b.query, b.kv_cache, b.block_tables, b.seq_lens, b.max_seq_len, scale, split, ws
+        b.query,
+        b.kv_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.max_seq_len,
+        scale,
+        split,
+        ws,
+        num_splits=num_splits,
+        block_n=16,
     )
     single = torch.empty_like(b.query)
     paged_attention_unified(
@@ -163,8 +181,8 @@ def test_split_kv_matches_single_pass_and_reference(
 
 
 def test_dispatch_takes_split_path_for_small_long_decode_batch(device: torch.device) -> None:
-    b = make_batch([1, 1], [50, 33], 4, 2, 32, 8, torch.float32, device, seed=3)
-    ws = allocate_split_kv_workspace(2, 4, 32, 64, device, partition_size=16)
+    b = make_batch([1, 1], [150, 33], 4, 2, 32, 8, torch.float32, device, seed=3)
+    ws = allocate_split_kv_workspace(2, 4, 32, device, max_splits=SPLIT_KV_MAX_SPLITS)
     ws.partial_sum.fill_(float("nan"))
     out = torch.empty_like(b.query)
     paged_attention(
@@ -179,30 +197,39 @@ def test_dispatch_takes_split_path_for_small_long_decode_batch(device: torch.dev
         out,
         workspace=ws,
     )
-    # The split path wrote statistics for exactly the partitions inside each context.
-    assert not ws.partial_sum[0].isnan().any()
-    assert not ws.partial_sum[1, :, :3].isnan().any() and ws.partial_sum[1, :, 3].isnan().all()
+    splits = default_num_splits(2, 2, SPLIT_KV_MAX_SPLITS)
+    assert splits == SPLIT_KV_MAX_SPLITS
+    # Parts of whole 64-key tiles: 150 keys fill 3 parts, 33 keys one; nothing else is written.
+    assert not ws.partial_sum[0, :, :3].isnan().any() and ws.partial_sum[0, :, 3:].isnan().all()
+    assert not ws.partial_sum[1, :, :1].isnan().any() and ws.partial_sum[1, :, 1:].isnan().all()
     torch.testing.assert_close(out, reference(b, 0.25), **TOL[torch.float32])
 
 
 def test_use_split_kv_heuristic() -> None:
-    ws = allocate_split_kv_workspace(8, 4, 32, 4096, "cpu", partition_size=512)
+    ws = allocate_split_kv_workspace(8, 4, 32, "cpu")
     assert use_split_kv(4, 4, 2, 1, 2048, ws)
-    assert not use_split_kv(4, 4, 2, 1, 512, ws)  # one partition
+    assert use_split_kv(4, 4, 2, 1, SPLIT_KV_MIN_SEQ_LEN + 1, ws)
+    assert not use_split_kv(4, 4, 2, 1, SPLIT_KV_MIN_SEQ_LEN, ws)  # one pass is as fast
     assert not use_split_kv(4, 5, 2, 2, 2048, ws)  # not decode-only
-    assert not use_split_kv(4, 4, 2, 1, 8192, ws)  # context beyond the workspace
     assert not use_split_kv(9, 9, 2, 1, 2048, ws)  # more requests than the workspace holds
     assert not use_split_kv(4, 4, 2, 1, 2048, None)
-    many = allocate_split_kv_workspace(SPLIT_KV_MAX_PROGRAMS, 4, 32, 4096, "cpu")
+    many = allocate_split_kv_workspace(SPLIT_KV_MAX_PROGRAMS, 4, 32, "cpu", max_splits=1)
     assert not use_split_kv(SPLIT_KV_MAX_PROGRAMS, SPLIT_KV_MAX_PROGRAMS, 1, 1, 2048, many)
 
 
+def test_default_num_splits_fills_the_gpu() -> None:
+    assert default_num_splits(1, 4, 32) == 32  # batch 1 of a 4-KV-head model: 128 programs
+    assert default_num_splits(8, 8, 32) == 8  # 64 programs -> 512
+    assert default_num_splits(100, 8, 32) == 1
+    assert default_num_splits(1, 1, 4) == 4  # capped by the workspace
+
+
 def test_split_kv_workspace_shapes() -> None:
-    assert split_kv_workspace_shapes(3, 8, 64, 1025, 512) == ((3, 8, 3, 64), (3, 8, 3))
-    with pytest.raises(ValueError, match="partition_size"):
-        split_kv_workspace_shapes(3, 8, 64, 1025, 100)
+    assert split_kv_workspace_shapes(3, 8, 64, 16) == ((3, 8, 16, 64), (3, 8, 16))
+    with pytest.raises(ValueError, match="max_splits"):
+        split_kv_workspace_shapes(3, 8, 64, 0)
     with pytest.raises(ValueError, match="max_num_seqs"):
-        split_kv_workspace_shapes(0, 8, 64, 1025)
+        split_kv_workspace_shapes(0, 8, 64)
 
 
 def test_launcher_validation_errors() -> None:
@@ -241,16 +268,22 @@ def test_launcher_validation_errors() -> None:
         cache = torch.zeros(2, 4, 8, 3, 32)
         paged_attention_unified(**{**args, "kv_cache": cache})
 
-    ws = allocate_split_kv_workspace(1, 4, 32, 16, "cpu", partition_size=16)
+    ws = allocate_split_kv_workspace(1, 4, 32, "cpu", max_splits=4)
     with pytest.raises(ValueError, match="one token per request"):
         paged_attention_split_kv(b.query, b.kv_cache, b.block_tables, b.seq_lens, 9, 1.0, out, ws)
     q1 = b.query[:2]
     with pytest.raises(ValueError, match="max_num_seqs"):
         paged_attention_split_kv(q1, b.kv_cache, b.block_tables, b.seq_lens, 9, 1.0, q1, ws)
-    ws2 = allocate_split_kv_workspace(2, 4, 32, 16, "cpu", partition_size=16)
-    with pytest.raises(ValueError, match="partitions"):
-        paged_attention_split_kv(q1, b.kv_cache, b.block_tables, b.seq_lens, 40, 1.0, q1, ws2)
-    ws3 = allocate_split_kv_workspace(2, 8, 32, 16, "cpu", partition_size=16)
+    ws2 = allocate_split_kv_workspace(2, 4, 32, "cpu", max_splits=4)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention_split_kv(
+            q1, b.kv_cache, b.block_tables, b.seq_lens, 9, 1.0, q1, ws2, num_splits=5
+        )
+    with pytest.raises(ValueError, match="block_n"):
+        paged_attention_split_kv(
+            q1, b.kv_cache, b.block_tables, b.seq_lens, 9, 1.0, q1, ws2, block_n=24
+        )
+    ws3 = allocate_split_kv_workspace(2, 8, 32, "cpu")
     with pytest.raises(ValueError, match="workspace"):
         paged_attention_split_kv(q1, b.kv_cache, b.block_tables, b.seq_lens, 9, 1.0, q1, ws3)
 
