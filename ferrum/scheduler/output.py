@@ -46,6 +46,8 @@ class SchedulerOutput:
     # Requests preempted this step: the runner drops their batch state but keeps their sampling
     # generator, so a resumed seeded request continues the same random stream.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Numbers the scheduler's steps; the scheduler matches outputs to the requests it scheduled.
+    step_id: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -69,6 +69,10 @@ class Scheduler:
         self._preempted_req_ids: set[str] = set()
         # Waiting requests whose prefix-cache lookup was already counted in the hit-rate stats.
         self._looked_up: set[str] = set()
+        # The requests each scheduled step ran, until its output is applied: with async
+        # scheduling a request can finish and its id be reused while a step that ran it is out.
+        self._step_requests: dict[int, dict[str, Request]] = {}
+        self._num_steps = 0
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -193,8 +197,10 @@ class Scheduler:
             )
             budget -= num_new
 
+        self._num_steps += 1
+        step_requests = self._step_requests[self._num_steps] = {}
         for req_id, num_new in num_scheduled.items():
-            request = self.requests[req_id]
+            request = step_requests[req_id] = self.requests[req_id]
             request.num_computed_tokens = computed_before[req_id] + num_new
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
@@ -206,6 +212,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={r.req_id for r in preempted} | self._preempted_req_ids,
+            step_id=self._num_steps,
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
@@ -233,12 +240,11 @@ class Scheduler:
         entries of every unfinished step are dropped and every request it scheduled is recomputed
         from scratch later."""
         self.kv_cache_manager.discard_step_cache()
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = self.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
+        for request in self._step_requests.pop(scheduler_output.step_id, {}).values():
+            if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
                 self._preempt(request)
-                self._preempted_req_ids.add(req_id)
+                self._preempted_req_ids.add(request.req_id)
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -257,10 +263,11 @@ class Scheduler:
         Steps complete in launch order. A request preempted after its step was launched (async
         scheduling) still takes the token: it is recomputed with it, as if sampled before."""
         self.kv_cache_manager.end_step()
+        step_requests = self._step_requests.pop(scheduler_output.step_id, {})
         updates = []
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            request = self.requests.get(req_id)
-            if request is None:
+            request = step_requests.get(req_id)
+            if request is None or request.is_finished:
                 continue  # finished or aborted while the step ran
             if request.num_output_placeholders:  # 0 once preempted
                 request.num_output_placeholders -= 1

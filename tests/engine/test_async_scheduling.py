@@ -154,3 +154,29 @@ def test_failed_launch_keeps_the_previous_steps_tokens(
     assert engine.core.kv_cache_manager.usage == 0.0
     # Prefix-cache entries of the failed step were dropped: hits serve correct KV.
     assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+
+
+def test_request_id_reused_while_a_stale_step_is_in_flight(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    first, second = random_prompts([6, 9], seed=17)
+    expected_first = hf_greedy(path, [first], 3)[0]
+    llm = make_llm(path, num_kv_blocks=64, async_scheduling=True)
+    engine = llm.llm_engine
+    # Stops on its second token: the step after it was already launched with its decode.
+    stop_on_second = SamplingParams(
+        temperature=0.0, max_tokens=8, stop_token_ids=[expected_first[1]], ignore_eos=True
+    )
+    engine.add_request("x", {"prompt_token_ids": first}, stop_on_second)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+    scheduled = engine.core._in_flight[0][0].num_scheduled_tokens
+    assert scheduled == {"x": 1}
+    engine.add_request(
+        "x",
+        {"prompt_token_ids": second},
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+    )
+    while engine.has_unfinished_requests():
+        done += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+    assert done == [expected_first[:2], hf_greedy(path, [second], 3)[0]]
