@@ -1,11 +1,16 @@
-"""Triton fused mixture-of-experts: expert-grouped GEMMs over stacked weights.
+"""Triton fused mixture-of-experts over stacked expert weights.
 
 out[t] = sum_j w[t, j] * w2[e] @ (silu(g) * u), e = topk_ids[t, j], (g, u) = split(w13[e] @ x[t]).
-Pairs p = t * top_k + j are grouped by expert and padded to BLOCK_M (`moe_align_block_size`); one
-grouped-GEMM kernel runs twice: x @ w13[e]^T with SiLU-and-mul in the epilogue -> act [T*k, I],
-then act @ w2[e]^T times the routing weight -> [T*k, H] fp32, summed over k. Roundings follow
-`fused_moe_ref`: each matmul, the silu and the product are rounded to the input dtype; the weighted
-sum is fp32. Every size is a function of (T, k, E, H, I): no host sync, safe in a CUDA graph.
+Two paths, both with the roundings of `fused_moe_ref` (each matmul, the silu and the product are
+rounded to the input dtype; the weighted sum over j is fp32, in order j = 0..k-1, then rounded):
+
+- small batch (num_tokens <= SMALL_BATCH_MAX_TOKENS): two GEMV launches, no align
+  (`fused_moe_small_batch`).
+- grouped: pairs grouped by expert and padded to BLOCK_M (`moe_align_block_size`); one grouped-
+  GEMM kernel runs twice (x @ w13[e]^T with SiLU-and-mul -> act [T*k, I], then act @ w2[e]^T times
+  the routing weight -> [T*k, H] fp32), and a combine kernel sums the k rows of each token.
+
+Every size is a function of (T, k, E, H, I): no host sync, safe in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,6 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels.fused_moe_small_batch import (
+    SMALL_BATCH_MAX_TOKENS,
+    get_small_batch_config,
+    small_batch_moe,
+)
 from ferrum.kernels.moe_align import moe_align_block_size
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -26,6 +36,8 @@ _DEFAULT_CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
     (1024, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
     (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
 )
+
+_COMBINE_BLOCK = 1024
 
 
 @triton.jit
@@ -98,7 +110,31 @@ def _moe_gemm_kernel(
     )
 
 
+@triton.jit
+def _moe_combine_kernel(
+    out_ptr,  # [num_tokens, H]
+    pair_out_ptr,  # [num_tokens * top_k, H] float32
+    hidden_size,
+    top_k,
+    stride_om,
+    stride_pm,
+    BLOCK: tl.constexpr,
+):
+    """Program (t, c): out[t, c*BLOCK..] = sum over j = 0..k-1 in order, in fp32, of
+    pair_out[t * top_k + j], rounded to out's dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden_size
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(0, top_k):
+        total += tl.load(
+            pair_out_ptr + (token * top_k + j) * stride_pm + offs, mask=mask, other=0.0
+        )
+    tl.store(out_ptr + token * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def get_config(num_tokens: int) -> dict[str, int]:
+    """The grouped path's tile config for a batch of num_tokens."""
     for bound, config in _DEFAULT_CONFIGS:
         if num_tokens <= bound:
             return config
@@ -196,6 +232,38 @@ def _check_inputs(
             raise ValueError(f"{name} must be on {hidden.device}, got {t.device}")
 
 
+def _grouped_moe(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    flat_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict[str, int],
+) -> None:
+    """Align, two grouped GEMMs ([T*k, H] fp32 weighted rows), then the combine over k."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, _, inter = w2.shape
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    align = moe_align_block_size(topk_ids, num_experts, config["BLOCK_M"])
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    _launch_gemm(act, hidden, w13, flat_weights, align, inter, top_k, True, config)
+    pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    _launch_gemm(pair_out, act, w2, flat_weights, align, hidden_size, 1, False, config)
+    block = min(_COMBINE_BLOCK, triton.next_power_of_2(hidden_size))
+    _moe_combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
+        out,
+        pair_out,
+        hidden_size,
+        top_k,
+        out.stride(0),
+        pair_out.stride(0),
+        BLOCK=block,
+        num_warps=4,
+    )
+
+
 def fused_moe(
     hidden: torch.Tensor,  # [num_tokens, hidden_size]
     w13: torch.Tensor,  # [num_experts, 2 * intermediate_size, hidden_size]
@@ -203,22 +271,33 @@ def fused_moe(
     topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
     topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64
     config: dict[str, int] | None = None,
+    *,
+    small_config: dict[str, int] | None = None,
+    small_batch_max_tokens: int | None = None,
 ) -> torch.Tensor:
-    """The mixture of `fused_moe_ref`, [num_tokens, hidden_size] in hidden's dtype. `config`
-    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the default for num_tokens."""
+    """The mixture of `fused_moe_ref`, [num_tokens, hidden_size] in hidden's dtype.
+
+    The small-batch path runs when num_tokens <= small_batch_max_tokens, else the grouped path.
+    small_batch_max_tokens defaults to SMALL_BATCH_MAX_TOKENS, or to 0 when a grouped `config`
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) is given: passing one asks for the grouped
+    GEMM. `small_config` (keys of `get_small_batch_config()`) overrides the small path's tiles.
+    Expert ids must lie in [0, num_experts).
+    """
     _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
     num_tokens, hidden_size = hidden.shape
-    num_experts, _, inter = w2.shape
+    inter = w2.shape[2]
     top_k = topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0 or inter == 0:
+    if num_tokens * top_k == 0 or inter == 0 or hidden_size == 0:
         return torch.zeros_like(hidden)
-    config = config if config is not None else get_config(num_tokens)
-    align = moe_align_block_size(topk_ids, num_experts, config["BLOCK_M"])
+    if small_batch_max_tokens is None:
+        small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS if config is None else 0
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     flat_weights = topk_weights.reshape(-1)
-
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    _launch_gemm(act, hidden, w13, flat_weights, align, inter, top_k, True, config)
-    out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
-    _launch_gemm(out, act, w2, flat_weights, align, hidden_size, 1, False, config)
-    return out.view(num_tokens, top_k, hidden_size).sum(1).to(hidden.dtype)
+    if num_tokens <= small_batch_max_tokens:
+        small_config = small_config if small_config is not None else get_small_batch_config()
+        flat_ids = topk_ids.reshape(-1)
+        small_batch_moe(out, hidden, w13, w2, flat_weights, flat_ids, top_k, small_config)
+    else:
+        config = config if config is not None else get_config(num_tokens)
+        _grouped_moe(out, hidden, w13, w2, flat_weights, topk_ids, config)
+    return out

@@ -6,11 +6,130 @@ graph: `sorted_pair_ids [max_blocks * block_m]` lists each expert's pairs in asc
 expert after expert, every group padded to a multiple of block_m with the sentinel num_pairs;
 `expert_ids [max_blocks]` is the expert of each M-block (-1 past the used blocks);
 `num_pairs_post_padded [1]` is the number of used entries (a multiple of block_m).
+
+Two launches over the same split of the pairs into spans (one span per program, CHUNK pairs at a
+time), deterministic and without atomics:
+  count:   program s stores span s's per-expert histogram in counts[s, :] and fills its share
+           of sorted_pair_ids with the sentinel;
+  scatter: program s sums counts over all spans (padded starts) and over spans < s (its offset
+           inside each group), then writes pair p to padded_start[e] + offset[e] + (pairs of e
+           before p in the span); it also fills its share of expert_ids, and span 0 the total.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+# Elements of a chunk's one-hot matrix [CHUNK, BLOCK_E] and of a counts tile [rows, BLOCK_E].
+_TILE_ELEMS = 8192
+# At most this many spans: each scatter program reads all spans' counts.
+_MAX_SPANS = 256
+_FILL_BLOCK = 1024
+
+
+@triton.jit
+def _moe_align_count_kernel(
+    counts_ptr,  # [num_spans, num_experts] int32
+    sorted_pair_ids_ptr,  # [num_slots] int32
+    topk_ids_ptr,  # [num_pairs] int32/int64
+    num_pairs,
+    num_experts,
+    num_slots,
+    chunks_per_span,
+    slots_per_span,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    FILL_BLOCK: tl.constexpr,
+):
+    """Program s: counts[s, e] = #pairs of expert e in span s; sentinel over its slot share."""
+    span = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    offs_c = tl.arange(0, CHUNK)
+    hist = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for i in range(0, chunks_per_span):
+        pairs = (span * chunks_per_span + i) * CHUNK + offs_c
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        hist += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), 0)
+    tl.store(counts_ptr + span * num_experts + offs_e, hist, mask=offs_e < num_experts)
+
+    sentinel = tl.zeros([FILL_BLOCK], dtype=tl.int32) + num_pairs
+    offs_f = tl.arange(0, FILL_BLOCK)
+    for f0 in range(0, slots_per_span, FILL_BLOCK):
+        slots = span * slots_per_span + f0 + offs_f
+        tl.store(
+            sorted_pair_ids_ptr + slots,
+            sentinel,
+            mask=(slots < num_slots) & (f0 + offs_f < slots_per_span),
+        )
+
+
+@triton.jit
+def _moe_align_scatter_kernel(
+    sorted_pair_ids_ptr,  # [num_slots] int32
+    expert_ids_ptr,  # [num_blocks] int32
+    num_post_padded_ptr,  # [1] int32
+    topk_ids_ptr,  # [num_pairs] int32/int64
+    counts_ptr,  # [num_spans, num_experts] int32
+    num_pairs,
+    num_experts,
+    num_spans,
+    num_blocks,
+    block_m,
+    chunks_per_span,
+    blocks_per_span,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
+    """Program s scatters span s's pairs to their slots and sets expert_ids of its block share."""
+    span = tl.program_id(0)
+    offs_e = tl.arange(0, BLOCK_E)
+    e_mask = offs_e < num_experts
+    totals = tl.zeros([BLOCK_E], dtype=tl.int32)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)
+    offs_r = tl.arange(0, BLOCK_ROWS)
+    for r0 in range(0, num_spans, BLOCK_ROWS):
+        rows = r0 + offs_r
+        tile = tl.load(
+            counts_ptr + rows[:, None] * num_experts + offs_e[None, :],
+            mask=(rows < num_spans)[:, None] & e_mask[None, :],
+            other=0,
+        )
+        totals += tl.sum(tile, 0)
+        before += tl.sum(tl.where((rows < span)[:, None], tile, 0), 0)
+    # Experts past num_experts have padded 0, so their padded_end is the total.
+    padded = (totals + block_m - 1) // block_m * block_m
+    padded_end = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(num_post_padded_ptr, total, mask=span == 0)
+
+    # expert of block b = #experts whose padded group ends at or before b's first slot.
+    offs_b = tl.arange(0, BLOCK_ROWS)
+    for i in range(0, blocks_per_span, BLOCK_ROWS):
+        blocks = span * blocks_per_span + i + offs_b
+        first = blocks * block_m
+        expert = tl.sum((padded_end[None, :] <= first[:, None]).to(tl.int32), 1)
+        tl.store(
+            expert_ids_ptr + blocks,
+            tl.where(first < total, expert, -1),
+            mask=(blocks < num_blocks) & (i + offs_b < blocks_per_span),
+        )
+
+    # next_slot[e]: slot of this span's next pair of expert e.
+    next_slot = padded_end - padded + before
+    offs_c = tl.arange(0, CHUNK)
+    earlier = offs_c[None, :] < offs_c[:, None]  # [row, col]: col precedes row in the chunk
+    for i in range(0, chunks_per_span):
+        pairs = (span * chunks_per_span + i) * CHUNK + offs_c
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        one_hot = ids[:, None] == offs_e[None, :]
+        rank = tl.sum(((ids[:, None] == ids[None, :]) & earlier).to(tl.int32), 1)
+        slot = tl.sum(tl.where(one_hot, next_slot[None, :], 0), 1) + rank
+        valid = (pairs < num_pairs) & (ids >= 0) & (ids < num_experts)
+        tl.store(sorted_pair_ids_ptr + slot, pairs, mask=valid)
+        next_slot += tl.sum(one_hot.to(tl.int32), 0)
 
 
 def max_num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -21,12 +140,7 @@ def max_num_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-num_pairs // block_m) + min(num_experts, num_pairs) - 1
 
 
-def moe_align_block_size(
-    topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64 expert ids in [0, num_experts)
-    num_experts: int,
-    block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (sorted_pair_ids int32, expert_ids int32, num_pairs_post_padded int32 [1])."""
+def _check_inputs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(
             f"topk_ids must be [num_tokens, top_k] int32/int64, got {tuple(topk_ids.shape)} "
@@ -36,29 +150,67 @@ def moe_align_block_size(
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if block_m < 1:
         raise ValueError(f"block_m must be >= 1, got {block_m}")
+    if topk_ids.numel() + num_experts * block_m >= 2**31:
+        raise ValueError(
+            f"topk_ids.numel() + num_experts * block_m must be < 2**31, got "
+            f"{topk_ids.numel()} + {num_experts} * {block_m}"
+        )
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] int32/int64 expert ids in [0, num_experts)
+    num_experts: int,
+    block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (sorted_pair_ids int32, expert_ids int32, num_pairs_post_padded int32 [1]).
+    Pairs whose id lies outside [0, num_experts) are left out of every group."""
+    _check_inputs(topk_ids, num_experts, block_m)
     device = topk_ids.device
-    flat = topk_ids.reshape(-1).long()
-    num_pairs = flat.numel()
+    num_pairs = topk_ids.numel()
     num_blocks = max_num_blocks(num_pairs, num_experts, block_m)
+    sorted_pair_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    if num_pairs == 0:
+        return sorted_pair_ids, expert_ids, torch.zeros(1, dtype=torch.int32, device=device)
+    num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
 
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_counts = (counts + block_m - 1) // block_m * block_m
-    padded_ends = torch.cumsum(padded_counts, 0)
-    padded_starts = padded_ends - padded_counts
-    starts = torch.cumsum(counts, 0) - counts
-
-    # Stable: pairs of one expert keep ascending pair order.
-    order = torch.argsort(flat, stable=True)
-    sorted_experts = flat[order]
-    rank = torch.arange(num_pairs, device=device) - starts[sorted_experts]
-    sorted_pair_ids = torch.full(
-        (num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device
+    block_e = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(64, _TILE_ELEMS // block_e))
+    num_chunks = triton.cdiv(num_pairs, chunk)
+    chunks_per_span = triton.cdiv(num_chunks, _MAX_SPANS)
+    num_spans = triton.cdiv(num_chunks, chunks_per_span)
+    counts = torch.empty(num_spans, num_experts, dtype=torch.int32, device=device)
+    flat_ids = topk_ids.reshape(-1)
+    _moe_align_count_kernel[(num_spans,)](
+        counts,
+        sorted_pair_ids,
+        flat_ids,
+        num_pairs,
+        num_experts,
+        sorted_pair_ids.numel(),
+        chunks_per_span,
+        triton.cdiv(sorted_pair_ids.numel(), num_spans),
+        CHUNK=chunk,
+        BLOCK_E=block_e,
+        FILL_BLOCK=_FILL_BLOCK,
+        num_warps=4,
     )
-    sorted_pair_ids[padded_starts[sorted_experts] + rank] = order.to(torch.int32)
-
-    block_starts = torch.arange(num_blocks, device=device) * block_m
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
-    total = padded_ends[-1:]
-    expert_ids = torch.where(block_starts < total, block_experts, -1).to(torch.int32)
-    return sorted_pair_ids, expert_ids, total.to(torch.int32)
+    _moe_align_scatter_kernel[(num_spans,)](
+        sorted_pair_ids,
+        expert_ids,
+        num_post_padded,
+        flat_ids,
+        counts,
+        num_pairs,
+        num_experts,
+        num_spans,
+        num_blocks,
+        block_m,
+        chunks_per_span,
+        triton.cdiv(num_blocks, num_spans),
+        CHUNK=chunk,
+        BLOCK_E=block_e,
+        BLOCK_ROWS=max(1, _TILE_ELEMS // block_e),
+        num_warps=4,
+    )
+    return sorted_pair_ids, expert_ids, num_post_padded

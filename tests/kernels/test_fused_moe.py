@@ -1,19 +1,35 @@
-"""Triton fused MoE and its token->expert align op against the torch reference."""
+"""Triton fused MoE (small-batch and grouped paths) and its token->expert align op against the
+torch references."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ferrum.kernels.fused_moe import fused_moe, get_config
+import ferrum.kernels.fused_moe as fused_moe_module
+import ferrum.kernels.moe_align as moe_align_module
+from ferrum.kernels.fused_moe import SMALL_BATCH_MAX_TOKENS, fused_moe, get_config
 from ferrum.kernels.fused_moe_ref import fused_moe_ref
 from ferrum.kernels.moe_align import max_num_blocks, moe_align_block_size
+from ferrum.kernels.moe_align_ref import moe_align_block_size_ref
+from ferrum.kernels.moe_router import moe_router
 from ferrum.model_executor.layers.fused_moe import FusedMoE, select_experts
 
 TOLERANCE = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},
     torch.float16: {"atol": 2e-3, "rtol": 2e-3},
     torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2},
+}
+# small_batch_max_tokens forcing each path whatever the token count.
+PATHS = {"small": 1 << 30, "grouped": 0}
+# Small-path tiles below every test dim, so that the K loops run several (ragged) steps.
+NARROW_SMALL_CONFIG = {
+    "GATE_UP_BLOCK_N": 8,
+    "GATE_UP_BLOCK_K": 16,
+    "DOWN_BLOCK_N": 8,
+    "DOWN_BLOCK_K": 16,
+    "num_warps": 4,
+    "num_stages": 2,
 }
 
 
@@ -26,40 +42,62 @@ def make_problem(num_tokens, hidden, inter, num_experts, top_k, dtype, device, s
     return x.to(device, dtype), w13.to(device, dtype), w2.to(device, dtype), logits.to(device)
 
 
-def check(x, w13, w2, weights, ids, config=None) -> None:
-    out = fused_moe(x, w13, w2, weights, ids, config=config)
+def check(x, w13, w2, weights, ids, path, config=None, small_config=None) -> None:
+    out = fused_moe(
+        x,
+        w13,
+        w2,
+        weights,
+        ids,
+        config=config,
+        small_config=small_config,
+        small_batch_max_tokens=PATHS[path],
+    )
     assert out.shape == x.shape and out.dtype == x.dtype
     expected = fused_moe_ref(x, w13, w2, weights, ids)
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[x.dtype])
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 17])
-@pytest.mark.parametrize("renormalize", [False, True])
-def test_matches_reference(num_tokens, renormalize, dtype, device) -> None:
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("num_tokens", "renormalize"), [(1, True), (3, False), (11, True)])
+def test_matches_reference(path, num_tokens, renormalize, dtype, device) -> None:
     x, w13, w2, logits = make_problem(num_tokens, 64, 32, 5, 2, dtype, device, seed=num_tokens)
     weights, ids = select_experts(logits, 2, renormalize)
-    check(x, w13, w2, weights, ids)
+    check(x, w13, w2, weights, ids, path)
 
 
-def test_odd_dims_int32_ids_and_multi_block_k(dtype, device) -> None:
-    # H and I not powers of two; BLOCK_K 16 loops over K; 7 tokens * 3 choices over 3 M-blocks.
-    x, w13, w2, logits = make_problem(7, 48, 24, 6, 3, dtype, device, seed=4)
-    weights, ids = select_experts(logits, 3, True)
+@pytest.mark.parametrize("path", PATHS)
+def test_odd_dims_int32_ids_and_ragged_k(path, dtype, device) -> None:
+    # H = 40 and I = 24 are not powers of two nor multiples of the 16-wide K tiles; 7 tokens
+    # * 3 choices over 3 M-blocks in the grouped path.
+    x, w13, w2, logits = make_problem(7, 40, 24, 6, 3, dtype, device, seed=4)
+    weights, ids = moe_router(logits, 3, True)
     config = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
-    check(x, w13, w2, weights, ids.to(torch.int32), config=config)
+    check(x, w13, w2, weights, ids, path, config=config, small_config=NARROW_SMALL_CONFIG)
 
 
-def test_unused_experts_are_never_read(dtype, device) -> None:
-    x, w13, w2, _ = make_problem(9, 64, 32, 6, 2, dtype, device, seed=2)
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("top_k", [1, 7])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_top_k_extremes_and_id_dtypes(path, top_k, id_dtype, device) -> None:
+    # E = 7 is not a power of two; top_k = 7 routes every token to every expert.
+    x, w13, w2, logits = make_problem(3, 48, 24, 7, top_k, torch.float32, device, seed=top_k)
+    weights, ids = select_experts(logits, top_k, False)
+    check(x, w13, w2, weights, ids.to(id_dtype), path)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_unused_experts_are_never_read(path, dtype, device) -> None:
+    x, w13, w2, _ = make_problem(5, 64, 32, 6, 2, dtype, device, seed=2)
     gen = torch.Generator().manual_seed(5)
-    ids = torch.stack([torch.tensor([1, 4])[torch.randperm(2, generator=gen)] for _ in range(9)])
-    weights = torch.rand(9, 2, generator=gen)
+    ids = torch.stack([torch.tensor([1, 4])[torch.randperm(2, generator=gen)] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=gen)
     ids, weights = ids.to(device), weights.to(device)
     expected = fused_moe_ref(x, w13, w2, weights, ids)
     for e in (0, 2, 3, 5):
         w13[e] = float("nan")
         w2[e] = float("nan")
-    out = fused_moe(x, w13, w2, weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids, small_batch_max_tokens=PATHS[path])
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
 
 
@@ -69,7 +107,27 @@ def test_all_tokens_on_one_expert(dtype, device) -> None:
     ids = torch.full((20, 1), 3, device=device)
     weights = torch.rand(20, 1, generator=torch.Generator().manual_seed(1)).to(device)
     config = dict(get_config(20), BLOCK_M=16)
-    check(x, w13, w2, weights, ids, config=config)
+    check(x, w13, w2, weights, ids, "grouped", config=config)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "kwargs", "expected"),
+    [
+        (SMALL_BATCH_MAX_TOKENS, {}, "small"),
+        (SMALL_BATCH_MAX_TOKENS + 1, {}, "grouped"),
+        (1, {"config": get_config(1)}, "grouped"),
+        (2, {"config": get_config(2), "small_batch_max_tokens": 2}, "small"),
+        (3, {"small_batch_max_tokens": 2}, "grouped"),
+    ],
+)
+def test_path_choice(monkeypatch, num_tokens, kwargs, expected) -> None:
+    calls = []
+    monkeypatch.setattr(fused_moe_module, "small_batch_moe", lambda *a: calls.append("small"))
+    monkeypatch.setattr(fused_moe_module, "_grouped_moe", lambda *a: calls.append("grouped"))
+    x, w13, w2, logits = make_problem(num_tokens, 16, 16, 4, 2, torch.float32, "cpu")
+    weights, ids = select_experts(logits, 2, False)
+    fused_moe(x, w13, w2, weights, ids, **kwargs)
+    assert calls == [expected]
 
 
 def test_no_tokens(device) -> None:
@@ -79,9 +137,9 @@ def test_no_tokens(device) -> None:
     assert out.shape == (0, 64)
 
 
-def test_align_exact() -> None:
+def test_align_exact(device) -> None:
     # Pairs: 0:(t0,e2) 1:(t0,e0) 2:(t1,e2) 3:(t1,e3) 4:(t2,e0) 5:(t2,e2); sentinel 6.
-    ids = torch.tensor([[2, 0], [2, 3], [0, 2]])
+    ids = torch.tensor([[2, 0], [2, 3], [0, 2]], device=device)
     sorted_ids, expert_ids, num_post = moe_align_block_size(ids, num_experts=5, block_m=4)
     s = 6
     assert sorted_ids.tolist() == [1, 4, s, s, 0, 2, 5, s, 3, s, s, s] + [s] * 12
@@ -90,13 +148,61 @@ def test_align_exact() -> None:
     assert sorted_ids.dtype == expert_ids.dtype == num_post.dtype == torch.int32
 
 
-def test_align_static_bound_is_tight_enough() -> None:
+def test_align_static_bound_is_tight_enough(device) -> None:
     # Every pair on its own expert: each of the min(E, pairs) groups takes one whole block.
-    ids = torch.arange(8).view(4, 2)
+    ids = torch.arange(8, device=device).view(4, 2)
     sorted_ids, expert_ids, num_post = moe_align_block_size(ids, num_experts=128, block_m=16)
     assert max_num_blocks(8, 128, 16) == 8 == expert_ids.numel()
     assert expert_ids.tolist() == list(range(8)) and num_post.tolist() == [128]
     assert sorted_ids.view(8, 16)[:, 0].tolist() == list(range(8))
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "top_k", "num_experts", "block_m", "max_spans"),
+    [
+        (1, 8, 128, 16, 256),
+        (13, 3, 6, 4, 256),
+        (21, 1, 3, 1, 256),
+        # 300 pairs = 5 chunks of 64 over 3 spans of 2 chunks, the last span ragged.
+        (100, 3, 5, 16, 3),
+        (150, 2, 128, 16, 2),
+    ],
+)
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_align_matches_reference(
+    monkeypatch, num_tokens, top_k, num_experts, block_m, max_spans, id_dtype, device
+) -> None:
+    monkeypatch.setattr(moe_align_module, "_MAX_SPANS", max_spans)
+    gen = torch.Generator().manual_seed(num_tokens)
+    # Skewed ids: a few experts take most pairs, some take none.
+    ids = (torch.rand(num_tokens, top_k, generator=gen) ** 3 * num_experts).long()
+    ids = ids.to(device, id_dtype)
+    got = moe_align_block_size(ids, num_experts, block_m)
+    expected = moe_align_block_size_ref(ids, num_experts, block_m)
+    for name, g, e in zip(("sorted_pair_ids", "expert_ids", "num_post_padded"), got, expected):
+        assert g.dtype == torch.int32, name
+        assert torch.equal(g, e), name
+
+
+def test_align_leaves_out_ids_out_of_range(device) -> None:
+    ids = torch.tensor([[1, -1], [3, 1]], device=device)  # pair 1 (-1) and pair 2 (3 >= E)
+    sorted_ids, expert_ids, num_post = moe_align_block_size(ids, num_experts=3, block_m=2)
+    assert sorted_ids.tolist()[:2] == [0, 3] and set(sorted_ids.tolist()[2:]) == {4}
+    assert expert_ids.tolist() == [1, -1, -1, -1] and num_post.tolist() == [2]
+
+
+@pytest.mark.parametrize(
+    ("ids", "num_experts", "block_m", "match"),
+    [
+        (torch.zeros(4, dtype=torch.int32), 4, 16, "topk_ids"),
+        (torch.zeros(2, 2), 4, 16, "topk_ids"),
+        (torch.zeros(2, 2, dtype=torch.int32), 0, 16, "num_experts"),
+        (torch.zeros(2, 2, dtype=torch.int32), 4, 0, "block_m"),
+    ],
+)
+def test_align_bad_input(ids, num_experts, block_m, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        moe_align_block_size(ids, num_experts, block_m)
 
 
 def test_layer_switches_to_triton(device) -> None:
@@ -104,9 +210,9 @@ def test_layer_switches_to_triton(device) -> None:
     x, w13, w2, logits = make_problem(3, 64, 32, 5, 2, torch.float32, device, seed=8)
     layer.w13.data, layer.w2.data = w13, w2
     expected = layer(x, logits)
-    assert not layer.cuda_graph_safe
+    assert not layer.cuda_graph_safe and layer._router is select_experts
     layer.use_triton_kernels()
-    assert layer.cuda_graph_safe
+    assert layer.cuda_graph_safe and layer._router is moe_router
     torch.testing.assert_close(layer(x, logits), expected, **TOLERANCE[torch.float32])
 
 

@@ -45,6 +45,7 @@ def fused_moe(
 MoeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
+MoeRouter = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
 
 
 class FusedMoE(nn.Module):
@@ -73,6 +74,7 @@ class FusedMoE(nn.Module):
         # The reference expert loop asks the host which experts got tokens: no CUDA graphs.
         # The Triton path sizes everything from the token count and is graph safe.
         self.cuda_graph_safe = False
+        self._router: MoeRouter = select_experts
         self._kernel: MoeKernel = fused_moe
         self.w13 = new_parameter(num_experts, 2 * intermediate_size, hidden_size)
         self.w2 = new_parameter(num_experts, hidden_size, intermediate_size)
@@ -84,7 +86,9 @@ class FusedMoE(nn.Module):
 
     def use_triton_kernels(self) -> None:
         from ferrum.kernels.fused_moe import fused_moe as kernel
+        from ferrum.kernels.moe_router import moe_router
 
+        self._router = moe_router
         self._kernel = kernel
         self.cuda_graph_safe = True
 
@@ -128,5 +132,5 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden: [T, H], router_logits: [T, E] -> [T, H]."""
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        topk_weights, topk_ids = self._router(router_logits, self.top_k, self.renormalize)
         return self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids)

@@ -1,0 +1,210 @@
+"""Times the whole Triton MoE layer (router + fused experts) inside a CUDA graph, per token count.
+
+Qwen3-30B-A3B shapes by default, bf16. `--layers` distinct weight sets (each with its own random
+router logits) run in sequence in one captured graph, so that expert weights come from HBM and not
+from the 50 MB L2. The graph is replayed after a warm-up; each replay is timed with CUDA events and
+the median replay time divided by the number of layers is the per-layer time. GB/s counts each
+distinct active expert's weights (w13 + w2) once per layer.
+Usage: python benchmarks/bench_moe_layer.py [--tokens 1,2,4,8] [--path small|grouped|auto]
+       [--sweep] [--out results.json]
+"""
+
+# ruff: noqa: E402
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from ferrum.kernels.fused_moe import fused_moe, get_small_batch_config
+from ferrum.kernels.moe_router import moe_router
+
+DTYPE = torch.bfloat16
+# small_batch_max_tokens per path: force the small path, force the grouped path, or the default.
+PATH_LIMITS: dict[str, int | None] = {"small": 1 << 30, "grouped": 0, "auto": None}
+SMALL_PATH_MAX_TOKENS = 16
+WARMUP_REPLAYS = 5
+
+
+@dataclass
+class Layer:
+    w13: torch.Tensor  # [E, 2I, H]
+    w2: torch.Tensor  # [E, H, I]
+    logits: torch.Tensor  # [max_tokens, E]
+
+
+@dataclass
+class Result:
+    tokens: int
+    path: str
+    us_per_layer: float
+    gbps: float
+    active_experts: float  # mean distinct experts per layer
+    config: dict[str, int] | None
+
+
+def make_layers(args: argparse.Namespace, max_tokens: int) -> list[Layer]:
+    e, h, i = args.experts, args.hidden, args.intermediate
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DTYPE, generator=gen) * 0.02
+        w2 = torch.randn(e, h, i, device="cuda", dtype=DTYPE, generator=gen) * 0.02
+        logits = torch.randn(max_tokens, e, device="cuda", dtype=DTYPE, generator=gen)
+        layers.append(Layer(w13, w2, logits))
+    return layers
+
+
+def active_experts(layers: list[Layer], tokens: int, top_k: int) -> float:
+    """Mean number of distinct experts the router picks per layer for the first `tokens` rows."""
+    counts = [
+        torch.unique(moe_router(layer.logits[:tokens], top_k, True)[1]).numel() for layer in layers
+    ]
+    return sum(counts) / len(counts)
+
+
+def time_layer_us(
+    layers: list[Layer],
+    hidden: torch.Tensor,
+    top_k: int,
+    limit: int | None,
+    small_config: dict[str, int] | None,
+    replays: int,
+) -> float:
+    """Median per-layer microseconds of one graph replay running every layer in sequence."""
+    tokens = hidden.shape[0]
+
+    def run() -> list[torch.Tensor]:
+        outs = []
+        for layer in layers:
+            weights, ids = moe_router(layer.logits[:tokens], top_k, True)
+            outs.append(
+                fused_moe(
+                    hidden,
+                    layer.w13,
+                    layer.w2,
+                    weights,
+                    ids,
+                    small_config=small_config,
+                    small_batch_max_tokens=limit,
+                )
+            )
+        return outs
+
+    # Compile the kernels and settle the allocator outside the capture, on a side stream.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(WARMUP_REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    times_ms = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times_ms.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times_ms) * 1e3 / len(layers)
+
+
+def sweep_configs() -> list[dict[str, int]]:
+    grid = itertools.product((8, 16, 32), (128, 256), (4, 8, 16), (256, 1024), (4, 8))
+    return [
+        {
+            "GATE_UP_BLOCK_N": gate_n,
+            "GATE_UP_BLOCK_K": gate_k,
+            "DOWN_BLOCK_N": down_n,
+            "DOWN_BLOCK_K": down_k,
+            "num_warps": warps,
+            "num_stages": 2,
+        }
+        for gate_n, gate_k, down_n, down_k, warps in grid
+    ]
+
+
+def paths_for(tokens: int, requested: str | None) -> list[str]:
+    if requested is not None:
+        return [requested]
+    return [p for p in PATH_LIMITS if p != "small" or tokens <= SMALL_PATH_MAX_TOKENS]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
+    parser.add_argument("--path", choices=sorted(PATH_LIMITS), default=None)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--sweep", action="store_true", help="grid of small-path tile configs")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_moe_layer needs a CUDA GPU", file=sys.stderr)
+        return 1
+    token_counts = [int(t) for t in args.tokens.split(",")]
+    layers = make_layers(args, max(token_counts))
+    expert_bytes = 3 * args.hidden * args.intermediate * DTYPE.itemsize  # w13 + w2 of one expert
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    results: list[Result] = []
+
+    def record(tokens: int, path: str, us: float, active: float, config) -> None:
+        gbps = active * expert_bytes / (us * 1e-6) / 1e9
+        results.append(Result(tokens, path, us, gbps, active, config))
+        label = "" if config is None else f" {config}"
+        print(f"{tokens:>6} {path:>8} {us:>10.1f} {gbps:>8.0f} {active:>8.1f}{label}", flush=True)
+
+    print(f"{'tokens':>6} {'path':>8} {'us/layer':>10} {'GB/s':>8} {'experts':>8}")
+    for tokens in token_counts:
+        hidden = torch.randn(tokens, args.hidden, device="cuda", dtype=DTYPE, generator=gen)
+        active = active_experts(layers, tokens, args.top_k)
+        for path in paths_for(tokens, args.path):
+            us = time_layer_us(layers, hidden, args.top_k, PATH_LIMITS[path], None, args.replays)
+            record(tokens, path, us, active, None)
+        if args.sweep and tokens <= SMALL_PATH_MAX_TOKENS:
+            best: tuple[float, dict[str, int]] | None = None
+            for config in sweep_configs():
+                try:
+                    us = time_layer_us(
+                        layers, hidden, args.top_k, PATH_LIMITS["small"], config, args.replays
+                    )
+                except Exception as exc:  # a config the compiler rejects (e.g. out of registers)
+                    print(f"  skip {config}: {type(exc).__name__}")
+                    continue
+                record(tokens, "small", us, active, config)
+                if best is None or us < best[0]:
+                    best = (us, config)
+            if best is not None:
+                print(
+                    f"T={tokens}: best small config {best[1]} {best[0]:.1f} us/layer "
+                    f"(default {get_small_batch_config()})"
+                )
+    if args.out is not None:
+        payload = {
+            "device": torch.cuda.get_device_name(),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "results": [asdict(r) for r in results],
+        }
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Small-batch fused mixture-of-experts: two GEMV launches and no token->expert align.
+
+For num_tokens <= SMALL_BATCH_MAX_TOKENS each routed expert sees one or a few tokens, so grouping
+pairs by expert buys nothing: kernel 1, grid (num_pairs, cdiv(I, BLOCK_N)), GEMVs pair
+p = t * top_k + j's token against expert topk_ids[p]'s gate and up rows with SiLU-and-mul ->
+act [T*k, I]; kernel 2, grid (num_tokens, cdiv(H, BLOCK_N)), GEMVs each of token t's k rows of act
+against its expert's down projection and sums them weighted, in order j = 0..k-1 in fp32, into
+out [T, H] (the combine is fused). Each routed expert's weights are read once per (token, choice).
+Roundings follow `fused_moe_ref`. Sizes depend only on (T, k, E, H, I): CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Batches of at most this many tokens take the small-batch GEMV path (no align).
+SMALL_BATCH_MAX_TOKENS = 8
+# Small-batch tiles: gate/up GEMV [GATE_UP_BLOCK_N rows of gate and of up, GATE_UP_BLOCK_K] and
+# down GEMV [DOWN_BLOCK_N, DOWN_BLOCK_K], 16-byte loads along K. Tiles are sized so that one batch-1
+# wave keeps several MB of weight loads in flight (the down tile spans all of I = 768).
+_SMALL_BATCH_CONFIG: dict[str, int] = {
+    "GATE_UP_BLOCK_N": 16,
+    "GATE_UP_BLOCK_K": 256,
+    "DOWN_BLOCK_N": 8,
+    "DOWN_BLOCK_K": 1024,
+    "num_warps": 4,
+    "num_stages": 2,
+}
+
+
+@triton.jit
+def _moe_gate_up_gemv_kernel(
+    act_ptr,  # [num_pairs, I]
+    hidden_ptr,  # [num_tokens, H]
+    w13_ptr,  # [E, 2I, H]
+    topk_ids_ptr,  # [num_pairs] int32/int64
+    inter,
+    hidden_size,
+    top_k,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_am,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (p, n): act[p, n*BLOCK_N..] = silu(g) * u, (g, u) = w13[e, (n | I + n)] @ x[t] for
+    t = p // top_k, e = topk_ids[p]. Products accumulate per lane in fp32, summed once at the end."""
+    pair = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = hidden_ptr + (pair // top_k) * stride_hm + offs_k
+    w_ptrs = (
+        w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    )
+    up_offset = inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, hidden_size, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs).to(tl.float32)
+            w_mask = n_mask[:, None]
+        else:
+            k_mask = offs_k < hidden_size - k0
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            w_mask = n_mask[:, None] & k_mask[None, :]
+        gate = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(tl.float32)
+        acc_gate += gate * x[None, :]
+        acc_up += up * x[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    dtype = hidden_ptr.dtype.element_ty
+    gate = tl.sum(acc_gate, 1).to(dtype).to(tl.float32)
+    up = tl.sum(acc_up, 1).to(dtype).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(act_ptr + pair * stride_am + offs_n, (act * up).to(dtype), mask=n_mask)
+
+
+@triton.jit
+def _moe_down_combine_gemv_kernel(
+    out_ptr,  # [num_tokens, H]
+    act_ptr,  # [num_pairs, I]
+    w2_ptr,  # [E, H, I]
+    topk_weights_ptr,  # [num_pairs] float32
+    topk_ids_ptr,  # [num_pairs] int32/int64
+    hidden_size,
+    inter,
+    top_k,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (t, n): out[t, n*BLOCK_N..] = sum over j = 0..k-1 in order, in fp32, of
+    topk_weights[p] * round(w2[e] @ act[p]) for p = t * top_k + j, e = topk_ids[p]."""
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden_size
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = act_ptr.dtype.element_ty
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(0, top_k):
+        pair = token * top_k + j
+        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+        a_ptrs = act_ptr + pair * stride_am + offs_k
+        w_ptrs = (
+            w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        )
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs).to(tl.float32)
+                w_mask = n_mask[:, None]
+            else:
+                k_mask = offs_k < inter - k0
+                a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                w_mask = n_mask[:, None] & k_mask[None, :]
+            acc += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * a[None, :]
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        y = tl.sum(acc, 1).to(dtype).to(tl.float32)
+        total += y * tl.load(topk_weights_ptr + pair)
+    tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def get_small_batch_config() -> dict[str, int]:
+    """The small-batch path's tile config (keys of `_SMALL_BATCH_CONFIG`)."""
+    return _SMALL_BATCH_CONFIG
+
+
+def _gemv_tiles(config: dict[str, int], prefix: str, n: int, k: int) -> tuple[int, int, bool]:
+    """(BLOCK_N, BLOCK_K, EVEN_K) of one GEMV: blocks shrunk to the (power-of-two padded) dims."""
+    block_n = min(config[f"{prefix}_BLOCK_N"], triton.next_power_of_2(n))
+    block_k = min(config[f"{prefix}_BLOCK_K"], triton.next_power_of_2(k))
+    return block_n, block_k, k % block_k == 0
+
+
+def small_batch_moe(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    flat_weights: torch.Tensor,
+    flat_ids: torch.Tensor,
+    top_k: int,
+    config: dict[str, int],
+) -> None:
+    """Two GEMV launches: gate/up + SiLU-and-mul per pair, then down + weighted sum per token."""
+    num_tokens, hidden_size = hidden.shape
+    num_pairs = flat_ids.numel()
+    inter = w2.shape[2]
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+
+    # Pairs (tokens in the down GEMV) vary fastest across programs, so pairs sharing an expert
+    # read the same weight rows close together in time and hit L2.
+    block_n, block_k, even_k = _gemv_tiles(config, "GATE_UP", inter, hidden_size)
+    _moe_gate_up_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
+        act,
+        hidden,
+        w13,
+        flat_ids,
+        inter,
+        hidden_size,
+        top_k,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        EVEN_K=even_k,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **launch,
+    )
+    block_n, block_k, even_k = _gemv_tiles(config, "DOWN", hidden_size, inter)
+    _moe_down_combine_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
+        out,
+        act,
+        w2,
+        flat_weights,
+        flat_ids,
+        hidden_size,
+        inter,
+        top_k,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        EVEN_K=even_k,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **launch,
+    )
