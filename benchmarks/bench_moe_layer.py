@@ -5,8 +5,10 @@ router logits) run in sequence in one captured graph, so that expert weights com
 from the 50 MB L2. The graph is replayed after a warm-up; each replay is timed with CUDA events and
 the median replay time divided by the number of layers is the per-layer time. GB/s counts each
 distinct active expert's weights (w13 + w2) once per layer.
-Usage: python benchmarks/bench_moe_layer.py [--tokens 1,2,4,8] [--path small|grouped|auto]
-       [--sweep] [--out results.json]
+Path `grouped_mm` is the same layer on torch._grouped_mm (sort by expert, two grouped GEMMs,
+weighted index_add): the comparison the Triton kernels are kept against.
+Usage: python benchmarks/bench_moe_layer.py [--tokens 1,2,4,8] [--path small|grouped|auto|
+       grouped_mm] [--sweep [--save DIR]] [--out results.json]
 """
 
 # ruff: noqa: E402
@@ -22,12 +24,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from ferrum.kernels.fused_moe import fused_moe, get_small_batch_config
+from ferrum.kernels.fused_moe import fused_moe
+from ferrum.kernels.fused_moe_config import save_section
+from ferrum.kernels.fused_moe_small_batch import get_small_batch_config
 from ferrum.kernels.moe_router import moe_router
 
 DTYPE = torch.bfloat16
 # small_batch_max_tokens per path: force the small path, force the grouped path, or the default.
 PATH_LIMITS: dict[str, int | None] = {"small": 1 << 30, "grouped": 0, "auto": None}
+PATHS = (*PATH_LIMITS, "grouped_mm")
 SMALL_PATH_MAX_TOKENS = 16
 WARMUP_REPLAYS = 5
 
@@ -84,6 +89,9 @@ def time_layer_us(
         outs = []
         for layer in layers:
             weights, ids = moe_router(layer.logits[:tokens], top_k, True)
+            if small_config is GROUPED_MM:
+                outs.append(grouped_mm_moe(hidden, layer.w13, layer.w2, weights, ids))
+                continue
             outs.append(
                 fused_moe(
                     hidden,
@@ -122,6 +130,33 @@ def time_layer_us(
     return statistics.median(times_ms) * 1e3 / len(layers)
 
 
+GROUPED_MM: dict[str, int] = {}  # marks the torch._grouped_mm path in time_layer_us
+
+
+def grouped_mm_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The MoE layer on torch._grouped_mm, without host syncs (graph safe)."""
+    num_experts, inter = w2.shape[0], w2.shape[2]
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=hidden.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    tokens = order // top_k
+    gate_up = torch._grouped_mm(hidden[tokens], w13.transpose(1, 2), offs=offs)
+    act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    down = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)
+    weighted = down.float() * topk_weights.reshape(-1)[order][:, None]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+
+
 def sweep_configs() -> list[dict[str, int]]:
     grid = itertools.product((8, 16, 32), (128, 256), (4, 8, 16), (256, 1024), (4, 8))
     return [
@@ -140,13 +175,13 @@ def sweep_configs() -> list[dict[str, int]]:
 def paths_for(tokens: int, requested: str | None) -> list[str]:
     if requested is not None:
         return [requested]
-    return [p for p in PATH_LIMITS if p != "small" or tokens <= SMALL_PATH_MAX_TOKENS]
+    return [p for p in PATHS if p != "small" or tokens <= SMALL_PATH_MAX_TOKENS]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
-    parser.add_argument("--path", choices=sorted(PATH_LIMITS), default=None)
+    parser.add_argument("--path", choices=sorted(PATHS), default=None)
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
@@ -155,6 +190,13 @@ def main() -> int:
     parser.add_argument("--replays", type=int, default=50)
     parser.add_argument("--sweep", action="store_true", help="grid of small-path tile configs")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="with --sweep: write each token count's best small config as the 'small' section "
+        "of this shape's tuned file in this folder (ferrum/kernels/fused_moe_configs to use it)",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_moe_layer needs a CUDA GPU", file=sys.stderr)
@@ -164,6 +206,7 @@ def main() -> int:
     expert_bytes = 3 * args.hidden * args.intermediate * DTYPE.itemsize  # w13 + w2 of one expert
     gen = torch.Generator(device="cuda").manual_seed(1)
     results: list[Result] = []
+    best_small: dict[int, dict[str, int]] = {}
 
     def record(tokens: int, path: str, us: float, active: float, config) -> None:
         gbps = active * expert_bytes / (us * 1e-6) / 1e9
@@ -176,7 +219,10 @@ def main() -> int:
         hidden = torch.randn(tokens, args.hidden, device="cuda", dtype=DTYPE, generator=gen)
         active = active_experts(layers, tokens, args.top_k)
         for path in paths_for(tokens, args.path):
-            us = time_layer_us(layers, hidden, args.top_k, PATH_LIMITS[path], None, args.replays)
+            limit, config = (
+                (None, GROUPED_MM) if path == "grouped_mm" else (PATH_LIMITS[path], None)
+            )
+            us = time_layer_us(layers, hidden, args.top_k, limit, config, args.replays)
             record(tokens, path, us, active, None)
         if args.sweep and tokens <= SMALL_PATH_MAX_TOKENS:
             best: tuple[float, dict[str, int]] | None = None
@@ -192,10 +238,22 @@ def main() -> int:
                 if best is None or us < best[0]:
                     best = (us, config)
             if best is not None:
+                best_small[tokens] = best[1]
                 print(
                     f"T={tokens}: best small config {best[1]} {best[0]:.1f} us/layer "
-                    f"(default {get_small_batch_config()})"
+                    f"(default {get_small_batch_config(tokens)})"
                 )
+    if args.save is not None and best_small:
+        path = save_section(
+            args.experts,
+            args.intermediate,
+            args.hidden,
+            torch.cuda.get_device_name(),
+            "small",
+            best_small,
+            args.save,
+        )
+        print(f"wrote {path}")
     if args.out is not None:
         payload = {
             "device": torch.cuda.get_device_name(),

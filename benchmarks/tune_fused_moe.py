@@ -4,7 +4,7 @@ Prints, for each token count, the default config's time, the best config and its
 time the active experts' weights take to stream at HBM bandwidth. Times are CUDA events around
 eager calls (median of repeats), so small token counts include launch gaps that CUDA graphs hide:
 confirm a config change with the end-to-end `lat` workload.
-Usage: python benchmarks/tune_fused_moe.py [--tokens 1,4,16,64,256]
+Usage: python benchmarks/tune_fused_moe.py [--tokens 16,64,256] [--save ferrum/kernels/fused_moe_configs]
 """
 
 # ruff: noqa: E402
@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from ferrum.kernels.fused_moe import fused_moe, get_config
+from ferrum.kernels.fused_moe_config import save_section
 
 
 def time_ms(fn, iters: int = 30) -> float:
@@ -44,6 +45,13 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=768)
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="write each token count's best config as the 'grouped' section of this shape's "
+        "tuned file in this folder (ferrum/kernels/fused_moe_configs to use it)",
+    )
     args = parser.parse_args()
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
     dev = torch.device("cuda")
@@ -57,6 +65,7 @@ def main() -> int:
         )
     ]
     bytes_per_expert = (w13[0].numel() + w2[0].numel()) * 2
+    best_configs: dict[int, dict[str, int]] = {}
     for t in (int(x) for x in args.tokens.split(",")):
         hidden = torch.randn(t, h, device=dev, dtype=torch.bfloat16, generator=gen)
         logits = torch.randn(t, e, device=dev, generator=gen)
@@ -76,6 +85,7 @@ def main() -> int:
             results.append((ms, config))
         results.sort(key=lambda r: r[0])
         best_ms, best = results[0]
+        best_configs[t] = best
         roofline_ms = active * bytes_per_expert / 3.35e12 * 1e3
         print(
             f"T={t}: default {get_config(t)} {default * 1e3:.1f} us | best {best} "
@@ -83,6 +93,10 @@ def main() -> int:
             f"{roofline_ms * 1e3:.1f} us",
             flush=True,
         )
+    if args.save is not None:
+        device_name = torch.cuda.get_device_name()
+        path = save_section(e, i, h, device_name, "grouped", best_configs, args.save)
+        print(f"wrote {path}")
     return 0
 
 

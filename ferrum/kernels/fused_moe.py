@@ -15,27 +15,17 @@ Every size is a function of (T, k, E, H, I): no host sync, safe in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels.fused_moe_small_batch import (
-    SMALL_BATCH_MAX_TOKENS,
-    get_small_batch_config,
-    small_batch_moe,
-)
+from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED, get_configs, pick
+from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS, small_batch_moe
 from ferrum.kernels.moe_align import moe_align_block_size
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-# (max num_tokens, config): the first bucket with num_tokens <= its bound is used. Small batches
-# take narrow N tiles so that the few active experts still spread their weights over every SM.
-_DEFAULT_CONFIGS: tuple[tuple[int, dict[str, int]], ...] = (
-    (16, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}),
-    (128, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}),
-    (1024, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
-    (1 << 62, {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
-)
 
 _COMBINE_BLOCK = 1024
 
@@ -134,11 +124,13 @@ def _moe_combine_kernel(
 
 
 def get_config(num_tokens: int) -> dict[str, int]:
-    """The grouped path's tile config for a batch of num_tokens."""
-    for bound, config in _DEFAULT_CONFIGS:
-        if num_tokens <= bound:
-            return config
-    return _DEFAULT_CONFIGS[-1][1]
+    """The grouped path's default tile config (no tuned file) for a batch of num_tokens."""
+    return pick(DEFAULT_GROUPED, num_tokens)
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str | None:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def _tile(block: int, dim: int) -> int:
@@ -280,24 +272,28 @@ def fused_moe(
     The small-batch path runs when num_tokens <= small_batch_max_tokens, else the grouped path.
     small_batch_max_tokens defaults to SMALL_BATCH_MAX_TOKENS, or to 0 when a grouped `config`
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) is given: passing one asks for the grouped
-    GEMM. `small_config` (keys of `get_small_batch_config()`) overrides the small path's tiles.
+    GEMM. Without one, tiles come from the tuned file for this shape and device, else the
+    defaults (`fused_moe_config`); `small_config` overrides the small path's tiles.
     Expert ids must lie in [0, num_experts).
     """
     _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
     num_tokens, hidden_size = hidden.shape
-    inter = w2.shape[2]
+    num_experts, _, inter = w2.shape
     top_k = topk_ids.shape[1]
     if num_tokens * top_k == 0 or inter == 0 or hidden_size == 0:
         return torch.zeros_like(hidden)
     if small_batch_max_tokens is None:
         small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS if config is None else 0
+    tuned_grouped, tuned_small = get_configs(
+        num_tokens, num_experts, inter, hidden_size, _device_name(hidden.device)
+    )
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     flat_weights = topk_weights.reshape(-1)
     if num_tokens <= small_batch_max_tokens:
-        small_config = small_config if small_config is not None else get_small_batch_config()
         flat_ids = topk_ids.reshape(-1)
+        small_config = small_config if small_config is not None else tuned_small
         small_batch_moe(out, hidden, w13, w2, flat_weights, flat_ids, top_k, small_config)
     else:
-        config = config if config is not None else get_config(num_tokens)
+        config = config if config is not None else tuned_grouped
         _grouped_moe(out, hidden, w13, w2, flat_weights, topk_ids, config)
     return out

@@ -15,19 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels.fused_moe_config import DEFAULT_SMALL, pick
+
 # Batches of at most this many tokens take the small-batch GEMV path (no align).
 SMALL_BATCH_MAX_TOKENS = 8
-# Small-batch tiles: gate/up GEMV [GATE_UP_BLOCK_N rows of gate and of up, GATE_UP_BLOCK_K] and
-# down GEMV [DOWN_BLOCK_N, DOWN_BLOCK_K], 16-byte loads along K. Tiles are sized so that one batch-1
-# wave keeps several MB of weight loads in flight (the down tile spans all of I = 768).
-_SMALL_BATCH_CONFIG: dict[str, int] = {
-    "GATE_UP_BLOCK_N": 16,
-    "GATE_UP_BLOCK_K": 256,
-    "DOWN_BLOCK_N": 8,
-    "DOWN_BLOCK_K": 1024,
-    "num_warps": 4,
-    "num_stages": 2,
-}
 
 
 @triton.jit
@@ -135,9 +126,9 @@ def _moe_down_combine_gemv_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def get_small_batch_config() -> dict[str, int]:
-    """The small-batch path's tile config (keys of `_SMALL_BATCH_CONFIG`)."""
-    return _SMALL_BATCH_CONFIG
+def get_small_batch_config(num_tokens: int = 1) -> dict[str, int]:
+    """The small path's default tile config (no tuned file) for a batch of num_tokens."""
+    return pick(DEFAULT_SMALL, num_tokens)
 
 
 def _gemv_tiles(config: dict[str, int], prefix: str, n: int, k: int) -> tuple[int, int, bool]:

@@ -1,0 +1,126 @@
+"""Tile configs of the fused MoE kernels: tuned JSON files per shape and device, else defaults.
+
+A file `fused_moe_configs/E={E},I={I},H={H},device={device}.json` (device: the CUDA device name
+with spaces as underscores) holds up to two sections, each mapping a batch-size bucket (the most
+tokens it covers, as a string) to a config:
+- "grouped": BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages (written by
+  benchmarks/tune_fused_moe.py --save);
+- "small": GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_BLOCK_K, num_warps, num_stages
+  (written by benchmarks/bench_moe_layer.py --sweep --save).
+A batch takes the smallest bucket that covers it, or the largest one. A missing file or section
+falls back to the defaults below.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).parent / "fused_moe_configs"
+GROUPED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+SMALL_KEYS = (
+    "GATE_UP_BLOCK_N",
+    "GATE_UP_BLOCK_K",
+    "DOWN_BLOCK_N",
+    "DOWN_BLOCK_K",
+    "num_warps",
+    "num_stages",
+)
+Buckets = dict[int, dict[str, int]]
+
+# Small batches take narrow N tiles so that the few active experts still spread their weights
+# over every SM.
+DEFAULT_GROUPED: Buckets = {
+    16: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4},
+    128: {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    1024: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    1 << 62: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+}
+# Gate/up GEMV tile [GATE_UP_BLOCK_N rows of gate and of up, GATE_UP_BLOCK_K], down GEMV tile
+# [DOWN_BLOCK_N, DOWN_BLOCK_K]: 16-byte loads along K, several MB of loads in flight per wave.
+DEFAULT_SMALL: Buckets = {
+    1 << 62: {
+        "GATE_UP_BLOCK_N": 16,
+        "GATE_UP_BLOCK_K": 256,
+        "DOWN_BLOCK_N": 8,
+        "DOWN_BLOCK_K": 1024,
+        "num_warps": 4,
+        "num_stages": 2,
+    },
+}
+
+
+def config_path(num_experts: int, inter: int, hidden: int, device_name: str) -> Path:
+    device = device_name.replace(" ", "_")
+    return CONFIG_DIR / f"E={num_experts},I={inter},H={hidden},device={device}.json"
+
+
+def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets:
+    """Validates one section of a config file: {"<max tokens>": {key: int}}."""
+    if not isinstance(section, dict) or not section:
+        raise ValueError(f"{where}: must be a non-empty object of batch buckets")
+    buckets: Buckets = {}
+    for bound, config in section.items():
+        if not str(bound).isdigit() or int(bound) < 1:
+            raise ValueError(f"{where}: bucket {bound!r} must be a positive token count")
+        if not isinstance(config, dict) or set(config) != set(keys):
+            raise ValueError(f"{where}[{bound}]: must have exactly the keys {list(keys)}")
+        if not all(isinstance(v, int) and v >= 1 for v in config.values()):
+            raise ValueError(f"{where}[{bound}]: values must be positive integers")
+        buckets[int(bound)] = dict(config)
+    return dict(sorted(buckets.items()))
+
+
+@functools.cache
+def load_tuned(num_experts: int, inter: int, hidden: int, device_name: str) -> dict[str, Buckets]:
+    """The sections of the matching tuned file ({} without one)."""
+    path = config_path(num_experts, inter, hidden, device_name)
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    sections = {"grouped": GROUPED_KEYS, "small": SMALL_KEYS}
+    if not isinstance(data, dict) or not set(data) <= set(sections):
+        raise ValueError(f"{path}: must be an object with sections {sorted(sections)}")
+    return {name: parse_buckets(data[name], sections[name], f"{path}:{name}") for name in data}
+
+
+def pick(buckets: Buckets, num_tokens: int) -> dict[str, int]:
+    """The config of the smallest bucket covering num_tokens, else of the largest."""
+    for bound, config in buckets.items():
+        if num_tokens <= bound:
+            return config
+    return buckets[max(buckets)]
+
+
+def get_configs(
+    num_tokens: int, num_experts: int, inter: int, hidden: int, device_name: str | None
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(grouped config, small-batch config) for a batch of num_tokens on the named device."""
+    tuned = load_tuned(num_experts, inter, hidden, device_name) if device_name else {}
+    return (
+        pick(tuned.get("grouped", DEFAULT_GROUPED), num_tokens),
+        pick(tuned.get("small", DEFAULT_SMALL), num_tokens),
+    )
+
+
+def save_section(
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    device_name: str,
+    section: str,
+    buckets: Buckets,
+    directory: Path | None = None,
+) -> Path:
+    """Writes one section of the tuned file in `directory` (default CONFIG_DIR), keeping the
+    other section."""
+    keys = {"grouped": GROUPED_KEYS, "small": SMALL_KEYS}[section]
+    parse_buckets({str(k): v for k, v in buckets.items()}, keys, section)
+    directory = CONFIG_DIR if directory is None else directory
+    path = directory / config_path(num_experts, inter, hidden, device_name).name
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data[section] = {str(k): buckets[k] for k in sorted(buckets)}
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path
