@@ -1,7 +1,7 @@
 """Tile configs of the fused MoE kernels: tuned JSON files per shape and device, else defaults.
 
-A file `fused_moe_configs/E={E},I={I},H={H},device={device}.json` (device: the CUDA device name
-with spaces as underscores) holds up to two sections, each mapping a batch-size bucket (the most
+A file `fused_moe_configs/E{E}_I{I}_H{H}_{device}.json` (device: the CUDA device name with
+spaces as underscores) holds up to two sections, each mapping a batch-size bucket (the most
 tokens it covers, as a string) to a config:
 - "grouped": BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages (written by
   benchmarks/tune_fused_moe.py --save);
@@ -53,7 +53,7 @@ DEFAULT_SMALL: Buckets = {
 
 def config_path(num_experts: int, inter: int, hidden: int, device_name: str) -> Path:
     device = device_name.replace(" ", "_")
-    return CONFIG_DIR / f"E={num_experts},I={inter},H={hidden},device={device}.json"
+    return CONFIG_DIR / f"E{num_experts}_I{inter}_H{hidden}_{device}.json"
 
 
 def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets:

@@ -42,7 +42,7 @@ def test_defaults_without_a_file(config_dir) -> None:
 def test_saved_sections_are_used_and_kept(config_dir) -> None:
     cfg.save_section(128, 768, 2048, "NVIDIA H100 80GB HBM3", "grouped", {64: GROUPED}, config_dir)
     path = cfg.save_section(128, 768, 2048, "NVIDIA H100 80GB HBM3", "small", {1: SMALL})
-    assert path.name == "E=128,I=768,H=2048,device=NVIDIA_H100_80GB_HBM3.json"
+    assert path.name == "E128_I768_H2048_NVIDIA_H100_80GB_HBM3.json"
     assert set(json.loads(path.read_text())) == {"grouped", "small"}
     grouped, small = cfg.get_configs(20, 128, 768, 2048, "NVIDIA H100 80GB HBM3")
     assert grouped == GROUPED and small == SMALL
@@ -75,3 +75,11 @@ def test_bad_files_name_the_problem(config_dir, content, match: str) -> None:
 def test_save_rejects_a_bad_config(config_dir) -> None:
     with pytest.raises(ValueError, match="exactly the keys"):
         cfg.save_section(8, 16, 32, "GPU", "small", {1: GROUPED}, config_dir)
+
+
+def test_the_shipped_files_parse() -> None:
+    cfg.load_tuned.cache_clear()
+    files = sorted(cfg.CONFIG_DIR.glob("*.json"))
+    assert files, "the Qwen3-30B-A3B H100 file ships with the package"
+    tuned = cfg.load_tuned(128, 768, 2048, "NVIDIA H100 80GB HBM3")
+    assert set(tuned) == {"grouped", "small"}
