@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ferrum import SamplingParams
+from tests.engine.test_failed_step import fail_forward
 from tests.engine.test_hf_equivalence import MAX_TOKENS, greedy, make_llm, random_prompts
 from tests.tiny_checkpoints import hf_greedy
 
@@ -125,17 +126,7 @@ def test_failed_launch_keeps_the_previous_steps_tokens(
     prompts = random_prompts([21, 13], seed=31)
     llm = make_llm(path, num_kv_blocks=64, async_scheduling=True)
     engine = llm.llm_engine
-    model = engine.core.runner.model
-    calls = {"n": 0}
-    real_forward = model.forward
-
-    def failing_forward(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:
-            raise RuntimeError("injected fault")
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", failing_forward)
+    fail_forward(monkeypatch, engine.core.runner.model, at_call=4)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)

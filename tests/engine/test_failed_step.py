@@ -9,22 +9,26 @@ from tests.engine.test_hf_equivalence import MAX_TOKENS, greedy, make_llm, rando
 from tests.tiny_checkpoints import hf_greedy
 
 
-def test_failed_forward_is_recovered(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tiny_checkpoint("qwen3")
-    llm = make_llm(path, num_kv_blocks=64)
-    engine = llm.llm_engine
-    prompts = random_prompts([21, 13], seed=31)
-    model = engine.core.runner.model
+def fail_forward(monkeypatch: pytest.MonkeyPatch, model, at_call: int) -> None:
+    """Makes the model's `at_call`-th forward raise RuntimeError("injected fault")."""
     calls = {"n": 0}
     real_forward = model.forward
 
     def failing_forward(*args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 1:
+        if calls["n"] == at_call:
             raise RuntimeError("injected fault")
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(model, "forward", failing_forward)
+
+
+def test_failed_forward_is_recovered(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_checkpoint("qwen3")
+    llm = make_llm(path, num_kv_blocks=64)
+    engine = llm.llm_engine
+    prompts = random_prompts([21, 13], seed=31)
+    fail_forward(monkeypatch, engine.core.runner.model, at_call=1)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
