@@ -66,8 +66,13 @@ def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets
             raise ValueError(f"{where}: bucket {bound!r} must be a positive token count")
         if not isinstance(config, dict) or set(config) != set(keys):
             raise ValueError(f"{where}[{bound}]: must have exactly the keys {list(keys)}")
-        if not all(isinstance(v, int) and v >= 1 for v in config.values()):
+        if not all(type(v) is int and v >= 1 for v in config.values()):
             raise ValueError(f"{where}[{bound}]: values must be positive integers")
+        for key, value in config.items():
+            if ("BLOCK" in key or key == "num_warps") and value & (value - 1):
+                raise ValueError(f"{where}[{bound}]: {key} must be a power of two, got {value}")
+            if key in ("BLOCK_M", "BLOCK_N", "BLOCK_K") and value < 16:
+                raise ValueError(f"{where}[{bound}]: {key} must be >= 16 (tl.dot), got {value}")
         buckets[int(bound)] = dict(config)
     return dict(sorted(buckets.items()))
 

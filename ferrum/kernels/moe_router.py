@@ -39,17 +39,20 @@ def _moe_router_kernel(
     ).to(tl.float32)
     num = tl.exp(logits - tl.max(logits, 0))
     probs = num / tl.sum(num, 0)
-    # Padding and already chosen experts sit at -1, below every probability.
-    probs = tl.where(e_mask, probs, -1.0)
+    # Selection keys: padding and already chosen experts sit at -1, below every probability; NaN
+    # (from a NaN logit) at -0.5, so that a NaN row still picks k distinct valid experts, in
+    # index order, and reports their NaN weights.
+    keys = tl.where(e_mask, tl.where(probs == probs, probs, -0.5), -1.0)
     offs_k = tl.arange(0, BLOCK_K)
     top_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     top_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
     for j in range(0, top_k):
-        best = tl.max(probs, 0)
-        best_id = tl.min(tl.where(probs == best, offs_e, BLOCK_E), 0)
-        top_weights = tl.where(offs_k == j, best, top_weights)
+        best = tl.max(keys, 0)
+        best_id = tl.min(tl.where(keys == best, offs_e, BLOCK_E), 0)
+        weight = tl.sum(tl.where(offs_e == best_id, probs, 0.0), 0)
+        top_weights = tl.where(offs_k == j, weight, top_weights)
         top_ids = tl.where(offs_k == j, best_id, top_ids)
-        probs = tl.where(offs_e == best_id, -1.0, probs)
+        keys = tl.where(offs_e == best_id, -1.0, keys)
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, 0)
     k_mask = offs_k < top_k

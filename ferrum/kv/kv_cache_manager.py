@@ -159,6 +159,15 @@ class KVCacheManager:
             self._cache_full_blocks(request, state, min(num_tokens, request.num_tokens))
         return new_block_ids
 
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Caches the full blocks whose tokens are all known and computed (or being computed by
+        a launched step). For a request that ends: with async scheduling, a block whose last
+        token was still being sampled when it was scheduled is cached only now."""
+        state = self._requests.get(request.req_id)
+        if self.enable_prefix_caching and state is not None:
+            num_tokens = min(request.num_computed_tokens, request.num_tokens)
+            self._cache_full_blocks(request, state, num_tokens)
+
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first, and forgets it. A no-op for unknown ids."""
         state = self._requests.pop(request.req_id, None)

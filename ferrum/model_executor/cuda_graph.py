@@ -8,8 +8,9 @@
   and attention leaves their rows unwritten; no op mixes rows, so they never touch real tokens.
 
 The graphs read static input buffers owned by this object, filled by two host->device copies
-from pinned host buffers. With async scheduling the host prepares step N+1 while step N's copies
-may still be queued, so the host buffers alternate between two sets.
+from pinned host buffers. The host can run ahead of the device (async scheduling, or prompt chunks
+that sample nothing and so are never waited for), so the host buffers alternate between two sets
+and a set is rewritten only once the event recorded after its last copies has fired.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ class CUDAGraphRunner:
         self._ints = torch.zeros(size, dtype=torch.int32, device=device)
         self._ints_host = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
         self._num_runs = 0
+        # Recorded after each set's copies: the set may be rewritten once it has fired.
+        self._copied: list[torch.cuda.Event | None] = [None, None]
         self.input_ids, self.positions, self.slot_mapping = self._tokens
         self.prefill_query_start_loc = self._ints[:2]
         self.seq_lens = self._ints[_HEADER : _HEADER + rows]
@@ -160,10 +163,12 @@ class CUDAGraphRunner:
         assert size is not None and (decode or num_reqs == 1)
         rows = self._num_rows
         width = self.block_tables.shape[1]
-        # Two runs back, the previous user of this host buffer set has completed its copies.
-        tokens_host = self._tokens_host[self._num_runs % 2]
-        ints_host = self._ints_host[self._num_runs % 2]
+        buffer_set = self._num_runs % 2
         self._num_runs += 1
+        tokens_host, ints_host = self._tokens_host[buffer_set], self._ints_host[buffer_set]
+        copied = self._copied[buffer_set]
+        if copied is not None:
+            copied.synchronize()  # the run two back: its copies are normally long done
         tokens = tokens_host.numpy()
         tokens[0, :num_tokens] = input_ids
         tokens[1, :num_tokens] = positions
@@ -181,6 +186,8 @@ class CUDAGraphRunner:
         used = _HEADER + rows + num_rows * width
         self._tokens.copy_(tokens_host, non_blocking=True)
         self._ints[:used].copy_(ints_host[:used], non_blocking=True)
+        copied = self._copied[buffer_set] = torch.cuda.Event()
+        copied.record()
         if fill_input_ids is not None:
             fill_input_ids(self.input_ids[:num_tokens])
         key = ("decode" if decode else "prefill", size)

@@ -110,6 +110,7 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self.kv_cache_manager.cache_computed_blocks(request)
         self.kv_cache_manager.free(request)
         self._finished_req_ids.add(request.req_id)
         del self.requests[request.req_id]

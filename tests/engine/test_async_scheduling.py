@@ -171,3 +171,19 @@ def test_request_id_reused_while_a_stale_step_is_in_flight(tiny_checkpoint) -> N
     while engine.has_unfinished_requests():
         done += [o.outputs[0].token_ids for o in engine.step() if o.finished]
     assert done == [expected_first[:2], hf_greedy(path, [second], 3)[0]]
+
+
+def test_a_finished_requests_last_block_is_cached_as_in_synchronous_mode(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    prompt = random_prompts([9], seed=5)[0]
+    # 9 + 12 tokens: the last step's input closes block 4 (positions 16-19) while it is still a
+    # placeholder, and the request ends with that step.
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    hits = []
+    for async_scheduling in (False, True):
+        llm = make_llm(path, num_kv_blocks=64, async_scheduling=async_scheduling)
+        first = generate(llm, [prompt], params)[0]
+        follow_up = prompt + first + [1, 2, 3]
+        out = llm.generate([{"prompt_token_ids": follow_up}], params, use_tqdm=False)[0]
+        hits.append(out.num_cached_tokens)
+    assert hits == [20, 20]

@@ -64,6 +64,10 @@ def test_a_file_with_one_section_falls_back_for_the_other(config_dir) -> None:
         ({"grouped": {"x": GROUPED}}, "positive token count"),
         ({"grouped": {"16": {"BLOCK_M": 16}}}, "exactly the keys"),
         ({"grouped": {"16": dict(GROUPED, BLOCK_N=0)}}, "positive integers"),
+        ({"grouped": {"16": dict(GROUPED, num_stages=True)}}, "positive integers"),
+        ({"grouped": {"16": dict(GROUPED, BLOCK_N=48)}}, "BLOCK_N must be a power of two"),
+        ({"grouped": {"16": dict(GROUPED, BLOCK_M=8)}}, "BLOCK_M must be >= 16"),
+        ({"small": {"1": dict(SMALL, num_warps=6)}}, "num_warps must be a power of two"),
     ],
 )
 def test_bad_files_name_the_problem(config_dir, content, match: str) -> None:

@@ -43,6 +43,17 @@ def test_ties_take_the_lowest_expert_first(device) -> None:
     torch.testing.assert_close(weights[:, 1:], weights[:, 1:2].expand(2, 3))
 
 
+def test_a_nan_row_still_routes_to_valid_distinct_experts(device) -> None:
+    logits = distinct_logits(2, 6, device, seed=3)
+    logits[1, 4] = float("nan")
+    weights, ids = moe_router(logits, 3, True)
+    expected_weights, expected_ids = select_experts(logits[:1], 3, True)
+    assert ids[0].tolist() == expected_ids[0].tolist()
+    torch.testing.assert_close(weights[:1], expected_weights)
+    # The NaN row: the first experts in index order, NaN weights (never an id out of range).
+    assert ids[1].tolist() == [0, 1, 2] and weights[1].isnan().all()
+
+
 def test_strided_logits_and_no_tokens(device) -> None:
     wide = distinct_logits(3, 10, device, seed=1)
     logits = wide[:, ::2]  # stride(1) == 2
