@@ -241,6 +241,9 @@ class Scheduler:
         entries of every unfinished step are dropped and every request it scheduled is recomputed
         from scratch later."""
         self.kv_cache_manager.discard_step_cache()
+        # The runner may have failed before reading them: tell it again next step (harmless twice).
+        self._finished_req_ids |= scheduler_output.finished_req_ids
+        self._preempted_req_ids |= scheduler_output.preempted_req_ids
         for request in self._step_requests.pop(scheduler_output.step_id, {}).values():
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)

@@ -45,3 +45,30 @@ def test_failed_forward_is_recovered(tiny_checkpoint, monkeypatch: pytest.Monkey
     assert [outputs["0"], outputs["1"]] == expected
     # Prefix-cache hits after the failure serve correct KV.
     assert greedy(llm, prompts) == expected
+
+
+def test_a_launch_failing_before_the_runner_reads_the_step_loses_no_cleanup(
+    tiny_checkpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = make_llm(tiny_checkpoint("qwen3"), num_kv_blocks=64)
+    engine = llm.llm_engine
+    runner = engine.core.runner
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=2, ignore_eos=True)
+    engine.add_request("done", {"prompt_token_ids": [1, 2, 3]}, seeded)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert "done" in runner.requests  # forgotten at the next step
+    real_launch = runner.launch
+
+    def failing_launch(scheduler_output):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(runner, "launch", failing_launch)
+    engine.add_request("next", {"prompt_token_ids": [4, 5]}, seeded)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        engine.step()
+    monkeypatch.setattr(runner, "launch", real_launch)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()
+    assert "done" not in runner.requests and "done" not in runner._seeded_generators
