@@ -28,8 +28,11 @@ FAIL_AT_FORWARD = 150
 @pytest.fixture(scope="module")
 def faulty_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     log = tmp_path_factory.mktemp("fault") / "server.log"
+    # Async scheduling: the fault hits a launch while the step before it is still in flight.
     remote = RemoteServer(
-        ["--max-model-len", "512"], log, env={"FERRUM_DEBUG_FAIL_FORWARD": str(FAIL_AT_FORWARD)}
+        ["--max-model-len", "512", "--async-scheduling"],
+        log,
+        env={"FERRUM_DEBUG_FAIL_FORWARD": str(FAIL_AT_FORWARD)},
     )
     yield remote
     assert remote.stop() == 0, remote.log()
