@@ -370,10 +370,6 @@ class ModelRunner:
             logprobs = None
         return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step, synchronously: launch and complete."""
-        return self.complete(self.launch(scheduler_output))
-
 
 @dataclass(slots=True)
 class LaunchedStep:
