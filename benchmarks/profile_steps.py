@@ -7,7 +7,6 @@ kernels. Usage: python benchmarks/profile_steps.py --model benchmarks/models/qwe
 """
 
 # ruff: noqa: E402
-import argparse
 import sys
 import time
 from collections import defaultdict
@@ -17,9 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from benchmarks.dummy_engine import engine_parser, make_llm
 from ferrum.bench import workloads
-from ferrum.engine.arg_utils import EngineArgs
-from ferrum.entrypoints.llm import LLM
 from ferrum.sampling_params import SamplingParams
 
 
@@ -35,15 +33,10 @@ def timed(phases: dict[str, float], name: str, fn):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    EngineArgs.add_cli_args(parser, model_positional=False)
-    parser.set_defaults(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=256)
+    parser = engine_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--temperature", type=float, default=1.0)
     args = parser.parse_args()
-    llm = LLM(**vars(EngineArgs.from_cli_args(args, args.model)))
+    llm = make_llm(args)
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
     prompts, _ = workloads.batch(args.num_prompts, args.input_len, 1, seed=7)

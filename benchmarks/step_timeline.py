@@ -9,7 +9,6 @@ Usage: python benchmarks/step_timeline.py --model benchmarks/models/qwen3-30b-a3
 """
 
 # ruff: noqa: E402
-import argparse
 import statistics
 import sys
 import time
@@ -19,20 +18,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from benchmarks.dummy_engine import engine_parser, make_llm
 from ferrum.bench import workloads
-from ferrum.engine.arg_utils import EngineArgs
-from ferrum.entrypoints.llm import LLM
 from ferrum.sampling_params import SamplingParams
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    EngineArgs.add_cli_args(parser, model_positional=False)
-    parser.set_defaults(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--input-len", type=int, default=256)
+    parser = engine_parser(__doc__.splitlines()[0])
     parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument(
         "--cached-prompts",
         type=int,
@@ -45,7 +38,7 @@ def main() -> int:
         help="one SamplingParams object per prompt, as the throughput workloads pass them",
     )
     args = parser.parse_args()
-    llm = LLM(**vars(EngineArgs.from_cli_args(args, args.model)))
+    llm = make_llm(args)
     core = llm.llm_engine.core
     vocab = llm.llm_engine.config.model_config.vocab_size
     params = SamplingParams(

@@ -22,6 +22,20 @@ SMALL_BATCH_MAX_TOKENS = 8
 
 
 @triton.jit
+def _load_k_chunk(vec_ptrs, offs_k, k_left, n_mask, EVEN_K: tl.constexpr):
+    """One BLOCK_K chunk of a GEMV's vector (in fp32) and the mask of the matching weight tile
+    [BLOCK_N, BLOCK_K]; with EVEN_K (K a multiple of BLOCK_K) nothing is masked along K."""
+    if EVEN_K:
+        vec = tl.load(vec_ptrs).to(tl.float32)
+        w_mask = n_mask[:, None]
+    else:
+        k_mask = offs_k < k_left
+        vec = tl.load(vec_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+    return vec, w_mask
+
+
+@triton.jit
 def _moe_gate_up_gemv_kernel(
     act_ptr,  # [num_pairs, I]
     hidden_ptr,  # [num_tokens, H]
@@ -54,13 +68,7 @@ def _moe_gate_up_gemv_kernel(
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs).to(tl.float32)
-            w_mask = n_mask[:, None]
-        else:
-            k_mask = offs_k < hidden_size - k0
-            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            w_mask = n_mask[:, None] & k_mask[None, :]
+        x, w_mask = _load_k_chunk(x_ptrs, offs_k, hidden_size - k0, n_mask, EVEN_K)
         gate = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(tl.float32)
         acc_gate += gate * x[None, :]
@@ -111,13 +119,7 @@ def _moe_down_combine_gemv_kernel(
         )
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs).to(tl.float32)
-                w_mask = n_mask[:, None]
-            else:
-                k_mask = offs_k < inter - k0
-                a = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-                w_mask = n_mask[:, None] & k_mask[None, :]
+            a, w_mask = _load_k_chunk(a_ptrs, offs_k, inter - k0, n_mask, EVEN_K)
             acc += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * a[None, :]
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K

@@ -27,6 +27,7 @@ from ferrum.kernels.paged_attention_common import (
     SPLIT_KV_MIN_SEQ_LEN,
     _attend_kv_range,
     _check_attention_args,
+    _check_block_n,
     _dot_precision,
 )
 from ferrum.kernels.paged_attention_split_kv import (
@@ -175,8 +176,7 @@ def paged_attention_unified(
     block_q = block_m // group
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    _check_block_n(block_n)
     # Decode tiles (16 rows) stream K/V fastest with 2 warps: ~3.0 TB/s on the H100 at batch 256
     # and 1024 keys, 1-4% over 4 warps (benchmarks/bench_attention.py).
     launch = {"num_warps": num_warps or (2 if block_m <= 16 else 8 if block_m >= 128 else 4)}

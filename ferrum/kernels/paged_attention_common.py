@@ -78,6 +78,12 @@ def _attend_kv_range(
     return acc, m_i, l_i
 
 
+def _check_block_n(block_n: int) -> None:
+    """The key tile of the attention kernels: a power of two >= 16 (tl.dot)."""
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+
+
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 

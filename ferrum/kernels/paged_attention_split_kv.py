@@ -25,6 +25,7 @@ from ferrum.kernels.paged_attention_common import (
     SPLIT_KV_TARGET_PROGRAMS,
     _attend_kv_range,
     _check_attention_args,
+    _check_block_n,
     _dot_precision,
 )
 
@@ -262,8 +263,7 @@ def paged_attention_split_kv(
         )
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+    _check_block_n(block_n)
     ws_out, ws_max, ws_sum = workspace.partial_out, workspace.partial_max, workspace.partial_sum
     if (
         ws_out.shape[1] != num_heads
