@@ -14,13 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from tiny_checkpoints import make_tiny_checkpoint  # noqa: E402
+from tests.utils.tiny_checkpoints import make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     """Factory `tiny_checkpoint(arch, **overrides) -> path`: builds each distinct tiny HF
-    checkpoint once per session (see tests/tiny_checkpoints.py) and returns its folder.
+    checkpoint once per session (see tests/utils/tiny_checkpoints.py) and returns its folder.
     Callers must not modify the folder; copy it first."""
     root = tmp_path_factory.mktemp("tiny_checkpoints")
     built: dict[str, str] = {}
@@ -33,3 +33,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
         return built[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def shipped_llm() -> Any:
+    """The shipped trained model (ferrum/model_files) as an fp32 CPU `LLM` with its tokenizer,
+    shared by the session: tests must leave it with no unfinished request."""
+    from ferrum import LLM
+    from ferrum.default_model import DEFAULT_MODEL_DIR
+
+    return LLM(
+        DEFAULT_MODEL_DIR, dtype="float32", device="cpu", num_kv_blocks=256, max_model_len=512
+    )

@@ -7,7 +7,6 @@ import asyncio
 import importlib.util
 import json
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,15 +14,13 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "entrypoints" / "openai"))
-from remote_server import API_KEY, RemoteServer  # noqa: E402
-
-from ferrum.bench.serve import run_benchmark  # noqa: E402
-from ferrum.bench.serve_datasets import SampleRequest, random_dataset  # noqa: E402
-from ferrum.bench.serve_metrics import RequestRecord, parse_goodput, summarize  # noqa: E402
-from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME  # noqa: E402
-from ferrum.engine.tokenizer import Tokenizer  # noqa: E402
-from ferrum.entrypoints.cli import main as cli_main  # noqa: E402
+from ferrum.bench.serve import run_benchmark
+from ferrum.bench.serve_datasets import SampleRequest, random_dataset
+from ferrum.bench.serve_metrics import RequestRecord, parse_goodput, summarize
+from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from ferrum.engine.tokenizer import Tokenizer
+from ferrum.entrypoints.cli import main as cli_main
+from tests.utils.remote_server import API_KEY, RemoteServer, free_port
 
 BLOCK_SIZE = 16
 
@@ -184,8 +181,6 @@ def test_killed_server_yields_failures_not_a_crash(tmp_path: Path) -> None:
 
 
 def test_every_request_failing_exits_nonzero(tmp_path: Path) -> None:
-    from remote_server import free_port
-
     code = cli_main(
         [
             "bench", "serve",

@@ -7,42 +7,14 @@ from __future__ import annotations
 import pytest
 
 from ferrum import SamplingParams
-from tests.engine.test_failed_step import fail_forward
-from tests.engine.test_hf_equivalence import MAX_TOKENS, greedy, make_llm, random_prompts
-from tests.tiny_checkpoints import hf_greedy
+from tests.utils.faults import fail_forward
+from tests.utils.tiny_checkpoints import hf_greedy
+from tests.utils.tiny_llm import MAX_TOKENS, greedy, make_llm, random_prompts
 
 
 def generate(llm, prompts, params) -> list[list[int]]:
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outputs]
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_greedy_matches_hf_with_prefix_hits(tiny_checkpoint, arch: str) -> None:
-    path = tiny_checkpoint(arch)
-    prompts = random_prompts([5, 17, 2, 30], seed=1)
-    llm = make_llm(path, num_kv_blocks=128, async_scheduling=True)
-    assert llm.llm_engine.core.async_scheduling
-    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
-    extended = [p + s for p, s in zip(prompts, random_prompts([3, 9, 6, 1], seed=2))]
-    assert greedy(llm, extended) == hf_greedy(path, extended, MAX_TOKENS)
-    assert llm.llm_engine.core.kv_cache_manager.usage == 0.0
-
-
-def test_chunked_prefill_and_preemption_match_hf(tiny_checkpoint) -> None:
-    path = tiny_checkpoint("qwen3")
-    prompts = random_prompts([23, 9, 14, 3, 11], seed=3)
-    llm = make_llm(
-        path,
-        num_kv_blocks=17,
-        max_num_batched_tokens=7,
-        enable_prefix_caching=False,
-        async_scheduling=True,
-    )
-    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
-    core = llm.llm_engine.core
-    assert core.scheduler.num_preemptions > 0
-    assert core.kv_cache_manager.usage == 0.0
 
 
 def test_sampling_and_stop_rules_match_synchronous(tiny_checkpoint) -> None:

@@ -6,16 +6,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizer_fixtures import (
+
+from ferrum.engine.chat_template import ChatTemplateRenderer
+from ferrum.engine.tokenizer import Tokenizer
+from tests.utils.tokenizer_files import (
     BEGIN_OF_TEXT,
     CHATML_TEMPLATE,
     LLAMA3_TEMPLATE,
     QWEN3_TEMPLATE,
     build_tokenizer_dir,
 )
-
-from ferrum.engine.chat_template import ChatTemplateRenderer
-from ferrum.engine.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,57 +1,15 @@
-"""The GPU path end to end: Triton kernels + CUDA graphs, equal to HF (runs only with CUDA)."""
+"""The GPU path end to end: CUDA graphs against eager, KV sizing from GPU memory, async against
+synchronous scheduling (runs only with CUDA; greedy against HF: tests/hf_equivalence)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ferrum import LLM, SamplingParams
-from tests.engine.test_hf_equivalence import MAX_TOKENS, greedy, random_prompts
-from tests.tiny_checkpoints import hf_greedy
+from ferrum import SamplingParams
+from tests.utils.tiny_llm import MAX_TOKENS, cuda_llm, greedy, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def cuda_llm(path: str, **kwargs) -> LLM:
-    defaults = dict(
-        skip_tokenizer_init=True,
-        dtype="float32",
-        device="cuda",
-        block_size=16,
-        max_model_len=256,
-        max_num_seqs=16,
-    )
-    return LLM(path, **(defaults | kwargs))
-
-
-@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen2"])
-def test_graphs_and_triton_match_hf(tiny_checkpoint, arch: str) -> None:
-    path = tiny_checkpoint(arch)
-    llm = cuda_llm(path, num_kv_blocks=64)
-    runner = llm.llm_engine.core.runner
-    assert runner.kernel_backend == "triton" and runner.cuda_graphs is not None
-    prompts = random_prompts([5, 40, 2, 19, 33], seed=21)
-    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
-
-
-def test_single_request_prefill_graphs_match_hf(tiny_checkpoint) -> None:
-    path = tiny_checkpoint("qwen3")
-    llm = cuda_llm(path, num_kv_blocks=64)
-    assert llm.llm_engine.core.runner.cuda_graphs.prefill_sizes[0] == 16
-    prompts = random_prompts([3, 17, 40], seed=24)
-    # Alone, each prompt is one request's chunk: it runs as a prefill graph.
-    assert [greedy(llm, [p])[0] for p in prompts] == hf_greedy(path, prompts, MAX_TOKENS)
-    # A shared prefix makes the chunk attend over cached blocks (context longer than the chunk).
-    extended = [prompts[2] + [7, 8, 9, 10, 11]]
-    assert greedy(llm, extended) == hf_greedy(path, extended, MAX_TOKENS)
-
-
-def test_preemption_and_chunking_on_cuda(tiny_checkpoint) -> None:
-    path = tiny_checkpoint("qwen3")
-    llm = cuda_llm(path, num_kv_blocks=8, max_num_batched_tokens=24, enable_prefix_caching=False)
-    prompts = random_prompts([23, 9, 30, 3, 11, 17], seed=22)
-    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
-    assert llm.llm_engine.core.scheduler.num_preemptions > 0
 
 
 def test_eager_equals_graphs_in_bf16(tiny_checkpoint) -> None:

@@ -4,13 +4,13 @@ import random
 from pathlib import Path
 
 import pytest
-from tokenizer_fixtures import ENDOFTEXT, IM_END, IM_START, build_tokenizer_dir
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from ferrum.engine.detokenizer import IncrementalDetokenizer
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.sampling_params import SamplingParams
+from tests.utils.tokenizer_files import ENDOFTEXT, IM_END, IM_START, build_tokenizer_dir
 
 REPLACEMENT = "\ufffd"
 

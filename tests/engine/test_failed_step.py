@@ -5,22 +5,9 @@ from __future__ import annotations
 import pytest
 
 from ferrum import SamplingParams
-from tests.engine.test_hf_equivalence import MAX_TOKENS, greedy, make_llm, random_prompts
-from tests.tiny_checkpoints import hf_greedy
-
-
-def fail_forward(monkeypatch: pytest.MonkeyPatch, model, at_call: int) -> None:
-    """Makes the model's `at_call`-th forward raise RuntimeError("injected fault")."""
-    calls = {"n": 0}
-    real_forward = model.forward
-
-    def failing_forward(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == at_call:
-            raise RuntimeError("injected fault")
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(model, "forward", failing_forward)
+from tests.utils.faults import fail_forward
+from tests.utils.tiny_checkpoints import hf_greedy
+from tests.utils.tiny_llm import MAX_TOKENS, greedy, make_llm, random_prompts
 
 
 def test_failed_forward_is_recovered(tiny_checkpoint, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,9 +4,15 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizer_fixtures import BEGIN_OF_TEXT, ENDOFTEXT, IM_END, IM_START, build_tokenizer_dir
 
 from ferrum.engine.tokenizer import Tokenizer
+from tests.utils.tokenizer_files import (
+    BEGIN_OF_TEXT,
+    ENDOFTEXT,
+    IM_END,
+    IM_START,
+    build_tokenizer_dir,
+)
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,173 +1,21 @@
-"""Model definitions against Hugging Face transformers on tiny random fp32 checkpoints.
-
-Each test drives the model through the runner contract by hand: a flat token batch, block tables
-and slot mappings over a paged KV cache, then compares logits with HF's full-sequence forward.
-"""
+"""Model building on its own: rope and MoE helpers, dummy weights, the architecture registry, KV
+cache binding, and configs that must be rejected. (Logits against HF: tests/hf_equivalence.)"""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from dataclasses import dataclass
 
 import pytest
 import torch
-from tiny_checkpoints import hf_logits, load_hf_model
 
 from ferrum.config import ModelConfig
-from ferrum.model_executor.attention_metadata import AttentionMetadata
 from ferrum.model_executor.layers.fused_moe import select_experts
 from ferrum.model_executor.layers.rotary import rope_parameters
 from ferrum.model_executor.model_loader import load_model
 from ferrum.model_executor.models.registry import get_model_class, supported_architectures
-
-BLOCK_SIZE = 4
-NUM_BLOCKS = 24
-ATOL = 1e-4
-CPU = torch.device("cpu")
-
-CASES = [
-    pytest.param("llama", {}, id="llama"),
-    pytest.param("llama", {"attention_bias": True, "mlp_bias": True}, id="llama-bias"),
-    pytest.param("llama3", {}, id="llama3"),
-    pytest.param("qwen2", {}, id="qwen2-tied"),
-    pytest.param("qwen3", {}, id="qwen3"),
-    pytest.param("qwen3_moe", {}, id="qwen3_moe"),
-    pytest.param(
-        "qwen3_moe",
-        {"decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False},
-        id="qwen3_moe-step2",
-    ),
-]
-
-
-@dataclass
-class Seq:
-    """One request in a step: its whole context so far, its KV blocks, and how many of the last
-    context tokens are this step's query."""
-
-    token_ids: list[int]
-    block_ids: list[int]
-    num_new: int
-
-
-def build_step(seqs: list[Seq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start_loc = [0]
-    for seq in seqs:
-        seq_len = len(seq.token_ids)
-        for pos in range(seq_len - seq.num_new, seq_len):
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-        query_start_loc.append(len(input_ids))
-    max_blocks = max(len(seq.block_ids) for seq in seqs)
-    block_tables = [seq.block_ids + [0] * (max_blocks - len(seq.block_ids)) for seq in seqs]
-    seq_lens = [len(seq.token_ids) for seq in seqs]
-    metadata = AttentionMetadata(
-        num_reqs=len(seqs),
-        num_tokens=len(input_ids),
-        max_query_len=max(seq.num_new for seq in seqs),
-        max_seq_len=max(seq_lens),
-        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(block_tables, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens,
-    )
-    return torch.tensor(input_ids), torch.tensor(positions), metadata
-
-
-def new_kv_caches(model_config: ModelConfig) -> list[torch.Tensor]:
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim)
-    return [torch.zeros(shape) for _ in range(model_config.num_hidden_layers)]
-
-
-def load(path: str, **kwargs: object) -> tuple[ModelConfig, torch.nn.Module]:
-    config = ModelConfig.from_args(path, **kwargs)
-    model = load_model(config, CPU)
-    model.bind_kv_caches(new_kv_caches(config))
-    return config, model
-
-
-@torch.inference_mode()
-def run_step(model: torch.nn.Module, seqs: list[Seq]) -> list[torch.Tensor]:
-    """Logits of each request's query tokens: [num_new, vocab] per request."""
-    input_ids, positions, metadata = build_step(seqs)
-    logits = model.compute_logits(model(input_ids, positions, metadata))
-    assert logits.dtype == torch.float32
-    return list(logits.split([seq.num_new for seq in seqs]))
-
-
-def prompt(length: int, offset: int) -> list[int]:
-    return [(offset + 37 * i) % 384 for i in range(length)]
-
-
-@pytest.mark.parametrize(("arch", "overrides"), CASES)
-def test_prefill_then_decode_matches_hf(tiny_checkpoint, arch, overrides) -> None:
-    path = tiny_checkpoint(arch, **overrides)
-    _, model = load(path)
-    hf_model = load_hf_model(path)
-    prompts = [prompt(5, 3), prompt(11, 50), prompt(3, 200)]
-    # Non-contiguous, interleaved blocks; block 0 is left as padding.
-    seqs = [
-        Seq(prompts[0], [7, 2], 5),
-        Seq(prompts[1], [9, 1, 12, 4], 11),
-        Seq(prompts[2], [5, 15], 3),
-    ]
-    prefill = run_step(model, seqs)
-    for seq, logits in zip(seqs, prefill):
-        torch.testing.assert_close(logits, hf_logits(hf_model, seq.token_ids), atol=ATOL, rtol=0)
-
-    for seq, logits in zip(seqs, prefill):
-        seq.token_ids = seq.token_ids + [int(logits[-1].argmax())]
-        seq.num_new = 1
-    decode = run_step(model, seqs)
-    for seq, logits in zip(seqs, decode):
-        expected = hf_logits(hf_model, seq.token_ids)[-1:]
-        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
-
-
-@pytest.mark.parametrize(("arch", "overrides"), CASES)
-def test_chunked_prefill_matches_hf(tiny_checkpoint, arch, overrides) -> None:
-    path = tiny_checkpoint(arch, **overrides)
-    _, model = load(path)
-    hf_model = load_hf_model(path)
-    long_prompt, short_prompt = prompt(13, 11), prompt(4, 90)
-    long_blocks = [3, 11, 6, 20]
-
-    first = run_step(model, [Seq(long_prompt[:6], long_blocks, 6)])[0]
-    # Second chunk starts mid-block (position 6 of block 11) and shares the step with a prefill.
-    second, other = run_step(model, [Seq(long_prompt, long_blocks, 7), Seq(short_prompt, [8], 4)])
-    expected = hf_logits(hf_model, long_prompt)
-    torch.testing.assert_close(first, expected[:6], atol=ATOL, rtol=0)
-    torch.testing.assert_close(second, expected[6:], atol=ATOL, rtol=0)
-    torch.testing.assert_close(other, hf_logits(hf_model, short_prompt), atol=ATOL, rtol=0)
-
-
-def test_legacy_rope_config_keys(tiny_checkpoint, tmp_path) -> None:
-    """`rope_theta` + `rope_scaling` (type spelling) load like transformers 5 `rope_parameters`."""
-    path = tiny_checkpoint("llama3")
-    legacy = shutil.copytree(path, tmp_path / "legacy")
-    config_path = os.path.join(legacy, "config.json")
-    with open(config_path) as f:
-        config = json.load(f)
-    params = config.pop("rope_parameters")
-    config["rope_theta"] = params.pop("rope_theta")
-    params["type"] = params.pop("rope_type")
-    config["rope_scaling"] = params
-    with open(config_path, "w") as f:
-        json.dump(config, f)
-    assert rope_parameters(config) == rope_parameters(ModelConfig.from_args(path).hf_config)
-
-    _, model = load(str(legacy))
-    tokens = prompt(40, 5)  # beyond original_max_position_embeddings=32, where scaling matters
-    logits = run_step(model, [Seq(tokens, list(range(1, 11)), 40)])[0]
-    torch.testing.assert_close(logits, hf_logits(path, tokens), atol=ATOL, rtol=0)
+from tests.utils.model_step import CPU, Seq, load, new_kv_caches, prompt, run_step
 
 
 def test_rope_parameters_spellings_and_errors() -> None:

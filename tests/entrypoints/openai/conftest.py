@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from remote_server import API_KEY, RemoteServer
+
+from tests.utils.remote_server import API_KEY, RemoteServer
 
 
 @pytest.fixture(scope="package")

@@ -9,9 +9,9 @@ import threading
 import time
 
 import httpx
-from remote_server import RemoteServer
 
 from ferrum.default_model import DEFAULT_MODEL_NAME
+from tests.utils.remote_server import RemoteServer
 
 MODEL = DEFAULT_MODEL_NAME
 NUM_CONCURRENT = 32

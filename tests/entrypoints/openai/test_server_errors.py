@@ -8,9 +8,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from remote_server import RemoteServer
 
 from ferrum.default_model import DEFAULT_MODEL_NAME
+from tests.utils.remote_server import RemoteServer
 
 
 def post(server: RemoteServer, path: str, **kwargs: Any) -> httpx.Response:

@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from remote_server import REPO_ROOT, RemoteServer, free_port
 
 from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from tests.utils.remote_server import REPO_ROOT, RemoteServer, free_port
 
 MODEL = DEFAULT_MODEL_NAME
 # Late enough that every request of the test is running when it fails (each asks for 400

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from remote_server import RemoteServer
 
 from ferrum.default_model import DEFAULT_MODEL_NAME
+from tests.utils.remote_server import RemoteServer
 
 MODEL = DEFAULT_MODEL_NAME
 PROMPT = "Once upon a time"

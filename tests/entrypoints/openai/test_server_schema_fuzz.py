@@ -9,13 +9,14 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
-from remote_server import RemoteServer
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
+
+from tests.utils.remote_server import RemoteServer
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from remote_server import RemoteServer
 
 from ferrum.default_model import DEFAULT_MODEL_NAME
+from tests.utils.remote_server import RemoteServer
 
 
 def _stream_until_end(server: RemoteServer, first_chunk: threading.Event, out: list[str]) -> None:

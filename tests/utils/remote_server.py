@@ -16,7 +16,7 @@ import openai
 from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
 API_KEY = "test-key"
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Small and fast on CPU: fp32 (bf16 matmuls are slow there), a 128-block pool.
 # One torch thread: the tiny model gains nothing from more, and with other processes on the
 # same cores, spinning OpenMP workers slow every small step down by orders of magnitude.
