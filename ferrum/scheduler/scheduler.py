@@ -244,7 +244,8 @@ class Scheduler:
         # The runner may have failed before reading them: tell it again next step (harmless twice).
         self._finished_req_ids |= scheduler_output.finished_req_ids
         self._preempted_req_ids |= scheduler_output.preempted_req_ids
-        for request in self._step_requests.pop(scheduler_output.step_id, {}).values():
+        # Newest first, each to the head of the queue: they keep their admission order.
+        for request in reversed(self._step_requests.pop(scheduler_output.step_id, {}).values()):
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
                 self._preempt(request)

@@ -4,43 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ferrum.config import SchedulerConfig
-from ferrum.engine.request import Request, RequestStatus
-from ferrum.kv.kv_cache_manager import KVCacheManager
-from ferrum.sampling_params import SamplingParams
-from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from ferrum.scheduler.scheduler import Scheduler
-
-BLOCK = 4
-
-
-def make_scheduler(
-    num_blocks: int = 64, budget: int = 64, max_seqs: int = 16, max_len: int = 256, caching=True
-) -> Scheduler:
-    kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=caching)
-    config = SchedulerConfig(
-        max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=budget
-    )
-    return Scheduler(config, kv)
-
-
-def make_request(
-    req_id: str, num_prompt: int, max_tokens: int = 8, start: int = 0, eos: int | None = None, **kw
-) -> Request:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
-    return Request(req_id, list(range(start, start + num_prompt)), params, eos_token_id=eos)
-
-
-def run_step(scheduler: Scheduler, token: int = 1000) -> tuple[SchedulerOutput, list]:
-    """Schedules one step and answers like a runner: one token for each request that caught up."""
-    out = scheduler.schedule()
-    sampled = [
-        req_id
-        for req_id in out.num_scheduled_tokens
-        if scheduler.requests[req_id].num_computed_tokens == scheduler.requests[req_id].num_tokens
-    ]
-    runner_out = ModelRunnerOutput(req_ids=sampled, sampled_token_ids=[token] * len(sampled))
-    return out, scheduler.update_from_output(out, runner_out)
+from ferrum.engine.request import RequestStatus
+from tests.utils.scheduler_steps import make_request, make_scheduler, run_step
 
 
 def test_chunked_prefill_and_decodes_share_one_budget() -> None:

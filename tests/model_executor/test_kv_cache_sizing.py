@@ -1,0 +1,87 @@
+"""KV cache sizing: bytes per block, blocks from a byte budget (capped, or refused with the numbers
+to change), the CPU default budget, and the per-layer cache tensors. The tiny qwen3 checkpoint
+has 2 layers, 2 KV heads of head_dim 16: 2 * 2 * 2 * 16 = 128 elements per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrum.config import CacheConfig, ModelConfig, SchedulerConfig
+from ferrum.model_executor.kv_cache_sizing import (
+    allocate_kv_caches,
+    blocks_worth_keeping,
+    cpu_kv_budget,
+    kv_bytes_per_block,
+    num_blocks_from_budget,
+)
+from tests.utils.tiny_llm import make_llm
+
+FP32_BLOCK_OF_4 = 128 * 4 * 4  # elements per token * tokens per block * bytes per element
+
+
+@pytest.fixture
+def model_config(tiny_checkpoint) -> ModelConfig:
+    return ModelConfig.from_args(tiny_checkpoint("qwen3"))
+
+
+def test_bytes_per_block_count_keys_and_values_of_every_layer(model_config) -> None:
+    assert kv_bytes_per_block(model_config, 4, torch.float32) == FP32_BLOCK_OF_4 == 2048
+    assert kv_bytes_per_block(model_config, 4, torch.bfloat16) == 1024
+    assert kv_bytes_per_block(model_config, 16, torch.float16) == 4096
+
+
+def test_blocks_worth_keeping_cover_every_sequence_slot_at_full_length() -> None:
+    # ceil(100 / 16) = 7 blocks per sequence, 3 sequences, + the padding block.
+    assert blocks_worth_keeping(SchedulerConfig(max_model_len=100, max_num_seqs=3), 16) == 22
+    assert blocks_worth_keeping(SchedulerConfig(max_model_len=96, max_num_seqs=1), 16) == 7
+
+
+def test_blocks_from_budget_round_down_and_cap_to_need(model_config) -> None:
+    cache = CacheConfig(block_size=4)
+    sched = SchedulerConfig(max_model_len=128, max_num_seqs=2)
+
+    def blocks(budget: int, cap: bool = False) -> int:
+        return num_blocks_from_budget(budget, model_config, cache, sched, torch.float32, cap)
+
+    assert blocks(100 * FP32_BLOCK_OF_4 + FP32_BLOCK_OF_4 - 1) == 100
+    # Two sequences of 32 blocks + the padding block: more would never be used.
+    assert blocks(100 * FP32_BLOCK_OF_4, cap=True) == 65
+    assert blocks(40 * FP32_BLOCK_OF_4, cap=True) == 40
+    assert isinstance(blocks(10**9), int)
+
+
+def test_a_budget_short_of_one_full_length_sequence_is_refused(model_config) -> None:
+    cache = CacheConfig(block_size=4)
+    sched = SchedulerConfig(max_model_len=128)
+    # One sequence of 128 tokens needs 32 blocks + the padding block.
+    assert num_blocks_from_budget(33 * 2048, model_config, cache, sched, torch.float32) == 33
+    message = (
+        r"holds 32 blocks of 4 tokens, but one sequence of max_model_len=128 needs 33 .*lower "
+        r"max_model_len, or raise gpu_memory_utilization / kv_cache_memory_bytes"
+    )
+    with pytest.raises(ValueError, match=message):
+        num_blocks_from_budget(33 * 2048 - 1, model_config, cache, sched, torch.float32)
+
+
+def test_cpu_budget_defaults_to_4_gib() -> None:
+    assert cpu_kv_budget(CacheConfig()) == 4 << 30
+    assert cpu_kv_budget(CacheConfig(kv_cache_memory_bytes=12345)) == 12345
+
+
+def test_allocated_caches_are_one_zeroed_tensor_per_layer(model_config) -> None:
+    caches = allocate_kv_caches(model_config, 5, 4, torch.float16, torch.device("cpu"))
+    assert len(caches) == 2
+    assert caches[0].data_ptr() != caches[1].data_ptr()
+    for cache in caches:
+        assert cache.shape == (2, 5, 4, 2, 16) and cache.dtype == torch.float16
+        assert not cache.any()
+
+
+def test_the_cpu_engine_sizes_its_pool_from_the_budget(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3")
+    # The 4 GiB default is capped to 2 sequences of 32 blocks + the padding block.
+    llm = make_llm(path, max_num_seqs=2)
+    assert llm.llm_engine.core.kv_cache_manager.num_usable_blocks == 64
+    llm = make_llm(path, kv_cache_memory_bytes=50 * FP32_BLOCK_OF_4)
+    assert llm.llm_engine.core.kv_cache_manager.num_usable_blocks == 49
