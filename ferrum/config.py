@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ferrum.model_arch import ModelArchConfig
+
 _DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {
     "float": "float32",
@@ -49,109 +51,127 @@ def read_hf_config(model: str) -> dict[str, Any]:
     return config
 
 
+def _help(text: str, **extra: Any) -> dict[str, Any]:
+    """Field metadata: the CLI help of the field's flag (and argparse extras such as choices)."""
+    return {"help": text, **extra}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str
-    hf_config: dict[str, Any]
-    dtype: str
-    max_model_len: int
-    tokenizer: str
-    load_format: str = "auto"
-    skip_tokenizer_init: bool = False
-    seed: int = 0
+    """The model folder and how to load it. Construction reads config.json and
+    generation_config.json once and resolves dtype "auto", max_model_len None and tokenizer None."""
 
-    @classmethod
-    def from_args(
-        cls,
-        model: str,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        tokenizer: str | None = None,
-        load_format: str = "auto",
-        skip_tokenizer_init: bool = False,
-        seed: int = 0,
-    ) -> ModelConfig:
-        hf_config = read_hf_config(model)
-        if not isinstance(hf_config.get("architectures"), list) or not hf_config["architectures"]:
-            raise _fail("model", f"config.json of {model!r} names no `architectures`")
-        if load_format not in LOAD_FORMATS:
-            raise _fail("load_format", f"must be one of {LOAD_FORMATS}, got {load_format!r}")
-        derived_len = int(hf_config.get("max_position_embeddings") or 2048)
+    model: str = field(metadata=_help("path of a local Hugging Face model folder"))
+    tokenizer: str | None = field(
+        default=None, metadata=_help("tokenizer folder (default: the model folder)")
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "weights and activations dtype: auto (the checkpoint's), float32, float16, bfloat16"
+        ),
+    )
+    load_format: str = field(
+        default="auto",
+        metadata=_help(
+            "auto/safetensors: read the checkpoint; dummy: random weights of its shapes",
+            choices=LOAD_FORMATS,
+        ),
+    )
+    skip_tokenizer_init: bool = field(
+        default=False,
+        metadata=_help("no tokenizer: prompts must be token ids and outputs have no text"),
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=_help("longest prompt + output in tokens (default: max_position_embeddings)"),
+    )
+    seed: int = field(
+        default=0,
+        metadata=_help("seed of the engine's random generator (unseeded requests draw from it)"),
+    )
+    hf_config: dict[str, Any] = field(init=False, repr=False, compare=False)
+    arch: ModelArchConfig = field(init=False, repr=False, compare=False)
+    generation_config: dict[str, Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        hf_config = read_hf_config(self.model)
+        arch = ModelArchConfig.from_hf_config(hf_config)
+        if self.load_format not in LOAD_FORMATS:
+            raise _fail("load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        max_model_len = self.max_model_len
         if max_model_len is None:
-            max_model_len = derived_len
+            max_model_len = arch.max_position_embeddings
         elif not isinstance(max_model_len, int) or max_model_len < 1:
             raise _fail("max_model_len", f"must be a positive integer, got {max_model_len!r}")
-        elif max_model_len > derived_len:
+        elif max_model_len > arch.max_position_embeddings:
             raise _fail(
                 "max_model_len",
-                f"{max_model_len} exceeds the model's max_position_embeddings={derived_len}",
+                f"{max_model_len} exceeds the model's "
+                f"max_position_embeddings={arch.max_position_embeddings}",
             )
-        return cls(
-            model=model,
-            hf_config=hf_config,
-            dtype=resolve_dtype(dtype, hf_config),
-            max_model_len=max_model_len,
-            tokenizer=tokenizer or model,
-            load_format=load_format,
-            skip_tokenizer_init=skip_tokenizer_init,
-            seed=seed,
-        )
+        resolved = {
+            "hf_config": hf_config,
+            "arch": arch,
+            "generation_config": _read_generation_config(self.model),
+            "dtype": resolve_dtype(self.dtype, hf_config),
+            "max_model_len": max_model_len,
+            "tokenizer": self.tokenizer or self.model,
+        }
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
 
     @property
     def architecture(self) -> str:
-        return self.hf_config["architectures"][0]
+        return self.arch.architecture
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
+        return self.arch.vocab_size
 
     @property
     def num_hidden_layers(self) -> int:
-        return int(self.hf_config["num_hidden_layers"])
+        return self.arch.num_hidden_layers
 
     @property
     def num_attention_heads(self) -> int:
-        return int(self.hf_config["num_attention_heads"])
+        return self.arch.num_attention_heads
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.hf_config.get("num_key_value_heads") or self.num_attention_heads)
+        return self.arch.num_kv_heads
 
     @property
     def head_dim(self) -> int:
-        head_dim = self.hf_config.get("head_dim")
-        return (
-            int(head_dim)
-            if head_dim
-            else int(self.hf_config["hidden_size"]) // self.num_attention_heads
-        )
-
-    def generation_config(self) -> dict[str, Any]:
-        """generation_config.json of the model folder ({} when absent or unreadable)."""
-        path = os.path.join(self.model, "generation_config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, json.JSONDecodeError):
-            return {}
-        return config if isinstance(config, dict) else {}
+        return self.arch.head_dim
 
     def default_sampling_kwargs(self) -> dict[str, Any]:
         """The model's recommended sampling values, as SamplingParams keyword arguments."""
-        generation = self.generation_config()
         names = {name: name for name in _GENERATION_DEFAULTS}
         names["max_new_tokens"] = "max_tokens"
-        return {names[k]: v for k, v in generation.items() if k in names and v is not None}
+        return {
+            names[k]: v for k, v in self.generation_config.items() if k in names and v is not None
+        }
 
     def eos_token_ids(self) -> list[int]:
         """EOS ids from generation_config.json (as HF `generate` uses), else config.json."""
-        ids: Any = self.generation_config().get("eos_token_id")
+        ids: Any = self.generation_config.get("eos_token_id")
         if ids is None:
             ids = self.hf_config.get("eos_token_id")
         if ids is None:
             return []
         return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
+
+
+def _read_generation_config(model: str) -> dict[str, Any]:
+    """generation_config.json of the model folder ({} when absent or unreadable)."""
+    path = os.path.join(model, "generation_config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
@@ -167,13 +187,22 @@ def resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    # Fixes the KV pool size (block 0 is reserved as the padding block); None sizes it from memory.
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    # KV pool budget in bytes on the CPU (and on the GPU when set); None: 4 GiB on the CPU.
-    kv_cache_memory_bytes: int | None = None
+    block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
+    # Block 0 of the pool is reserved as the padding block.
+    num_kv_blocks: int | None = field(
+        default=None, metadata=_help("fix the KV pool size in blocks (default: sized from memory)")
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=_help("reuse KV blocks of shared prompt prefixes")
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_help("fraction of GPU memory the engine may use (weights + KV cache)"),
+    )
+    # Applies on the CPU always, on the GPU when set.
+    kv_cache_memory_bytes: int | None = field(
+        default=None, metadata=_help("KV pool budget in bytes (default on CPU: 4 GiB)")
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 1024:
@@ -195,10 +224,17 @@ class CacheConfig:
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_model_len: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    # Schedule step N+1 while the device runs step N (its tokens reach the host one step later).
-    async_scheduling: bool = False
+    max_num_seqs: int = field(default=256, metadata=_help("most sequences in one step"))
+    max_num_batched_tokens: int = field(
+        default=8192, metadata=_help("token budget of one step (prompt chunks + decodes)")
+    )
+    # Step N+1's tokens reach the host one step later than without it.
+    async_scheduling: bool = field(
+        default=False,
+        metadata=_help(
+            "schedule the next step while the device runs the current one (default: on with CUDA)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
@@ -212,9 +248,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    device: str = "cpu"
-    kernel_backend: str = "auto"
-    enforce_eager: bool = False
+    device: str = field(default="cpu", metadata=_help("cuda or cpu (default: cuda when available)"))
+    kernel_backend: str = field(
+        default="auto",
+        metadata=_help(
+            "auto (Triton on CUDA, torch elsewhere), torch, or triton", choices=KERNEL_BACKENDS
+        ),
+    )
+    enforce_eager: bool = field(default=False, metadata=_help("never capture CUDA graphs"))
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -23,11 +23,6 @@ def triton_interpret() -> bool:
     return _get("TRITON_INTERPRET", "0") == "1"
 
 
-def enable_triton_interpreter() -> None:
-    """Makes Triton kernels run on the CPU; must happen before triton is first imported."""
-    os.environ["TRITON_INTERPRET"] = "1"
-
-
 def debug_fail_forward() -> int | None:
     """FERRUM_DEBUG_FAIL_FORWARD=N: the engine core process raises in its Nth non-empty forward
     (1-based). A test-only fault hook for the server's error path; unset or <= 0 disables it."""

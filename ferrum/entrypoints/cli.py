@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     if getattr(args, "kernel_backend", None) == "triton" and getattr(args, "device", None) == "cpu":
-        from ferrum import envs
+        from ferrum.model_executor.kernel_backend import enable_triton_interpreter
 
-        envs.enable_triton_interpreter()  # before anything imports triton
+        enable_triton_interpreter()  # before anything imports triton
     try:
         return args.handler(args)
     except ValueError as e:

@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ferrum.kernels import FLOAT_DTYPES
+
 _BLOCK = 1024
 
 
@@ -39,7 +40,7 @@ def silu_and_mul(
     out: torch.Tensor | None = None,  # [num_tokens, inter]
 ) -> torch.Tensor:
     """Returns out[t, i] = silu(x[t, i]) * x[t, inter + i], allocating out if None."""
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1 or x.shape[1] % 2:
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1 or x.shape[1] % 2:
         raise ValueError(
             "x must be [num_tokens, 2 * inter] fp16/bf16/fp32 with an even last dim and "
             f"stride(1) == 1, got {tuple(x.shape)} {x.dtype} strides {x.stride()}"

@@ -21,11 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED, get_configs, pick
 from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS, small_batch_moe
 from ferrum.kernels.moe_align import moe_align_block_size
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _COMBINE_BLOCK = 1024
 
@@ -187,7 +186,7 @@ def _check_inputs(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> None:
-    if hidden.dim() != 2 or hidden.dtype not in _FLOAT_DTYPES or hidden.stride(1) != 1:
+    if hidden.dim() != 2 or hidden.dtype not in FLOAT_DTYPES or hidden.stride(1) != 1:
         raise ValueError(
             f"hidden must be [num_tokens, hidden_size] fp16/bf16/fp32 with stride(1) == 1, got "
             f"{tuple(hidden.shape)} {hidden.dtype} strides {hidden.stride()}"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ferrum.kernels.activation_ref import silu_and_mul_ref
+
 
 def fused_moe_ref(
     hidden: torch.Tensor,  # [num_tokens, hidden_size]
@@ -21,7 +23,6 @@ def fused_moe_ref(
     accumulates in float32. Returns [num_tokens, hidden_size] in hidden's dtype.
     """
     num_tokens, top_k = topk_ids.shape
-    intermediate_size = w2.shape[2]
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.reshape(-1)
     # One host sync: which experts received any token.
@@ -31,10 +32,7 @@ def fused_moe_ref(
         token_idx = torch.div(flat_pos, top_k, rounding_mode="floor")
         x = hidden[token_idx]
         gate_up = torch.matmul(x, w13[expert].t())
-        act = (
-            torch.nn.functional.silu(gate_up[:, :intermediate_size])
-            * gate_up[:, intermediate_size:]
-        )
+        act = silu_and_mul_ref(gate_up)
         y = torch.matmul(act, w2[expert].t())
         weights = topk_weights.reshape(-1)[flat_pos].float()
         out.index_add_(0, token_idx, y.float() * weights[:, None])

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ferrum.kernels import FLOAT_DTYPES
 
 
 @triton.jit
@@ -69,7 +69,7 @@ def check_cache_args(
         or kv_cache.shape[0] != 2
         or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim)
         or kv_cache.stride(-1) != 1
-        or kv_cache.dtype not in _FLOAT_DTYPES
+        or kv_cache.dtype not in FLOAT_DTYPES
     ):
         raise ValueError(
             f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] float with "
@@ -93,7 +93,7 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
     """kv_cache[:, slot_mapping[t]] = (key[t], value[t]) for each token t; slots < 0 are skipped."""
-    if key.dim() != 3 or key.stride(-1) != 1 or key.dtype not in _FLOAT_DTYPES:
+    if key.dim() != 3 or key.stride(-1) != 1 or key.dtype not in FLOAT_DTYPES:
         raise ValueError(
             "key must be [num_tokens, num_kv_heads, head_dim] float with stride(-1) == 1, got "
             f"{tuple(key.shape)} {key.dtype} strides {key.stride()}"

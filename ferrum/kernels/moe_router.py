@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ferrum.kernels import FLOAT_DTYPES
+
 MAX_EXPERTS = 8192
 
 
@@ -61,7 +62,7 @@ def _moe_router_kernel(
 
 
 def _check_inputs(router_logits: torch.Tensor, top_k: int) -> None:
-    if router_logits.dim() != 2 or router_logits.dtype not in _FLOAT_DTYPES:
+    if router_logits.dim() != 2 or router_logits.dtype not in FLOAT_DTYPES:
         raise ValueError(
             f"router_logits must be [num_tokens, num_experts] fp16/bf16/fp32, got "
             f"{tuple(router_logits.shape)} {router_logits.dtype}"

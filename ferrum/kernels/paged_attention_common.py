@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels import FLOAT_DTYPES
+
 _LOG2E = 1.4426950408889634
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Running max of a row before it has seen a key: finite, so fully masked tiles give exp2 = 0.
 _NEG_BIG: tl.constexpr = tl.constexpr(-1.0e30)
 # Max grid size along axes 1 and 2 of a CUDA launch.
@@ -96,7 +97,7 @@ def _check_attention_args(
     seq_lens: torch.Tensor,
     out: torch.Tensor,
 ) -> None:
-    if query.dim() != 3 or query.dtype not in _FLOAT_DTYPES or query.stride(-1) != 1:
+    if query.dim() != 3 or query.dtype not in FLOAT_DTYPES or query.stride(-1) != 1:
         raise ValueError(
             "query must be [num_tokens, num_heads, head_dim] fp16/bf16/fp32 with stride(-1) == 1, "
             f"got shape {tuple(query.shape)} {query.dtype} strides {query.stride()}"

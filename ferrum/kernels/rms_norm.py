@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ferrum.kernels import FLOAT_DTYPES
+
 MAX_HIDDEN = 65536
 
 
@@ -64,7 +65,7 @@ def _as_rows(t: torch.Tensor, name: str, hidden: int) -> torch.Tensor:
 
 
 def _check_common(x: torch.Tensor, weight: torch.Tensor, eps: float) -> int:
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x dtype must be fp16/bf16/fp32, got {x.dtype}")
     hidden = x.shape[-1] if x.dim() > 0 else 0
     if not 1 <= hidden <= MAX_HIDDEN:

@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.kv_cache_write import check_cache_args
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 512
 
 
@@ -160,7 +160,7 @@ def _check_heads(t: torch.Tensor, name: str, num_tokens: int, head_dim: int) -> 
         or t.shape[0] != num_tokens
         or t.shape[2] != head_dim
         or t.stride(-1) != 1
-        or t.dtype not in _FLOAT_DTYPES
+        or t.dtype not in FLOAT_DTYPES
     ):
         raise ValueError(
             f"{name} must be [{num_tokens}, heads, {head_dim}] fp16/bf16/fp32 with stride(-1) == 1,"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ferrum.kernels.rms_norm_ref import rms_norm_ref
+
 
 def compute_cos_sin(
     max_position: int, rotary_dim: int, base: float
@@ -34,13 +36,6 @@ def rope_ref(
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
 
 
-def head_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm over the last dim: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)."""
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
 def qk_norm_rope_ref(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -52,7 +47,7 @@ def qk_norm_rope_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rope(norm(query)), rope(norm(key))); the norm is skipped when its weight is None."""
     if q_norm_weight is not None:
-        query = head_rms_norm_ref(query, q_norm_weight, eps)
+        query = rms_norm_ref(query, q_norm_weight, eps)
     if k_norm_weight is not None:
-        key = head_rms_norm_ref(key, k_norm_weight, eps)
+        key = rms_norm_ref(key, k_norm_weight, eps)
     return rope_ref(query, cos, sin), rope_ref(key, cos, sin)

@@ -1,44 +1,77 @@
-"""Chooses between the torch reference ops and the Triton kernels for a loaded model.
+"""The kernel backend a model is built with: the torch references or the Triton kernels.
 
-Layers with a Triton path define `use_triton_kernels()`; this module calls it on each of them.
-On the CPU the Triton kernels run in Triton's interpreter (slow, for tests), which must be turned
-on before triton is first imported: `@triton.jit` (triton's own `tl.sum` too) reads
-TRITON_INTERPRET when it decorates.
+Layers take a `TritonKernels | None` at construction (None runs the `kernels/*_ref.py` torch
+references). On the CPU the Triton kernels run in Triton's interpreter (slow, for tests), which
+must be on before triton is first imported: `@triton.jit` reads TRITON_INTERPRET when it decorates.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
-
-import torch
-from torch import nn
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ferrum import envs
 
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TritonKernels:
+    """The Triton launchers the layers call (see each one's signature in ferrum/kernels/)."""
+
+    rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., None]
+    silu_and_mul: Callable[..., torch.Tensor]
+    rotary_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    moe_router: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    fused_moe: Callable[..., torch.Tensor]
+
 
 def resolve_kernel_backend(kernel_backend: str, device: torch.device) -> str:
-    """ "auto" is Triton on CUDA and torch elsewhere."""
+    """ "auto" is Triton on CUDA and torch elsewhere; Triton on the CPU turns the interpreter on."""
     if kernel_backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
+    if kernel_backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError(
+                "kernel_backend: 'triton' needs the triton package (pip install triton)"
+            )
+        if device.type != "cuda":
+            enable_triton_interpreter()
     return kernel_backend
 
 
-def apply_kernel_backend(model: nn.Module, kernel_backend: str, device: torch.device) -> str:
-    """Switches every layer with a Triton path to it when the backend is triton; returns it."""
-    backend = resolve_kernel_backend(kernel_backend, device)
-    if backend != "triton":
-        return backend
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError("kernel_backend: 'triton' needs the triton package (pip install triton)")
-    if device.type != "cuda":
-        if "triton" in sys.modules and not envs.triton_interpret():
-            raise ValueError(
-                "kernel_backend: Triton kernels on the CPU need TRITON_INTERPRET=1 in the "
-                "environment before triton is imported (set it when starting the process)"
-            )
-        envs.enable_triton_interpreter()
-    for module in model.modules():
-        if hasattr(module, "use_triton_kernels"):
-            module.use_triton_kernels()
-    return backend
+def enable_triton_interpreter() -> None:
+    """Makes Triton kernels run on the CPU; too late once triton is imported without it."""
+    if "triton" in sys.modules and not envs.triton_interpret():
+        raise ValueError(
+            "kernel_backend: Triton kernels on the CPU need TRITON_INTERPRET=1 in the "
+            "environment before triton is imported (set it when starting the process)"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+def load_kernels(kernel_backend: str) -> TritonKernels | None:
+    """The Triton kernels for backend "triton" (imports triton), None for "torch"."""
+    if kernel_backend == "torch":
+        return None
+    if kernel_backend != "triton":
+        raise ValueError(f"kernel_backend: must be 'torch' or 'triton', got {kernel_backend!r}")
+    from ferrum.kernels import activation, fused_moe, moe_router, paged_attention, rms_norm
+    from ferrum.kernels.rotary_kv import rotary_kv
+
+    return TritonKernels(
+        rms_norm=rms_norm.rms_norm,
+        fused_add_rms_norm=rms_norm.fused_add_rms_norm,
+        silu_and_mul=activation.silu_and_mul,
+        rotary_kv=rotary_kv,
+        paged_attention=paged_attention.paged_attention,
+        moe_router=moe_router.moe_router,
+        fused_moe=fused_moe.fused_moe,
+    )

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ferrum.config import ModelConfig
+from ferrum.model_executor.kernel_backend import load_kernels
 from ferrum.model_executor.models.registry import get_model_class
 from ferrum.model_executor.weight_loader import SafetensorsCheckpoint, WeightFileError
 
@@ -27,13 +28,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    """The model of `model_config.architecture` on `device` in `model_config.dtype`, with weights
-    from the checkpoint's safetensors ("auto", "safetensors") or random ("dummy")."""
+def load_model(
+    model_config: ModelConfig, device: torch.device, kernel_backend: str = "torch"
+) -> nn.Module:
+    """The model of `model_config.architecture` on `device` in `model_config.dtype`, built with
+    the (resolved) kernel backend, with weights from the checkpoint's safetensors ("auto",
+    "safetensors") or random ("dummy")."""
     model_class = get_model_class(model_config.architecture)
+    kernels = load_kernels(kernel_backend)
     device = torch.device(device)
     with _default_dtype(getattr(torch, model_config.dtype)), torch.device(device):
-        model = model_class(model_config)
+        model = model_class(model_config.arch, kernels)
     if model_config.load_format == "dummy":
         initialize_dummy_weights(model, model_config.seed)
     else:

@@ -22,7 +22,7 @@ from ferrum.model_executor.input_batch import (
     profile_batch,
     to_device_inputs,
 )
-from ferrum.model_executor.kernel_backend import apply_kernel_backend
+from ferrum.model_executor.kernel_backend import resolve_kernel_backend
 from ferrum.model_executor.kv_cache_sizing import (
     allocate_kv_caches,
     cpu_kv_budget,
@@ -65,10 +65,8 @@ class ModelRunner:
         self.dtype = torch_dtype(config.model_config.dtype)
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.vocab_size
-        self.model = load_model(config.model_config, device)
-        self.kernel_backend = apply_kernel_backend(
-            self.model, config.device_config.kernel_backend, device
-        )
+        self.kernel_backend = resolve_kernel_backend(config.device_config.kernel_backend, device)
+        self.model = load_model(config.model_config, device, self.kernel_backend)
         self.split_kv_workspace = self._allocate_split_kv_workspace()
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
@@ -210,12 +208,11 @@ class ModelRunner:
         logger.info("kernel warm-up in %.2f s", time.perf_counter() - start)
 
     def uses_cuda_graphs(self) -> bool:
-        """Graphs need CUDA, the Triton kernels, and no layer that syncs with the host."""
+        """Graphs need CUDA and the Triton kernels (the torch MoE path syncs with the host)."""
         return (
             self.device.type == "cuda"
             and self.kernel_backend == "triton"
             and not self.config.device_config.enforce_eager
-            and all(getattr(m, "cuda_graph_safe", True) for m in self.model.modules())
         )
 
     def capture_cuda_graphs(self) -> None:

@@ -284,6 +284,6 @@ def test_fold_to_vocab() -> None:
 
 @pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b"])
 def test_benchmark_model_configs_load(name: str) -> None:
-    config = ModelConfig.from_args(str(REPO_ROOT / "benchmarks" / "models" / name))
+    config = ModelConfig(str(REPO_ROOT / "benchmarks" / "models" / name))
     assert config.architecture.startswith("Qwen3") and config.vocab_size > 10000
     assert config.dtype == "bfloat16"

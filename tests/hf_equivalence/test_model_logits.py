@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ferrum.config import ModelConfig
-from ferrum.model_executor.layers.rotary import rope_parameters
+from ferrum.model_arch import rope_parameters
 from tests.utils.model_step import Seq, load, prompt, run_step
 from tests.utils.tiny_checkpoints import hf_logits, load_hf_model
 
@@ -87,7 +87,7 @@ def test_legacy_rope_config_keys(tiny_checkpoint, tmp_path) -> None:
     config["rope_scaling"] = params
     with open(config_path, "w") as f:
         json.dump(config, f)
-    assert rope_parameters(config) == rope_parameters(ModelConfig.from_args(path).hf_config)
+    assert rope_parameters(config) == rope_parameters(ModelConfig(path).hf_config)
 
     _, model = load(str(legacy))
     tokens = prompt(40, 5)  # beyond original_max_position_embeddings=32, where scaling matters

@@ -13,6 +13,7 @@ from ferrum.kernels.fused_moe_ref import fused_moe_ref
 from ferrum.kernels.moe_align import max_num_blocks, moe_align_block_size
 from ferrum.kernels.moe_align_ref import moe_align_block_size_ref
 from ferrum.kernels.moe_router import moe_router
+from ferrum.model_executor.kernel_backend import load_kernels
 from ferrum.model_executor.layers.fused_moe import FusedMoE, select_experts
 
 TOLERANCE = {
@@ -205,15 +206,23 @@ def test_align_bad_input(ids, num_experts, block_m, match) -> None:
         moe_align_block_size(ids, num_experts, block_m)
 
 
-def test_layer_switches_to_triton(device) -> None:
-    layer = FusedMoE(num_experts=5, top_k=2, hidden_size=64, intermediate_size=32, renormalize=True)
+def test_layer_built_with_triton_matches_torch(device) -> None:
     x, w13, w2, logits = make_problem(3, 64, 32, 5, 2, torch.float32, device, seed=8)
-    layer.w13.data, layer.w2.data = w13, w2
-    expected = layer(x, logits)
-    assert not layer.cuda_graph_safe and layer._router is select_experts
-    layer.use_triton_kernels()
-    assert layer.cuda_graph_safe and layer._router is moe_router
-    torch.testing.assert_close(layer(x, logits), expected, **TOLERANCE[torch.float32])
+    outputs = []
+    for backend in ("torch", "triton"):
+        layer = FusedMoE(
+            num_experts=5,
+            top_k=2,
+            hidden_size=64,
+            intermediate_size=32,
+            renormalize=True,
+            hidden_act="silu",
+            kernels=load_kernels(backend),
+        )
+        layer.w13.data, layer.w2.data = w13, w2
+        outputs.append(layer(x, logits))
+        assert layer._router is (select_experts if backend == "torch" else moe_router)
+    torch.testing.assert_close(outputs[1], outputs[0], **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize(

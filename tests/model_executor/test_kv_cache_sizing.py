@@ -22,7 +22,7 @@ FP32_BLOCK_OF_4 = 128 * 4 * 4  # elements per token * tokens per block * bytes p
 
 @pytest.fixture
 def model_config(tiny_checkpoint) -> ModelConfig:
-    return ModelConfig.from_args(tiny_checkpoint("qwen3"))
+    return ModelConfig(tiny_checkpoint("qwen3"))
 
 
 def test_bytes_per_block_count_keys_and_values_of_every_layer(model_config) -> None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ferrum.config import ModelConfig
+from ferrum.model_arch import rope_parameters
 from ferrum.model_executor.layers.fused_moe import select_experts
-from ferrum.model_executor.layers.rotary import rope_parameters
 from ferrum.model_executor.model_loader import load_model
 from ferrum.model_executor.models.registry import get_model_class, supported_architectures
 from tests.utils.model_step import CPU, Seq, load, new_kv_caches, prompt, run_step
@@ -60,9 +60,7 @@ def test_dummy_load_is_deterministic_and_reads_no_weights(tiny_checkpoint, tmp_p
     shutil.copy(os.path.join(source, "config.json"), config_only)
 
     def dummy(seed: int, dtype: str = "float32") -> torch.nn.Module:
-        config = ModelConfig.from_args(
-            str(config_only), load_format="dummy", seed=seed, dtype=dtype
-        )
+        config = ModelConfig(str(config_only), load_format="dummy", seed=seed, dtype=dtype)
         return load_model(config, CPU)
 
     first, same, other = dummy(1), dummy(1), dummy(2)
@@ -81,7 +79,7 @@ def test_dummy_load_is_deterministic_and_reads_no_weights(tiny_checkpoint, tmp_p
     bf16 = dummy(1, "bfloat16")
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     assert bf16.model.rotary_emb.cos_cache.dtype == torch.float32
-    config = ModelConfig.from_args(str(config_only), load_format="dummy", dtype="bfloat16")
+    config = ModelConfig(str(config_only), load_format="dummy", dtype="bfloat16")
     bf16.bind_kv_caches([c.bfloat16() for c in new_kv_caches(config)])
     logits = run_step(bf16, [Seq(prompt(9, 1), [1, 2, 3], 9)])[0]
     assert torch.isfinite(logits).all()
@@ -101,7 +99,7 @@ def test_registry_rejects_unknown_architecture(tiny_checkpoint, tmp_path) -> Non
     with open(config_path, "w") as f:
         json.dump(config, f)
     with pytest.raises(ValueError, match="MysteryForCausalLM"):
-        load_model(ModelConfig.from_args(str(folder)), CPU)
+        load_model(ModelConfig(str(folder)), CPU)
 
 
 def test_kv_cache_binding_errors(tiny_checkpoint) -> None:
@@ -136,4 +134,4 @@ def test_unsupported_config_is_rejected(tiny_checkpoint, tmp_path, arch, edit, m
     with open(config_path, "w") as f:
         json.dump(config, f)
     with pytest.raises(ValueError, match=message):
-        load_model(ModelConfig.from_args(str(folder), load_format="dummy"), CPU)
+        load_model(ModelConfig(str(folder), load_format="dummy"), CPU)

@@ -19,7 +19,7 @@ CPU = torch.device("cpu")
 
 
 def load(path: str, dtype: str = "auto") -> torch.nn.Module:
-    return load_model(ModelConfig.from_args(str(path), dtype=dtype), CPU)
+    return load_model(ModelConfig(str(path), dtype=dtype), CPU)
 
 
 def assert_same_params(a: torch.nn.Module, b: torch.nn.Module) -> None:

@@ -66,7 +66,7 @@ def new_kv_caches(model_config: ModelConfig) -> list[torch.Tensor]:
 
 
 def load(path: str, **kwargs: object) -> tuple[ModelConfig, torch.nn.Module]:
-    config = ModelConfig.from_args(path, **kwargs)
+    config = ModelConfig(path, **kwargs)
     model = load_model(config, CPU)
     model.bind_kv_caches(new_kv_caches(config))
     return config, model

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ferrum.kernels.fused_moe_ref import fused_moe_ref
+from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.linear import check_shape, new_parameter, set_weight_loader
 
 # Shard ids of the expert weights: (projection, expert_id) for one expert's tensor, or
@@ -32,16 +33,6 @@ def select_experts(
     return topk_weights, topk_ids
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-) -> torch.Tensor:
-    return fused_moe_ref(hidden, w13, w2, topk_weights, topk_ids)
-
-
 MoeKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
@@ -56,7 +47,8 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         renormalize: bool,
-        hidden_act: str = "silu",
+        hidden_act: str,
+        kernels: TritonKernels | None,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
@@ -71,11 +63,10 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
-        # The reference expert loop asks the host which experts got tokens: no CUDA graphs.
-        # The Triton path sizes everything from the token count and is graph safe.
-        self.cuda_graph_safe = False
-        self._router: MoeRouter = select_experts
-        self._kernel: MoeKernel = fused_moe
+        # The reference expert loop asks the host which experts got tokens (no CUDA graphs); the
+        # Triton path sizes everything from the token count and is graph safe.
+        self._router: MoeRouter = select_experts if kernels is None else kernels.moe_router
+        self._kernel: MoeKernel = fused_moe_ref if kernels is None else kernels.fused_moe
         self.w13 = new_parameter(num_experts, 2 * intermediate_size, hidden_size)
         self.w2 = new_parameter(num_experts, hidden_size, intermediate_size)
         experts = range(num_experts)
@@ -83,14 +74,6 @@ class FusedMoE(nn.Module):
             self.w13, self._load_w13, frozenset((p, e) for p in (GATE, UP) for e in experts)
         )
         set_weight_loader(self.w2, self._load_w2, frozenset((DOWN, e) for e in experts))
-
-    def use_triton_kernels(self) -> None:
-        from ferrum.kernels.fused_moe import fused_moe as kernel
-        from ferrum.kernels.moe_router import moe_router
-
-        self._router = moe_router
-        self._kernel = kernel
-        self.cuda_graph_safe = True
 
     def _expert_id(self, expert_id: int | None) -> int | None:
         if expert_id is not None and not 0 <= expert_id < self.num_experts:

@@ -12,28 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-
-
-def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling) from either config spelling: transformers 5 `rope_parameters` or the
-    older top-level `rope_theta` + `rope_scaling`. scaling is None for plain RoPE."""
-    params = dict(hf_config.get("rope_parameters") or {})
-    legacy = hf_config.get("rope_scaling") or {}
-    for key, value in legacy.items():
-        params.setdefault(key, value)
-    theta = params.get("rope_theta", hf_config.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"rope_type: {rope_type!r} is not supported; supported: {list(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return float(theta), None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")}
-    scaling["rope_type"] = rope_type
-    scaling.setdefault("original_max_position_embeddings", hf_config.get("max_position_embeddings"))
-    return float(theta), scaling
+from ferrum.model_arch import ModelArchConfig
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -66,16 +45,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim // 2] float32.
-    out = x * cos + rotate_half(x) * sin, computed in float32, returned in x's dtype."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -102,7 +71,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos_cache[positions], self.sin_cache[positions]
 
 
-def get_rope(head_dim: int, hf_config: dict[str, Any]) -> RotaryEmbedding:
-    theta, scaling = rope_parameters(hf_config)
-    max_position = int(hf_config.get("max_position_embeddings") or 2048)
-    return RotaryEmbedding(head_dim, max_position, theta, scaling)
+def get_rope(arch: ModelArchConfig) -> RotaryEmbedding:
+    return RotaryEmbedding(
+        arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+    )

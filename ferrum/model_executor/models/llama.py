@@ -7,12 +7,13 @@ Qwen models, which subclass `LlamaForCausalLM` and override `make_decoder_layer`
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ferrum.config import ModelConfig
+from ferrum.model_arch import ModelArchConfig
+from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.activation import get_act_and_mul
 from ferrum.model_executor.layers.attention import Attention
 from ferrum.model_executor.layers.embed_head import LMHead, VocabEmbedding
@@ -34,52 +35,38 @@ STACKED_PARAMS = (
 )
 
 
-def required(hf_config: dict[str, Any], key: str) -> Any:
-    """A config.json value the model cannot be built without."""
-    value = hf_config.get(key)
-    if value is None:
-        raise ValueError(f"{key}: missing from config.json")
-    return value
-
-
-def check_supported(hf_config: dict[str, Any]) -> None:
-    """Rejects config features the shared decoder does not compute."""
-    if hf_config.get("use_sliding_window"):
-        raise ValueError("use_sliding_window: sliding-window attention is not supported")
-
-
 class LlamaMLP(nn.Module):
-    def __init__(
-        self, hidden_size: int, intermediate_size: int, hidden_act: str, bias: bool = False
-    ) -> None:
+    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(
-            hidden_size, {"gate": intermediate_size, "up": intermediate_size}, bias
-        )
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
-        self.act_fn = get_act_and_mul(hidden_act)
+        size = arch.intermediate_size
+        self.gate_up_proj = MergedLinear(arch.hidden_size, {"gate": size, "up": size}, bias)
+        self.down_proj = Linear(size, arch.hidden_size, bias)
+        self.act_fn = get_act_and_mul(arch.hidden_act, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, model_config: ModelConfig, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(
+        self, arch: ModelArchConfig, kernels: TritonKernels | None, qkv_bias: bool, o_bias: bool
+    ) -> None:
         super().__init__()
-        hidden_size = int(required(model_config.hf_config, "hidden_size"))
-        self.num_heads = model_config.num_attention_heads
-        self.num_kv_heads = model_config.num_kv_heads
-        self.head_dim = model_config.head_dim
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
-            hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, qkv_bias
+            arch.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, qkv_bias
         )
-        self.o_proj = Linear(self.q_size, hidden_size, o_bias)
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, o_bias)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, kernels
+        )
         # Per-head RMSNorm of q and k before RoPE (Qwen3 sets them).
-        self.q_norm: nn.Module | None = None
-        self.k_norm: nn.Module | None = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
 
     def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, hidden] -> q [T, num_heads, D], k and v [T, num_kv_heads, D] (before RoPE)."""
@@ -99,19 +86,23 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(hidden)
-        out = self.attn.forward_with_rope(
-            q, k, v, cos, sin, attn_metadata, q_norm=self.q_norm, k_norm=self.k_norm
-        )
+        out = self.attn(q, k, v, cos, sin, attn_metadata, q_norm=self.q_norm, k_norm=self.k_norm)
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+    def __init__(
+        self,
+        self_attn: nn.Module,
+        mlp: nn.Module,
+        arch: ModelArchConfig,
+        kernels: TritonKernels | None,
+    ) -> None:
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
     def forward(
         self,
@@ -133,14 +124,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, model_config: ModelConfig, make_layer: Callable[[int], nn.Module]) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        kernels: TritonKernels | None,
+        make_layer: Callable[[int], nn.Module],
+    ) -> None:
         super().__init__()
-        hf = model_config.hf_config
-        hidden_size = int(required(hf, "hidden_size"))
-        self.embed_tokens = VocabEmbedding(model_config.vocab_size, hidden_size)
-        self.rotary_emb = get_rope(model_config.head_dim, hf)
-        self.layers = nn.ModuleList(make_layer(i) for i in range(model_config.num_hidden_layers))
-        self.norm = RMSNorm(hidden_size, float(hf.get("rms_norm_eps", 1e-6)))
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
+        self.rotary_emb = get_rope(arch)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
@@ -157,33 +151,25 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
         super().__init__()
-        self.model_config = model_config
-        hf = model_config.hf_config
-        check_supported(hf)
-        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
-        self.model = LlamaModel(model_config, self.make_decoder_layer)
+        self.arch = arch
+        self.kernels = kernels
+        self.tie_word_embeddings = arch.tie_word_embeddings
+        self.model = LlamaModel(arch, kernels, self.make_decoder_layer)
         self.lm_head = LMHead(
-            model_config.vocab_size,
-            int(required(hf, "hidden_size")),
+            arch.vocab_size,
+            arch.hidden_size,
             tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
         )
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
-        hf = self.model_config.hf_config
-        bias = bool(hf.get("attention_bias", False))
-        hidden_size = int(required(hf, "hidden_size"))
+        arch, kernels, bias = self.arch, self.kernels, self.arch.attention_bias
         return LlamaDecoderLayer(
-            LlamaAttention(self.model_config, qkv_bias=bias, o_bias=bias),
-            LlamaMLP(
-                hidden_size,
-                int(required(hf, "intermediate_size")),
-                hf.get("hidden_act", "silu"),
-                bool(hf.get("mlp_bias", False)),
-            ),
-            hidden_size,
-            float(hf.get("rms_norm_eps", 1e-6)),
+            LlamaAttention(arch, kernels, qkv_bias=bias, o_bias=bias),
+            LlamaMLP(arch, kernels, arch.mlp_bias),
+            arch,
+            kernels,
         )
 
     def forward(

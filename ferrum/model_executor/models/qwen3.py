@@ -4,36 +4,28 @@ from __future__ import annotations
 
 from torch import nn
 
-from ferrum.config import ModelConfig
+from ferrum.model_arch import ModelArchConfig
+from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.layernorm import RMSNorm
 from ferrum.model_executor.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
-    required,
 )
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, model_config: ModelConfig) -> None:
-        hf = model_config.hf_config
-        bias = bool(hf.get("attention_bias", False))
-        super().__init__(model_config, qkv_bias=bias, o_bias=bias)
-        eps = float(hf.get("rms_norm_eps", 1e-6))
-        self.q_norm = RMSNorm(self.head_dim, eps)
-        self.k_norm = RMSNorm(self.head_dim, eps)
+    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
+        bias = arch.attention_bias
+        super().__init__(arch, kernels, qkv_bias=bias, o_bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels)
+        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
-        hf = self.model_config.hf_config
-        hidden_size = int(required(hf, "hidden_size"))
+        arch, kernels = self.arch, self.kernels
         return LlamaDecoderLayer(
-            Qwen3Attention(self.model_config),
-            LlamaMLP(
-                hidden_size, int(required(hf, "intermediate_size")), hf.get("hidden_act", "silu")
-            ),
-            hidden_size,
-            float(hf.get("rms_norm_eps", 1e-6)),
+            Qwen3Attention(arch, kernels), LlamaMLP(arch, kernels, bias=False), arch, kernels
         )

@@ -9,9 +9,11 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
+from ferrum.model_arch import ModelArchConfig
+from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.fused_moe import DOWN, GATE_UP, FusedMoE
 from ferrum.model_executor.layers.linear import Linear
-from ferrum.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP, required
+from ferrum.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
 from ferrum.model_executor.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 
 # Per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`) and the stacked HF layout
@@ -20,60 +22,41 @@ _PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weig
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj(\.weight)?$")
 
 
-def num_experts(hf_config: dict) -> int:
-    """Qwen checkpoints write `num_experts`; transformers 5 may write `num_local_experts`."""
-    value = hf_config.get("num_experts", hf_config.get("num_local_experts"))
-    if value is None:
-        raise ValueError("num_experts: missing from config.json")
-    return int(value)
-
-
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    def __init__(self, hf_config: dict) -> None:
+    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
         super().__init__()
-        hidden_size = int(required(hf_config, "hidden_size"))
-        experts = num_experts(hf_config)
-        self.gate = Linear(hidden_size, experts, bias=False)
+        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
         self.experts = FusedMoE(
-            num_experts=experts,
-            top_k=int(required(hf_config, "num_experts_per_tok")),
-            hidden_size=hidden_size,
-            intermediate_size=int(required(hf_config, "moe_intermediate_size")),
-            renormalize=bool(hf_config.get("norm_topk_prob", False)),
-            hidden_act=hf_config.get("hidden_act", "silu"),
+            num_experts=arch.num_experts,
+            top_k=arch.num_experts_per_tok,
+            hidden_size=arch.hidden_size,
+            intermediate_size=arch.moe_intermediate_size,
+            renormalize=arch.norm_topk_prob,
+            hidden_act=arch.hidden_act,
+            kernels=kernels,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, self.gate(hidden))
 
 
-def is_moe_layer(hf_config: dict, layer_idx: int) -> bool:
-    step = int(hf_config.get("decoder_sparse_step", 1))
-    if step < 1:
-        raise ValueError(f"decoder_sparse_step: must be >= 1, got {step}")
-    return (
-        num_experts(hf_config) > 0
-        and (layer_idx + 1) % step == 0
-        and layer_idx not in (hf_config.get("mlp_only_layers") or [])
-    )
+def is_moe_layer(arch: ModelArchConfig, layer_idx: int) -> bool:
+    return (layer_idx + 1) % arch.decoder_sparse_step == 0 and layer_idx not in arch.mlp_only_layers
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
+        if arch.num_experts < 1:
+            raise ValueError(f"num_experts: missing from config.json ({arch.architecture})")
+        super().__init__(arch, kernels)
+
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
-        hf = self.model_config.hf_config
-        hidden_size = int(required(hf, "hidden_size"))
-        if is_moe_layer(hf, layer_idx):
-            mlp: nn.Module = Qwen3MoeSparseMoeBlock(hf)
+        arch, kernels = self.arch, self.kernels
+        if is_moe_layer(arch, layer_idx):
+            mlp: nn.Module = Qwen3MoeSparseMoeBlock(arch, kernels)
         else:
-            mlp = LlamaMLP(
-                hidden_size, int(required(hf, "intermediate_size")), hf.get("hidden_act", "silu")
-            )
-        return LlamaDecoderLayer(
-            Qwen3Attention(self.model_config),
-            mlp,
-            hidden_size,
-            float(hf.get("rms_norm_eps", 1e-6)),
-        )
+            mlp = LlamaMLP(arch, kernels, bias=False)
+        return LlamaDecoderLayer(Qwen3Attention(arch, kernels), mlp, arch, kernels)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Hashable] | None:
         match = _PER_EXPERT.match(name)
