@@ -12,8 +12,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ferrum.model_arch import ModelArchConfig
-
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3.1 frequency scaling: long wavelengths divided by `factor`, short ones kept, the
@@ -69,9 +67,3 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [num_tokens] int64 -> (cos, sin), each [num_tokens, head_dim // 2] float32."""
         return self.cos_cache[positions], self.sin_cache[positions]
-
-
-def get_rope(arch: ModelArchConfig) -> RotaryEmbedding:
-    return RotaryEmbedding(
-        arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
-    )

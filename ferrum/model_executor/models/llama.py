@@ -19,7 +19,7 @@ from ferrum.model_executor.layers.attention import Attention
 from ferrum.model_executor.layers.embed_head import LMHead, VocabEmbedding
 from ferrum.model_executor.layers.layernorm import RMSNorm
 from ferrum.model_executor.layers.linear import Linear, MergedLinear
-from ferrum.model_executor.layers.rotary import get_rope
+from ferrum.model_executor.layers.rotary import RotaryEmbedding
 from ferrum.model_executor.weight_loader import load_named_weights
 
 if TYPE_CHECKING:
@@ -132,7 +132,9 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
-        self.rotary_emb = get_rope(arch)
+        self.rotary_emb = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
+        )
         self.layers = nn.ModuleList(make_layer(i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
@@ -155,13 +157,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.kernels = kernels
-        self.tie_word_embeddings = arch.tie_word_embeddings
         self.model = LlamaModel(arch, kernels, self.make_decoder_layer)
-        self.lm_head = LMHead(
-            arch.vocab_size,
-            arch.hidden_size,
-            tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
-        )
+        tied_to = self.model.embed_tokens if arch.tie_word_embeddings else None
+        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tied_to)
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
         arch, kernels, bias = self.arch, self.kernels, self.arch.attention_bias
@@ -201,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         """HF checkpoint tensor name -> (parameter name, shard id), or None to skip it."""
         if "rotary_emb.inv_freq" in name:
             return None
-        if self.tie_word_embeddings and name == "lm_head.weight":
+        if self.arch.tie_word_embeddings and name == "lm_head.weight":
             return None
         for ckpt_part, param_part, shard_id in STACKED_PARAMS:
             if ckpt_part in name:

@@ -40,10 +40,6 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return self.experts(hidden, self.gate(hidden))
 
 
-def is_moe_layer(arch: ModelArchConfig, layer_idx: int) -> bool:
-    return (layer_idx + 1) % arch.decoder_sparse_step == 0 and layer_idx not in arch.mlp_only_layers
-
-
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
         if arch.num_experts < 1:
@@ -52,7 +48,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
         arch, kernels = self.arch, self.kernels
-        if is_moe_layer(arch, layer_idx):
+        sparse = (layer_idx + 1) % arch.decoder_sparse_step == 0
+        if sparse and layer_idx not in arch.mlp_only_layers:
             mlp: nn.Module = Qwen3MoeSparseMoeBlock(arch, kernels)
         else:
             mlp = LlamaMLP(arch, kernels, bias=False)
