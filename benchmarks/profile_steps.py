@@ -18,7 +18,7 @@ import torch
 
 from benchmarks.dummy_engine import engine_parser, make_llm
 from ferrum.bench import workloads
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
 
 def timed(phases: dict[str, float], name: str, fn):
@@ -41,7 +41,10 @@ def main() -> int:
     vocab = engine.config.model_config.vocab_size
     prompts, _ = workloads.batch(args.num_prompts, args.input_len, 1, seed=7)
     params = SamplingParams(
-        max_tokens=4096 - args.input_len - 8, ignore_eos=True, temperature=args.temperature
+        max_tokens=4096 - args.input_len - 8,
+        ignore_eos=True,
+        temperature=args.temperature,
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
     for i, prompt in enumerate(workloads.fold_to_vocab(prompts, vocab)):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)

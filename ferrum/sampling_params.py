@@ -13,6 +13,15 @@ MAX_LOGPROBS = 20
 MAX_N = 1024
 
 
+class RequestOutputKind(Enum):
+    # Every output holds everything generated so far.
+    CUMULATIVE = 0
+    # Every output holds only what is new since the previous one.
+    DELTA = 1
+    # One output, when the request finishes, holding everything.
+    FINAL_ONLY = 2
+
+
 class SamplingType(Enum):
     GREEDY = 0
     RANDOM = 1
@@ -46,6 +55,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine from the model's generation config; never part of the user's request.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

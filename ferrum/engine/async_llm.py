@@ -11,19 +11,30 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 from ferrum.config import EngineConfig
 from ferrum.engine.arg_utils import EngineArgs
-from ferrum.engine.core_client import CoreInfo, EngineCoreClient
-from ferrum.engine.core_output import EngineCoreOutput, SchedulerStats
-from ferrum.engine.input_processor import InputProcessor, PromptType
-from ferrum.engine.llm_engine import load_tokenizer, resolve_eos_token_ids
-from ferrum.engine.output_processor import OutputProcessor, child_request_id
-from ferrum.engine.request import Request
+from ferrum.engine.core_client import EngineCoreClient
+from ferrum.engine.core_messages import (
+    CoreFailed,
+    CoreInfo,
+    CoreOutputs,
+    EngineCoreOutput,
+    FromCore,
+    RequestsRejected,
+    SchedulerStats,
+)
+from ferrum.engine.input_processor import (
+    InputProcessor,
+    ProcessedPrompt,
+    PromptType,
+    load_tokenizer,
+)
+from ferrum.engine.output_processor import OutputProcessor
 from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput
-from ferrum.sampling_params import SamplingParams
+from ferrum.request import RequestStatus
+from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
@@ -37,19 +48,26 @@ class EngineNotReadyError(RuntimeError):
 
 
 class RequestStream:
-    """One request's outputs as an async iterator. Each RequestOutput is cumulative, so a slow
-    reader skips straight to the latest one; the final output is never skipped."""
+    """One request's outputs as an async iterator. A reader that falls behind gets one output
+    holding all it missed: the latest cumulative output, or the pending DELTA outputs merged. The
+    final output is never skipped."""
 
-    def __init__(self, request_id: str, on_close: Callable[[str], None]) -> None:
+    def __init__(
+        self, request_id: str, on_close: Callable[[str], object], merge_deltas: bool
+    ) -> None:
         self.request_id = request_id
         self._on_close = on_close
+        self._merge_deltas = merge_deltas
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
         self._event = asyncio.Event()
         self._done = False
 
     def put(self, output: RequestOutput) -> None:
-        self._latest = output
+        if self._latest is not None and self._merge_deltas:
+            self._latest.add(output)
+        else:
+            self._latest = output
         self._event.set()
 
     def fail(self, error: BaseException) -> None:
@@ -75,12 +93,11 @@ class RequestStream:
 class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config)
+        self.tokenizer = load_tokenizer(config.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None
         self.core_info: CoreInfo | None = None
         self.dead_reason: str | None = None
-        self._eos_token_ids = resolve_eos_token_ids(config, self.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._latest_stats: SchedulerStats | None = None
         self._finished_listeners: list[Callable[[RequestOutput], None]] = []
@@ -104,11 +121,7 @@ class AsyncLLM:
         logger.info("engine core process started (pid %s); loading the model", self._client.pid)
         info = await self._ready
         self.input_processor = InputProcessor(
-            self.tokenizer,
-            self.config.model_config.vocab_size,
-            self.config.model_config.max_model_len,
-            info.max_tokens_in_pool,
-            self._eos_token_ids,
+            self.config.model_config, self.tokenizer, info.max_tokens_in_pool
         )
         self.core_info = info
         logger.info(
@@ -143,7 +156,7 @@ class AsyncLLM:
         if self.input_processor is None:
             raise EngineNotReadyError("the engine is still loading")
 
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
         """Tokenizes and checks a prompt; raises ValueError naming what is wrong."""
         self.check_can_serve()
         assert self.input_processor is not None
@@ -174,55 +187,38 @@ class AsyncLLM:
         """
         self.check_can_serve()
         assert self.input_processor is not None
-        if request_id in self._streams or self.output_processor.has_request(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self.input_processor.process_prompt(prompt)
-        params = self.input_processor.resolve_params(params, len(token_ids))
-        arrival_time = time.monotonic()
-        children = {
-            child_request_id(request_id, index, params.n): child
-            for index, child in enumerate(self.input_processor.child_params(params))
-        }
-        self.output_processor.add_request(request_id, text, token_ids, children, arrival_time)
-        eos = self.input_processor.eos_for(params)
-        stream = RequestStream(request_id, self.abort)
-        self._streams[request_id] = stream
-        self._client.add_requests(
-            [
-                Request(child_id, token_ids, child, eos, arrival_time)
-                for child_id, child in children.items()
-            ]
-        )
+        prompt, requests = self.input_processor.process(request_id, prompt, params)
+        self.output_processor.add_request(request_id, prompt, requests)
+        merge_deltas = params.output_kind is RequestOutputKind.DELTA
+        stream = self._streams[request_id] = RequestStream(request_id, self.abort, merge_deltas)
+        self._client.add_requests(requests)
         return stream
 
     async def generate(
         self, request_id: str, prompt: PromptType, params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's cumulative outputs until it finishes."""
+        """Yields the request's outputs (as params.output_kind asks) until it finishes."""
         async for output in self.add_request(request_id, prompt, params):
             yield output
 
-    def abort(self, request_id: str) -> None:
-        """Aborts a request (unknown or finished ids are ignored); its KV blocks return to the
-        pool as soon as the core reads the message."""
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Aborts a request and returns its final output (unknown or finished ids: None); its KV
+        blocks return to the pool as soon as the core reads the message."""
         self._streams.pop(request_id, None)
-        child_ids = self.output_processor.child_ids(request_id)
-        if not child_ids:
-            return
-        self._client.abort_requests(child_ids)
+        self._client.finish_requests(
+            self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED
+        )
         output = self.output_processor.abort(request_id)
         if output is not None:
             self._notify_finished(output)
+        return output
 
     def abort_all(self) -> None:
         """Finishes every open request with finish_reason "abort" (graceful shutdown)."""
         for request_id, stream in list(self._streams.items()):
-            child_ids = self.output_processor.child_ids(request_id)
-            output = self.output_processor.abort(request_id)
-            self._client.abort_requests(child_ids)
+            output = self.abort(request_id)
             if output is not None:
                 stream.put(output)
-                self._notify_finished(output)
 
     @property
     def num_open_requests(self) -> int:
@@ -238,33 +234,33 @@ class AsyncLLM:
 
     # -- messages from the core ----------------------------------------------------------------
 
-    def _on_core_message(self, kind: str, payload: Any) -> None:
+    def _on_core_message(self, message: FromCore) -> None:
         """Called on the client's thread: hands the message to the event loop."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         # RuntimeError: the loop closed since the check; nobody is listening any more.
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._handle_core_message, kind, payload)
+            loop.call_soon_threadsafe(self._handle_core_message, message)
 
-    def _handle_core_message(self, kind: str, payload: Any) -> None:
-        if kind == "outputs":
-            core_outputs, stats = payload
-            self._latest_stats = stats
-            self._process_outputs(core_outputs)
-        elif kind == "ready":
-            assert self._ready is not None
-            if not self._ready.done():
-                self._ready.set_result(payload)
-        elif kind == "rejected":
-            for req_id, reason in payload:
-                self._fail_request(req_id, ValueError(reason))
-        elif kind == "failed":
-            self._on_dead(str(payload))
+    def _handle_core_message(self, message: FromCore) -> None:
+        match message:
+            case CoreOutputs(core_outputs, stats):
+                self._latest_stats = stats
+                self._process_outputs(core_outputs)
+            case CoreInfo():
+                assert self._ready is not None
+                if not self._ready.done():
+                    self._ready.set_result(message)
+            case RequestsRejected(rejected):
+                for req_id, reason in rejected:
+                    self._fail_request(req_id, ValueError(reason))
+            case CoreFailed(reason):
+                self._on_dead(reason)
 
     def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> None:
         outputs, stopped = self.output_processor.process(core_outputs)
-        self._client.stop_requests(stopped)
+        self._client.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if output.finished:

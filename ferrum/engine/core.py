@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
 import torch
 
+from ferrum import envs
 from ferrum.config import EngineConfig
-from ferrum.engine.core_output import EngineCoreOutput, SchedulerStats
-from ferrum.engine.request import Request, RequestStatus
+from ferrum.engine.core_messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.logger import init_logger
 from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
+from ferrum.request import Request, RequestStatus
 from ferrum.scheduler.output import SchedulerOutput
 from ferrum.scheduler.scheduler import Scheduler
 
@@ -30,6 +32,8 @@ class EngineCore:
         start = time.perf_counter()
         device = torch.device(config.device_config.device)
         self.runner = ModelRunner(config, device)
+        if (fail_at := envs.debug_fail_forward()) is not None:
+            self.runner = FaultInjectingRunner(self.runner, fail_at)
         loaded = time.perf_counter()
         num_blocks = config.cache_config.num_kv_blocks or self.runner.determine_num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
@@ -63,11 +67,10 @@ class EngineCore:
             "async" if config.scheduler_config.async_scheduling else "synchronous",
         )
 
-    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        self.scheduler.check_request_fits(num_prompt_tokens, max_tokens)
-
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, r: EngineCoreRequest) -> None:
+        """Builds the core's own `Request`; raises ValueError if the scheduler refuses it."""
+        args = (r.req_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id, r.arrival_time)
+        self.scheduler.add_request(Request(*args))
 
     def finish_requests(
         self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -147,3 +150,26 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
         )
+
+
+class FaultInjectingRunner:
+    """A debugging seam (FERRUM_DEBUG_FAIL_FORWARD=N): the runner's Nth non-empty step launch
+    raises; everything else is the wrapped runner's."""
+
+    def __init__(self, runner: ModelRunner, fail_at: int) -> None:
+        self.runner = runner
+        self.fail_at = fail_at
+        self.num_launches = 0
+        logger.warning("FERRUM_DEBUG_FAIL_FORWARD=%d: forward %d will raise", fail_at, fail_at)
+
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        if not scheduler_output.is_empty:
+            self.num_launches += 1
+            if self.num_launches == self.fail_at:
+                raise RuntimeError(
+                    f"injected fault in forward {self.fail_at} (FERRUM_DEBUG_FAIL_FORWARD)"
+                )
+        return self.runner.launch(scheduler_output)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)

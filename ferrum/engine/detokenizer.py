@@ -1,7 +1,7 @@
 """Incremental detokenization of generated tokens, with stop-string matching.
 
-Each step decodes only a small window of tokens: the prefix window `[prefix_offset, read_offset)`
-(text already emitted, decoded again as left context) plus the tokens after it. The new text is the
+Each step decodes only a small window of tokens: the prefix `window[:read_offset]` (text already
+emitted, decoded again as left context) plus the tokens after it; earlier ids are dropped. The new text is the
 window's decode minus the prefix's decode, so decoders that depend on the left neighbour (leading
 spaces, byte fallback) match a decode of the whole sequence. While the window ends in an unfinished
 UTF-8 character (U+FFFD at the end), only the text before it is emitted and the window stays open.
@@ -28,6 +28,7 @@ class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], params: SamplingParams
     ) -> None:
+        # Every generated id, detokenized or not: the request's one list of output tokens.
         self.token_ids: list[int] = []
         self.output_text = ""
         self._tokenizer = tokenizer if params.detokenize else None
@@ -43,11 +44,11 @@ class IncrementalDetokenizer:
         self._stopped = False
         self._flushed = False
 
-        # `_ids` = decode context (the prompt's tail) + generated ids that are decoded.
-        self._ids: list[int] = self._context_ids(prompt_token_ids)
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids) if self._ids else ""
+        # The decode window: its first `_read_offset` ids (at first the prompt's tail) decode to
+        # `_prefix_text`, the ids after them are not finalized yet.
+        self._window: list[int] = self._context_ids(prompt_token_ids)
+        self._read_offset = len(self._window)
+        self._prefix_text = self._decode(self._window) if self._window else ""
         # Characters of the open window already emitted (the part before an unfinished character).
         self._num_window_chars = 0
 
@@ -64,8 +65,8 @@ class IncrementalDetokenizer:
 
     def _decode_next(self, token_id: int) -> str:
         """Appends one id to the window and returns the text it finalizes."""
-        self._ids.append(token_id)
-        text = self._decode(self._ids[self._prefix_offset :])
+        self._window.append(token_id)
+        text = self._decode(self._window)
         start = len(self._prefix_text) + self._num_window_chars
         if text.endswith(_REPLACEMENT_CHAR):
             stable_end = max(len(text.rstrip(_REPLACEMENT_CHAR)), start)
@@ -75,19 +76,20 @@ class IncrementalDetokenizer:
         if len(text) <= len(self._prefix_text):
             # Nothing visible yet (e.g. a skipped special token): keep the window open.
             return ""
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        del self._window[: self._read_offset]
+        self._read_offset = len(self._window)
+        self._prefix_text = self._decode(self._window)
         self._num_window_chars = 0
         return text[start:]
 
     def _flush(self) -> None:
         """Emits the unfinished trailing character(s) of a finished request, as decode() would."""
-        if self._tokenizer is None or self._read_offset == len(self._ids):
+        if self._tokenizer is None or self._read_offset == len(self._window):
             return
-        text = self._decode(self._ids[self._prefix_offset :])
+        text = self._decode(self._window)
         self.output_text += text[len(self._prefix_text) + self._num_window_chars :]
-        self._prefix_offset = self._read_offset = len(self._ids)
+        self._window.clear()
+        self._read_offset = 0
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Appends newly generated ids; returns the stop string that matched, else None.

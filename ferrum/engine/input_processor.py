@@ -1,35 +1,84 @@
-"""Validates prompts and sampling parameters before anything is queued."""
+"""The one path from a user's prompt and SamplingParams to the core's requests: validation,
+max_tokens and EOS resolution, and the fan-out of `n` into one core request per completion."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Any
 
+from ferrum.config import ModelConfig
+from ferrum.engine.core_messages import EngineCoreRequest
 from ferrum.engine.tokenizer import Tokenizer
+from ferrum.request import check_request_fits
 from ferrum.sampling_params import SamplingParams
-from ferrum.scheduler.scheduler import check_request_fits
 
-# A prompt: text, or {"prompt": text} / {"prompt_token_ids": [...]} (vLLM's TextPrompt / TokensPrompt).
-PromptType = str | dict[str, Any]
+
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    """A prompt `InputProcessor.process_prompt` accepted: its text (if given) and token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+# Text, {"prompt": text} / {"prompt_token_ids": [...]} (vLLM's TextPrompt / TokensPrompt), or a
+# prompt already processed.
+PromptType = str | dict[str, Any] | ProcessedPrompt
+
+
+def load_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
+    if model_config.skip_tokenizer_init:
+        return None
+    return Tokenizer.from_pretrained(model_config.tokenizer)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}#{request_id}"
 
 
 class InputProcessor:
     def __init__(
-        self,
-        tokenizer: Tokenizer | None,
-        vocab_size: int,
-        max_model_len: int,
-        pool_tokens: int,
-        eos_token_ids: list[int],
+        self, model_config: ModelConfig, tokenizer: Tokenizer | None, max_tokens_in_pool: int
     ) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
-        self.pool_tokens = pool_tokens
-        # The first id is the primary EOS (stop_reason None); all of them stop unless ignore_eos.
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = model_config.max_model_len
+        self.pool_tokens = max_tokens_in_pool
+        # The tokenizer's EOS first (it stops with stop_reason None), then generation_config.json's
+        # others (stop_reason: the id); all of them stop unless ignore_eos.
+        eos_token_ids = model_config.eos_token_ids()
+        primary = None if tokenizer is None else tokenizer.eos_token_id
+        if primary is not None:
+            eos_token_ids = [primary] + [i for i in eos_token_ids if i != primary]
         self.eos_token_ids = eos_token_ids
 
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Returns (text or None, token ids); raises ValueError naming what is wrong."""
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> tuple[ProcessedPrompt, list[EngineCoreRequest]]:
+        """Validates one request and fans it out into one core request per completion of `n`
+        (seeded completions get seeds seed, seed+1, ...); raises ValueError naming what is wrong."""
+        prompt = self.process_prompt(prompt)
+        params = self.resolve_params(params, len(prompt.token_ids))
+        eos = None if params.ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
+        arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        requests = []
+        for index in range(params.n):
+            child = params.clone() if index else params
+            if index and params.seed is not None:
+                child.seed = params.seed + index
+            req_id = child_request_id(request_id, index, params.n)
+            requests.append(EngineCoreRequest(req_id, prompt.token_ids, child, eos, arrival_time))
+        return prompt, requests
+
+    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
+        """Tokenizes and checks a prompt; raises ValueError naming what is wrong."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
         if isinstance(prompt, str):
             text, token_ids = prompt, None
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -54,7 +103,7 @@ class InputProcessor:
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside [0, {self.vocab_size})")
-        return text, token_ids
+        return ProcessedPrompt(text, token_ids)
 
     def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """A copy with max_tokens=None resolved and the model's EOS ids; checks length limits."""
@@ -75,16 +124,3 @@ class InputProcessor:
         if not params.ignore_eos:
             params.all_stop_token_ids.update(self.eos_token_ids)
         return params
-
-    def eos_for(self, params: SamplingParams) -> int | None:
-        return None if params.ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
-
-    def child_params(self, params: SamplingParams) -> list[SamplingParams]:
-        """One SamplingParams per completion of `n`; seeded children get seeds seed, seed+1, ..."""
-        children = []
-        for index in range(params.n):
-            child = params.clone()
-            if params.seed is not None:
-                child.seed = params.seed + index
-            children.append(child)
-        return children

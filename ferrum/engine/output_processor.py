@@ -1,40 +1,43 @@
 """Turns per-step token updates into RequestOutputs: detokenization, stop strings, logprobs, n.
 
 A user request with `n > 1` runs as n child requests in the scheduler; their outputs are gathered
-here under the parent's id, in index order.
+here under the parent's id, in index order. Each child's detokenizer holds its one list of output
+token ids; an output is a delta of it, a copy (CUMULATIVE), or, once the request is finished and
+forgotten here, the list itself.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ferrum.engine.core_output import EngineCoreOutput
+from ferrum.engine.core_messages import EngineCoreOutput, EngineCoreRequest
 from ferrum.engine.detokenizer import IncrementalDetokenizer
+from ferrum.engine.input_processor import ProcessedPrompt
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ferrum.sampling_params import SamplingParams
-from ferrum.scheduler.output import Logprobs
+from ferrum.request import Logprobs
+from ferrum.sampling_params import RequestOutputKind
 
 
-@dataclass
+@dataclass(slots=True)
 class _ChildState:
     index: int
-    params: SamplingParams
     detokenizer: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Output tokens already returned (DELTA outputs only).
+    num_sent_tokens: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class _ParentState:
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    prompt: ProcessedPrompt
     children: dict[str, _ChildState]
+    output_kind: RequestOutputKind
     metrics: RequestMetrics
     num_cached_tokens: int = 0
 
@@ -43,37 +46,33 @@ class _ParentState:
         return all(c.finish_reason is not None for c in self.children.values())
 
 
-def child_request_id(request_id: str, index: int, n: int) -> str:
-    return request_id if n == 1 else f"{index}#{request_id}"
-
-
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, final_only: bool = False) -> None:
-        """`final_only`: return a request's output once, when it finishes (offline batches);
-        otherwise after every step that advanced it (streaming)."""
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        self.final_only = final_only
         self._parents: dict[str, _ParentState] = {}
         self._parent_of: dict[str, _ParentState] = {}
 
     def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        child_params: dict[str, SamplingParams],
-        arrival_time: float,
+        self, request_id: str, prompt: ProcessedPrompt, requests: list[EngineCoreRequest]
     ) -> None:
+        """Tracks a request's completions (`requests`, in index order); raises ValueError if an
+        id is taken."""
+        if self.has_request(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        taken = next((r.req_id for r in requests if self.has_request(r.req_id)), None)
+        if taken is not None:
+            raise ValueError(f"request_id {request_id!r} collides with request {taken!r}")
         children = {}
-        for index, (child_id, params) in enumerate(child_params.items()):
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
-            child = _ChildState(index=index, params=params, detokenizer=detokenizer)
+        for index, request in enumerate(requests):
+            params = request.sampling_params
+            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params)
+            child = _ChildState(index=index, detokenizer=detokenizer)
             if params.logprobs is not None:
                 child.logprobs, child.cumulative_logprob = [], 0.0
-            children[child_id] = child
-        parent = _ParentState(
-            request_id, prompt, prompt_token_ids, children, RequestMetrics(arrival_time)
-        )
+            children[request.req_id] = child
+        params = requests[0].sampling_params
+        metrics = RequestMetrics(requests[0].arrival_time)
+        parent = _ParentState(request_id, prompt, children, params.output_kind, metrics)
         self._parents[request_id] = parent
         for child_id in children:
             self._parent_of[child_id] = parent
@@ -107,7 +106,6 @@ class OutputProcessor:
             if parent.metrics.first_token_time is None:
                 parent.metrics.first_token_time = now
             parent.num_cached_tokens = max(parent.num_cached_tokens, core_output.num_cached_tokens)
-            child.token_ids.extend(core_output.new_token_ids)
             self._add_logprobs(child, core_output.logprobs)
             stop_terminated = core_output.finish_reason == "stop"
             stop_string = child.detokenizer.update(core_output.new_token_ids, stop_terminated)
@@ -123,7 +121,7 @@ class OutputProcessor:
         outputs = [
             self._make_output(parent, now)
             for parent in changed.values()
-            if parent.finished or not self.final_only
+            if parent.output_kind is not RequestOutputKind.FINAL_ONLY or parent.finished
         ]
         return outputs, stopped_by_string
 
@@ -142,10 +140,7 @@ class OutputProcessor:
             return
         entry: dict[int, Logprob] = {}
         for rank_index, (token_id, value) in enumerate(zip(step.token_ids, step.logprobs)):
-            if rank_index == 0:
-                rank = step.sampled_rank
-            else:
-                rank = rank_index
+            rank = step.sampled_rank if rank_index == 0 else rank_index
             if token_id not in entry:
                 entry[token_id] = Logprob(value, rank, self._decode_one(token_id))
         child.logprobs.append(entry)
@@ -161,29 +156,44 @@ class OutputProcessor:
         finished = parent.finished
         if finished:
             parent.metrics.finished_time = now
+            parent.metrics.num_generation_tokens = [
+                len(c.detokenizer.token_ids) for c in parent.children.values()
+            ]
             del self._parents[parent.request_id]
             for child_id in parent.children:
                 self._parent_of.pop(child_id, None)
-        completions = [
-            CompletionOutput(
-                index=child.index,
-                text=child.detokenizer.get_next_output_text(
-                    finished=child.finish_reason is not None, delta=False
-                ),
-                token_ids=list(child.token_ids),
-                cumulative_logprob=child.cumulative_logprob,
-                logprobs=list(child.logprobs) if child.logprobs is not None else None,
-                finish_reason=child.finish_reason,
-                stop_reason=child.stop_reason,
-            )
-            for child in parent.children.values()
-        ]
+        delta = parent.output_kind is RequestOutputKind.DELTA
         return RequestOutput(
             request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids,
-            outputs=completions,
+            prompt=parent.prompt.text,
+            prompt_token_ids=parent.prompt.token_ids,
+            outputs=[
+                self._completion(child, delta, finished) for child in parent.children.values()
+            ],
             finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
+        )
+
+    @staticmethod
+    def _completion(child: _ChildState, delta: bool, forgotten: bool) -> CompletionOutput:
+        """What is new since the previous output (`delta`), else everything; the lists of a
+        request already forgotten here are handed over, not copied."""
+        token_ids, logprobs = child.detokenizer.token_ids, child.logprobs
+        if delta:
+            start, child.num_sent_tokens = child.num_sent_tokens, len(token_ids)
+            token_ids = token_ids[start:]
+            logprobs = logprobs[start:] if logprobs is not None else None
+        elif not forgotten:
+            token_ids = list(token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
+        text = child.detokenizer.get_next_output_text(child.finish_reason is not None, delta)
+        return CompletionOutput(
+            index=child.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=child.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=child.finish_reason,
+            stop_reason=child.stop_reason,
         )

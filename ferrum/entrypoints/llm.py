@@ -11,7 +11,7 @@ from ferrum.engine.arg_utils import EngineArgs
 from ferrum.engine.input_processor import PromptType
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.outputs import RequestOutput
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
 
@@ -26,7 +26,7 @@ class LLM:
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args, final_outputs_only=True)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -50,22 +50,15 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = self._per_prompt_params(sampling_params, len(prompts))
         engine = self.llm_engine
-        # Validate everything before queueing anything: a bad prompt leaves the engine untouched.
-        checked = []
+        request_ids: list[str] = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
-            try:
-                text, token_ids = engine.input_processor.process_prompt(prompt)
-                engine.input_processor.resolve_params(p, len(token_ids))
-            except ValueError as e:
-                raise ValueError(f"prompts[{i}]: {e}") from e
-            tokens_prompt = {"prompt_token_ids": token_ids}
-            if text is not None:
-                tokens_prompt["prompt"] = text
-            checked.append(tokens_prompt)
-        request_ids = []
-        for prompt, p in zip(checked, params):
             request_id = engine.next_request_id()
-            engine.add_request(request_id, prompt, p)
+            try:
+                engine.add_request(request_id, prompt, p)
+            except ValueError as e:
+                # All or nothing: a bad prompt leaves no request of this call in the engine.
+                engine.abort_request(request_ids)
+                raise ValueError(f"prompts[{i}]: {e}") from e
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 
@@ -105,15 +98,16 @@ class LLM:
     def _per_prompt_params(
         sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
     ) -> list[SamplingParams]:
+        """One SamplingParams per prompt, asking for final outputs only."""
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * num_prompts
+            return [_final_only(sampling_params)] * num_prompts
         params = list(sampling_params)
         if len(params) != num_prompts:
             raise ValueError(
                 f"sampling_params: got {len(params)} for {num_prompts} prompts (give one, or one "
                 "per prompt)"
             )
-        return params
+        return [_final_only(p) for p in params]
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -135,3 +129,9 @@ class LLM:
                 engine.abort_request([r for r in request_ids if r not in finished])
                 raise
         return [finished[r] for r in request_ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    params = params.clone()
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    return params

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.entrypoints.sampling_args import add_sampling_args, sampling_overrides
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from ferrum.engine.llm_engine import LLMEngine
@@ -44,7 +44,8 @@ class ChatSession:
         if engine.tokenizer is None:
             raise ValueError("skip_tokenizer_init: chat needs a tokenizer")
         self.engine = engine
-        self.params = params
+        self.params = params.clone()
+        self.params.output_kind = RequestOutputKind.DELTA
         self.messages: list[dict[str, str]] = []
         if system:
             self.messages.append({"role": "system", "content": system})
@@ -79,10 +80,9 @@ class ChatSession:
                 for output in self.engine.step():
                     if output.request_id != request_id:
                         continue
-                    completion = output.outputs[0]
-                    delta = completion.text[len(sent) :]
+                    delta = output.outputs[0].text
                     if delta:
-                        sent = completion.text
+                        sent += delta
                         on_text(delta)
                     finished = output.finished
         finally:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ferrum.engine.request import Request
 from ferrum.kv import block_hash
 from ferrum.kv.block_pool import ROOT_ENTRY_ID, BlockPool
+from ferrum.request import Request
 
 
 @dataclass(slots=True)

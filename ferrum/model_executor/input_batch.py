@@ -21,7 +21,7 @@ class RequestTokens(Protocol):
     block_ids: list[int]
     num_computed_tokens: int
     # Sampled by launched steps, not yet in token_ids: they follow it, in launch order.
-    num_pending_tokens: int
+    num_output_placeholders: int
 
 
 @dataclass(slots=True)
@@ -95,7 +95,7 @@ def build_host_batch(
             if start < num_known:
                 input_ids[offset] = state.token_ids[start]
             else:
-                assert start == num_known and state.num_pending_tokens, (req_id, start)
+                assert start == num_known and state.num_output_placeholders, (req_id, start)
                 input_ids[offset] = 0
                 placeholder_indices.append(offset)
                 placeholder_req_ids.append(req_id)
@@ -113,7 +113,7 @@ def build_host_batch(
         offset += n
         query_start_loc[i + 1] = offset
         seq_lens[i] = end
-        if end == num_known + state.num_pending_tokens:
+        if end == num_known + state.num_output_placeholders:
             logits_indices.append(offset - 1)
             sampled_req_ids.append(req_id)
     return HostBatch(

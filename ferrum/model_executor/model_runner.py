@@ -55,7 +55,7 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: torch.Generator | None
     # Sampled by launched steps and not yet completed (appended to token_ids on completion).
-    num_pending_tokens: int = 0
+    num_output_placeholders: int = 0
 
 
 class ModelRunner:
@@ -335,7 +335,7 @@ class ModelRunner:
                 output_token_ids=s.output_token_ids,
                 generator=s.generator,
                 stop_token_ids=s.params.all_stop_token_ids,
-                num_pending_tokens=s.num_pending_tokens,
+                num_output_placeholders=s.num_output_placeholders,
             )
             for s in states
         ]
@@ -344,7 +344,7 @@ class ModelRunner:
         self._last_sampled = sampler_output.sampled_token_ids
         self._last_sampled_rows = {r: i for i, r in enumerate(batch.sampled_req_ids)}
         for state in states:
-            state.num_pending_tokens += 1
+            state.num_output_placeholders += 1
         host_output = sampler_output.start_copy_to_host()
         done = None
         if self.device.type == "cuda":
@@ -360,7 +360,7 @@ class ModelRunner:
             step.done.synchronize()
         sampled, logprobs = step.output.to_host([s.params.logprobs for s in step.states])
         for state, token_id in zip(step.states, sampled):
-            state.num_pending_tokens -= 1
+            state.num_output_placeholders -= 1
             state.output_token_ids.append(token_id)
             state.token_ids.append(token_id)
         if logprobs is not None and all(lp is None for lp in logprobs):

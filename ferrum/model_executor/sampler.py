@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrum.model_executor.sampling_metadata import SamplingMetadata
-from ferrum.scheduler.output import Logprobs
+from ferrum.request import Logprobs
 
 
 @dataclass(slots=True)

@@ -28,7 +28,7 @@ class SamplingRow:
     # min_tokens output tokens.
     stop_token_ids: set[int]
     # Output tokens sampled by launched steps that output_token_ids does not hold yet.
-    num_pending_tokens: int = 0
+    num_output_placeholders: int = 0
 
 
 def _to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -185,7 +185,7 @@ class SamplingMetadata:
         row_index: list[int] = []
         token_ids: list[int] = []
         for i, row in enumerate(rows):
-            if len(row.output_token_ids) + row.num_pending_tokens < row.params.min_tokens:
+            if len(row.output_token_ids) + row.num_output_placeholders < row.params.min_tokens:
                 # Ids outside the logits can never be sampled, so they need no mask.
                 ids = sorted(t for t in row.stop_token_ids if 0 <= t < self.vocab_size)
                 row_index.extend([i] * len(ids))

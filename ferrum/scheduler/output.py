@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferrum.request import Logprobs
 from ferrum.sampling_params import SamplingParams
 
 
@@ -52,16 +53,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
-
-
-@dataclass(slots=True)
-class Logprobs:
-    """Log-probabilities of one sampled position: the sampled token first, then the top-k."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    # Rank of the sampled token in the full distribution (1 = most likely).
-    sampled_rank: int
 
 
 @dataclass(slots=True)

@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ferrum.config import SchedulerConfig
-from ferrum.engine.request import Request, RequestStatus
 from ferrum.kv.kv_cache_manager import KVCacheManager
+from ferrum.request import Request, RequestStatus, check_request_fits
 from ferrum.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -32,24 +32,6 @@ class RequestUpdate:
     request: Request
     new_token_ids: list[int]
     finished: bool
-
-
-def check_request_fits(
-    num_prompt_tokens: int, max_tokens: int, max_model_len: int, pool_tokens: int
-) -> None:
-    """Raises ValueError if a request could never run, whatever else is in the engine."""
-    total = num_prompt_tokens + max_tokens
-    if total > max_model_len:
-        raise ValueError(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-            f"exceeds max_model_len={max_model_len}"
-        )
-    if total > pool_tokens:
-        raise ValueError(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-            f"exceeds the KV cache capacity of {pool_tokens} tokens (num_kv_blocks); "
-            f"raise num_kv_blocks or lower max_tokens"
-        )
 
 
 class Scheduler:
@@ -76,18 +58,17 @@ class Scheduler:
 
     # -- requests in and out -------------------------------------------------------------------
 
-    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+    def add_request(self, request: Request) -> None:
+        """Queues a request; raises ValueError for a taken id or a request that could never run
+        (it would wait forever)."""
+        if request.req_id in self.requests:
+            raise ValueError(f"request_id {request.req_id!r} is already in use")
         check_request_fits(
-            num_prompt_tokens,
-            max_tokens,
+            request.num_prompt_tokens,
+            request.max_tokens,
             self.config.max_model_len,
             self.kv_cache_manager.max_tokens_in_pool(),
         )
-
-    def add_request(self, request: Request) -> None:
-        if request.req_id in self.requests:
-            raise ValueError(f"request_id {request.req_id!r} is already in use")
-        self.check_request_fits(request.num_prompt_tokens, request.max_tokens)
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -99,16 +80,17 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
-                self._looked_up.discard(req_id)
-            self._free(request, status)
+            self._finish(request, status)
             finished.append(request)
         return finished
 
-    def _free(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Takes a request out of its queue and frees it."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+            self._looked_up.discard(request.req_id)
         request.status = status
         self.kv_cache_manager.cache_computed_blocks(request)
         self.kv_cache_manager.free(request)
@@ -279,12 +261,7 @@ class Scheduler:
             request.append_output_token(token_id)
             status = self._check_stop(request, token_id)
             if status is not None:
-                if request.status == RequestStatus.RUNNING:
-                    self.running.remove(request)
-                else:
-                    self.waiting.remove(request)
-                    self._looked_up.discard(req_id)
-                self._free(request, status)
+                self._finish(request, status)
             updates.append(RequestUpdate(request, [token_id], status is not None))
         return updates
 

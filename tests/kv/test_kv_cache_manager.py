@@ -5,10 +5,10 @@ from collections import Counter
 
 import pytest
 
-from ferrum.engine.request import Request
 from ferrum.kv import block_hash
 from ferrum.kv.block_hash import NONE_HASH
 from ferrum.kv.kv_cache_manager import KVCacheManager
+from ferrum.request import Request
 from ferrum.sampling_params import SamplingParams
 
 BS = 4

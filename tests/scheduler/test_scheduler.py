@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferrum.engine.request import RequestStatus
+from ferrum.request import RequestStatus
 from tests.utils.scheduler_steps import make_request, make_scheduler, run_step
 
 

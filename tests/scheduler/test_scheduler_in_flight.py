@@ -7,7 +7,7 @@ step. A failed step's requests are recomputed and its prefix-cache entries dropp
 
 from __future__ import annotations
 
-from ferrum.engine.request import RequestStatus
+from ferrum.request import RequestStatus
 from tests.utils.scheduler_steps import complete, launch, make_request, make_scheduler, run_step
 
 

@@ -7,8 +7,8 @@ that further steps can be scheduled while it is in flight (async scheduling).
 from __future__ import annotations
 
 from ferrum.config import SchedulerConfig
-from ferrum.engine.request import Request
 from ferrum.kv.kv_cache_manager import KVCacheManager
+from ferrum.request import Request
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.scheduler.scheduler import RequestUpdate, Scheduler

@@ -166,20 +166,20 @@ class ServerMetrics:
         engine.add_finished_listener(self.observe_finished)
 
     def observe_finished(self, output: RequestOutput) -> None:
+        """`output`: the request's final output, cumulative or DELTA."""
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        num_generated = sum(len(c.token_ids) for c in output.outputs)
-        self.generation_tokens.inc(num_generated)
         for completion in output.outputs:
             reason = completion.finish_reason or "abort"
             self.request_success.labels(self.model_name, reason).inc()
         metrics = output.metrics
         if metrics is None or metrics.finished_time is None:
             return
+        self.generation_tokens.inc(sum(metrics.num_generation_tokens))
         self.e2e_latency.observe(metrics.finished_time - metrics.arrival_time)
         if metrics.first_token_time is None:
             return
         self.time_to_first_token.observe(metrics.first_token_time - metrics.arrival_time)
-        num_tokens = max((len(c.token_ids) for c in output.outputs), default=0)
+        num_tokens = max(metrics.num_generation_tokens, default=0)
         if num_tokens > 1:
             self.time_per_output_token.observe(
                 (metrics.finished_time - metrics.first_token_time) / (num_tokens - 1)

@@ -238,7 +238,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             assert body.messages is not None
             if not body.messages:
                 raise APIError(400, "messages must not be empty", param="messages")
-            _, tokens = chat.render_messages(body.messages, body.add_generation_prompt)
+            tokens = chat.render_messages(body.messages, body.add_generation_prompt).token_ids
         return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)

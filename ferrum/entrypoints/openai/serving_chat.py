@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,6 +10,7 @@ from typing import Any
 import jinja2
 
 from ferrum.engine.async_llm import RequestStream
+from ferrum.engine.input_processor import ProcessedPrompt
 from ferrum.entrypoints.openai.protocol import (
     APIError,
     ChatChoiceLogprobs,
@@ -29,13 +29,9 @@ from ferrum.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ChoiceState,
     OpenAIServing,
-    Tokenized,
-    as_api_error,
-    final_outputs,
     finite_logprob,
     sse_event,
     stream_error_event,
-    unwrap_group_error,
     usage_of,
 )
 from ferrum.outputs import CompletionOutput, RequestOutput, SampleLogprobs
@@ -89,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
-    ) -> Tokenized:
+    ) -> ProcessedPrompt:
         """The conversation as prompt text and ids (the template holds any BOS token)."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
@@ -132,7 +128,7 @@ class OpenAIServingChat(OpenAIServing):
             request.chat_template_kwargs,
         )
         requested = request.max_completion_tokens or request.max_tokens
-        max_tokens = self.max_tokens_for(requested, len(tokenized[1]), "messages")
+        max_tokens = self.max_tokens_for(requested, len(tokenized.token_ids), "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -140,14 +136,7 @@ class OpenAIServingChat(OpenAIServing):
         model = request.model or self.model_names[0]
         if request.stream:
             return self._stream(request, request_id, model, tokenized, streams[0])
-        try:
-            (output,) = await final_outputs(streams)
-        except BaseException as e:
-            self.abort(streams)
-            error = unwrap_group_error(e)
-            if isinstance(error, asyncio.CancelledError):
-                raise
-            raise as_api_error(error) from None
+        (output,) = await self.final_outputs(streams)
         choices = [self._choice(request, completion) for completion in output.outputs]
         num_generated = sum(len(c.token_ids) for c in output.outputs)
         return ChatCompletionResponse(
@@ -178,7 +167,7 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         request_id: str,
         model: str,
-        tokenized: Tokenized,
+        tokenized: ProcessedPrompt,
         stream: RequestStream,
     ) -> AsyncIterator[str]:
         created = int(time.time())

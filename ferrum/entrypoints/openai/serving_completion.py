@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from ferrum.engine.async_llm import RequestStream
-from ferrum.engine.input_processor import PromptType
+from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.entrypoints.openai.protocol import (
     MAX_CHOICES,
     APIError,
@@ -22,13 +21,9 @@ from ferrum.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ChoiceState,
     OpenAIServing,
-    Tokenized,
-    as_api_error,
-    final_outputs,
     finite_logprob,
     sse_event,
     stream_error_event,
-    unwrap_group_error,
     usage_of,
 )
 from ferrum.outputs import CompletionOutput, RequestOutput, SampleLogprobs
@@ -75,23 +70,16 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tokenized = [self.tokenize(p) for p in prompts]
         submissions = []
-        for index, (text, token_ids) in enumerate(tokenized):
-            max_tokens = self.max_tokens_for(request.max_tokens, len(token_ids), "prompt")
+        for index, prompt in enumerate(tokenized):
+            max_tokens = self.max_tokens_for(request.max_tokens, len(prompt.token_ids), "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs)
-            submissions.append((f"{request_id}-{index}", (text, token_ids), params))
+            submissions.append((f"{request_id}-{index}", prompt, params))
         streams = self.add_requests(submissions, "prompt")
         model = request.model or self.model_names[0]
         echoes = [self._echo_text(t) if request.echo else "" for t in tokenized]
         if request.stream:
             return self._stream(request, request_id, model, tokenized, echoes, streams)
-        try:
-            outputs = await final_outputs(streams)
-        except BaseException as e:
-            self.abort(streams)
-            error = unwrap_group_error(e)
-            if isinstance(error, asyncio.CancelledError):
-                raise
-            raise as_api_error(error) from None
+        outputs = await self.final_outputs(streams)
         choices, num_generated = [], 0
         for prompt_index, output in enumerate(outputs):
             for completion in output.outputs:
@@ -106,12 +94,13 @@ class OpenAIServingCompletion(OpenAIServing):
             usage=usage_of(tokenized, list(outputs), num_generated),
         )
 
-    def _echo_text(self, tokenized: Tokenized) -> str:
-        text, token_ids = tokenized
-        if text is not None:
-            return text
+    def _echo_text(self, prompt: ProcessedPrompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
         tokenizer = self.engine.tokenizer
-        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
+        if tokenizer is None:
+            return ""
+        return tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
 
     def _choice(
         self, request: CompletionRequest, prompt_index: int, completion: CompletionOutput, echo: str
@@ -132,7 +121,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request: CompletionRequest,
         request_id: str,
         model: str,
-        tokenized: list[Tokenized],
+        tokenized: list[ProcessedPrompt],
         echoes: list[str],
         streams: list[RequestStream],
     ) -> AsyncIterator[str]:

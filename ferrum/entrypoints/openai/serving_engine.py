@@ -13,7 +13,7 @@ from ferrum.engine.async_llm import (
     EngineNotReadyError,
     RequestStream,
 )
-from ferrum.engine.input_processor import PromptType
+from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.entrypoints.openai.protocol import (
     APIError,
     PromptTokensDetails,
@@ -22,13 +22,11 @@ from ferrum.entrypoints.openai.protocol import (
 )
 from ferrum.logger import init_logger
 from ferrum.outputs import CompletionOutput, RequestOutput, SampleLogprobs
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
-# One prompt ready for the engine: (text or None, token ids).
-Tokenized = tuple[str | None, list[int]]
 
 
 def sse_event(payload: str) -> str:
@@ -83,7 +81,7 @@ class OpenAIServing:
         except (EngineDeadError, EngineNotReadyError) as e:
             raise as_api_error(e) from None
 
-    def tokenize(self, prompt: PromptType, param: str = "prompt") -> Tokenized:
+    def tokenize(self, prompt: PromptType, param: str = "prompt") -> ProcessedPrompt:
         try:
             return self.engine.process_prompt(prompt)
         except (ValueError, EngineDeadError, EngineNotReadyError) as e:
@@ -107,23 +105,24 @@ class OpenAIServing:
     def sampling_params(
         self, request: SamplingRequest, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
+        """A stream consumes DELTA outputs; a plain response waits for the final one."""
         try:
-            return request.to_sampling_params(max_tokens, logprobs, self.defaults)
+            params = request.to_sampling_params(max_tokens, logprobs, self.defaults)
         except ValueError as e:
             # SamplingParams names the field: "SamplingParams.<field> must be ...".
             field = _SAMPLING_FIELD.match(str(e))
             raise APIError(400, str(e), param=field.group(1) if field else None) from None
+        stream = bool(request.stream)
+        params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        return params
 
     def add_requests(
-        self, requests: list[tuple[str, Tokenized, SamplingParams]], param: str
+        self, requests: list[tuple[str, ProcessedPrompt, SamplingParams]], param: str
     ) -> list[RequestStream]:
         """Queues every request, or none: on a validation error the ones queued are aborted."""
         streams: list[RequestStream] = []
         try:
-            for request_id, (text, token_ids), params in requests:
-                prompt = {"prompt_token_ids": token_ids}
-                if text is not None:
-                    prompt["prompt"] = text
+            for request_id, prompt, params in requests:
                 streams.append(self.engine.add_request(request_id, prompt, params))
         except (ValueError, EngineDeadError, EngineNotReadyError) as e:
             for stream in streams:
@@ -135,34 +134,35 @@ class OpenAIServing:
         for stream in streams:
             self.engine.abort(stream.request_id)
 
+    async def final_outputs(self, streams: list[RequestStream]) -> list[RequestOutput]:
+        """Each stream's last output. If any fails or this is cancelled, every request is
+        aborted; an engine-side error is raised as its APIError."""
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(_last_output(stream)) for stream in streams]
+        except BaseException as e:
+            self.abort(streams)
+            error = e
+            while isinstance(error, BaseExceptionGroup):
+                error = error.exceptions[0]
+            if isinstance(error, asyncio.CancelledError):
+                raise
+            raise as_api_error(error) from None
+        return [task.result() for task in tasks]
 
-async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
-    """Each stream's last output; if any fails or this is cancelled, the others are cancelled
-    (and so aborted in the engine)."""
 
-    async def last(stream: RequestStream) -> RequestOutput:
-        final = None
-        async for output in stream:
-            final = output
-        assert final is not None
-        return final
-
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(last(stream)) for stream in streams]
-    return [task.result() for task in tasks]
-
-
-def unwrap_group_error(error: BaseException) -> BaseException:
-    """The first leaf of an ExceptionGroup raised by a TaskGroup."""
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
+async def _last_output(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for output in stream:
+        final = output
+    assert final is not None
+    return final
 
 
 def usage_of(
-    prompts: list[Tokenized], outputs: list[RequestOutput | None], completion_tokens: int
+    prompts: list[ProcessedPrompt], outputs: list[RequestOutput | None], completion_tokens: int
 ) -> UsageInfo:
-    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
     cached = sum(o.num_cached_tokens for o in outputs if o is not None)
     return UsageInfo(
         prompt_tokens=prompt_tokens,
@@ -178,34 +178,37 @@ def finite_logprob(value: float) -> float:
 
 
 class ChoiceState:
-    """What one streamed choice has sent so far."""
+    """What one streamed choice has sent so far, and the tokens held back with no text yet."""
 
-    __slots__ = ("num_text", "num_tokens", "num_chunks", "finished")
+    __slots__ = ("num_text", "num_tokens", "num_chunks", "finished", "token_ids", "logprobs")
 
     def __init__(self) -> None:
         self.num_text = 0
         self.num_tokens = 0
         self.num_chunks = 0
         self.finished = False
+        self.token_ids: list[int] = []
+        self.logprobs: SampleLogprobs = []
 
     def advance(
-        self, completion: CompletionOutput
+        self, delta: CompletionOutput
     ) -> tuple[str, list[int], SampleLogprobs | None, int] | None:
-        """(new text, new token ids, their logprobs, text offset of the new text), or None when
-        there is nothing new to send. The first call always sends (the stream's opening chunk)."""
+        """Takes the choice's next DELTA output; returns (new text, new token ids, their
+        logprobs, text offset of the new text), or None when there is nothing to send yet (the
+        tokens wait for their text). The first call always sends (the stream's opening chunk)."""
         if self.finished:
             return None
-        finished = completion.finish_reason is not None
-        delta = completion.text[self.num_text :]
-        if not delta and not finished and self.num_chunks > 0:
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs.extend(delta.logprobs)
+        finished = delta.finish_reason is not None
+        if not delta.text and not finished and self.num_chunks > 0:
             return None
-        new_token_ids = completion.token_ids[self.num_tokens :]
-        logprobs = (
-            completion.logprobs[self.num_tokens :] if completion.logprobs is not None else None
-        )
+        token_ids, self.token_ids = self.token_ids, []
+        logprobs, self.logprobs = self.logprobs, []
         text_offset = self.num_text
-        self.num_text = len(completion.text)
-        self.num_tokens = len(completion.token_ids)
+        self.num_text += len(delta.text)
+        self.num_tokens += len(token_ids)
         self.num_chunks += 1
         self.finished = finished
-        return delta, new_token_ids, logprobs, text_offset
+        return delta.text, token_ids, logprobs if delta.logprobs is not None else None, text_offset

@@ -1,9 +1,12 @@
-"""The engine's view of one sequence being generated."""
+"""The request-level types every layer shares: the engine's view of one sequence being
+generated, its status, the logprobs of one sampled position, and the length check a request must
+pass before it is queued. Plain Python: no torch."""
 
 from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass
 
 from ferrum.sampling_params import SamplingParams
 
@@ -117,4 +120,32 @@ class Request:
         return (
             f"Request({self.req_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens})"
+        )
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Log-probabilities of one sampled position: the sampled token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    # Rank of the sampled token in the full distribution (1 = most likely).
+    sampled_rank: int
+
+
+def check_request_fits(
+    num_prompt_tokens: int, max_tokens: int, max_model_len: int, pool_tokens: int
+) -> None:
+    """Raises ValueError if a request could never run, whatever else is in the engine."""
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+            f"exceeds max_model_len={max_model_len}"
+        )
+    if total > pool_tokens:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+            f"exceeds the KV cache capacity of {pool_tokens} tokens (num_kv_blocks); "
+            f"raise num_kv_blocks or lower max_tokens"
         )

@@ -1,0 +1,101 @@
+"""Every message between the front end and the engine core (`ToCore`, `FromCore`): plain data,
+no torch (the API process unpickles them), one slotted dataclass each; receivers match on type.
+The core sends `CoreInfo` once loaded, `CoreOutputs` after every step and after control messages
+that changed state, and `CoreFailed` just before it exits on an error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ferrum.request import Logprobs, RequestStatus
+from ferrum.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class EngineCoreRequest:
+    """One sequence to generate, validated by the front end; the core builds its `Request`."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    # Resolved: max_tokens set, all_stop_token_ids holding the EOS ids unless ignore_eos.
+    sampling_params: SamplingParams
+    # The primary EOS id (it stops with stop_reason None); None with ignore_eos.
+    eos_token_id: int | None
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """One request's progress in one step."""
+
+    req_id: str
+    new_token_ids: list[int]
+    # "stop" / "length" / "abort" once finished by the core, else None.
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: Logprobs | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class AddRequests:
+    requests: list[EngineCoreRequest]
+
+
+@dataclass(slots=True)
+class FinishRequests:
+    """Aborted (their blocks return to the pool at once) or stopped by a stop string."""
+
+    req_ids: list[str]
+    status: RequestStatus
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class CoreInfo:
+    """The core is loaded: what the front end needs from it."""
+
+    num_kv_blocks: int
+    max_tokens_in_pool: int
+    # Seconds spent in the core process before it was ready: imports, then EngineCore(...).
+    import_seconds: float
+    engine_seconds: float
+
+
+@dataclass(slots=True)
+class CoreOutputs:
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+
+
+@dataclass(slots=True)
+class RequestsRejected:
+    # (req_id, reason) per request the core refused.
+    rejected: list[tuple[str, str]]
+
+
+@dataclass(slots=True)
+class CoreFailed:
+    reason: str
+
+
+ToCore = AddRequests | FinishRequests | Shutdown
+FromCore = CoreInfo | CoreOutputs | RequestsRejected | CoreFailed

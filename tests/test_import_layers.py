@@ -1,0 +1,103 @@
+"""The package's imports run one way, bottom up (docs: /work/shared/DESIGN.md, "Import direction"):
+kernels -> request, config, kv, ... -> scheduler -> model_executor, ... -> engine -> entrypoints,
+bench. A module may import its own layer or a lower one, never a higher one; request.py, kv/ and
+scheduler/ never import torch. Checked on the source with `ast`, lazy imports included."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ferrum
+
+PACKAGE = Path(ferrum.__file__).parent
+# The layer of each top-level module or subpackage of ferrum, bottom up.
+LAYERS = [
+    {"kernels"},
+    {
+        "request",
+        "config",
+        "envs",
+        "logger",
+        "sampling_params",
+        "outputs",
+        "default_model",
+        "kv",
+        "structured_output",
+    },
+    {"scheduler"},
+    {"distributed", "executor", "model_executor"},
+    {"engine"},
+    {"entrypoints", "bench", "__main__"},
+]
+LAYER_OF = {name: level for level, names in enumerate(LAYERS) for name in names}
+TORCH_FREE = ("request", "kv", "scheduler")
+
+
+def _top(module: str) -> str:
+    """The top-level name under ferrum of a dotted module path ("ferrum.kv.block_pool" -> kv)."""
+    return module.split(".")[1]
+
+
+def _imported_modules(tree: ast.AST) -> list[str]:
+    """Every module an import statement names, with `from ferrum import X` resolved to the
+    module that defines X (the lazy public names of ferrum/__init__.py included)."""
+    modules = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.extend(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            assert node.level == 0, "relative imports are not used in ferrum"
+            if node.module != "ferrum":
+                modules.append(node.module)
+                continue
+            for alias in node.names:
+                if alias.name == "__version__":
+                    continue  # defined in ferrum/__init__.py itself, which imports nothing
+                submodule = PACKAGE / alias.name
+                if submodule.is_dir() or submodule.with_suffix(".py").is_file():
+                    modules.append(f"ferrum.{alias.name}")
+                else:
+                    modules.append(ferrum._LAZY[alias.name])
+    return modules
+
+
+def _package_modules() -> list[tuple[str, Path]]:
+    return [
+        (path.relative_to(PACKAGE).parts[0].removesuffix(".py"), path)
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.parent != PACKAGE or path.name != "__init__.py"
+    ]
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = {top for top, _ in _package_modules()} - set(LAYER_OF)
+    assert not missing, f"give these a layer in LAYERS: {sorted(missing)}"
+
+
+def test_no_import_runs_up_a_layer() -> None:
+    violations = []
+    for top, path in _package_modules():
+        for module in _imported_modules(ast.parse(path.read_text(), str(path))):
+            if module.startswith("ferrum.") and LAYER_OF[_top(module)] > LAYER_OF[top]:
+                violations.append(f"{path.relative_to(PACKAGE.parent)} imports {module}")
+    assert not violations, "\n".join(violations)
+
+
+def test_request_kv_and_scheduler_do_not_import_torch() -> None:
+    violations = [
+        str(path.relative_to(PACKAGE.parent))
+        for top, path in _package_modules()
+        if top in TORCH_FREE
+        for module in _imported_modules(ast.parse(path.read_text(), str(path)))
+        if module.split(".")[0] in ("torch", "triton")
+    ]
+    assert not violations, violations
+
+
+def test_the_checker_sees_lazy_and_package_level_imports() -> None:
+    source = (
+        "def f():\n    from ferrum.engine.core import EngineCore\nfrom ferrum import envs, LLM\n"
+    )
+    modules = sorted(_imported_modules(ast.parse(source)))
+    assert modules == ["ferrum.engine.core", "ferrum.entrypoints.llm", "ferrum.envs"]
