@@ -14,11 +14,11 @@ MAX_N = 1024
 
 
 class RequestOutputKind(Enum):
-    # Every output holds everything generated so far.
+    """What each output holds: everything so far, what is new since the previous output, or
+    (one output, when the request finishes) everything."""
+
     CUMULATIVE = 0
-    # Every output holds only what is new since the previous one.
     DELTA = 1
-    # One output, when the request finishes, holding everything.
     FINAL_ONLY = 2
 
 

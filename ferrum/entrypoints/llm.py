@@ -98,9 +98,9 @@ class LLM:
     def _per_prompt_params(
         sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
     ) -> list[SamplingParams]:
-        """One SamplingParams per prompt, asking for final outputs only."""
+        """One SamplingParams per prompt, each asking for its final output only."""
         if isinstance(sampling_params, SamplingParams):
-            return [_final_only(sampling_params)] * num_prompts
+            sampling_params = [sampling_params] * num_prompts
         params = list(sampling_params)
         if len(params) != num_prompts:
             raise ValueError(

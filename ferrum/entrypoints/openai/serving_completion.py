@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from ferrum.engine.async_llm import RequestStream
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
@@ -128,6 +129,13 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         # With include_usage every chunk carries "usage" (null but in the last); else none does.
         exclude = None if request.include_usage else {"usage"}
+
+        def chunk(choices: list[CompletionChoice], **extra: Any) -> str:
+            response = CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=choices, **extra
+            )
+            return sse_event(response.model_dump_json(exclude=exclude))
+
         last_outputs: list[RequestOutput | None] = [None] * len(streams)
         num_generated = 0
         try:
@@ -143,23 +151,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         if choice is not None:
                             choices.append(choice)
                     if choices:
-                        chunk = CompletionStreamResponse(
-                            id=request_id,
-                            created=created,
-                            model=model,
-                            choices=choices,
-                        )
-                        yield sse_event(chunk.model_dump_json(exclude=exclude))
+                        yield chunk(choices)
                 num_generated += sum(state.num_tokens for state in states.values())
             if request.include_usage:
-                chunk = CompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=model,
-                    choices=[],
-                    usage=usage_of(tokenized, last_outputs, num_generated),
-                )
-                yield sse_event(chunk.model_dump_json(exclude=exclude))
+                yield chunk([], usage=usage_of(tokenized, last_outputs, num_generated))
         except Exception as e:
             yield stream_error_event(e)
         finally:
