@@ -17,6 +17,7 @@ LAYERS = [
     {
         "request",
         "config",
+        "model_arch",
         "envs",
         "logger",
         "sampling_params",
