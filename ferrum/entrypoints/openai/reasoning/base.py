@@ -1,0 +1,45 @@
+"""Reasoning parsers: split a model's output into its reasoning and its answer, whole or streamed.
+
+A parser instance serves one response. Invariant: streaming is chunk-independent — feeding the
+output in any pieces through `extract_reasoning_streaming` and then calling `finish()` yields
+exactly the reasoning and content that `extract_reasoning` finds in the whole text; a tail that
+could still become a tag is held back until the next piece (or `finish`) decides.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(slots=True)
+class ReasoningDelta:
+    reasoning_content: str = ""
+    content: str = ""
+
+
+class ReasoningParser(ABC):
+    name: ClassVar[str]
+
+    @abstractmethod
+    def extract_reasoning_streaming(self, delta_text: str) -> ReasoningDelta:
+        """Consumes the next piece of output; returns what it makes certain."""
+
+    @abstractmethod
+    def finish(self) -> ReasoningDelta:
+        """Flushes what was held back at the end of the output; the parser is then spent."""
+
+    @abstractmethod
+    def fresh(self) -> ReasoningParser:
+        """A parser in this one's initial state (same options)."""
+
+    def extract_reasoning(self, text: str) -> tuple[str, str]:
+        """(reasoning_content, content) of a whole output; this parser's state is untouched."""
+        parser = self.fresh()
+        first = parser.extract_reasoning_streaming(text)
+        last = parser.finish()
+        return (
+            first.reasoning_content + last.reasoning_content,
+            first.content + last.content,
+        )
