@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizer_fixtures import QWEN3_TEMPLATE, build_tokenizer_dir
 
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.entrypoints.openai.tool_messages import decode_tool_call_arguments
+from tests.utils.tokenizer_files import QWEN3_TEMPLATE, build_tokenizer_dir
 
 transformers = pytest.importorskip("transformers")
 

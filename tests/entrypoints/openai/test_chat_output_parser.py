@@ -13,7 +13,6 @@ import random
 from collections.abc import Iterable
 
 import pytest
-from parser_samples import HERMES_SAMPLES, QWEN3_CODER_SAMPLES, TOOLS, Sample
 
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.engine.detokenizer import IncrementalDetokenizer
@@ -27,6 +26,7 @@ from ferrum.entrypoints.openai.tool_parsers import (
     ToolParser,
 )
 from ferrum.sampling_params import SamplingParams
+from tests.utils.parser_samples import HERMES_SAMPLES, QWEN3_CODER_SAMPLES, TOOLS, Sample
 
 NUM_TOKEN_SPLITS = 300
 NUM_CHAR_SPLITS = 100
