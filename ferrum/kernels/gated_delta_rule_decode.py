@@ -1,0 +1,173 @@
+"""Triton gated delta rule, decode: one recurrent step per request, state updated in place.
+
+Per request i and value head h, with S = state_pool[slot_ids[i], h] ([k_dim, v_dim], fp32 math):
+
+    q, k = l2norm(q), l2norm(k)                  (when use_qk_l2norm; x * rsqrt(sum(x^2) + 1e-6))
+    S  = exp(g) * S
+    S += k (beta * (v - S^T k))^T
+    o  = S^T (scale * q)
+
+Value head h reads query/key head h // (num_v_heads // num_k_heads). Same math as
+`gated_delta_rule_decode_ref`. Requests with slot id < 0 are padding (CUDA graph buckets): their
+output is zero and no state is touched. Slot ids of live requests must be distinct.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrum.kernels.gated_delta_rule_common import check_gated_delta_rule_args
+
+_L2NORM_EPS: tl.constexpr = tl.constexpr(1e-6)
+_MAX_GRID_YZ = 65535
+
+
+@triton.jit
+def _gated_delta_rule_decode_kernel(
+    out_ptr,  # [num_reqs, num_v_heads, v_dim]
+    q_ptr,  # [num_reqs, num_k_heads, k_dim]
+    k_ptr,  # [num_reqs, num_k_heads, k_dim]
+    v_ptr,  # [num_reqs, num_v_heads, v_dim]
+    g_ptr,  # [num_reqs, num_v_heads]
+    beta_ptr,  # [num_reqs, num_v_heads]
+    state_ptr,  # [num_slots, num_v_heads, k_dim, v_dim], read and written at the slot
+    slot_ids_ptr,  # [num_reqs] int32
+    scale,
+    k_dim,
+    v_dim,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_g_tok,
+    stride_beta_tok,
+    stride_state_slot,
+    stride_state_head,
+    stride_state_k,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+):
+    """Program (v_block, v_head, req): state columns [v_block * BLOCK_V, +BLOCK_V) of the head."""
+    v_block = tl.program_id(0)
+    v_head = tl.program_id(1)
+    req = tl.program_id(2).to(tl.int64)
+    k_head = v_head // GROUP
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_mask = offs_k < k_dim
+    v_mask = offs_v < v_dim
+    o_ptrs = out_ptr + req * stride_o_tok + v_head * stride_o_head + offs_v
+    slot = tl.load(slot_ids_ptr + req).to(tl.int64)
+    if slot < 0:
+        tl.store(o_ptrs, tl.zeros([BLOCK_V], dtype=out_ptr.dtype.element_ty), mask=v_mask)
+        return
+
+    q = tl.load(
+        q_ptr + req * stride_q_tok + k_head * stride_q_head + offs_k, mask=k_mask, other=0.0
+    )
+    k = tl.load(
+        k_ptr + req * stride_k_tok + k_head * stride_k_head + offs_k, mask=k_mask, other=0.0
+    )
+    q = q.to(tl.float32)
+    k = k.to(tl.float32)
+    if USE_QK_L2NORM:
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + _L2NORM_EPS)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + _L2NORM_EPS)
+    q = q * scale
+    v = tl.load(
+        v_ptr + req * stride_v_tok + v_head * stride_v_head + offs_v, mask=v_mask, other=0.0
+    )
+    g = tl.load(g_ptr + req * stride_g_tok + v_head).to(tl.float32)
+    beta = tl.load(beta_ptr + req * stride_beta_tok + v_head).to(tl.float32)
+
+    s_ptrs = (
+        state_ptr
+        + slot * stride_state_slot
+        + v_head * stride_state_head
+        + offs_k[:, None] * stride_state_k
+        + offs_v[None, :]
+    )
+    s_mask = k_mask[:, None] & v_mask[None, :]
+    state = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * tl.exp(g)  # [BLOCK_K, BLOCK_V]
+    kv_mem = tl.sum(state * k[:, None], 0)
+    delta = (v.to(tl.float32) - kv_mem) * beta
+    state = state + k[:, None] * delta[None, :]
+    out = tl.sum(state * q[:, None], 0)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+def gated_delta_rule_decode(
+    q: torch.Tensor,  # [num_reqs, num_k_heads, k_dim]
+    k: torch.Tensor,  # [num_reqs, num_k_heads, k_dim]
+    v: torch.Tensor,  # [num_reqs, num_v_heads, v_dim]
+    g: torch.Tensor,  # [num_reqs, num_v_heads], log decay (<= 0)
+    beta: torch.Tensor,  # [num_reqs, num_v_heads]
+    state_pool: torch.Tensor,  # [num_slots, num_v_heads, k_dim, v_dim], updated at slot_ids
+    slot_ids: torch.Tensor,  # [num_reqs] int32; < 0: padding
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    out: torch.Tensor | None = None,  # [num_reqs, num_v_heads, v_dim]
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """One gated-delta-rule step per request (token i is request i's); returns out, in v's
+    dtype. `scale` defaults to k_dim ** -0.5; `block_v` (a power of two >= 16) and `num_warps`
+    override the launch defaults (tuning)."""
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    num_reqs = v.shape[0] if v.dim() == 3 else 0
+    check_gated_delta_rule_args(q, k, v, g, beta, state_pool, slot_ids, out, num_reqs)
+    if num_reqs > _MAX_GRID_YZ:
+        raise ValueError(f"num_reqs must be <= {_MAX_GRID_YZ}, got {num_reqs}")
+    num_v_heads, v_dim = v.shape[1], v.shape[2]
+    k_dim = q.shape[2]
+    block_k = max(16, triton.next_power_of_2(k_dim))
+    if block_v is None:
+        block_v = min(64, max(16, triton.next_power_of_2(v_dim)))
+    if block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    if num_reqs == 0:
+        return out
+    grid = (triton.cdiv(v_dim, block_v), num_v_heads, num_reqs)
+    _gated_delta_rule_decode_kernel[grid](
+        out,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state_pool,
+        slot_ids,
+        k_dim**-0.5 if scale is None else scale,
+        k_dim,
+        v_dim,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        state_pool.stride(0),
+        state_pool.stride(1),
+        state_pool.stride(2),
+        GROUP=num_v_heads // q.shape[1],
+        BLOCK_K=block_k,
+        BLOCK_V=block_v,
+        USE_QK_L2NORM=use_qk_l2norm,
+        num_warps=num_warps or (4 if block_k * block_v <= 4096 else 8),
+    )
+    return out
