@@ -28,13 +28,18 @@ def paged_attention_ref(
     query_start_loc: list[int],  # [num_reqs + 1], host
     seq_lens: list[int],  # [num_reqs], host
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's query chunk over its whole paged context.
+    """Causal attention of each request's query chunk over its paged context.
 
     Query token j of request i (chunk length q_i, context length L_i) sits at position
-    L_i - q_i + j and attends to context positions 0..L_i - q_i + j. Math in float32.
+    p = L_i - q_i + j and attends to context positions 0..p, or with `sliding_window` W to
+    p - W + 1..p (transformers' convention). Blocks wholly below the chunk's first window are
+    not read (a sliding-window cache may have freed them). Math in float32.
     Returns [num_tokens, num_heads, head_dim] in the query's dtype.
     """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -45,16 +50,23 @@ def paged_attention_ref(
         if q_len == 0:
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[i, :num_blocks].long()
-        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        first_key = 0
+        if sliding_window is not None:
+            first_key = max(0, seq_len - q_len - sliding_window + 1)
+        first_block = first_key // block_size
+        base = first_block * block_size  # position of the first key gathered
+        blocks = block_tables[i, first_block:num_blocks].long()
+        k = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[: seq_len - base]
+        v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[: seq_len - base]
         q = query[start:end].float().transpose(0, 1)  # [H, q_len, D]
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [H, q_len, L]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
+        k_pos = torch.arange(base, seq_len, device=query.device)
         mask = k_pos[None, :] > q_pos[:, None]
+        if sliding_window is not None:
+            mask |= k_pos[None, :] <= q_pos[:, None] - sliding_window
         scores.masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)

@@ -29,6 +29,7 @@ from ferrum.kernels.paged_attention_common import (
     _check_attention_args,
     _check_block_n,
     _dot_precision,
+    _window_constexpr,
 )
 from ferrum.kernels.paged_attention_split_kv import (
     SplitKVWorkspace,
@@ -80,11 +81,13 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Program (q_tile, kv_head, req): query tokens [q_tile * BLOCK_Q, +BLOCK_Q) of request req.
 
     Row r is token q_tile * BLOCK_Q + r // GROUP and query head kv_head * GROUP + r % GROUP. The
-    token at chunk index j sits at position seq_len - q_len + j and sees keys 0..that position.
+    token at chunk index j sits at position p = seq_len - q_len + j and sees keys 0..p (with
+    WINDOW > 0: p - WINDOW + 1..p; the loop starts at the tile's first row's window).
     """
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,13 +112,16 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kv_hi = tl.minimum(seq_len, prefix_len + tok0 + BLOCK_Q)
+    kv_lo = 0
+    if WINDOW > 0:
+        kv_lo = tl.maximum(prefix_len + tok0 - WINDOW + 1, 0)
     acc, m_i, l_i = _attend_kv_range(
         acc,
         m_i,
         l_i,
         q.to(k_cache_ptr.dtype.element_ty),
         prefix_len + tok,
-        0,
+        kv_lo,
         kv_hi,
         k_cache_ptr,
         v_cache_ptr,
@@ -129,6 +135,7 @@ def _paged_attention_kernel(
         BLOCK_SIZE,
         HEAD_DIM,
         DOT_PRECISION,
+        WINDOW,
     )
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_offs = (q_start + tok).to(tl.int64) * stride_o_tok + head * stride_o_head
@@ -149,6 +156,7 @@ def paged_attention_unified(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     *,
+    sliding_window: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -156,10 +164,12 @@ def paged_attention_unified(
     """Single-pass attention for any mix of prompt chunks and decodes; writes and returns `out`.
 
     `max_query_len` must be >= every request's query length (an upper bound is fine, e.g. for
-    CUDA graph capture); tiles past a request's chunk exit at once. `block_n` (the key tile, a
-    power of two >= 16), `num_warps` and `num_stages` override the launch defaults (tuning).
+    CUDA graph capture); tiles past a request's chunk exit at once. `sliding_window` limits each
+    query to its last that many positions (None: off). `block_n` (the key tile, a power of two
+    >= 16), `num_warps` and `num_stages` override the launch defaults (tuning).
     """
     _check_attention_args(query, kv_cache, block_tables, query_start_loc, seq_lens, out)
+    window = _window_constexpr(sliding_window)
     if max_query_len < 0 or max_query_len > max(query.shape[0], 1):
         raise ValueError(
             f"max_query_len must be in [0, num_tokens={query.shape[0]}], got {max_query_len}"
@@ -208,6 +218,7 @@ def paged_attention_unified(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(query.dtype),
+        WINDOW=window,
         **launch,
     )
     return out
@@ -224,22 +235,42 @@ def paged_attention(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     workspace: SplitKVWorkspace | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention, same contract as `paged_attention_ref`; writes and returns `out`.
 
     Query token j of request i (chunk length q_i = query_start_loc[i+1] - query_start_loc[i],
     context length L_i = seq_lens[i]) sits at position L_i - q_i + j and attends to context
-    positions 0..L_i - q_i + j:  out = softmax(scale * q K^T) V, softmax in fp32.
-    Picks the split-KV path for small decode-only batches over long contexts (`use_split_kv`),
+    positions 0..L_i - q_i + j (with `sliding_window` W: only the last W of them):
+    out = softmax(scale * q K^T) V, softmax in fp32. Picks the split-KV path for small
+    decode-only batches over long contexts (`use_split_kv`, on the context a window leaves),
     the unified single-pass path otherwise. `max_query_len` / `max_seq_len` are upper bounds.
     """
     num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else 0
     num_kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else 1
-    if use_split_kv(num_reqs, query.shape[0], num_kv_heads, max_query_len, max_seq_len, workspace):
+    window = _window_constexpr(sliding_window)
+    max_context = min(max_seq_len, window) if window else max_seq_len
+    if use_split_kv(num_reqs, query.shape[0], num_kv_heads, max_query_len, max_context, workspace):
         assert workspace is not None
         return paged_attention_split_kv(
-            query, kv_cache, block_tables, seq_lens, max_seq_len, scale, out, workspace
+            query,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            max_seq_len,
+            scale,
+            out,
+            workspace,
+            sliding_window=sliding_window,
         )
     return paged_attention_unified(
-        query, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, scale, out
+        query,
+        kv_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        max_query_len,
+        scale,
+        out,
+        sliding_window=sliding_window,
     )

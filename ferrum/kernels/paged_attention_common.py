@@ -2,6 +2,10 @@
 
 KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys,
 1 values); slot s lives at block `s // block_size`, offset `s % block_size`.
+
+Sliding window W (off by default): the query at position p sees keys p - W < k <= p (transformers'
+convention). The kernels never read keys (nor their block-table entries) below the first window
+of a program's queries, so blocks that slid out of every window may be freed.
 """
 
 from __future__ import annotations
@@ -48,8 +52,11 @@ def _attend_kv_range(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
-    """Online-softmax accumulation of keys at positions [kv_lo, kv_hi) into (acc, m_i, l_i)."""
+    """Online-softmax accumulation of keys at positions [kv_lo, kv_hi) into (acc, m_i, l_i).
+
+    A row sees key positions <= its q_pos, and with WINDOW > 0 only those > q_pos - WINDOW."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(kv_lo, kv_hi, BLOCK_N):
@@ -66,6 +73,8 @@ def _attend_kv_range(
         )  # [HEAD_DIM, BLOCK_N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -83,6 +92,17 @@ def _check_block_n(block_n: int) -> None:
     """The key tile of the attention kernels: a power of two >= 16 (tl.dot)."""
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+
+
+def _window_constexpr(sliding_window: int | None) -> int:
+    """The kernels' WINDOW constexpr: 0 when off, else the window (>= 1) in key positions."""
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise ValueError(f"sliding_window must be an int or None, got {sliding_window!r}")
+    if sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    return sliding_window
 
 
 def _is_pow2(n: int) -> bool:

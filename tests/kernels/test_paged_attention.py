@@ -328,3 +328,121 @@ def test_write_kv_cache_validation_errors() -> None:
         write_kv_cache(key, key, torch.zeros(2, 2, 8, 3, 16), slots)
     with pytest.raises(ValueError, match="key"):
         write_kv_cache(key.transpose(1, 2), key, cache, slots)
+
+
+def _free_blocks_below_window(b: Batch, window: int, block_size: int) -> None:
+    """Points block-table entries wholly below each request's first window at a NaN block, as a
+    sliding-window cache that freed them would leave them: reading one poisons the output."""
+    used = set(b.block_tables.flatten().tolist())
+    nan_block = min(set(range(b.kv_cache.shape[1])) - used)  # make_batch leaves 3 unused
+    b.kv_cache[:, nan_block] = float("nan")
+    starts = b.query_start_loc_cpu
+    for i, seq_len in enumerate(b.seq_lens_cpu):
+        q_len = starts[i + 1] - starts[i]
+        first_key = max(0, seq_len - q_len - window + 1)
+        b.block_tables[i, : first_key // block_size] = nan_block
+
+
+def test_reference_sliding_window_matches_transformers_mask() -> None:
+    masking = pytest.importorskip("transformers.masking_utils")
+    window = 5
+    b = make_batch([9, 1], [20, 13], 2, 1, 16, 4, torch.float32, torch.device("cpu"), seed=5)
+    got = paged_attention_ref(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, 0.5, window
+    )
+    mask_fn = masking.sliding_window_causal_mask_function(window)
+    for i, seq_len in enumerate(b.seq_lens_cpu):
+        start, end = b.query_start_loc_cpu[i], b.query_start_loc_cpu[i + 1]
+        blocks = b.block_tables[i, : -(-seq_len // 4)].long()
+        k = b.kv_cache[0, blocks].reshape(-1, 16)[:seq_len]
+        v = b.kv_cache[1, blocks].reshape(-1, 16)[:seq_len]
+        q_idx = torch.arange(seq_len - (end - start), seq_len)[:, None]
+        allowed = mask_fn(0, 0, q_idx, torch.arange(seq_len)[None, :])
+        for h in range(2):
+            scores = (b.query[start:end, h] @ k.T * 0.5).masked_fill(~allowed, float("-inf"))
+            expected = torch.softmax(scores, -1) @ v
+            torch.testing.assert_close(got[start:end, h], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 24, 200])
+def test_sliding_window_unified_matches_reference(
+    window: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    # Chunks that start before, inside and past the window; a decode far past it.
+    b = make_batch([1, 7, 40, 5], [90, 30, 45, 5], 4, 2, 32, 8, dtype, device, seed=6)
+    _free_blocks_below_window(b, window, 8)
+    out = torch.full_like(b.query, float("nan"))
+    paged_attention_unified(
+        b.query,
+        b.kv_cache,
+        b.block_tables,
+        b.query_start_loc,
+        b.seq_lens,
+        b.max_query_len,
+        0.2,
+        out,
+        sliding_window=window,
+        block_n=16,
+    )
+    expected = paged_attention_ref(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, 0.2, window
+    )
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize(("window", "num_splits"), [(1, 4), (33, 3), (64, 8), (500, 2)])
+def test_sliding_window_split_kv_matches_reference(
+    window: int, num_splits: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    b = make_batch([1] * 3, [1, 150, 70], 4, 2, 32, 8, dtype, device, seed=7)
+    _free_blocks_below_window(b, window, 8)
+    ws = allocate_split_kv_workspace(3, 4, 32, device, max_splits=8)
+    out = torch.full_like(b.query, float("nan"))
+    paged_attention_split_kv(
+        b.query,
+        b.kv_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.max_seq_len,
+        0.2,
+        out,
+        ws,
+        num_splits=num_splits,
+        block_n=16,
+        sliding_window=window,
+    )
+    expected = paged_attention_ref(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, 0.2, window
+    )
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+def test_sliding_window_wider_than_context_changes_nothing(device: torch.device) -> None:
+    b = make_batch([3, 1], [20, 11], 4, 2, 32, 8, torch.float32, device, seed=8)
+    args = (b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 3, 0.3)
+    plain = paged_attention_unified(*args, torch.empty_like(b.query))
+    windowed = paged_attention_unified(*args, torch.empty_like(b.query), sliding_window=20)
+    torch.testing.assert_close(windowed, plain, atol=0, rtol=0)
+
+
+def test_sliding_window_dispatch_and_validation(device: torch.device) -> None:
+    # A decode batch over long contexts but a short window: the window decides the path.
+    b = make_batch([1, 1], [300, 200], 4, 2, 32, 8, torch.float32, device, seed=9)
+    ws = allocate_split_kv_workspace(2, 4, 32, device)
+    ws.partial_sum.fill_(float("nan"))
+    args = (b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 1, 300, 0.3)
+    out = paged_attention(*args, torch.empty_like(b.query), ws, sliding_window=16)
+    assert ws.partial_sum.isnan().all()  # one pass over 16 keys: the unified path
+    expected = paged_attention_ref(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, 0.3, 16
+    )
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    out = paged_attention(*args, torch.empty_like(b.query), ws, sliding_window=256)
+    assert not ws.partial_sum.isnan().all()
+    expected = paged_attention_ref(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, 0.3, 256
+    )
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="sliding_window"):
+            paged_attention(*args, torch.empty_like(b.query), ws, sliding_window=bad)
