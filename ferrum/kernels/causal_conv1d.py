@@ -107,17 +107,19 @@ def _causal_conv1d_kernel(
     if t_block == 0:
         # New state row r holds the input at position seq_len - (WIDTH - 1) + r.
         rows = tl.arange(0, STATE_ROWS)
-        pos = seq_len - (WIDTH - 1) + rows
+        row_pos = seq_len - (WIDTH - 1) + rows
         row_mask = (rows < WIDTH - 1)[:, None] & d_mask[None, :]
-        in_x = (pos >= 0)[:, None] & row_mask
-        x_ptrs = x_ptr + (start + pos).to(tl.int64)[:, None] * stride_x_tok + offs_d[None, :]
-        new_state = tl.load(x_ptrs, mask=in_x, other=0.0).to(state_ptr.dtype.element_ty)
-        in_state = (pos < 0)[:, None] & row_mask & has_init
-        old_ptrs = state_base + (pos + WIDTH - 1)[:, None] * stride_state_row + offs_d[None, :]
-        new_state += tl.load(old_ptrs, mask=in_state, other=0.0)
+        row_in_x = (row_pos >= 0)[:, None] & row_mask
+        row_x_ptrs = (
+            x_ptr + (start + row_pos).to(tl.int64)[:, None] * stride_x_tok + offs_d[None, :]
+        )
+        new_state = tl.load(row_x_ptrs, mask=row_in_x, other=0.0).to(state_ptr.dtype.element_ty)
+        row_in_state = (row_pos < 0)[:, None] & row_mask & has_init
+        old_ptrs = state_base + (row_pos + WIDTH - 1)[:, None] * stride_state_row + offs_d[None, :]
+        new_state += tl.load(old_ptrs, mask=row_in_state, other=0.0)
         tl.debug_barrier()  # every read of the old state precedes the overwrite
-        s_ptrs = state_base + rows[:, None] * stride_state_row + offs_d[None, :]
-        tl.store(s_ptrs, new_state, mask=row_mask)
+        new_ptrs = state_base + rows[:, None] * stride_state_row + offs_d[None, :]
+        tl.store(new_ptrs, new_state, mask=row_mask)
 
 
 def _check_args(
