@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.causal_conv1d_ref import ACTIVATIONS
 from ferrum.kernels.varlen_args import check_varlen_args
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WIDTH = 8
 _MAX_GRID_YZ = 65535
 _BLOCK_T = 32
@@ -133,7 +133,7 @@ def _check_args(
     activation: str | None,
 ) -> int:
     """Raises ValueError naming the first malformed argument; returns the conv width."""
-    if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES or x.stride(1) != 1:
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(
             f"x must be [num_tokens, dim] fp16/bf16/fp32 with stride(1) == 1, got "
             f"{tuple(x.shape)} {x.dtype} strides {x.stride()}"

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import torch
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from ferrum.kernels import FLOAT_DTYPES
+
 MAX_HEAD_DIM = 256
 
 
 def _check_token_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if t.shape != shape or t.dtype not in _FLOAT_DTYPES or t.stride(-1) != 1:
+    if t.shape != shape or t.dtype not in FLOAT_DTYPES or t.stride(-1) != 1:
         raise ValueError(
             f"{name} must be {list(shape)} fp16/bf16/fp32 with stride(-1) == 1, got "
             f"{tuple(t.shape)} {t.dtype} strides {t.stride()}"
@@ -57,7 +58,7 @@ def check_gated_delta_rule_args(
     for name, t in (("g", g), ("beta", beta)):
         if (
             t.shape != (num_tokens, num_v_heads)
-            or t.dtype not in _FLOAT_DTYPES
+            or t.dtype not in FLOAT_DTYPES
             or (num_v_heads > 1 and t.stride(1) != 1)
         ):
             raise ValueError(
@@ -67,7 +68,7 @@ def check_gated_delta_rule_args(
     if (
         state_pool.dim() != 4
         or state_pool.shape[1:] != (num_v_heads, k_dim, v_dim)
-        or state_pool.dtype not in _FLOAT_DTYPES
+        or state_pool.dtype not in FLOAT_DTYPES
         or not state_pool.is_contiguous()
     ):
         raise ValueError(
