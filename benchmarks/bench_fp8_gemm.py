@@ -1,0 +1,258 @@
+"""Times FP8 linear layers against bf16 at Qwen3-8B shapes: Triton block-scale, per-channel.
+
+Each row is one linear x [M, K] bf16 -> [M, N] bf16 including its activation quantization:
+  bf16_mm            torch.nn.functional.linear on a bf16 weight
+  block_triton       ferrum fp8_block_linear, default buckets (fused or separate quantization)
+  block_scaled_mm    group quantization + F.scaled_mm BlockWise1x128 x BlockWise128x128 (cuBLASLt;
+                     recorded as unsupported where this torch/CUDA build refuses it)
+  channel_scaled_mm  per-token quantization + torch._scaled_mm row-wise (cuBLASLt)
+  channel_triton     ferrum fp8_channel_linear with every bucket on Triton
+Each timing replays a CUDA graph of --iters calls (the engine runs decode in graphs, so launch
+overhead is left out) over enough weight copies to exceed the L2 cache; prints microseconds,
+TFLOP/s (2MNK) and GB/s (weight + activation + output bytes).
+--sweep times a grid of Triton tiles per shape, M and format and prints the best; --save writes
+those as ferrum/kernels/fp8_gemm_configs/*.json for this device (channel buckets take scaled_mm
+where it was faster).
+Usage: python benchmarks/bench_fp8_gemm.py [--m 1,8,64,256,2048,8192] [--sweep [--save]]
+       [--out file.json]
+"""
+
+# ruff: noqa: E402
+import argparse
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+
+from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
+from ferrum.kernels.fp8_gemm_config import DEFAULT_BUCKETS, Fp8GemmConfig, save_buckets
+from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
+from ferrum.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
+from ferrum.kernels.fp8_weight import quantize_weight_block, quantize_weight_per_channel
+
+QWEN3_8B = "qkv:6144x4096,o:4096x4096,gate_up:24576x4096,down:4096x12288"
+L2_FLUSH_BYTES = 256 << 20
+MAX_COPIES = 16
+
+
+@dataclasses.dataclass
+class Weights:
+    """Copies of one weight in every format, cycled so that the timed calls stream from HBM."""
+
+    bf16: list[torch.Tensor]
+    block: list[tuple[torch.Tensor, torch.Tensor]]
+    channel: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def make_weights(n: int, k: int) -> Weights:
+    copies = max(1, min(MAX_COPIES, -(-L2_FLUSH_BYTES // (n * k))))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+    block, channel = quantize_weight_block(w), quantize_weight_per_channel(w)
+    return Weights(
+        bf16=[w.clone() for _ in range(copies)],
+        block=[(block[0].clone(), block[1].clone()) for _ in range(copies)],
+        channel=[(channel[0].clone(), channel[1].clone()) for _ in range(copies)],
+    )
+
+
+def time_us(fn, num_copies: int, iters: int) -> float:
+    """GPU microseconds per call: a graph of `iters` calls cycling the weight copies."""
+    for i in range(num_copies):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            fn(i % num_copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (3 * iters)
+
+
+def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt block-scaled GEMM: M padded to 4, scales outer-dim-major, K blocks padded to 4."""
+    m = x.shape[0]
+    xp = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    q, scales = per_token_group_quant_fp8(xp)
+    kb = scales.shape[1]
+    w_scale = F.pad(scale_inv, (0, -kb % 4)) if kb % 4 else scale_inv
+    out = F.scaled_mm(
+        q,
+        weight.t(),
+        scales.t().contiguous().t(),
+        F.ScalingType.BlockWise1x128,
+        w_scale.t(),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )
+    return out[:m]
+
+
+def channel_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    q, scales = per_token_quant_fp8(x)
+    return torch._scaled_mm(
+        q, weight.t(), scale_a=scales, scale_b=scale.view(1, -1), out_dtype=x.dtype
+    )
+
+
+def row_fns(x: torch.Tensor, w: Weights) -> dict:
+    triton_channel = {b: dataclasses.replace(c, backend="triton") for b, c in DEFAULT_BUCKETS["channel"].items()}  # fmt: skip
+    return {
+        "bf16_mm": lambda i: F.linear(x, w.bf16[i]),
+        "block_triton": lambda i: fp8_block_linear(x, *w.block[i]),
+        "block_scaled_mm": lambda i: block_scaled_mm(x, *w.block[i]),
+        "channel_scaled_mm": lambda i: channel_scaled_mm(x, *w.channel[i]),
+        "channel_triton": lambda i: fp8_channel_linear(x, *w.channel[i], buckets=triton_channel),
+    }
+
+
+def check_outputs(x: torch.Tensor, w: Weights) -> dict[str, float]:
+    """Each FP8 row's max abs error against the bf16 product, relative to its abs-max."""
+    ref = F.linear(x, w.bf16[0]).float()
+    errors = {}
+    for name, fn in row_fns(x, w).items():
+        try:
+            errors[name] = ((fn(0).float() - ref).abs().max() / ref.abs().max()).item()
+        except Exception as exc:  # an unsupported cuBLASLt path
+            errors[name] = float("nan")
+            print(f"  {name}: {type(exc).__name__}: {str(exc)[:160]}")
+    return errors
+
+
+def sweep_configs(m: int) -> list[Fp8GemmConfig]:
+    block_m = min(128, max(16, 1 << (m - 1).bit_length()))
+    block_ms = sorted({block_m, max(16, block_m // 2)} if m > 16 else {16})
+    quants = ("fused", "separate")
+    return [
+        Fp8GemmConfig(
+            quant=q,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            GROUP_M=1 if m <= 64 else 8,
+            num_warps=nw,
+            num_stages=ns,
+        )  # fmt: skip
+        for q, bm, bn, bk, nw, ns in itertools.product(
+            quants, block_ms, (32, 64, 128, 256), (128,), (4, 8), (3, 4)
+        )
+    ]
+
+
+def sweep_fn(x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConfig):
+    if scale_format == "block":
+        gemm, weights, quant = w8a8_block_fp8_matmul, w.block, per_token_group_quant_fp8
+    else:
+        gemm, weights, quant = w8a8_channel_fp8_matmul, w.channel, per_token_quant_fp8
+    if config.quant == "fused":
+        return lambda i: gemm(x, *weights[i], x.dtype, config)
+
+    def separate(i: int) -> torch.Tensor:
+        q, scales = quant(x)
+        return gemm(q, *weights[i], x.dtype, config, a_scale=scales)
+
+    return separate
+
+
+def run_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dict:
+    best = None
+    for config in sweep_configs(x.shape[0]):
+        try:
+            us = time_us(sweep_fn(x, w, scale_format, config), len(w.bf16), iters)
+        except Exception as exc:  # a tile the compiler rejects (shared memory)
+            print(f"    skip {config}: {type(exc).__name__}")
+            continue
+        if best is None or us < best["us"]:
+            best = {"us": us, "config": dataclasses.asdict(config)}
+    return best or {}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=QWEN3_8B, help="name:NxK,... (out x in features)")
+    parser.add_argument("--m", default="1,8,64,256,2048,8192")
+    parser.add_argument("--iters", type=int, default=20, help="calls per CUDA graph")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--save", action="store_true", help="with --sweep: write tuned configs")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.save and not args.sweep:
+        parser.error("--save needs --sweep")
+    shapes = [
+        (name, *map(int, nk.split("x")))
+        for name, nk in (s.split(":") for s in args.shapes.split(","))
+    ]
+    ms = [int(m) for m in args.m.split(",")]
+    device_name = torch.cuda.get_device_name()
+    results = []
+    print(f"{device_name}, torch {torch.__version__}, timings: CUDA graph of {args.iters} calls")
+    for name, n, k in shapes:
+        weights = make_weights(n, k)
+        tuned: dict[str, dict] = {"block": {}, "channel": {}}
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            errors = check_outputs(x, weights)
+            bytes_fp8, bytes_bf16 = n * k + 4 * m * k, 2 * n * k + 4 * m * k
+            row = {"shape": name, "N": n, "K": k, "M": m, "rows": {}}
+            for rname, fn in row_fns(x, weights).items():
+                if errors[rname] != errors[rname]:  # nan: the path raised
+                    row["rows"][rname] = {"unsupported": True}
+                    continue
+                us = time_us(fn, len(weights.bf16), args.iters)
+                nbytes = bytes_bf16 if rname == "bf16_mm" else bytes_fp8
+                row["rows"][rname] = {
+                    "us": us, "tflops": 2 * m * n * k / us / 1e6, "gbps": nbytes / us / 1e3,
+                    "rel_err_vs_bf16": errors[rname],
+                }  # fmt: skip
+                print(
+                    f"{name:8s} N={n:6d} K={k:6d} M={m:5d} {rname:18s} {us:9.1f} us "
+                    f"{2 * m * n * k / us / 1e6:7.1f} TFLOP/s {nbytes / us / 1e3:7.0f} GB/s "
+                    f"err {errors[rname]:.1e}",
+                    flush=True,
+                )
+            if args.sweep:
+                for fmt in ("block", "channel"):
+                    t0 = time.perf_counter()
+                    best = run_sweep(x, weights, fmt, args.iters)
+                    row[f"sweep_{fmt}"] = best
+                    tuned[fmt][m] = best
+                    print(f"  sweep {fmt}: {best} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            results.append(row)
+        if args.save:
+            for fmt, per_m in tuned.items():
+                buckets = {}
+                for m, best in per_m.items():
+                    if not best:
+                        continue
+                    config = Fp8GemmConfig(**best["config"])
+                    row = next(r for r in results if r["shape"] == name and r["M"] == m)
+                    scaled = row["rows"].get("channel_scaled_mm", {}).get("us")
+                    if fmt == "channel" and scaled is not None and scaled < best["us"]:
+                        config = dataclasses.replace(config, backend="scaled_mm")
+                    buckets[m] = config
+                if buckets:
+                    print(f"saved {save_buckets(fmt, n, k, device_name, buckets)}")
+        del weights
+        torch.cuda.empty_cache()
+    if args.out is not None:
+        meta = {"device": device_name, "torch": torch.__version__, "args": vars(args) | {"out": str(args.out)}}  # fmt: skip
+        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""Launch configs of the W8A8 FP8 GEMM per scale format, weight shape, device and batch bucket.
+
+A file `fp8_gemm_configs/{format}_N{N}_K{K}_{device}.json` (format: "block" or "channel"; device:
+the CUDA device name with spaces as underscores) maps a batch bucket (the most rows M it covers,
+as a string) to a config object with the fields of Fp8GemmConfig. A batch takes the smallest
+bucket covering it, or the largest. Without a file the defaults below apply (chosen for the H100;
+benchmarks/bench_fp8_gemm.py --sweep measures the alternatives and --save writes a file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).parent / "fp8_gemm_configs"
+SCALE_FORMATS = ("block", "channel")
+BACKENDS = ("triton", "scaled_mm")
+QUANT_MODES = ("fused", "separate")
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8GemmConfig:
+    """One launch choice. backend "scaled_mm" (torch._scaled_mm, cuBLASLt; per-channel format and
+    bf16 output only, else the Triton tile below runs). quant "fused": the Triton GEMM quantizes
+    its activation tiles itself; "separate": a quantization pass writes fp8 activations first."""
+
+    backend: str = "triton"
+    quant: str = "separate"
+    BLOCK_M: int = 64
+    BLOCK_N: int = 128
+    BLOCK_K: int = 128
+    GROUP_M: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.quant not in QUANT_MODES:
+            raise ValueError(f"quant must be one of {QUANT_MODES}, got {self.quant!r}")
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {value}")
+        if self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+
+
+Buckets = dict[int, Fp8GemmConfig]
+
+# Decode batches take narrow N tiles (more programs streaming the weight) and quantize their few
+# activation rows inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
+DEFAULT_BUCKETS: dict[str, Buckets] = {
+    "block": {
+        16: Fp8GemmConfig(quant="fused", BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=4),
+        64: Fp8GemmConfig(quant="fused", BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_stages=4),
+        256: Fp8GemmConfig(BLOCK_M=64, BLOCK_N=128, num_stages=3),
+        1 << 62: Fp8GemmConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+    },
+    "channel": {
+        16: Fp8GemmConfig(quant="fused", BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=4),
+        64: Fp8GemmConfig(quant="fused", BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_stages=4),
+        1 << 62: Fp8GemmConfig(
+            backend="scaled_mm", BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3
+        ),
+    },
+}
+
+
+def _check_format(scale_format: str) -> None:
+    if scale_format not in SCALE_FORMATS:
+        raise ValueError(f"scale_format must be one of {SCALE_FORMATS}, got {scale_format!r}")
+
+
+def config_path(scale_format: str, n: int, k: int, device_name: str) -> Path:
+    _check_format(scale_format)
+    return CONFIG_DIR / f"{scale_format}_N{n}_K{k}_{device_name.replace(' ', '_')}.json"
+
+
+def parse_buckets(data: object, where: str) -> Buckets:
+    """Validates {"<max rows>": {Fp8GemmConfig fields}} into buckets sorted by bound."""
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"{where}: must be a non-empty object of batch buckets")
+    fields = {f.name for f in dataclasses.fields(Fp8GemmConfig)}
+    buckets: Buckets = {}
+    for bound, config in data.items():
+        if not str(bound).isdigit() or int(bound) < 1:
+            raise ValueError(f"{where}: bucket {bound!r} must be a positive row count")
+        if not isinstance(config, dict) or not set(config) <= fields:
+            raise ValueError(f"{where}[{bound}]: keys must be among {sorted(fields)}")
+        try:
+            buckets[int(bound)] = Fp8GemmConfig(**config)
+        except ValueError as e:
+            raise ValueError(f"{where}[{bound}]: {e}") from e
+    return dict(sorted(buckets.items()))
+
+
+@functools.cache
+def get_fp8_gemm_buckets(scale_format: str, n: int, k: int, device_name: str | None) -> Buckets:
+    """The tuned buckets for this weight shape on the named device, else the defaults."""
+    _check_format(scale_format)
+    if device_name:
+        path = config_path(scale_format, n, k, device_name)
+        if path.is_file():
+            return parse_buckets(json.loads(path.read_text()), str(path))
+    return DEFAULT_BUCKETS[scale_format]
+
+
+def pick(buckets: Buckets, num_rows: int) -> Fp8GemmConfig:
+    """The config of the smallest bucket covering num_rows, else of the largest."""
+    for bound, config in buckets.items():
+        if num_rows <= bound:
+            return config
+    return buckets[max(buckets)]
+
+
+def save_buckets(
+    scale_format: str,
+    n: int,
+    k: int,
+    device_name: str,
+    buckets: Buckets,
+    directory: Path | None = None,
+) -> Path:
+    """Writes the buckets as the tuned file of this shape and device in `directory` (CONFIG_DIR)."""
+    directory = CONFIG_DIR if directory is None else directory
+    path = directory / config_path(scale_format, n, k, device_name).name
+    data = {str(b): dataclasses.asdict(buckets[b]) for b in sorted(buckets)}
+    parse_buckets(data, str(path))
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path

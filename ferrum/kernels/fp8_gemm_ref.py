@@ -1,0 +1,52 @@
+"""Torch reference for the W8A8 FP8 GEMMs: dequantize both operands to fp32, then matmul."""
+
+from __future__ import annotations
+
+import torch
+
+from ferrum.kernels.fp8_quant import FP8_DTYPE
+from ferrum.kernels.fp8_quant_ref import (
+    dequantize_per_token_group_ref,
+    per_token_group_quant_fp8_ref,
+    per_token_quant_fp8_ref,
+)
+from ferrum.kernels.fp8_weight import dequantize_weight_block, dequantize_weight_per_channel
+
+
+def _finish(
+    a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    out = a @ w.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def w8a8_block_fp8_matmul_ref(
+    a: torch.Tensor,  # [M, K] fp8 with a_scale, or float (quantized per group of 128)
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale_inv: torch.Tensor,  # [ceil(N / 128), K / 128] fp32
+    out_dtype: torch.dtype,
+    a_scale: torch.Tensor | None = None,  # [M, K / 128] fp32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """(dequant(a) @ dequant(weight)^T + bias).to(out_dtype), computed in fp32."""
+    if a.dtype != FP8_DTYPE:
+        a, a_scale = per_token_group_quant_fp8_ref(a)
+    a_f = dequantize_per_token_group_ref(a, a_scale)
+    return _finish(a_f, dequantize_weight_block(weight, weight_scale_inv), bias, out_dtype)
+
+
+def w8a8_channel_fp8_matmul_ref(
+    a: torch.Tensor,  # [M, K] fp8 with a_scale, or float (quantized per token)
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N, 1] fp32
+    out_dtype: torch.dtype,
+    a_scale: torch.Tensor | None = None,  # [M, 1] fp32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """(dequant(a) @ dequant(weight)^T + bias).to(out_dtype), computed in fp32."""
+    if a.dtype != FP8_DTYPE:
+        a, a_scale = per_token_quant_fp8_ref(a)
+    a_f = dequantize_per_token_group_ref(a, a_scale)
+    return _finish(a_f, dequantize_weight_per_channel(weight, weight_scale), bias, out_dtype)

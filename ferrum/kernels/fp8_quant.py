@@ -1,0 +1,161 @@
+"""Triton dynamic FP8 (e4m3fn) activation quantization: per token-group and per token.
+
+For each group g of a row x (128 consecutive columns, or the whole row per token):
+    scale_g = max(amax(|x_g|), AMAX_FLOOR) / FP8_MAX        (fp32)
+    q_g     = fp8(clamp(x_g / scale_g, -FP8_MAX, FP8_MAX))  (round to nearest even)
+so x_g ~= q_g * scale_g. The division is IEEE (div_rn), bit-equal to torch's fp32 division, and
+an all-zero group gets a tiny scale and zero codes. `quantize_fp8_tile` is the shared math; the
+FP8 GEMM calls it to quantize its activation tiles in place of this pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-10
+GROUP_SIZE = 128
+_IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TOKEN_BLOCK = 1024
+
+
+@triton.jit
+def fp8_scale_of(amax, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """max(amax, AMAX_FLOOR) / FP8_MAX, IEEE-rounded like torch."""
+    return tl.math.div_rn(tl.maximum(amax, AMAX_FLOOR), tl.full(amax.shape, FP8_MAX, tl.float32))
+
+
+@triton.jit
+def quantize_fp8_tile(x, amax, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """(fp8 codes, fp32 scale) of fp32 x whose rows' abs-max (broadcastable to x) is amax."""
+    scale = fp8_scale_of(amax, FP8_MAX, AMAX_FLOOR)
+    q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX).to(tl.float8e4nv)
+    return q, scale
+
+
+@triton.jit
+def _per_token_group_quant_kernel(
+    q_ptr,  # [num_rows, hidden] fp8
+    scale_ptr,  # [num_rows, hidden // GROUP] fp32
+    x_ptr,  # [num_rows, hidden]
+    num_groups,
+    stride_x,
+    GROUP: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+):
+    """Program (r, c): groups [c * GROUPS_PER_PROGRAM, (c + 1) * GROUPS_PER_PROGRAM) of row r."""
+    row = tl.program_id(0).to(tl.int64)
+    groups = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    mask = (groups < num_groups)[:, None]
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    q, scale = quantize_fp8_tile(x, tl.max(tl.abs(x), 1)[:, None], FP8_MAX, AMAX_FLOOR)
+    tl.store(q_ptr + row * num_groups * GROUP + cols, q, mask=mask)
+    tl.store(scale_ptr + row * num_groups + groups[:, None], scale, mask=mask)
+
+
+@triton.jit
+def _per_token_quant_kernel(
+    q_ptr,  # [num_rows, hidden] fp8
+    scale_ptr,  # [num_rows, 1] fp32
+    x_ptr,  # [num_rows, hidden]
+    hidden,
+    stride_x,
+    BLOCK: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+):
+    """Program r: one pass for the abs-max of row r, a second to quantize it."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, hidden, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < hidden, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    row_amax = tl.max(amax, 0)
+    for start in range(0, hidden, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < hidden, other=0.0).to(tl.float32)
+        q, _ = quantize_fp8_tile(x, row_amax, FP8_MAX, AMAX_FLOOR)
+        tl.store(q_ptr + row * hidden + offs, q, mask=offs < hidden)
+    tl.store(scale_ptr + row, fp8_scale_of(row_amax, FP8_MAX, AMAX_FLOOR))
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype not in _IN_DTYPES or x.stride(1) != 1:
+        raise ValueError(
+            "x must be [num_rows, hidden] fp16/bf16/fp32 with stride(1) == 1, got "
+            f"{tuple(x.shape)} {x.dtype} strides {x.stride()}"
+        )
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor,  # [num_rows, hidden]
+    group_size: int = GROUP_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (q [num_rows, hidden] fp8 contiguous, scales [num_rows, hidden // group_size] fp32)
+    with x[r, g * group_size + j] ~= q[r, g * group_size + j] * scales[r, g]."""
+    _check_input(x)
+    if group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two >= 16, got {group_size}")
+    num_rows, hidden = x.shape
+    if hidden % group_size:
+        raise ValueError(
+            f"x hidden size must be a multiple of group_size {group_size}, got {hidden}"
+        )
+    if hidden == 0:
+        raise ValueError("x hidden size must be >= 1, got 0")
+    num_groups = hidden // group_size
+    q = torch.empty(num_rows, hidden, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(num_rows, num_groups, dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return q, scales
+    groups_per_program = min(triton.next_power_of_2(num_groups), max(1, 1024 // group_size))
+    grid = (num_rows, triton.cdiv(num_groups, groups_per_program))
+    _per_token_group_quant_kernel[grid](
+        q,
+        scales,
+        x,
+        num_groups,
+        x.stride(0),
+        GROUP=group_size,
+        GROUPS_PER_PROGRAM=groups_per_program,
+        FP8_MAX=FP8_MAX,
+        AMAX_FLOOR=AMAX_FLOOR,
+        num_warps=4,
+    )
+    return q, scales
+
+
+def per_token_quant_fp8(
+    x: torch.Tensor,  # [num_rows, hidden]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (q [num_rows, hidden] fp8 contiguous, scales [num_rows, 1] fp32) with
+    x[r, c] ~= q[r, c] * scales[r, 0]: one scale per row."""
+    _check_input(x)
+    num_rows, hidden = x.shape
+    if hidden == 0:
+        raise ValueError("x hidden size must be >= 1, got 0")
+    q = torch.empty(num_rows, hidden, dtype=FP8_DTYPE, device=x.device)
+    scales = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return q, scales
+    block = min(_TOKEN_BLOCK, triton.next_power_of_2(hidden))
+    _per_token_quant_kernel[(num_rows,)](
+        q,
+        scales,
+        x,
+        hidden,
+        x.stride(0),
+        BLOCK=block,
+        FP8_MAX=FP8_MAX,
+        AMAX_FLOOR=AMAX_FLOOR,
+        num_warps=4,
+    )
+    return q, scales

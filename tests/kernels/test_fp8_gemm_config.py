@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ferrum.kernels import fp8_gemm_config
+from ferrum.kernels.fp8_gemm_config import (
+    DEFAULT_BUCKETS,
+    Fp8GemmConfig,
+    get_fp8_gemm_buckets,
+    parse_buckets,
+    pick,
+    save_buckets,
+)
+
+
+def test_pick_smallest_covering_bucket_else_largest() -> None:
+    buckets = DEFAULT_BUCKETS["block"]
+    assert pick(buckets, 1) is buckets[16] and pick(buckets, 16) is buckets[16]
+    assert pick(buckets, 17) is buckets[64]
+    small = {8: Fp8GemmConfig(BLOCK_M=16), 32: Fp8GemmConfig(BLOCK_M=32)}
+    assert pick(small, 1000).BLOCK_M == 32
+
+
+def test_defaults_are_valid_for_their_format() -> None:
+    assert all(
+        c.BLOCK_K == 128 and c.backend == "triton" for c in DEFAULT_BUCKETS["block"].values()
+    )
+    assert set(DEFAULT_BUCKETS) == {"block", "channel"}
+
+
+def test_save_then_load_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    buckets = {4: Fp8GemmConfig(quant="fused", BLOCK_M=16, BLOCK_N=32), 512: Fp8GemmConfig()}
+    path = save_buckets("channel", 4096, 12288, "NVIDIA H100 80GB HBM3", buckets, tmp_path)
+    assert path.name == "channel_N4096_K12288_NVIDIA_H100_80GB_HBM3.json"
+    monkeypatch.setattr(fp8_gemm_config, "CONFIG_DIR", tmp_path)
+    get_fp8_gemm_buckets.cache_clear()
+    try:
+        assert get_fp8_gemm_buckets("channel", 4096, 12288, "NVIDIA H100 80GB HBM3") == buckets
+        assert (
+            get_fp8_gemm_buckets("channel", 4096, 4096, "NVIDIA H100 80GB HBM3")
+            is (DEFAULT_BUCKETS["channel"])
+        )
+        assert get_fp8_gemm_buckets("block", 4096, 12288, None) is DEFAULT_BUCKETS["block"]
+    finally:
+        get_fp8_gemm_buckets.cache_clear()
+
+
+def test_invalid_configs_name_the_field() -> None:
+    with pytest.raises(ValueError, match="backend"):
+        Fp8GemmConfig(backend="cutlass")
+    with pytest.raises(ValueError, match="quant"):
+        Fp8GemmConfig(quant="static")
+    with pytest.raises(ValueError, match="BLOCK_N must be a power of two >= 16"):
+        Fp8GemmConfig(BLOCK_N=48)
+    with pytest.raises(ValueError, match="num_stages must be a positive int"):
+        Fp8GemmConfig(num_stages=0)
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        Fp8GemmConfig(num_warps=3)
+    with pytest.raises(ValueError, match="scale_format"):
+        get_fp8_gemm_buckets("tensor", 1, 1, None)
+    with pytest.raises(ValueError, match="non-empty"):
+        parse_buckets({}, "f")
+    with pytest.raises(ValueError, match="positive row count"):
+        parse_buckets({"x": {}}, "f")
+    with pytest.raises(ValueError, match=r"f\[8\]: keys must be among"):
+        parse_buckets({"8": {"BLOCK_Q": 16}}, "f")
+    with pytest.raises(ValueError, match=r"f\[8\]: BLOCK_M"):
+        parse_buckets({"8": {"BLOCK_M": 8}}, "f")

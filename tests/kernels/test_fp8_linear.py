@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrum.kernels.fp8_gemm_config import Fp8GemmConfig
+from ferrum.kernels.fp8_gemm_ref import w8a8_block_fp8_matmul_ref, w8a8_channel_fp8_matmul_ref
+from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear, scaled_mm_takes
+from ferrum.kernels.fp8_weight import quantize_weight_block, quantize_weight_per_channel
+from tests.utils.fp8_inputs import representable
+
+SMALL = Fp8GemmConfig(quant="fused", BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=2)
+LARGE = Fp8GemmConfig(quant="separate", BLOCK_M=32, BLOCK_N=64, num_stages=2)
+SCALED_MM = Fp8GemmConfig(backend="scaled_mm", BLOCK_M=32, BLOCK_N=64, num_stages=2)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    atol = tol * ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("m", [3, 20])
+def test_block_linear_each_bucket(m: int, device: torch.device) -> None:
+    """m=3 takes the fused bucket, m=20 quantizes first; leading dims are kept."""
+    gen = torch.Generator().manual_seed(0)
+    weight, scale_inv = (
+        t.to(device) for t in quantize_weight_block(torch.randn(192, 256, generator=gen))
+    )
+    x = representable(2 * m, 256, 128, torch.float16, device).view(2, m, 256)
+    out = fp8_block_linear(x, weight, scale_inv, buckets={8: SMALL, 64: LARGE})
+    assert out.shape == (2, m, 192)
+    ref = w8a8_block_fp8_matmul_ref(x.view(-1, 256), weight, scale_inv, torch.float16)
+    _close(out.view(-1, 192), ref, 4e-3)
+
+
+@pytest.mark.parametrize("m,backend", [(2, "fused"), (12, "separate"), (40, "scaled_mm")])
+def test_channel_linear_each_bucket(m: int, backend: str, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight, scale = (
+        t.to(device) for t in quantize_weight_per_channel(torch.randn(96, 160, generator=gen))
+    )
+    bias = torch.randn(96, generator=gen).to(device, torch.bfloat16)
+    dtype = torch.bfloat16 if backend == "scaled_mm" else torch.float16
+    x = representable(m, 160, 160, dtype, device, seed=m)
+    out = fp8_channel_linear(
+        x, weight, scale, bias.to(dtype), buckets={4: SMALL, 16: LARGE, 64: SCALED_MM}
+    )
+    ref = w8a8_channel_fp8_matmul_ref(x, weight, scale, dtype, bias=bias.to(dtype))
+    _close(out, ref, 2e-2 if dtype == torch.bfloat16 else 4e-3)
+
+
+def test_scaled_mm_bucket_falls_back_to_triton_where_cublas_cannot(device: torch.device) -> None:
+    assert scaled_mm_takes(torch.bfloat16, 96, 160)
+    assert not scaled_mm_takes(torch.float16, 96, 160)
+    assert not scaled_mm_takes(torch.bfloat16, 100, 160)
+    gen = torch.Generator().manual_seed(2)
+    weight, scale = (
+        t.to(device) for t in quantize_weight_per_channel(torch.randn(100, 160, generator=gen))
+    )
+    x = representable(5, 160, 160, torch.float16, device)
+    out = fp8_channel_linear(x, weight, scale, buckets={64: SCALED_MM})
+    _close(out, w8a8_channel_fp8_matmul_ref(x, weight, scale, torch.float16), 4e-3)
+
+
+def test_default_buckets_run(device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(128, 128, generator=gen)
+    weight, scale_inv = (t.to(device) for t in quantize_weight_block(w))
+    x = representable(2, 128, 128, torch.float16, device)
+    _close(
+        fp8_block_linear(x, weight, scale_inv),
+        w8a8_block_fp8_matmul_ref(x, weight, scale_inv, torch.float16),
+        4e-3,
+    )
+
+
+def test_validation_errors() -> None:
+    weight, scale = quantize_weight_per_channel(torch.randn(32, 64))
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 64\]"):
+        fp8_channel_linear(torch.zeros(2, 32, dtype=torch.float16), weight, scale)
+    with pytest.raises(ValueError, match="x must be"):
+        fp8_channel_linear(torch.zeros(2, 64), weight, scale)
+    with pytest.raises(ValueError, match="weight_scale must be"):
+        fp8_channel_linear(
+            torch.zeros(2, 64, dtype=torch.bfloat16), weight, scale.double(), buckets={8: SCALED_MM}
+        )
