@@ -21,12 +21,10 @@ from ferrum.engine.core_messages import (
     CoreOutputs,
     EngineCoreOutput,
     FromCore,
-    RequestsRejected,
     SchedulerStats,
 )
 from ferrum.engine.input_processor import (
     InputProcessor,
-    ProcessedPrompt,
     PromptType,
     load_tokenizer,
 )
@@ -96,7 +94,6 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(config.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None
-        self.core_info: CoreInfo | None = None
         self.dead_reason: str | None = None
         self._streams: dict[str, RequestStream] = {}
         self._latest_stats: SchedulerStats | None = None
@@ -123,7 +120,6 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             self.config.model_config, self.tokenizer, info.max_tokens_in_pool
         )
-        self.core_info = info
         logger.info(
             "engine core ready in %.2f s (process start + imports %.2f s, engine %.2f s): "
             "%d KV blocks, %d tokens in the pool",
@@ -137,7 +133,7 @@ class AsyncLLM:
 
     @property
     def is_ready(self) -> bool:
-        return self.core_info is not None and self.dead_reason is None
+        return self.input_processor is not None and self.dead_reason is None
 
     @property
     def is_dead(self) -> bool:
@@ -150,32 +146,14 @@ class AsyncLLM:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def check_can_serve(self) -> None:
+    def check_can_serve(self) -> InputProcessor:
+        """The input processor; raises EngineDeadError or EngineNotReadyError if no request can
+        be served now."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self.input_processor is None:
             raise EngineNotReadyError("the engine is still loading")
-
-    def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
-        """Tokenizes and checks a prompt; raises ValueError naming what is wrong."""
-        self.check_can_serve()
-        assert self.input_processor is not None
-        return self.input_processor.process_prompt(prompt)
-
-    def max_tokens_room(self, num_prompt_tokens: int) -> int:
-        """The most output tokens a prompt of this length can get (context and KV pool)."""
-        self.check_can_serve()
-        assert self.core_info is not None
-        limit = min(self.config.model_config.max_model_len, self.core_info.max_tokens_in_pool)
-        return limit - num_prompt_tokens
-
-    def describe_limits(self) -> str:
-        """The length limits one request is checked against, for error messages."""
-        pool = self.core_info.max_tokens_in_pool if self.core_info else "unknown"
-        return (
-            f"max_model_len={self.config.model_config.max_model_len}, "
-            f"KV cache capacity {pool} tokens"
-        )
+        return self.input_processor
 
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams
@@ -185,9 +163,7 @@ class AsyncLLM:
         Iterate the returned stream to get outputs; leaving the iteration early (break, error,
         cancellation) aborts the request in the core.
         """
-        self.check_can_serve()
-        assert self.input_processor is not None
-        prompt, requests = self.input_processor.process(request_id, prompt, params)
+        prompt, requests = self.check_can_serve().process(request_id, prompt, params)
         self.output_processor.add_request(request_id, prompt, requests)
         merge_deltas = params.output_kind is RequestOutputKind.DELTA
         stream = self._streams[request_id] = RequestStream(request_id, self.abort, merge_deltas)
@@ -252,9 +228,6 @@ class AsyncLLM:
                 assert self._ready is not None
                 if not self._ready.done():
                     self._ready.set_result(message)
-            case RequestsRejected(rejected):
-                for req_id, reason in rejected:
-                    self._fail_request(req_id, ValueError(reason))
             case CoreFailed(reason):
                 self._on_dead(reason)
 
@@ -268,12 +241,6 @@ class AsyncLLM:
                 self._notify_finished(output)
             if stream is not None:
                 stream.put(output)
-
-    def _fail_request(self, child_id: str, error: BaseException) -> None:
-        for request_id, stream in list(self._streams.items()):
-            if child_id in self.output_processor.child_ids(request_id):
-                self.abort(request_id)
-                stream.fail(error)
 
     def _on_dead(self, reason: str) -> None:
         if self.dead_reason is not None:

@@ -25,14 +25,12 @@ from typing import Any
 
 from ferrum.config import EngineConfig
 from ferrum.engine.core_messages import (
-    AddRequests,
     CoreFailed,
     CoreInfo,
     CoreOutputs,
     EngineCoreRequest,
     FinishRequests,
     FromCore,
-    RequestsRejected,
     Shutdown,
     ToCore,
 )
@@ -83,7 +81,8 @@ class EngineCoreClient:
         return None if self._process is None else self._process.pid
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        self._outbox.put(AddRequests(requests))
+        for request in requests:
+            self._outbox.put(request)
 
     def finish_requests(self, req_ids: list[str], status: RequestStatus) -> None:
         if req_ids:
@@ -179,18 +178,11 @@ def _busy_loop(core: Any, inbox: Connection, outbox: Connection) -> None:
             messages.extend(inbox.recv())
         while inbox.poll():
             messages.extend(inbox.recv())
-        replies: list[FromCore] = []
         for message in messages:
             match message:
-                case AddRequests(requests):
-                    rejected = []
-                    for request in requests:
-                        try:
-                            core.add_request(request)
-                        except ValueError as e:
-                            rejected.append((request.req_id, str(e)))
-                    if rejected:
-                        replies.append(RequestsRejected(rejected))
+                case EngineCoreRequest():
+                    # The front end checked it against the same limits: a refusal is a bug.
+                    core.add_request(message)
                 case FinishRequests(req_ids, status):
                     core.finish_requests(req_ids, status)
                 case Shutdown():
@@ -198,8 +190,6 @@ def _busy_loop(core: Any, inbox: Connection, outbox: Connection) -> None:
                 case _:
                     raise TypeError(f"engine core: unknown message {message!r}")
         if core.has_unfinished_requests():
-            replies.append(CoreOutputs(core.step(), core.stats()))
+            outbox.send([CoreOutputs(core.step(), core.stats())])
         elif messages:
-            replies.append(CoreOutputs([], core.stats()))
-        if replies:
-            outbox.send(replies)
+            outbox.send([CoreOutputs([], core.stats())])

@@ -52,11 +52,6 @@ class SchedulerStats:
 
 
 @dataclass(slots=True)
-class AddRequests:
-    requests: list[EngineCoreRequest]
-
-
-@dataclass(slots=True)
 class FinishRequests:
     """Aborted (their blocks return to the pool at once) or stopped by a stop string."""
 
@@ -87,15 +82,9 @@ class CoreOutputs:
 
 
 @dataclass(slots=True)
-class RequestsRejected:
-    # (req_id, reason) per request the core refused.
-    rejected: list[tuple[str, str]]
-
-
-@dataclass(slots=True)
 class CoreFailed:
     reason: str
 
 
-ToCore = AddRequests | FinishRequests | Shutdown
-FromCore = CoreInfo | CoreOutputs | RequestsRejected | CoreFailed
+ToCore = EngineCoreRequest | FinishRequests | Shutdown
+FromCore = CoreInfo | CoreOutputs | CoreFailed

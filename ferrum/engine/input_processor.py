@@ -53,6 +53,14 @@ class InputProcessor:
             eos_token_ids = [primary] + [i for i in eos_token_ids if i != primary]
         self.eos_token_ids = eos_token_ids
 
+    def max_tokens_room(self, num_prompt_tokens: int) -> int:
+        """The most output tokens a prompt of this length can get (context and KV pool)."""
+        return min(self.max_model_len, self.pool_tokens) - num_prompt_tokens
+
+    def describe_limits(self) -> str:
+        """The length limits a request is checked against, for error messages."""
+        return f"max_model_len={self.max_model_len}, KV cache capacity {self.pool_tokens} tokens"
+
     def process(
         self,
         request_id: str,

@@ -142,15 +142,13 @@ class OutputProcessor:
         for rank_index, (token_id, value) in enumerate(zip(step.token_ids, step.logprobs)):
             rank = step.sampled_rank if rank_index == 0 else rank_index
             if token_id not in entry:
-                entry[token_id] = Logprob(value, rank, self._decode_one(token_id))
+                text = None
+                if self.tokenizer is not None:
+                    text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+                entry[token_id] = Logprob(value, rank, text)
         child.logprobs.append(entry)
         assert child.cumulative_logprob is not None
         child.cumulative_logprob += step.logprobs[0]
-
-    def _decode_one(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _make_output(self, parent: _ParentState, now: float) -> RequestOutput:
         finished = parent.finished

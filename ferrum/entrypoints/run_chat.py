@@ -61,10 +61,7 @@ class ChatSession:
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         params = self.params
         if params.max_tokens is None:
-            room = min(
-                self.engine.config.model_config.max_model_len,
-                self.engine.core.kv_cache_manager.max_tokens_in_pool(),
-            ) - len(token_ids)
+            room = self.engine.input_processor.max_tokens_room(len(token_ids))
             if room < 1:
                 raise ValueError(
                     f"the conversation ({len(token_ids)} tokens) fills the context; start over"

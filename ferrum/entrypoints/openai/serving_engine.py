@@ -83,7 +83,7 @@ class OpenAIServing:
 
     def tokenize(self, prompt: PromptType, param: str = "prompt") -> ProcessedPrompt:
         try:
-            return self.engine.process_prompt(prompt)
+            return self.engine.check_can_serve().process_prompt(prompt)
         except (ValueError, EngineDeadError, EngineNotReadyError) as e:
             raise as_api_error(e, param) from None
 
@@ -91,12 +91,13 @@ class OpenAIServing:
         """`requested`, else the model's default capped by the room left for this prompt."""
         if requested is not None:
             return requested
-        room = self.engine.max_tokens_room(num_prompt_tokens)
+        processor = self.engine.check_can_serve()
+        room = processor.max_tokens_room(num_prompt_tokens)
         if room < 1:
             raise APIError(
                 400,
                 f"prompt ({num_prompt_tokens} tokens) leaves no room for output: "
-                f"{self.engine.describe_limits()}",
+                f"{processor.describe_limits()}",
                 param=param,
             )
         default = self.defaults.get("max_tokens")
