@@ -23,11 +23,7 @@ from ferrum.engine.core_messages import (
     FromCore,
     SchedulerStats,
 )
-from ferrum.engine.input_processor import (
-    InputProcessor,
-    PromptType,
-    load_tokenizer,
-)
+from ferrum.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from ferrum.engine.output_processor import OutputProcessor
 from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput

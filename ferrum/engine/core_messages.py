@@ -36,10 +36,6 @@ class EngineCoreOutput:
     logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass(slots=True)
 class SchedulerStats:

@@ -42,7 +42,6 @@ class IncrementalDetokenizer:
             self._holdback = 0
         self._num_sent_chars = 0
         self._stopped = False
-        self._flushed = False
 
         # The decode window: its first `_read_offset` ids (at first the prompt's tail) decode to
         # `_prefix_text`, the ids after them are not finalized yet.
@@ -142,9 +141,8 @@ class IncrementalDetokenizer:
         While unfinished, the last (longest stop string length - 1) characters are held back so a
         stop string is never streamed partially.
         """
-        if finished and not self._stopped and not self._flushed:
-            self._flush()
-            self._flushed = True
+        if finished and not self._stopped:
+            self._flush()  # a no-op once flushed
         end = len(self.output_text) if finished else len(self.output_text) - self._holdback
         end = max(end, 0)
         if not delta:

@@ -55,8 +55,7 @@ class OutputProcessor:
     def add_request(
         self, request_id: str, prompt: ProcessedPrompt, requests: list[EngineCoreRequest]
     ) -> None:
-        """Tracks a request's completions (`requests`, in index order); raises ValueError if an
-        id is taken."""
+        """Tracks a request's completions (in index order); raises ValueError if an id is taken."""
         if self.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use")
         taken = next((r.req_id for r in requests if self.has_request(r.req_id)), None)
@@ -112,9 +111,9 @@ class OutputProcessor:
             if stop_string is not None:
                 # A stop string wins over the core's reason for the same token (e.g. "length").
                 child.finish_reason, child.stop_reason = "stop", stop_string
-                if not core_output.finished:
+                if core_output.finish_reason is None:
                     stopped_by_string.append(core_output.req_id)
-            elif core_output.finished:
+            elif core_output.finish_reason is not None:
                 child.finish_reason = core_output.finish_reason
                 child.stop_reason = core_output.stop_reason
             changed[parent.request_id] = parent

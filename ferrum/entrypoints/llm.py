@@ -101,13 +101,15 @@ class LLM:
         """One SamplingParams per prompt, each asking for its final output only."""
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * num_prompts
-        params = list(sampling_params)
+        params = [p.clone() for p in sampling_params]
         if len(params) != num_prompts:
             raise ValueError(
                 f"sampling_params: got {len(params)} for {num_prompts} prompts (give one, or one "
                 "per prompt)"
             )
-        return [_final_only(p) for p in params]
+        for p in params:
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+        return params
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -129,9 +131,3 @@ class LLM:
                 engine.abort_request([r for r in request_ids if r not in finished])
                 raise
         return [finished[r] for r in request_ids]
-
-
-def _final_only(params: SamplingParams) -> SamplingParams:
-    params = params.clone()
-    params.output_kind = RequestOutputKind.FINAL_ONLY
-    return params
