@@ -60,7 +60,9 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="model name(s) clients use (default: MODEL as given, or the shipped model's name)",
     )
     parser.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes"
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every route but /health and /version",
     )
     parser.add_argument(
         "--uvicorn-log-level",

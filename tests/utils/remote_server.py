@@ -109,7 +109,7 @@ class RemoteServer:
 
     def metrics(self) -> dict[str, float]:
         """Sample name (labels dropped) -> value, of the unlabelled-or-single-label samples."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
+        text = httpx.get(self.url + "/metrics", headers=self.headers, timeout=10).text
         values: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("#") or not line.strip():

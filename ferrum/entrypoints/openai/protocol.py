@@ -49,14 +49,20 @@ class APIError(Exception):
         super().__init__(message)
         self.status_code = status_code
         self.info = ErrorInfo(
-            message=shorten(message),
+            message=encodable(shorten(message)),
             type=type or ("invalid_request_error" if status_code < 500 else "server_error"),
-            param=param,
+            param=None if param is None else encodable(shorten(param, 100)),
             code=code,
         )
 
     def body(self) -> dict[str, Any]:
         return ErrorResponse(error=self.info).model_dump()
+
+
+def encodable(text: str) -> str:
+    """`text` with lone surrogates (valid in JSON, not in UTF-8) written as `\\udXXX` escapes,
+    so that an error echoing user input can always be sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def shorten(text: str, limit: int = 500) -> str:

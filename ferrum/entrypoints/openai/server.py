@@ -49,6 +49,7 @@ from ferrum.entrypoints.openai.protocol import (
 )
 from ferrum.entrypoints.openai.serving_chat import OpenAIServingChat
 from ferrum.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from ferrum.entrypoints.openai.serving_engine import NOT_UNICODE
 from ferrum.logger import init_logger
 
 logger = init_logger(__name__)
@@ -89,25 +90,37 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code)
 
 
+# Routes open without the API key: liveness probes and the version, which do no work and
+# reveal no traffic. Every other path (unknown ones too) needs the key.
+OPEN_PATHS = frozenset({"/health", "/version"})
+
+
 class APIKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer <api key>`."""
+    """Every route but OPEN_PATHS needs `Authorization: Bearer <api key>` (the scheme in any
+    case, RFC 9110)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key.encode()
+
+    def authorized(self, scope: Scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = given.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
-                error = APIError(
-                    401,
-                    "missing or wrong API key (Authorization: Bearer <key>)",
-                    code="invalid_api_key",
-                )
-                await error_response(error)(scope, receive, send)
-                return
+        if (
+            scope["type"] == "http"
+            and scope["path"] not in OPEN_PATHS
+            and not self.authorized(scope)
+        ):
+            error = APIError(
+                401,
+                "missing or wrong API key (Authorization: Bearer <key>)",
+                code="invalid_api_key",
+            )
+            await error_response(error)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -177,6 +190,12 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         api_error = APIError(error.status_code, str(error.detail))
         return JSONResponse(api_error.body(), status_code=error.status_code, headers=error.headers)
 
+    @app.exception_handler(UnicodeError)
+    async def _not_unicode(_: Request, error: UnicodeError) -> JSONResponse:
+        # Input text reaches UTF-8 (tokenizer, response) only through a handler: a lone
+        # surrogate in any field ends here unless a handler named the field first.
+        return error_response(APIError(400, f"the request holds text that is {NOT_UNICODE}"))
+
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, error: Exception) -> JSONResponse:
         logger.exception("internal error while serving a request")
@@ -233,7 +252,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            try:
+                tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            except ValueError as e:
+                raise APIError(400, f"prompt: {e}", param="prompt") from None
         else:
             assert body.messages is not None
             if not body.messages:

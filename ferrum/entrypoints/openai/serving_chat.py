@@ -26,10 +26,12 @@ from ferrum.entrypoints.openai.protocol import (
     TopLogprob,
 )
 from ferrum.entrypoints.openai.serving_engine import (
+    NOT_UNICODE,
     SSE_DONE,
     ChoiceState,
     OpenAIServing,
     finite_logprob,
+    is_unicode,
     sse_event,
     stream_error_event,
     usage_of,
@@ -98,6 +100,11 @@ class OpenAIServingChat(OpenAIServing):
                 param="chat_template_kwargs",
             )
         conversation = [_message_dict(m) for m in messages]
+        for index, message in enumerate(conversation):
+            for field in ("name", "tool_call_id"):
+                if field in message and not is_unicode(message[field]):
+                    param = f"messages.{index}.{field}"
+                    raise APIError(400, f"{param}: {NOT_UNICODE}", param=param)
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
@@ -109,10 +116,11 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(
                 400, f"messages: the chat template failed: {e}", param="messages"
             ) from None
-        return self.tokenize(
-            {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)},
-            "messages",
-        )
+        try:
+            token_ids = tokenizer.encode(text, add_special_tokens=False)
+        except ValueError as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+        return self.tokenize({"prompt": text, "prompt_token_ids": token_ids}, "messages")
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest

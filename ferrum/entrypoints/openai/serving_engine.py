@@ -29,6 +29,18 @@ logger = init_logger(__name__)
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
+NOT_UNICODE = "not valid Unicode text (it holds a lone surrogate such as \\ud800)"
+
+
+def is_unicode(text: str) -> bool:
+    """False for text with lone surrogates: JSON can carry them, UTF-8 cannot."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def sse_event(payload: str) -> str:
     return f"data: {payload}\n\n"
 
@@ -69,6 +81,8 @@ class OpenAIServing:
         self.defaults: dict[str, Any] = engine.config.model_config.default_sampling_kwargs()
 
     def check_request(self, model: str | None) -> None:
+        if model is not None and not is_unicode(model):
+            raise APIError(400, f"model: {NOT_UNICODE}", param="model")
         if model is not None and model not in self.model_names:
             raise APIError(
                 404,

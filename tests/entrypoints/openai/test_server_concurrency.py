@@ -37,7 +37,7 @@ def wait_for_idle(server: RemoteServer, timeout: float = 20.0) -> dict[str, floa
 
 
 def aborted_count(server: RemoteServer) -> float:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
+    text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=10).text
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -10,7 +11,7 @@ import openai
 import pytest
 
 from ferrum.default_model import DEFAULT_MODEL_NAME
-from tests.utils.remote_server import RemoteServer
+from tests.utils.remote_server import API_KEY, RemoteServer
 
 
 def post(server: RemoteServer, path: str, **kwargs: Any) -> httpx.Response:
@@ -112,7 +113,7 @@ def test_unknown_model_is_404(server: RemoteServer) -> None:
         )
 
 
-def test_api_key_is_required_on_v1(server: RemoteServer) -> None:
+def test_api_key_is_required_everywhere_but_probes(server: RemoteServer) -> None:
     body = {"model": DEFAULT_MODEL_NAME, "prompt": "x", "max_tokens": 1}
     missing = httpx.post(server.url + "/v1/completions", json=body, timeout=10)
     assert error_of(missing, 401)["code"] == "invalid_api_key"
@@ -122,11 +123,66 @@ def test_api_key_is_required_on_v1(server: RemoteServer) -> None:
     assert wrong.status_code == 401
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
-    # Health and metrics stay open for probes.
+    for method, path, payload in (
+        ("POST", "/tokenize", {"prompt": "x"}),
+        ("POST", "/detokenize", {"tokens": [1]}),
+        ("GET", "/metrics", None),
+        ("GET", "/v1/models", None),
+        ("GET", "/v2/nothing", None),
+    ):
+        response = httpx.request(method, server.url + path, json=payload, timeout=10)
+        assert error_of(response, 401)["code"] == "invalid_api_key", path
+        authorized = httpx.request(
+            method, server.url + path, json=payload, headers=server.headers, timeout=10
+        )
+        assert authorized.status_code != 401, path
+    # Probes stay open; the scheme is case-insensitive, extra spaces before the key are ignored.
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert httpx.get(server.url + "/version", timeout=10).status_code == 200
+    for authorization in (f"bearer {API_KEY}", f"BEARER  {API_KEY}"):
+        headers = {"Authorization": authorization}
+        assert httpx.get(server.url + "/v1/models", headers=headers, timeout=10).status_code == 200
+    for authorization in (API_KEY, f"Basic {API_KEY}", f"Bearer {API_KEY}x", "Bearer"):
+        headers = {"Authorization": authorization}
+        assert httpx.get(server.url + "/v1/models", headers=headers, timeout=10).status_code == 401
+
+
+# JSON can carry lone surrogates (as escapes); UTF-8 and tokenizers cannot.
+_USER = {"role": "user", "content": "hi"}
+LONE_SURROGATE_CASES = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x \udfff y"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "\ud800"}, _USER]}),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\udc00"}]}]},
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "\udfff"}], "stream": True},
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "\ud800"}]}),
+    ("/v1/chat/completions", {"messages": [_USER], "model": "\ud800"}),
+    ("/v1/completions", {"prompt": "a\ud800b", "max_tokens": 1}),
+    ("/v1/completions", {"prompt": ["ok", "a\ud800b"], "max_tokens": 1}),
+    ("/v1/completions", {"prompt": "x", "model": "\ud800"}),
+    ("/v1/completions", {"prompt": "x", "stream": True, "model": "\udbff\udbff"}),
+    ("/tokenize", {"prompt": "a\ud800b"}),
+    ("/tokenize", {"messages": [{"role": "user", "content": "\udfff"}]}),
+    ("/tokenize", {"prompt": "x", "model": "\ud800"}),
+    ("/detokenize", {"tokens": [1], "model": "\ud800"}),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"\ud800": 1}}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), LONE_SURROGATE_CASES)
+def test_lone_surrogates_are_400(server: RemoteServer, path: str, body: dict[str, Any]) -> None:
+    content = json.dumps(body)  # ensure_ascii: each lone surrogate as its escape
+    response = post(server, path, content=content, headers={"Content-Type": "application/json"})
+    error_of(response, 400)
+    response.content.decode("utf-8")  # the error itself is valid UTF-8
 
 
 def test_unknown_route_uses_envelope(server: RemoteServer) -> None:
-    response = httpx.get(server.url + "/v2/nothing", timeout=10)
+    response = httpx.get(server.url + "/v2/nothing", headers=server.headers, timeout=10)
     error_of(response, 404)
     assert re.search("not found", response.json()["error"]["message"], re.IGNORECASE)

@@ -63,7 +63,9 @@ def test_completion_echo_and_token_prompt(server: RemoteServer) -> None:
     )
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
-    ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}, timeout=10).json()["tokens"]
+    ids = httpx.post(
+        server.url + "/tokenize", json={"prompt": PROMPT}, headers=server.headers, timeout=10
+    ).json()["tokens"]
     from_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
     assert from_ids.choices[0].text == plain.choices[0].text
 
@@ -208,13 +210,21 @@ def test_stop_string(server: RemoteServer) -> None:
 
 
 def test_tokenize_detokenize_version(server: RemoteServer) -> None:
-    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}, timeout=10).json()
+    tokens = httpx.post(
+        server.url + "/tokenize", json={"prompt": "hello world"}, headers=server.headers, timeout=10
+    ).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == 512
-    text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}, timeout=10)
+    text = httpx.post(
+        server.url + "/detokenize",
+        json={"tokens": tokens["tokens"]},
+        headers=server.headers,
+        timeout=10,
+    )
     assert text.json() == {"prompt": "hello world"}
     chat = httpx.post(
         server.url + "/tokenize",
         json={"messages": [{"role": "user", "content": "hi"}]},
+        headers=server.headers,
         timeout=10,
     ).json()
     assert chat["count"] > tokens["count"]
