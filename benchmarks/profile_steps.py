@@ -60,6 +60,7 @@ def main() -> int:
     runner = core.runner
     core.scheduler.schedule = timed(phases, "schedule", core.scheduler.schedule)
     core.scheduler.update_from_output = timed(phases, "update", core.scheduler.update_from_output)
+    runner.inputs.prepare = timed(phases, "inputs (build + copy)", runner.inputs.prepare)
     runner._forward = timed(phases, "forward (launch or replay)", runner._forward)
     runner.sampler = timed(phases, "sampler", runner.sampler)
     engine.output_processor.process = timed(phases, "output", engine.output_processor.process)

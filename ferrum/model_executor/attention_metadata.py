@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -30,5 +29,3 @@ class AttentionMetadata:
     # Host copies for the torch reference path, so it never syncs on the device tensors.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    # Scratch of the Triton split-KV decode path (owned by the runner); None disables that path.
-    split_kv_workspace: Any = None

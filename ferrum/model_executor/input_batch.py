@@ -1,19 +1,23 @@
-"""Flattening one step's scheduled tokens into model inputs.
+"""Flattening one step's scheduled tokens into model inputs, in buffers sized once at start-up.
 
-The host side is numpy (built once per step from the runner's request states); the device side
-is one `AttentionMetadata` plus token ids and positions.
+Per step, one host->device copy carries input_ids, positions and slot_mapping (one entry per
+token), query_start_loc, seq_lens and block_tables (one row per request), then the indices of the
+sampled tokens and of the placeholders. A CUDA-graph batch is padded to the graph's shape, and
+its block tables are `max_blocks_per_req` wide: equal shapes give equal offsets, so a replay reads
+the same addresses its capture did. An eager batch's block tables are as wide as its longest.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from ferrum.model_executor.attention_metadata import AttentionMetadata
+from ferrum.model_executor.staging_buffer import StagingBuffer, staging_bytes
 
 
 class RequestTokens(Protocol):
@@ -25,167 +29,193 @@ class RequestTokens(Protocol):
 
 
 @dataclass(slots=True)
-class HostBatch:
-    req_ids: list[str]
-    input_ids: np.ndarray  # [num_tokens] int64
-    positions: np.ndarray  # [num_tokens] int64
-    slot_mapping: np.ndarray  # [num_tokens] int64
-    query_start_loc: list[int]  # [num_reqs + 1]
-    seq_lens: list[int]  # [num_reqs]
-    block_tables: np.ndarray  # [num_reqs, max_blocks] int32
-    max_query_len: int
-    # Flat indices of the tokens whose logits are sampled, and the requests they belong to.
-    logits_indices: list[int]
+class StepInputs:
+    """One step's batch: device views into the input buffers plus what the runner needs next."""
+
+    input_ids: torch.Tensor  # [num_tokens (padded)] int64
+    positions: torch.Tensor  # [num_tokens (padded)] int64
+    attn_metadata: AttentionMetadata
+    # Rows of the hidden states to sample, in batch order; None when that is every real token.
+    logits_indices: torch.Tensor | None
     sampled_req_ids: list[str]
-    # Flat indices of input tokens not yet on the host (sampled by the previous launched step,
-    # input_ids holds 0 there), and their requests: filled on the device before the forward.
-    placeholder_indices: list[int]
-    placeholder_req_ids: list[str]
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_query_len == 1
+    # Input tokens the previous launched step samples (input_ids holds 0 there): the runner sets
+    # input_ids[index[0]] = last_sampled[index[1]] with index [2, num_placeholders], or copies
+    # the first num_placeholders of last_sampled to the first of input_ids when index is None.
+    num_placeholders: int
+    placeholder_index: torch.Tensor | None
 
 
 @dataclass(slots=True)
-class BatchInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor
+class _ProfileRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
 
 
-def build_host_batch(
-    requests: Mapping[str, RequestTokens],
-    num_scheduled_tokens: Mapping[str, int],
-    num_tokens: int,
-    block_size: int,
-) -> HostBatch:
-    """Request i's tokens [computed, computed + scheduled) in scheduling order, with their slots.
-
-    A decode whose input is its pending token (the one the previous launched step samples) gets
-    a placeholder; prompt chunks only ever cover known tokens."""
-    req_ids = list(num_scheduled_tokens)
-    num_reqs = len(req_ids)
-    input_ids = np.empty(num_tokens, dtype=np.int64)
-    positions = np.empty(num_tokens, dtype=np.int64)
-    slot_mapping = np.empty(num_tokens, dtype=np.int64)
-    query_start_loc = [0] * (num_reqs + 1)
-    seq_lens = [0] * num_reqs
-    max_blocks = max(len(requests[r].block_ids) for r in req_ids)
-    block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-    logits_indices: list[int] = []
-    sampled_req_ids: list[str] = []
-    placeholder_indices: list[int] = []
-    placeholder_req_ids: list[str] = []
-    offset = 0
-    for i, req_id in enumerate(req_ids):
-        state = requests[req_id]
-        n = num_scheduled_tokens[req_id]
-        start = state.num_computed_tokens
-        end = start + n
-        block_ids = state.block_ids
-        block_tables[i, : len(block_ids)] = block_ids
-        num_known = len(state.token_ids)
-        if n == 1:  # the decode fast path: plain ints, no temporary arrays
-            if start < num_known:
-                input_ids[offset] = state.token_ids[start]
-            else:
-                assert start == num_known and state.num_output_placeholders, (req_id, start)
-                input_ids[offset] = 0
-                placeholder_indices.append(offset)
-                placeholder_req_ids.append(req_id)
-            positions[offset] = start
-            slot_mapping[offset] = block_ids[start // block_size] * block_size + start % block_size
-        else:
-            assert end <= num_known, (req_id, end, num_known)
-            input_ids[offset : offset + n] = state.token_ids[start:end]
-            pos = np.arange(start, end, dtype=np.int64)
-            positions[offset : offset + n] = pos
-            blocks = np.asarray(block_ids, dtype=np.int64)
-            slot_mapping[offset : offset + n] = blocks[pos // block_size] * block_size + (
-                pos % block_size
-            )
-        offset += n
-        query_start_loc[i + 1] = offset
-        seq_lens[i] = end
-        if end == num_known + state.num_output_placeholders:
-            logits_indices.append(offset - 1)
-            sampled_req_ids.append(req_id)
-    return HostBatch(
-        req_ids=req_ids,
-        input_ids=input_ids,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        query_start_loc=query_start_loc,
-        seq_lens=seq_lens,
-        block_tables=block_tables,
-        max_query_len=max(num_scheduled_tokens.values()),
-        logits_indices=logits_indices,
-        sampled_req_ids=sampled_req_ids,
-        placeholder_indices=placeholder_indices,
-        placeholder_req_ids=placeholder_req_ids,
-    )
-
-
-def to_device_inputs(
-    batch: HostBatch, device: torch.device, split_kv_workspace: Any = None
-) -> BatchInputs:
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device, non_blocking=True)
-
-    metadata = AttentionMetadata(
-        num_reqs=batch.num_reqs,
-        num_tokens=len(batch.input_ids),
-        max_query_len=batch.max_query_len,
-        max_seq_len=max(batch.seq_lens),
-        query_start_loc=to_device(np.asarray(batch.query_start_loc, dtype=np.int32)),
-        seq_lens=to_device(np.asarray(batch.seq_lens, dtype=np.int32)),
-        block_tables=to_device(batch.block_tables),
-        slot_mapping=to_device(batch.slot_mapping),
-        query_start_loc_cpu=batch.query_start_loc,
-        seq_lens_cpu=batch.seq_lens,
-        split_kv_workspace=split_kv_workspace,
-    )
-    return BatchInputs(
-        input_ids=to_device(batch.input_ids),
-        positions=to_device(batch.positions),
-        attn_metadata=metadata,
-        logits_indices=to_device(np.asarray(batch.logits_indices, dtype=np.int64)),
-    )
-
-
-def profile_batch(seq_lens: list[int], block_size: int) -> HostBatch:
-    """Prompts of the given lengths on consecutive blocks from block 1, all token id 0."""
-    num_tokens = sum(seq_lens)
-    query_start_loc = [0]
-    for n in seq_lens:
-        query_start_loc.append(query_start_loc[-1] + n)
-    max_blocks = max(-(-n // block_size) for n in seq_lens)
-    block_tables = np.zeros((len(seq_lens), max_blocks), dtype=np.int32)
-    slot_mapping, positions = [], []
+def profile_batch(
+    seq_lens: list[int], block_size: int
+) -> tuple[dict[str, RequestTokens], dict[str, int]]:
+    """Whole prompts of the given lengths on consecutive blocks from block 1, all token id 0:
+    the requests and their scheduled tokens."""
+    requests: dict[str, RequestTokens] = {}
     next_block = 1
     for i, n in enumerate(seq_lens):
         num_blocks = -(-n // block_size)
-        block_tables[i, :num_blocks] = np.arange(next_block, next_block + num_blocks)
-        slot_mapping.extend(range(next_block * block_size, next_block * block_size + n))
-        positions.extend(range(n))
+        requests[str(i)] = _ProfileRequest(
+            [0] * n, list(range(next_block, next_block + num_blocks))
+        )
         next_block += num_blocks
-    return HostBatch(
-        req_ids=[str(i) for i in range(len(seq_lens))],
-        input_ids=np.zeros(num_tokens, dtype=np.int64),
-        positions=np.asarray(positions, dtype=np.int64),
-        slot_mapping=np.asarray(slot_mapping, dtype=np.int64),
-        query_start_loc=query_start_loc,
-        seq_lens=list(seq_lens),
-        block_tables=block_tables,
-        max_query_len=max(seq_lens),
-        logits_indices=[],
-        sampled_req_ids=[],
-        placeholder_indices=[],
-        placeholder_req_ids=[],
-    )
+    return requests, {req_id: len(r.token_ids) for req_id, r in requests.items()}
+
+
+class InputBuffers:
+    def __init__(
+        self,
+        max_num_tokens: int,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_req = -(-max_model_len // block_size)
+        num_bytes = staging_bytes(
+            *[(max_num_tokens, torch.int64)] * 3,
+            (max_num_reqs + 1, torch.int32),
+            (max_num_reqs, torch.int32),
+            (max_num_reqs * self.max_blocks_per_req, torch.int32),
+            (max_num_reqs, torch.int64),
+            (2 * max_num_reqs, torch.int64),
+        )
+        self._staging = StagingBuffer(num_bytes, device)
+
+    def prepare(
+        self,
+        requests: Mapping[str, RequestTokens],
+        num_scheduled_tokens: Mapping[str, int],
+        num_tokens: int,
+        last_sampled_rows: Mapping[str, int],
+        pad_to: tuple[int, int] | None = None,
+    ) -> StepInputs:
+        """Request i's tokens [computed, computed + scheduled) in scheduling order, with their
+        slots, queued to the device. A decode whose input is its pending token (sampled by the
+        previous launched step, at row `last_sampled_rows[req_id]` of its output) gets a
+        placeholder; prompt chunks only ever cover known tokens.
+
+        `pad_to` = (tokens, requests) of a CUDA graph: padding requests get one token each at
+        position 0 over a one-token context in block 0 (never handed out), further padding
+        tokens belong to no request; both write their KV to slot 0."""
+        block_size = self.block_size
+        req_ids = list(num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        if pad_to is None:
+            num_padded, num_rows = num_tokens, num_reqs
+            width = max(len(requests[r].block_ids) for r in req_ids)
+        else:
+            (num_padded, num_rows), width = pad_to, self.max_blocks_per_req
+        take = self._staging.take
+        self._staging.begin()
+        input_ids_np, input_ids = take(num_padded, torch.int64)
+        positions_np, positions = take(num_padded, torch.int64)
+        slot_mapping_np, slot_mapping = take(num_padded, torch.int64)
+        query_start_loc_np, query_start_loc = take(num_rows + 1, torch.int32)
+        seq_lens_np, seq_lens = take(num_rows, torch.int32)
+        block_tables_np, block_tables = take(num_rows * width, torch.int32)
+        block_tables_np = block_tables_np.reshape(num_rows, width)
+        query_start_loc_list = [0] * (num_reqs + 1)
+        seq_lens_list = [0] * num_reqs
+        logits_indices: list[int] = []
+        sampled_req_ids: list[str] = []
+        placeholder_indices: list[int] = []
+        placeholder_rows: list[int] = []
+        offset = 0
+        for i, req_id in enumerate(req_ids):
+            state = requests[req_id]
+            n = num_scheduled_tokens[req_id]
+            start = state.num_computed_tokens
+            end = start + n
+            block_ids = state.block_ids
+            # Entries past a row's context are never read, so stale ones need no clearing.
+            block_tables_np[i, : len(block_ids)] = block_ids
+            num_known = len(state.token_ids)
+            if n == 1:  # the decode fast path: plain ints, no temporary arrays
+                if start < num_known:
+                    input_ids_np[offset] = state.token_ids[start]
+                else:
+                    assert start == num_known and state.num_output_placeholders, (req_id, start)
+                    input_ids_np[offset] = 0
+                    placeholder_indices.append(offset)
+                    placeholder_rows.append(last_sampled_rows[req_id])
+                positions_np[offset] = start
+                slot_mapping_np[offset] = (
+                    block_ids[start // block_size] * block_size + start % block_size
+                )
+            else:
+                assert end <= num_known, (req_id, end, num_known)
+                input_ids_np[offset : offset + n] = state.token_ids[start:end]
+                pos = np.arange(start, end, dtype=np.int64)
+                positions_np[offset : offset + n] = pos
+                blocks = np.asarray(block_ids, dtype=np.int64)
+                slot_mapping_np[offset : offset + n] = blocks[pos // block_size] * block_size + (
+                    pos % block_size
+                )
+            offset += n
+            query_start_loc_list[i + 1] = offset
+            seq_lens_list[i] = end
+            if end == num_known + state.num_output_placeholders:
+                logits_indices.append(offset - 1)
+                sampled_req_ids.append(req_id)
+        query_start_loc_np[: num_reqs + 1] = query_start_loc_list
+        seq_lens_np[:num_reqs] = seq_lens_list
+        if pad_to is not None:
+            for array in (input_ids_np, positions_np, slot_mapping_np):
+                array[num_tokens:] = 0
+            query_start_loc_np[num_reqs + 1 :] = np.arange(
+                num_tokens + 1, num_tokens + 1 + num_rows - num_reqs
+            )
+            seq_lens_np[num_reqs:] = 1
+            block_tables_np[num_reqs:, 0] = 0
+        logits_index = None
+        if len(logits_indices) < num_tokens:
+            logits_np, logits_index = take(len(logits_indices), torch.int64)
+            logits_np[:] = logits_indices
+        num_placeholders = len(placeholder_indices)
+        placeholder_index = None
+        # The steady decode batch (same requests, same order as the previous step) needs none.
+        if num_placeholders and (
+            placeholder_indices[-1] != num_placeholders - 1
+            or placeholder_rows != list(range(num_placeholders))
+        ):
+            index_np, placeholder_index = take(2 * num_placeholders, torch.int64)
+            index_np[:num_placeholders] = placeholder_indices
+            index_np[num_placeholders:] = placeholder_rows
+            placeholder_index = placeholder_index.view(2, num_placeholders)
+        self._staging.copy()
+        if pad_to is None:
+            max_query_len, max_seq_len = max(num_scheduled_tokens.values()), max(seq_lens_list)
+        else:  # the bounds a graph is captured for
+            max_query_len = 1 if num_padded == num_rows else num_padded
+            max_seq_len = self.max_model_len
+        metadata = AttentionMetadata(
+            num_reqs=num_rows,
+            num_tokens=num_padded,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables.view(num_rows, width),
+            slot_mapping=slot_mapping,
+            query_start_loc_cpu=query_start_loc_list,
+            seq_lens_cpu=seq_lens_list,
+        )
+        return StepInputs(
+            input_ids=input_ids,
+            positions=positions,
+            attn_metadata=metadata,
+            logits_indices=logits_index,
+            sampled_req_ids=sampled_req_ids,
+            num_placeholders=num_placeholders,
+            placeholder_index=placeholder_index,
+        )

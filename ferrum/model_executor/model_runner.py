@@ -8,20 +8,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from ferrum.config import EngineConfig
 from ferrum.logger import init_logger
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
-from ferrum.model_executor.input_batch import (
-    HostBatch,
-    build_host_batch,
-    profile_batch,
-    to_device_inputs,
-)
+from ferrum.model_executor.input_batch import InputBuffers, StepInputs, profile_batch
 from ferrum.model_executor.kernel_backend import resolve_kernel_backend
 from ferrum.model_executor.kv_cache_sizing import (
     allocate_kv_caches,
@@ -30,9 +24,16 @@ from ferrum.model_executor.kv_cache_sizing import (
 )
 from ferrum.model_executor.model_loader import load_model
 from ferrum.model_executor.sampler import Sampler, SamplerOutput
-from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow
+from ferrum.model_executor.sampling_metadata import (
+    SamplingMetadata,
+    SamplingRow,
+    sampling_staging,
+)
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from ferrum.kernels.paged_attention import SplitKVWorkspace
 
 logger = init_logger(__name__)
 _GIB = float(1 << 30)
@@ -68,6 +69,17 @@ class ModelRunner:
         self.kernel_backend = resolve_kernel_backend(config.device_config.kernel_backend, device)
         self.model = load_model(config.model_config, device, self.kernel_backend)
         self.split_kv_workspace = self._allocate_split_kv_workspace()
+        sched = config.scheduler_config
+        max_model_len = config.model_config.max_model_len
+        # Buffers for the largest step: a batch, a padded CUDA-graph batch or the memory profile.
+        self.inputs = InputBuffers(
+            max_num_tokens=max(sched.max_num_batched_tokens, min(sched.max_num_seqs, 512)),
+            max_num_reqs=max(sched.max_num_seqs, -(-sched.max_num_batched_tokens // max_model_len)),
+            max_model_len=max_model_len,
+            block_size=self.block_size,
+            device=device,
+        )
+        self.sampling_staging = sampling_staging(sched.max_num_seqs, device)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.model_config.seed)
@@ -80,7 +92,7 @@ class ModelRunner:
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
         self._last_sampled_rows: dict[str, int] = {}
 
-    def _allocate_split_kv_workspace(self) -> Any:
+    def _allocate_split_kv_workspace(self) -> SplitKVWorkspace | None:
         """Scratch for the split-KV decode kernel on CUDA, sized once for the whole run."""
         if self.kernel_backend != "triton" or self.device.type != "cuda":
             return None
@@ -138,16 +150,17 @@ class ModelRunner:
         self.initialize_kv_cache(num_blocks)
         temp_kv_bytes = torch.cuda.memory_allocated(self.device) - weights
         torch.cuda.reset_peak_memory_stats(self.device)
-        batch = to_device_inputs(
-            profile_batch(seq_lens, self.block_size), self.device, self.split_kv_workspace
-        )
+        requests, num_scheduled = profile_batch(seq_lens, self.block_size)
+        batch = self.inputs.prepare(requests, num_scheduled, num_tokens, {})
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
         num_sampled = min(sched.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:num_sampled])
         rows = [
             SamplingRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [], [], None, set())
         ] * num_sampled
-        self.sampler(logits, SamplingMetadata.from_rows(rows, self.vocab_size, self.device))
+        self.sampler(
+            logits, SamplingMetadata.from_rows(rows, self.vocab_size, self.sampling_staging)
+        )
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - weights - temp_kv_bytes
         self.kv_caches = []
@@ -184,7 +197,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(
             self.config.model_config, num_blocks, self.block_size, self.dtype, self.device
         )
-        self.model.bind_kv_caches(self.kv_caches)
+        self.model.bind_kv_caches(self.kv_caches, self.split_kv_workspace)
 
     @torch.inference_mode()
     def warm_up(self, num_blocks: int) -> None:
@@ -200,9 +213,8 @@ class ModelRunner:
                 blocks_needed > num_blocks
             ):
                 break
-            batch = to_device_inputs(
-                profile_batch([query_len], self.block_size), self.device, self.split_kv_workspace
-            )
+            requests, num_scheduled = profile_batch([query_len], self.block_size)
+            batch = self.inputs.prepare(requests, num_scheduled, query_len, {})
             self.model(batch.input_ids, batch.positions, batch.attn_metadata)
         torch.cuda.synchronize(self.device)
         logger.info("kernel warm-up in %.2f s", time.perf_counter() - start)
@@ -220,16 +232,13 @@ class ModelRunner:
         graphs for chunks of up to 512 tokens (the KV cache must be bound)."""
         if not self.uses_cuda_graphs():
             return
-        model_config = self.config.model_config
         sched = self.config.scheduler_config
         self.cuda_graphs = CUDAGraphRunner(
             self.model,
+            self.inputs,
             max_batch_size=min(sched.max_num_seqs, 512),
-            max_prefill_tokens=min(sched.max_num_batched_tokens, model_config.max_model_len),
-            max_blocks_per_req=-(-model_config.max_model_len // self.block_size),
-            max_model_len=model_config.max_model_len,
+            max_prefill_tokens=min(sched.max_num_batched_tokens, self.inputs.max_model_len),
             device=self.device,
-            split_kv_workspace=self.split_kv_workspace,
         )
         self.cuda_graphs.capture()
 
@@ -269,38 +278,26 @@ class ModelRunner:
 
     # -- one step --------------------------------------------------------------------------------
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, batch: HostBatch) -> None:
+    def _fill_placeholders(self, inputs: StepInputs) -> None:
         """Writes each placeholder's token, sampled by the previous launched step, into the
         device input ids (stream-ordered after that step's sampling: no host sync)."""
-        if not batch.placeholder_indices:
+        n = inputs.num_placeholders
+        if n == 0:
             return
-        rows = [self._last_sampled_rows[r] for r in batch.placeholder_req_ids]
-        n = len(rows)
-        if batch.placeholder_indices[-1] == n - 1 and rows == list(range(n)):
-            # The steady decode batch: same requests, same order as the previous step.
-            input_ids[:n].copy_(self._last_sampled[:n])
-            return
-        index = np.array([batch.placeholder_indices, rows], dtype=np.int64)
-        index_dev = torch.from_numpy(index).to(self.device, non_blocking=True)
-        input_ids[index_dev[0]] = self._last_sampled[index_dev[1]]
+        if inputs.placeholder_index is None:
+            inputs.input_ids[:n].copy_(self._last_sampled[:n])
+        else:
+            index, rows = inputs.placeholder_index
+            inputs.input_ids[index] = self._last_sampled[rows]
 
-    def _forward(self, batch: HostBatch) -> torch.Tensor:
-        graphs = self.cuda_graphs
-        if graphs is not None and (
-            (batch.is_decode_only and graphs.decode_size(batch.num_reqs) is not None)
-            or (batch.num_reqs == 1 and graphs.prefill_size(len(batch.input_ids)) is not None)
-        ):
-            return graphs.run(
-                batch.input_ids,
-                batch.positions,
-                batch.slot_mapping,
-                np.asarray(batch.seq_lens, dtype=np.int32),
-                batch.block_tables,
-                fill_input_ids=lambda ids: self._fill_placeholders(ids, batch),
-            )
-        inputs = to_device_inputs(batch, self.device, self.split_kv_workspace)
-        self._fill_placeholders(inputs.input_ids, batch)
-        return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+    def _forward(
+        self, inputs: StepInputs, graph_shape: tuple[int, int] | None, num_tokens: int
+    ) -> torch.Tensor:
+        self._fill_placeholders(inputs)
+        if graph_shape is None:
+            return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+        assert self.cuda_graphs is not None
+        return self.cuda_graphs.replay(graph_shape, num_tokens)
 
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
@@ -311,23 +308,23 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None)
-        batch = build_host_batch(
-            self.requests,
-            scheduler_output.num_scheduled_tokens,
-            scheduler_output.total_num_scheduled_tokens,
-            self.block_size,
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        num_tokens = scheduler_output.total_num_scheduled_tokens
+        graphs = self.cuda_graphs
+        shape = None if graphs is None else graphs.padded_shape(len(num_scheduled), num_tokens)
+        inputs = self.inputs.prepare(
+            self.requests, num_scheduled, num_tokens, self._last_sampled_rows, pad_to=shape
         )
-        hidden_states = self._forward(batch)
-        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        hidden_states = self._forward(inputs, shape, num_tokens)
+        for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
-        if not batch.sampled_req_ids:
+        if not inputs.sampled_req_ids:
             return LaunchedStep([], [], None, None)
 
-        if len(batch.logits_indices) < hidden_states.shape[0]:
-            indices = torch.tensor(batch.logits_indices, dtype=torch.int64)
-            hidden_states = hidden_states[indices.to(self.device, non_blocking=True)]
+        if inputs.logits_indices is not None:
+            hidden_states = hidden_states[inputs.logits_indices]
         logits = self.model.compute_logits(hidden_states)
-        states = [self.requests[r] for r in batch.sampled_req_ids]
+        states = [self.requests[r] for r in inputs.sampled_req_ids]
         rows = [
             SamplingRow(
                 params=s.params,
@@ -339,10 +336,10 @@ class ModelRunner:
             )
             for s in states
         ]
-        metadata = SamplingMetadata.from_rows(rows, self.vocab_size, self.device)
+        metadata = SamplingMetadata.from_rows(rows, self.vocab_size, self.sampling_staging)
         sampler_output = self.sampler(logits, metadata, self.generator)
         self._last_sampled = sampler_output.sampled_token_ids
-        self._last_sampled_rows = {r: i for i, r in enumerate(batch.sampled_req_ids)}
+        self._last_sampled_rows = {r: i for i, r in enumerate(inputs.sampled_req_ids)}
         for state in states:
             state.num_output_placeholders += 1
         host_output = sampler_output.start_copy_to_host()
@@ -350,7 +347,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(batch.sampled_req_ids, states, host_output, done)
+        return LaunchedStep(inputs.sampled_req_ids, states, host_output, done)
 
     def complete(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Waits for a launched step's tokens and hands them to the host."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ferrum.model_executor.staging_buffer import StagingBuffer, staging_bytes
 from ferrum.sampling_params import SamplingParams
 
 
@@ -31,8 +32,22 @@ class SamplingRow:
     num_output_placeholders: int = 0
 
 
+def sampling_staging(max_num_rows: int, device: torch.device) -> StagingBuffer:
+    """Room for every per-row field of up to max_num_rows rows: six float32, top_k, greedy_mask."""
+    per_row = [(max_num_rows, torch.float32)] * 6
+    num_bytes = staging_bytes(*per_row, (max_num_rows, torch.int64), (max_num_rows, torch.bool))
+    return StagingBuffer(num_bytes, torch.device(device))
+
+
+def _put(staging: StagingBuffer, values: list, dtype: torch.dtype) -> torch.Tensor:
+    host, device = staging.take(len(values), dtype)
+    host[:] = values
+    return device
+
+
 def _to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host -> device copy that never waits for the device (pinned + non_blocking on CUDA)."""
+    """A host -> device copy of data whose size no config bounds, that never waits for the device
+    (pinned + non_blocking on CUDA)."""
     cpu = torch.as_tensor(np.asarray(data)).to(dtype)
     if device.type == "cuda":
         return cpu.pin_memory().to(device, non_blocking=True)
@@ -98,13 +113,14 @@ class SamplingMetadata:
 
     @classmethod
     def from_rows(
-        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device
+        cls, rows: list[SamplingRow], vocab_size: int, staging: StagingBuffer
     ) -> SamplingMetadata:
+        """Per-row fields go to the device in one copy from `staging`, token counts and the
+        min_tokens mask in copies of their own."""
         if not rows:
             raise ValueError("SamplingMetadata needs at least one row")
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-        device = torch.device(device)
         params = [r.params for r in rows]
         greedy = [p.temperature == 0.0 for p in params]
         all_greedy, all_random = all(greedy), not any(greedy)
@@ -122,44 +138,47 @@ class SamplingMetadata:
             top_p=None,
             min_p=None,
         )
+        staging.begin()
         if not all_greedy:
-            meta._fill_random(rows, greedy, device)
-        meta._fill_penalties(rows, device)
-        meta._fill_min_tokens(rows, device)
+            meta._fill_random(rows, greedy, staging)
+        meta._fill_penalties(rows, staging)
+        staging.copy()
+        meta._fill_min_tokens(rows, staging.device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         meta.max_num_logprobs = max(asked) if asked else None
         return meta
 
     def _fill_random(
-        self, rows: list[SamplingRow], greedy: list[bool], device: torch.device
+        self, rows: list[SamplingRow], greedy: list[bool], staging: StagingBuffer
     ) -> None:
         params = [r.params for r in rows]
         if not self.all_random:
-            self.greedy_mask = _to_device(greedy, torch.bool, device)
-        self.temperature = _to_device(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32, device
+            self.greedy_mask = _put(staging, greedy, torch.bool)
+        self.temperature = _put(
+            staging, [1.0 if g else p.temperature for p, g in zip(params, greedy)], torch.float32
         )
         top_k = [min(p.top_k, self.vocab_size) for p in params]
         if any(top_k):
-            self.top_k = _to_device(top_k, torch.int64, device)
+            self.top_k = _put(staging, top_k, torch.int64)
             self.max_top_k = max(top_k)
         if any(p.top_p < 1.0 for p in params):
-            self.top_p = _to_device([p.top_p for p in params], torch.float32, device)
+            self.top_p = _put(staging, [p.top_p for p in params], torch.float32)
             self.top_k_covers_top_p = all(k > 0 for k, p in zip(top_k, params) if p.top_p < 1.0)
         if any(p.min_p > 0.0 for p in params):
-            self.min_p = _to_device([p.min_p for p in params], torch.float32, device)
+            self.min_p = _put(staging, [p.min_p for p in params], torch.float32)
         for i, (row, g) in enumerate(zip(rows, greedy)):
             if not g and row.generator is not None:
                 self.generators[i] = row.generator
 
-    def _fill_penalties(self, rows: list[SamplingRow], device: torch.device) -> None:
+    def _fill_penalties(self, rows: list[SamplingRow], staging: StagingBuffer) -> None:
         params = [r.params for r in rows]
         if not any(p.uses_penalties for p in params):
             return
+        device = staging.device
         # Rows without a penalty get no token counts: their neutral values ignore them anyway.
         if any(p.repetition_penalty != 1.0 for p in params):
-            self.repetition_penalty = _to_device(
-                [p.repetition_penalty for p in params], torch.float32, device
+            self.repetition_penalty = _put(
+                staging, [p.repetition_penalty for p in params], torch.float32
             )
             prompts = [
                 r.prompt_token_ids if r.params.repetition_penalty != 1.0 else [] for r in rows
@@ -169,12 +188,12 @@ class SamplingMetadata:
             )
             self.prompt_mask = prompt_counts > 0
         if any(p.frequency_penalty != 0.0 for p in params):
-            self.frequency_penalty = _to_device(
-                [p.frequency_penalty for p in params], torch.float32, device
+            self.frequency_penalty = _put(
+                staging, [p.frequency_penalty for p in params], torch.float32
             )
         if any(p.presence_penalty != 0.0 for p in params):
-            self.presence_penalty = _to_device(
-                [p.presence_penalty for p in params], torch.float32, device
+            self.presence_penalty = _put(
+                staging, [p.presence_penalty for p in params], torch.float32
             )
         outputs = [r.output_token_ids if r.params.uses_penalties else [] for r in rows]
         self.output_counts = _token_counts(

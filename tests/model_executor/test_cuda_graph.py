@@ -1,92 +1,71 @@
-"""CUDA graph runner, the parts that need no GPU: capture sizes, bucket choice, and the padded
-inputs a replay reads. Pinned memory, events and graphs are stood in for on the CPU; the graph
-stand-in records what its input buffers hold at replay, which is what a real graph would read."""
+"""CUDA graph runner, the parts that need no GPU: capture sizes, bucket choice, the padded inputs
+a replay reads (laid out by `InputBuffers.prepare(pad_to=...)`), and what a replay returns. Graphs
+are stood in for on the CPU."""
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import dataclass
+
 import pytest
 import torch
 from torch import nn
 
 from ferrum.model_executor.cuda_graph import PREFILL_SIZES, CUDAGraphRunner, capture_sizes
+from ferrum.model_executor.input_batch import InputBuffers, StepInputs
 
 HIDDEN = 3
+BLOCK_SIZE = 16
 
 
-class FakeEvent:
-    created: list[FakeEvent] = []
-
-    def __init__(self) -> None:
-        self.waited = False
-        FakeEvent.created.append(self)
-
-    def record(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        self.waited = True
+@dataclass
+class Req:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_output_placeholders: int = 0
 
 
 class FakeGraph:
-    """Records, at each replay, the inputs of its batch size as the graph would read them."""
-
-    def __init__(self, runner: CUDAGraphRunner, kind: str, size: int, replays: list) -> None:
-        self.runner, self.kind, self.size, self.replays = runner, kind, size, replays
+    def __init__(self) -> None:
+        self.num_replays = 0
 
     def replay(self) -> None:
-        r, size = self.runner, self.size
-        decode = self.kind == "decode"
-        rows = size if decode else 1
-        replay = {
-            "graph": (self.kind, size),
-            "input_ids": r.input_ids[:size].tolist(),
-            "positions": r.positions[:size].tolist(),
-            "slot_mapping": r.slot_mapping[:size].tolist(),
-            "seq_lens": r.seq_lens[:rows].tolist(),
-            "first_blocks": r.block_tables[:rows, 0].tolist(),
-        }
-        if not decode:
-            replay["query_start_loc"] = r.prefill_query_start_loc.tolist()
-        self.replays.append(replay)
+        self.num_replays += 1
 
 
 @pytest.fixture
-def graphs(monkeypatch: pytest.MonkeyPatch) -> tuple[CUDAGraphRunner, list[dict]]:
+def runner() -> CUDAGraphRunner:
     """Decode batches up to 8 requests, prefill chunks up to 64 tokens, 8 blocks per request."""
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(FakeEvent, "created", [])
-    runner = CUDAGraphRunner(
-        nn.Identity(),
-        max_batch_size=8,
-        max_prefill_tokens=64,
-        max_blocks_per_req=8,
-        max_model_len=32,
-        device=torch.device("cpu"),
-        split_kv_workspace=None,
-    )
-    replays: list[dict] = []
-    for kind, sizes in (("decode", runner.decode_sizes), ("prefill", runner.prefill_sizes)):
-        for size in sizes:
-            runner.graphs[(kind, size)] = FakeGraph(runner, kind, size, replays)
-            runner.outputs[(kind, size)] = torch.arange(size * HIDDEN).view(size, HIDDEN)
-    return runner, replays
+    inputs = InputBuffers(64, 8, 8 * BLOCK_SIZE, BLOCK_SIZE, torch.device("cpu"))
+    return CUDAGraphRunner(nn.Identity(), inputs, 8, 64, torch.device("cpu"))
 
 
-def run_decode(runner: CUDAGraphRunner, req_ids: list[int]) -> torch.Tensor:
-    """A decode batch: request i has token 100 + i at position i, slot 10 * i, block i."""
-    n = len(req_ids)
-    ids = np.array(req_ids, dtype=np.int64)
-    tables = np.array([[i, i + 50] for i in req_ids], dtype=np.int32)
-    return runner.run(100 + ids, ids, 10 * ids, (ids + 1).astype(np.int32), tables.reshape(n, 2))
+def prepare_decode(runner: CUDAGraphRunner, req_ids: list[int]) -> StepInputs:
+    """Request i decodes token 100 + i at position i, on blocks [i, i + 50]."""
+    requests = {str(i): Req([0] * i + [100 + i], [i, i + 50], i) for i in req_ids}
+    scheduled = dict.fromkeys(requests, 1)
+    shape = runner.padded_shape(len(req_ids), len(req_ids))
+    return runner.inputs.prepare(requests, scheduled, len(req_ids), {}, pad_to=shape)
 
 
-def run_prefill(runner: CUDAGraphRunner, num_tokens: int, num_cached: int) -> torch.Tensor:
-    positions = np.arange(num_cached, num_cached + num_tokens, dtype=np.int64)
-    seq_lens = np.array([num_cached + num_tokens], dtype=np.int32)
-    tables = np.array([[7, 8, 9]], dtype=np.int32)
-    return runner.run(positions + 1, positions, positions + 40, seq_lens, tables)
+def prepare_chunk(runner: CUDAGraphRunner, num_tokens: int, num_cached: int) -> StepInputs:
+    """One request's chunk of token ids position + 1, on blocks [7, 8, 9]."""
+    end = num_cached + num_tokens
+    requests = {"r": Req(list(range(1, end + 1)) + [0], [7, 8, 9], num_cached)}
+    shape = runner.padded_shape(1, num_tokens)
+    return runner.inputs.prepare(requests, {"r": num_tokens}, num_tokens, {}, pad_to=shape)
+
+
+def read(inputs: StepInputs) -> dict:
+    meta = inputs.attn_metadata
+    return {
+        "input_ids": inputs.input_ids.tolist(),
+        "positions": inputs.positions.tolist(),
+        "slot_mapping": meta.slot_mapping.tolist(),
+        "query_start_loc": meta.query_start_loc.tolist(),
+        "seq_lens": meta.seq_lens.tolist(),
+        "first_blocks": meta.block_tables[:, 0].tolist(),
+    }
 
 
 @pytest.mark.parametrize(
@@ -103,74 +82,83 @@ def test_capture_sizes(max_batch_size: int, sizes: list[int]) -> None:
     assert capture_sizes(max_batch_size) == sizes
 
 
-def test_buckets_are_the_smallest_captured_size_that_fits(graphs) -> None:
-    runner, _ = graphs
+def test_buckets_are_the_smallest_captured_size_that_fits(runner: CUDAGraphRunner) -> None:
     assert runner.decode_sizes == [1, 2, 4, 8] and runner.max_batch_size == 8
     assert runner.prefill_sizes == [16, 32, 64] and PREFILL_SIZES[:3] == (16, 32, 64)
     assert [runner.decode_size(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
     assert [runner.prefill_size(n) for n in (1, 16, 17, 64, 65)] == [16, 16, 32, 64, None]
+    # (tokens, requests) of the graph; decode-only batches past the largest bucket and mixed
+    # batches run eagerly.
+    assert runner.padded_shape(3, 3) == (4, 4) and runner.padded_shape(9, 9) is None
+    assert runner.padded_shape(1, 20) == (32, 1) and runner.padded_shape(1, 65) is None
+    assert runner.padded_shape(2, 5) is None
 
 
-def test_a_decode_batch_is_padded_with_one_token_requests_on_slot_zero(graphs) -> None:
-    runner, replays = graphs
+def test_a_decode_batch_is_padded_with_one_token_requests_on_slot_zero(
+    runner: CUDAGraphRunner,
+) -> None:
     for _ in range(2):  # both host buffer sets hold 5 real rows
-        run_decode(runner, [1, 2, 3, 4, 5])
-    hidden = run_decode(runner, [6, 7, 8])
+        assert prepare_decode(runner, [1, 2, 3, 4, 5]).attn_metadata.num_reqs == 8
+    inputs = prepare_decode(runner, [6, 7, 8])
     # Row 3 of bucket 4 held a real request in the previous batches: now it is padding.
-    assert replays[-1] == {
-        "graph": ("decode", 4),
+    assert read(inputs) == {
         "input_ids": [106, 107, 108, 0],
         "positions": [6, 7, 8, 0],
-        "slot_mapping": [60, 70, 80, 0],
+        "slot_mapping": [6 * 16 + 6, 7 * 16 + 7, 8 * 16 + 8, 0],
+        "query_start_loc": [0, 1, 2, 3, 4],
         "seq_lens": [7, 8, 9, 1],
         "first_blocks": [6, 7, 8, 0],
     }
-    assert replays[0]["graph"] == ("decode", 8)
-    assert runner.block_tables[:3, :2].tolist() == [[6, 56], [7, 57], [8, 58]]
-    # The hidden states of the real rows only.
-    assert hidden.tolist() == torch.arange(9).view(3, HIDDEN).tolist()
+    meta = inputs.attn_metadata
+    assert meta.block_tables.shape == (4, 8) and meta.block_tables[:3, 1].tolist() == [56, 57, 58]
+    assert (meta.max_query_len, meta.max_seq_len) == (1, 8 * BLOCK_SIZE)
+    # Every real token is sampled: the replay's hidden states need no gather.
+    assert inputs.logits_indices is None and inputs.sampled_req_ids == ["6", "7", "8"]
 
 
-def test_a_chunk_is_padded_with_tokens_of_no_request(graphs) -> None:
-    runner, replays = graphs
+def test_a_chunk_is_padded_with_tokens_of_no_request(runner: CUDAGraphRunner) -> None:
     for _ in range(2):  # both host buffer sets hold a 20-token chunk
-        run_prefill(runner, 20, num_cached=0)
-    hidden = run_prefill(runner, 5, num_cached=11)
-    assert replays[0]["graph"] == ("prefill", 32)
+        prepare_chunk(runner, 20, num_cached=0)
+    inputs = prepare_chunk(runner, 5, num_cached=11)
     # Tokens 5..15 of the 16-token graph held the previous chunks: now token 0 at slot 0.
-    assert replays[2] == {
-        "graph": ("prefill", 16),
+    assert read(inputs) == {
         "input_ids": [12, 13, 14, 15, 16] + [0] * 11,
         "positions": [11, 12, 13, 14, 15] + [0] * 11,
-        "slot_mapping": [51, 52, 53, 54, 55] + [0] * 11,
+        "slot_mapping": [7 * 16 + 11, 7 * 16 + 12, 7 * 16 + 13, 7 * 16 + 14, 7 * 16 + 15]
+        + [0] * 11,
+        "query_start_loc": [0, 5],
         "seq_lens": [16],
         "first_blocks": [7],
-        "query_start_loc": [0, 5],
     }
-    assert runner.block_tables[0, :3].tolist() == [7, 8, 9]
-    assert hidden.shape == (5, HIDDEN)
+    meta = inputs.attn_metadata
+    assert meta.block_tables[0, :3].tolist() == [7, 8, 9]
+    assert (meta.max_query_len, meta.max_seq_len) == (16, 8 * BLOCK_SIZE)
 
 
-def test_host_buffers_alternate_and_wait_for_the_copies_two_runs_back(graphs) -> None:
-    runner, _ = graphs
-    run_decode(runner, [1])
-    run_decode(runner, [2])
-    first, second = FakeEvent.created  # one event recorded after each run's copies
-    assert not first.waited and not second.waited
-    run_decode(runner, [3])  # rewrites the first run's host buffers: waits for its copies
-    assert first.waited and not second.waited
-    run_decode(runner, [4])
-    assert second.waited and not FakeEvent.created[2].waited
+def test_a_padded_shape_always_gets_the_same_addresses(runner: CUDAGraphRunner) -> None:
+    """What a graph captured is what a later step of its shape fills."""
+    empty = runner.inputs.prepare({}, {}, 0, {}, pad_to=(4, 4))
+    real = prepare_decode(runner, [1, 2, 3])
+    assert real.input_ids.data_ptr() != empty.input_ids.data_ptr()  # on the CPU, the other host set
+    again = prepare_decode(runner, [4, 5, 6])
+    assert again.input_ids.data_ptr() == empty.input_ids.data_ptr()
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        ptr = getattr(again.attn_metadata, name).data_ptr()
+        assert ptr == getattr(empty.attn_metadata, name).data_ptr(), name
 
 
-def test_fill_input_ids_writes_device_tokens_before_the_replay(graphs) -> None:
-    runner, replays = graphs
+def test_capture_inputs_are_padding_only(runner: CUDAGraphRunner) -> None:
+    decode = read(runner.inputs.prepare({}, {}, 0, {}, pad_to=(2, 2)))
+    assert decode["query_start_loc"] == [0, 1, 2] and decode["seq_lens"] == [1, 1]
+    chunk = read(runner.inputs.prepare({}, {}, 0, {}, pad_to=(16, 1)))
+    assert chunk["query_start_loc"] == [0, 1] and chunk["seq_lens"] == [1]
+    assert chunk["slot_mapping"] == [0] * 16
 
-    def fill(input_ids: torch.Tensor) -> None:
-        assert input_ids.shape == (2,)
-        input_ids[1] = 999
 
-    ids = np.array([1, 2], dtype=np.int64)
-    tables = np.zeros((2, 1), dtype=np.int32)
-    runner.run(ids, ids, ids, np.array([2, 3], dtype=np.int32), tables, fill_input_ids=fill)
-    assert replays[-1]["input_ids"] == [1, 999]
+def test_replay_returns_the_hidden_states_of_the_real_tokens(runner: CUDAGraphRunner) -> None:
+    graph = FakeGraph()
+    runner.graphs[(4, 4)] = graph  # type: ignore[assignment]
+    runner.outputs[(4, 4)] = torch.arange(4 * HIDDEN).view(4, HIDDEN)
+    hidden = runner.replay((4, 4), 3)
+    assert graph.num_replays == 1
+    assert hidden.tolist() == torch.arange(9).view(3, HIDDEN).tolist()

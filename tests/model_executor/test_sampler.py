@@ -11,7 +11,7 @@ from ferrum.model_executor.sampler import (
     apply_penalties,
     apply_top_k_top_p,
 )
-from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow
+from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow, sampling_staging
 from ferrum.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -37,7 +37,7 @@ def _row(
 
 
 def _meta(rows: list[SamplingRow], vocab_size: int) -> SamplingMetadata:
-    return SamplingMetadata.from_rows(rows, vocab_size, CPU)
+    return SamplingMetadata.from_rows(rows, vocab_size, sampling_staging(len(rows), CPU))
 
 
 def _kept(logits: torch.Tensor) -> list[set[int]]:

@@ -19,6 +19,7 @@ from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.layernorm import RMSNorm
 
 if TYPE_CHECKING:
+    from ferrum.kernels.paged_attention import SplitKVWorkspace
     from ferrum.model_executor.attention_metadata import AttentionMetadata
 
 
@@ -42,9 +43,14 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
+        # Scratch of the Triton split-KV decode path, owned by the runner and shared by every
+        # layer (they run one after another); None disables that path.
+        self.split_kv_workspace: SplitKVWorkspace | None = None
         self.kernels = kernels
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    def bind_kv_cache(
+        self, kv_cache: torch.Tensor, split_kv_workspace: SplitKVWorkspace | None = None
+    ) -> None:
         expected = (2, self.num_kv_heads, self.head_dim)
         found = (kv_cache.shape[0], *kv_cache.shape[3:]) if kv_cache.dim() == 5 else None
         if found != expected:
@@ -53,6 +59,7 @@ class Attention(nn.Module):
                 f"{self.num_kv_heads}, {self.head_dim}], got {list(kv_cache.shape)}"
             )
         self.kv_cache = kv_cache
+        self.split_kv_workspace = split_kv_workspace
 
     def forward(
         self,
@@ -107,5 +114,5 @@ class Attention(nn.Module):
             attn_metadata.max_seq_len,
             self.scale,
             out,
-            attn_metadata.split_kv_workspace,
+            self.split_kv_workspace,
         )

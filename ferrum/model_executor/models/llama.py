@@ -23,6 +23,7 @@ from ferrum.model_executor.layers.rotary import RotaryEmbedding
 from ferrum.model_executor.weight_loader import load_named_weights
 
 if TYPE_CHECKING:
+    from ferrum.kernels.paged_attention import SplitKVWorkspace
     from ferrum.model_executor.attention_metadata import AttentionMetadata
 
 # (checkpoint fragment, parameter fragment, shard id) for projections fused at load time.
@@ -180,8 +181,11 @@ class LlamaForCausalLM(nn.Module):
         """[n, hidden_size] -> [n, vocab_size] float32."""
         return self.lm_head(hidden_states)
 
-    def bind_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """One cache per decoder layer, in layer order; an empty list unbinds them all."""
+    def bind_kv_caches(
+        self, kv_caches: list[torch.Tensor], split_kv_workspace: SplitKVWorkspace | None = None
+    ) -> None:
+        """One cache per decoder layer, in layer order, and the split-KV scratch they share; an
+        empty list unbinds them all."""
         layers = self.model.layers
         if kv_caches and len(kv_caches) != len(layers):
             raise ValueError(
@@ -191,9 +195,9 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             attn = layer.self_attn.attn
             if kv_caches:
-                attn.bind_kv_cache(kv_caches[i])
+                attn.bind_kv_cache(kv_caches[i], split_kv_workspace)
             else:
-                attn.kv_cache = None
+                attn.kv_cache = attn.split_kv_workspace = None
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Hashable] | None:
         """HF checkpoint tensor name -> (parameter name, shard id), or None to skip it."""
