@@ -1,0 +1,101 @@
+"""One step's model inputs from the scheduled tokens, with exact values: token order, positions,
+slots, per-request rows, sampled rows and placeholders for tokens still being sampled on the
+device. Blocks hold 4 tokens. (CUDA-graph padding: tests/model_executor/test_cuda_graph.py.)"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferrum.model_executor.input_batch import InputBuffers, profile_batch
+
+BLOCK = 4
+MAX_MODEL_LEN = 64  # 16 blocks per request
+
+
+@dataclass
+class Req:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+
+
+def make_buffers() -> InputBuffers:
+    return InputBuffers(
+        max_num_tokens=32,
+        max_num_reqs=4,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=BLOCK,
+        device=torch.device("cpu"),
+    )
+
+
+def test_a_mixed_batch_flattens_in_scheduling_order() -> None:
+    requests = {
+        # A prompt chunk from position 4 (mid-prompt: samples nothing).
+        "chunk": Req(list(range(100, 110)), [7, 3, 9], num_computed_tokens=4),
+        # A decode of a known token.
+        "decode": Req(list(range(200, 206)), [5, 6], num_computed_tokens=5),
+        # A decode of the token the previous launched step samples (row 3 of its output).
+        "pending": Req([1, 2, 3, 4], [2, 8], num_computed_tokens=4, num_output_placeholders=1),
+    }
+    scheduled = {"chunk": 5, "decode": 1, "pending": 1}
+    inputs = make_buffers().prepare(requests, scheduled, 7, {"pending": 3})
+    assert inputs.input_ids.tolist() == [104, 105, 106, 107, 108, 205, 0]
+    assert inputs.positions.tolist() == [4, 5, 6, 7, 8, 5, 4]
+    meta = inputs.attn_metadata
+    # Position p of a request goes to slot block_ids[p // 4] * 4 + p % 4.
+    assert meta.slot_mapping.tolist() == [12, 13, 14, 15, 36, 25, 32]
+    assert meta.query_start_loc.tolist() == meta.query_start_loc_cpu == [0, 5, 6, 7]
+    assert meta.seq_lens.tolist() == meta.seq_lens_cpu == [9, 6, 5]
+    assert meta.block_tables.shape == (3, 3)  # as wide as the longest table
+    assert [
+        row[: len(r.block_ids)] for row, r in zip(meta.block_tables.tolist(), requests.values())
+    ] == [
+        [7, 3, 9],
+        [5, 6],
+        [2, 8],
+    ]
+    assert (meta.num_reqs, meta.num_tokens, meta.max_query_len, meta.max_seq_len) == (3, 7, 5, 9)
+    assert inputs.sampled_req_ids == ["decode", "pending"]
+    assert inputs.logits_indices.tolist() == [5, 6]
+    assert inputs.num_placeholders == 1
+    assert inputs.placeholder_index.tolist() == [[6], [3]]
+
+
+def test_the_steady_decode_batch_needs_no_index() -> None:
+    # Request i has 4 known tokens on blocks [i + 1, i + 5]; it decodes the pending fifth.
+    requests = {
+        str(i): Req([10 * i] * 4, [i + 1, i + 5], num_computed_tokens=4, num_output_placeholders=1)
+        for i in range(3)
+    }
+    # Same requests in the same order as the step before: row i of its tokens is input i.
+    inputs = make_buffers().prepare(
+        requests, dict.fromkeys(requests, 1), 3, {"0": 0, "1": 1, "2": 2}
+    )
+    assert inputs.input_ids.tolist() == [0, 0, 0]
+    assert inputs.positions.tolist() == [4, 4, 4]
+    assert inputs.attn_metadata.slot_mapping.tolist() == [20, 24, 28]
+    assert inputs.sampled_req_ids == ["0", "1", "2"]
+    assert inputs.logits_indices is None  # every token is sampled
+    assert (inputs.num_placeholders, inputs.placeholder_index) == (3, None)
+    # Reordered, the index says which row of the previous output feeds which input.
+    inputs = make_buffers().prepare(
+        requests, dict.fromkeys(requests, 1), 3, {"0": 1, "1": 0, "2": 2}
+    )
+    assert inputs.placeholder_index.tolist() == [[0, 1, 2], [1, 0, 2]]
+
+
+def test_profile_batch_lays_whole_prompts_on_consecutive_blocks() -> None:
+    requests, scheduled = profile_batch([5, 3, 8], BLOCK)
+    assert scheduled == {"0": 5, "1": 3, "2": 8}
+    assert [(r.block_ids, r.token_ids, r.num_computed_tokens) for r in requests.values()] == [
+        ([1, 2], [0] * 5, 0),
+        ([3], [0] * 3, 0),
+        ([4, 5], [0] * 8, 0),
+    ]
+    inputs = make_buffers().prepare(requests, scheduled, 16, {})
+    assert inputs.attn_metadata.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13, 14, *range(16, 24)]
+    assert inputs.logits_indices.tolist() == [4, 7, 15]
