@@ -62,13 +62,13 @@ def fp8_channel_linear(
     n, k = weight.shape
     x2 = _rows(x, k)
     config = pick(DEFAULT_BUCKETS["channel"] if buckets is None else buckets, x2.shape[0])
+    if weight_scale.shape != (n, 1) or weight_scale.dtype != torch.float32:
+        raise ValueError(
+            f"weight_scale must be [{n}, 1] float32, got {list(weight_scale.shape)} "
+            f"{weight_scale.dtype}"
+        )
     if config.backend == "scaled_mm" and scaled_mm_takes(x.dtype, n, k):
         q, scales = per_token_quant_fp8(x2)
-        if weight_scale.shape != (n, 1) or weight_scale.dtype != torch.float32:
-            raise ValueError(
-                f"weight_scale must be [{n}, 1] float32, got {list(weight_scale.shape)} "
-                f"{weight_scale.dtype}"
-            )
         out = torch._scaled_mm(
             q, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, n), out_dtype=x.dtype
         )

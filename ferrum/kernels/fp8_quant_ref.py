@@ -9,7 +9,9 @@ from ferrum.kernels.fp8_quant import AMAX_FLOOR, FP8_DTYPE, FP8_MAX, GROUP_SIZE
 
 def _quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., group] fp32 -> (fp8 codes, scales [..., 1]), one scale per last-dim group."""
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=AMAX_FLOOR) / FP8_MAX
+    amax = x.abs().amax(-1, keepdim=True).clamp(min=AMAX_FLOOR)
+    # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (not IEEE).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

@@ -71,7 +71,10 @@ def test_reference_matches_transformers(use_qk_l2norm: bool) -> None:
         x.q, x.k = x.q / 4, x.k / 4
     init = random_pool(1, (4, 16, 24), torch.device("cpu"), seed=2)[0]
     out, final = gated_delta_rule_ref(x.q, x.k, x.v, x.g, x.beta, init, None, use_qk_l2norm)
-    batched = [t.unsqueeze(0) for t in (x.q, x.k, x.v, x.g, x.beta)]
+    # Each key head serves consecutive value heads; older transformers need them repeated.
+    group = x.v.shape[1] // x.q.shape[1]
+    q, k = (t.repeat_interleave(group, dim=1) for t in (x.q, x.k))
+    batched = [t.unsqueeze(0) for t in (q, k, x.v, x.g, x.beta)]
     kwargs = dict(
         initial_state=init[None], output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm
     )
