@@ -272,3 +272,16 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        device = self.device_config
+        if (
+            device.kernel_backend == "triton"
+            and not device.device.startswith("cuda")
+            and self.model_config.dtype == "bfloat16"
+        ):
+            raise _fail(
+                "dtype",
+                "bfloat16 does not run in Triton's CPU interpreter (kernel_backend 'triton' on "
+                "the CPU): use dtype float32 or float16, or kernel_backend 'torch'",
+            )

@@ -6,14 +6,16 @@ import logging
 
 from ferrum import envs
 
-_FORMAT = "%(levelname)s %(asctime)s %(name)s] %(message)s"
+# vLLM's shape: `INFO 11-22 12:39:40 [ferrum.engine.core] message`.
+FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+DATE_FORMAT = "%m-%d %H:%M:%S"
 
 
 def init_logger(name: str) -> logging.Logger:
     root = logging.getLogger("ferrum")
     if not root.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
+        handler.setFormatter(logging.Formatter(FORMAT, datefmt=DATE_FORMAT))
         root.addHandler(handler)
         root.setLevel(envs.logging_level())
         root.propagate = False

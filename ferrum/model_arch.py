@@ -13,6 +13,30 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 _REQUIRED: Any = object()
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# The architectures (config.json `architectures[0]`) the model registry can build.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+
+def check_architecture(hf_config: dict[str, Any]) -> str:
+    """The config's architecture, or a ValueError naming it and what is supported."""
+    architectures = hf_config.get("architectures")
+    supported = f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    if not isinstance(architectures, list) or not architectures:
+        raise ValueError(f"architectures: config.json names none ({supported})")
+    arch = str(architectures[0])
+    if arch not in SUPPORTED_ARCHITECTURES:
+        nested = (
+            " (a multimodal config with a nested text_config: only text-only checkpoints load)"
+            if "text_config" in hf_config
+            else ""
+        )
+        raise ValueError(f"architecture {arch!r} is not supported{nested}; {supported}")
+    return arch
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -65,10 +89,7 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelArchConfig:
-        architectures = hf.get("architectures")
-        if not isinstance(architectures, list) or not architectures:
-            raise ValueError("architectures: config.json names none")
-        arch = str(architectures[0])
+        arch = check_architecture(hf)
 
         def get(key: str, kind: Callable[[Any], T], default: Any = _REQUIRED) -> T:
             value = hf.get(key)

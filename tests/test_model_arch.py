@@ -64,3 +64,22 @@ def test_rope_parameters_spellings_agree() -> None:
     assert (legacy.rope_theta, legacy.rope_scaling) == (new.rope_theta, new.rope_scaling)
     assert rope_parameters({**BASE, "rope_theta": 5e5, "rope_scaling": scaling})[0] == 5e5
     assert legacy.rope_scaling["original_max_position_embeddings"] is None
+
+
+def test_unsupported_architectures_name_themselves_and_the_supported_ones() -> None:
+    # A nested multimodal config (Qwen3.5's shape): no top-level vocab_size, a text_config.
+    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {}}
+    with pytest.raises(ValueError) as error:
+        ModelArchConfig.from_hf_config(nested)
+    message = str(error.value)
+    assert "'Qwen3_5ForConditionalGeneration' is not supported" in message
+    assert "text_config" in message and "Qwen3ForCausalLM" in message
+    with pytest.raises(ValueError, match="names none .*supported: LlamaForCausalLM"):
+        ModelArchConfig.from_hf_config({"vocab_size": 10})
+
+
+def test_the_registry_builds_exactly_the_supported_architectures() -> None:
+    from ferrum.model_arch import SUPPORTED_ARCHITECTURES
+    from ferrum.model_executor.models.registry import _MODELS
+
+    assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)

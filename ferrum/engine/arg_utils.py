@@ -14,6 +14,52 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ferrum.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ferrum.default_model import resolve_model
+from ferrum.logger import init_logger
+
+logger = init_logger(__name__)
+
+# vLLM engine arguments ferrum does not have yet -> the value that means "off" in vLLM (accepted:
+# it asks for what ferrum does). The issue that adds one removes its entry here.
+NOT_SUPPORTED_YET: dict[str, Any] = {
+    "tensor_parallel_size": 1,
+    "pipeline_parallel_size": 1,
+    "data_parallel_size": 1,
+    "distributed_executor_backend": None,
+    "quantization": None,
+    "kv_cache_dtype": "auto",
+    "enable_lora": False,
+    "max_lora_rank": None,
+    "speculative_config": None,
+    "enable_chunked_prefill": True,
+    "cpu_offload_gb": 0,
+    "swap_space": None,
+    "trust_remote_code": False,
+    "revision": None,
+    "download_dir": None,
+    "hf_token": None,
+    "max_logprobs": None,
+    "disable_log_stats": None,
+    "limit_mm_per_prompt": None,
+    "mm_processor_kwargs": None,
+    "rope_scaling": None,
+    "compilation_config": None,
+}
+
+
+def check_not_supported_yet(kwargs: dict[str, Any]) -> None:
+    """Raises a clear error for arguments ferrum does not know: "not supported yet" (ValueError)
+    for vLLM's engine arguments set to anything but their "off" value, TypeError otherwise."""
+    for name, value in kwargs.items():
+        if name not in NOT_SUPPORTED_YET:
+            known = ", ".join(f.name for f in fields(EngineArgs))
+            raise TypeError(f"unexpected engine argument {name!r}; ferrum's are: {known}")
+        if value != NOT_SUPPORTED_YET[name]:
+            raise ValueError(
+                f"{name}={value!r}: not supported yet by ferrum (only "
+                f"{NOT_SUPPORTED_YET[name]!r}); see the README's 'Not supported yet' list"
+            )
+
 
 _CONFIG_FIELDS = {
     f.name: f
@@ -45,13 +91,28 @@ class EngineArgs:
     async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:
+        """Resolves the model (None or the shipped model's name: its folder), device None (cuda
+        when available), async_scheduling None (on with CUDA) and dtype "auto" (float32 where
+        bfloat16 cannot run: Triton's CPU interpreter), then builds the validated configs."""
         device = self.device or _default_device()
+        _check_device_exists(device)
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = device.startswith("cuda")
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        values |= {"device": device, "async_scheduling": async_scheduling}
+        values |= {
+            "model": resolve_model(self.model),
+            "device": device,
+            "async_scheduling": async_scheduling,
+        }
         model_config = ModelConfig(**_init_args(ModelConfig, values))
+        if (
+            self.dtype == "auto"
+            and model_config.dtype == "bfloat16"
+            and _runs_triton_interpreter(device, self.kernel_backend)
+        ):
+            logger.info("dtype auto: float32, since Triton's CPU interpreter has no bfloat16")
+            model_config = ModelConfig(**_init_args(ModelConfig, values | {"dtype": "float32"}))
         values["max_model_len"] = model_config.max_model_len
         return EngineConfig(
             model_config=model_config,
@@ -106,3 +167,26 @@ def _default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _runs_triton_interpreter(device: str, kernel_backend: str) -> bool:
+    return kernel_backend == "triton" and not device.startswith("cuda")
+
+
+def _check_device_exists(device: str) -> None:
+    """A CUDA device asked for must exist (else one clear error, before anything loads)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "has no CUDA support" if torch.version.cuda is None else "finds no CUDA GPU"
+        raise ValueError(
+            f"device: {device!r} was asked for, but this torch build ({torch.__version__}) "
+            f"{build}; use --device cpu (or leave the device unset)"
+        )
+    index = device.partition(":")[2] or "0"
+    if index.isdigit() and int(index) >= torch.cuda.device_count():
+        raise ValueError(
+            f"device: {device!r} does not exist ({torch.cuda.device_count()} CUDA device(s))"
+        )

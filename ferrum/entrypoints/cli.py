@@ -8,14 +8,32 @@ import sys
 
 from ferrum.default_model import DEFAULT_MODEL_DIR
 
+GENERATE_MAX_TOKENS = 64
+
 
 def _add_generate_sampling_args(parser: argparse.ArgumentParser) -> None:
     from ferrum.entrypoints.sampling_args import add_sampling_args
 
-    add_sampling_args(parser, "default 64; other values default to greedy decoding")
-    parser.add_argument("--n", type=int, default=1, help="completions per prompt")
+    add_sampling_args(
+        parser,
+        str(GENERATE_MAX_TOKENS),
+        "SamplingParams' defaults, except temperature 0 (greedy decoding)",
+    )
+    parser.add_argument("--n", type=int, default=1, help="completions per prompt (default: 1)")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating after EOS")
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """The --prompt values, else standard input (one prompt) when it is piped."""
+    if args.prompt:
+        return args.prompt
+    if sys.stdin is None or sys.stdin.isatty():
+        raise ValueError("--prompt is needed (or pipe the prompt on standard input)")
+    text = sys.stdin.read().removesuffix("\n")
+    if not text.strip():
+        raise ValueError("prompt: standard input was empty; give --prompt or pipe a prompt")
+    return [text]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -23,14 +41,14 @@ def _generate(args: argparse.Namespace) -> int:
     from ferrum.engine.arg_utils import EngineArgs
     from ferrum.entrypoints.sampling_args import sampling_overrides
 
+    prompts = _read_prompts(args)
     engine_args = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR)
     params = SamplingParams(
         n=args.n,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
-        **({"max_tokens": 64, "temperature": 0.0} | sampling_overrides(args)),
+        **({"max_tokens": GENERATE_MAX_TOKENS, "temperature": 0.0} | sampling_overrides(args)),
     )
-    prompts = args.prompt or ["The"]
     llm = LLM(**vars(engine_args))
     if args.chat:
         outputs = llm.chat(
@@ -51,8 +69,10 @@ def _generate(args: argparse.Namespace) -> int:
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     from ferrum.engine.arg_utils import EngineArgs
 
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(
         "--served-model-name",
         nargs="+",
@@ -68,7 +88,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--uvicorn-log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug", "trace"],
-        help="uvicorn's log level (its access log is at info)",
+        help="uvicorn's log level (its access log is at info; default: info)",
     )
     EngineArgs.add_cli_args(parser)
 
@@ -98,10 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Offline generation. MODEL defaults to the small model shipped with ferrum.",
     )
     EngineArgs.add_cli_args(generate)
-    generate.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    generate.add_argument(
+        "--prompt",
+        action="append",
+        help="prompt text (repeatable; default: standard input, when it is piped)",
+    )
     generate.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     _add_generate_sampling_args(generate)
-    generate.set_defaults(handler=_generate)
+    generate.set_defaults(handler=_generate, parser=generate)
     serve = commands.add_parser(
         "serve",
         help="serve the OpenAI-compatible HTTP API",
@@ -109,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ferrum.",
     )
     _add_serve_args(serve)
-    serve.set_defaults(handler=_serve)
+    serve.set_defaults(handler=_serve, parser=serve)
     run = commands.add_parser(
         "run",
         help="chat with a model in the terminal",
@@ -119,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ferrum.entrypoints.run_chat import add_run_args
 
     add_run_args(run)
-    run.set_defaults(handler=_run)
+    run.set_defaults(handler=_run, parser=run)
     _add_bench_commands(commands)
     return parser
 
@@ -139,15 +163,18 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
     ):
         sub = bench_commands.add_parser(name, help=module.__doc__.splitlines()[0])
         module.add_cli_args(sub)
-        sub.set_defaults(handler=module.main)
+        sub.set_defaults(handler=module.main, parser=sub)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    if unknown:
+        # The subcommand's usage, not the top-level one.
+        args.parser.error(_unknown_args_message(unknown))
     if getattr(args, "kernel_backend", None) == "triton" and getattr(args, "device", None) == "cpu":
         from ferrum.model_executor.kernel_backend import enable_triton_interpreter
 
@@ -157,6 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"ferrum: error: {e}", file=sys.stderr)
         return 2
+
+
+def _unknown_args_message(unknown: list[str]) -> str:
+    from ferrum.engine.arg_utils import NOT_SUPPORTED_YET
+
+    for arg in unknown:
+        name = arg.split("=", 1)[0].removeprefix("--").replace("-", "_")
+        if arg.startswith("--") and name in NOT_SUPPORTED_YET:
+            return f"{arg.split('=', 1)[0]}: not supported yet by ferrum (see the README)"
+    return f"unrecognized arguments: {' '.join(unknown)}"
 
 
 if __name__ == "__main__":

@@ -3,28 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 from tqdm import tqdm
 
-from ferrum.engine.arg_utils import EngineArgs
-from ferrum.engine.input_processor import PromptType
+from ferrum.default_model import DEFAULT_MODEL_NAME
+from ferrum.engine.arg_utils import EngineArgs, check_not_supported_yet
+from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
+_ENGINE_ARG_NAMES = frozenset(f.name for f in fields(EngineArgs))
+_PROMPT_TYPES = "a string, {'prompt': str}, {'prompt_token_ids': [int, ...]}, or a list of these"
 
 
 class LLM:
     """An engine for offline batched generation.
 
-    Keyword arguments are the fields of `EngineArgs` (`dtype`, `device`, `load_format`,
-    `max_model_len`, `block_size`, `num_kv_blocks`, `enable_prefix_caching`, `max_num_seqs`,
-    `max_num_batched_tokens`, `seed`, ...).
+    `model` is a local Hugging Face model folder; left out (or the shipped model's name,
+    "ferrum-tiny-qwen3"), the small model shipped with ferrum. Keyword arguments are the fields
+    of `EngineArgs` (`dtype`, `device`, `load_format`, `max_model_len`, `block_size`,
+    `num_kv_blocks`, `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`, `seed`,
+    ...); vLLM arguments ferrum does not have yet raise a ValueError saying so.
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str = DEFAULT_MODEL_NAME, **kwargs: Any) -> None:
+        check_not_supported_yet({k: v for k, v in kwargs.items() if k not in _ENGINE_ARG_NAMES})
+        kwargs = {k: v for k, v in kwargs.items() if k in _ENGINE_ARG_NAMES}
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
 
@@ -42,10 +50,9 @@ class LLM:
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for every prompt; returns one RequestOutput per prompt, in input order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Generates for every prompt; returns one RequestOutput per prompt, in input order.
+        A prompt of the wrong type is a TypeError naming the accepted ones."""
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = self._per_prompt_params(sampling_params, len(prompts))
@@ -131,3 +138,20 @@ class LLM:
                 engine.abort_request([r for r in request_ids if r not in finished])
                 raise
         return [finished[r] for r in request_ids]
+
+
+def _prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict, ProcessedPrompt)):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
+        raise TypeError(f"prompts must be {_PROMPT_TYPES}; got {type(prompts).__name__}")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (str, dict, ProcessedPrompt)):
+            hint = (
+                " (token ids go in {'prompt_token_ids': [...]})" if isinstance(prompt, int) else ""
+            )
+            raise TypeError(
+                f"prompts[{i}] must be a string, {{'prompt': str}} or "
+                f"{{'prompt_token_ids': [int, ...]}}; got {type(prompt).__name__}{hint}"
+            )
+    return list(prompts)

@@ -2,8 +2,9 @@
 
 With PROMPT it answers once and exits (`ferrum run "PROMPT"` alone uses the shipped model when
 PROMPT is no folder and has no path separator); without, it reads turns until `/exit`, Ctrl-D or Ctrl-C
-at the prompt. Replies stream as they are generated; the whole conversation goes through the
-model's chat template each turn. Ctrl-C during a reply stops that reply only.
+at the prompt. Lines starting with `/` are commands (`/help` lists them), never sent to the model.
+Replies stream as they are generated; the whole conversation goes through the model's chat
+template each turn. Ctrl-C during a reply stops that reply only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ if TYPE_CHECKING:
     from ferrum.engine.llm_engine import LLMEngine
 
 EXIT_COMMANDS = ("/exit", "/quit")
+# Without --max-tokens, a reply is at most the model's generation_config.json max_new_tokens, else
+# this many tokens (and never more than the context has room for).
+RUN_MAX_TOKENS = 512
+HELP_TEXT = """commands:
+  /help           this list
+  /clear          forget the conversation (the system message stays)
+  /settings       show the model and the sampling settings
+  /exit, /quit    leave (also Ctrl-D); Ctrl-C stops a reply
+"""
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +41,10 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=None, help="answer this once and exit")
     parser.add_argument("--system", default=None, help="system message of the conversation")
     add_sampling_args(
-        parser, "defaults: the context left, and the model's generation_config.json values"
+        parser,
+        f"the model's generation_config.json max_new_tokens, else {RUN_MAX_TOKENS}; never more "
+        "than the context has room for",
+        "the model's generation_config.json values, else SamplingParams' defaults",
     )
 
 
@@ -46,10 +59,28 @@ class ChatSession:
         self.engine = engine
         self.params = params.clone()
         self.params.output_kind = RequestOutputKind.DELTA
+        self.system = system
         self.messages: list[dict[str, str]] = []
-        if system:
-            self.messages.append({"role": "system", "content": system})
+        self.clear()
         self._ids = itertools.count()
+
+    def clear(self) -> None:
+        """Forgets the conversation; the system message stays."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def describe(self) -> str:
+        """The model and the sampling settings, one per line."""
+        p = self.params
+        max_tokens = p.max_tokens if p.max_tokens is not None else "the context left"
+        lines = [
+            f"model: {self.engine.config.model_config.model}",
+            f"max_tokens: {max_tokens}",
+            f"temperature: {p.temperature}, top_p: {p.top_p}, top_k: {p.top_k}, min_p: {p.min_p}",
+            f"repetition_penalty: {p.repetition_penalty}, seed: {p.seed}",
+            f"system: {self.system!r}",
+            f"turns so far: {sum(m['role'] == 'user' for m in self.messages)}",
+        ]
+        return "\n".join(lines) + "\n"
 
     def reply(self, user_text: str, on_text: Callable[[str], None]) -> str:
         """Generates the assistant's answer, calling `on_text` with each new piece of text; the
@@ -60,12 +91,13 @@ class ChatSession:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         token_ids = tokenizer.encode(text, add_special_tokens=False)
         params = self.params
-        if params.max_tokens is None:
-            room = self.engine.input_processor.max_tokens_room(len(token_ids))
-            if room < 1:
-                raise ValueError(
-                    f"the conversation ({len(token_ids)} tokens) fills the context; start over"
-                )
+        room = self.engine.input_processor.max_tokens_room(len(token_ids))
+        if room < 1:
+            raise ValueError(
+                f"the conversation ({len(token_ids)} tokens) fills the context; /clear to start "
+                "over"
+            )
+        if params.max_tokens is None or params.max_tokens > room:
             params = params.clone()
             params.max_tokens = room
         request_id = f"chat-{next(self._ids)}"
@@ -89,11 +121,25 @@ class ChatSession:
 
 
 def default_params(engine: LLMEngine, args: argparse.Namespace) -> SamplingParams:
-    """The model's generation_config.json values, overridden by the flags given."""
-    values: dict[str, Any] = engine.config.model_config.default_sampling_kwargs()
-    values["max_tokens"] = None
+    """The model's generation_config.json values (max_tokens: its max_new_tokens, else
+    RUN_MAX_TOKENS), overridden by the flags given."""
+    values: dict[str, Any] = {"max_tokens": RUN_MAX_TOKENS}
+    values.update(engine.config.model_config.default_sampling_kwargs())
     values.update(sampling_overrides(args))
     return SamplingParams(**values)
+
+
+def _run_command(session: ChatSession, command: str) -> str:
+    """Runs a `/command`; returns what to print."""
+    name = command.split()[0]
+    if name == "/help":
+        return HELP_TEXT
+    if name == "/clear":
+        session.clear()
+        return "conversation cleared\n"
+    if name == "/settings":
+        return session.describe()
+    return f"unknown command {name}; /help lists the commands\n"
 
 
 def _is_prompt_not_model(value: str) -> bool:
@@ -122,16 +168,20 @@ def run_chat(
         session.reply(args.prompt, write)
         write("\n")
         return 0
-    write("ferrum chat: type a message; /exit or Ctrl-D to quit.\n")
+    write("ferrum chat: type a message; /help for commands, /exit or Ctrl-D to quit.\n")
     while True:
         try:
             line = read_line(">>> ")
         except (EOFError, KeyboardInterrupt):
             write("\n")
             return 0
-        if line.strip() in EXIT_COMMANDS:
+        command = line.strip()
+        if command in EXIT_COMMANDS:
             return 0
-        if not line.strip():
+        if not command:
+            continue
+        if command.startswith("/"):
+            write(_run_command(session, command))
             continue
         try:
             session.reply(line, write)

@@ -17,17 +17,28 @@ _FIELDS = {
 }
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, defaults_help: str) -> None:
-    """Adds the flags, each defaulting to None (= the command's own default, `defaults_help`)."""
-    parser.add_argument(
-        "--max-tokens", type=int, default=None, help=f"tokens per reply; {defaults_help}"
+def add_sampling_args(
+    parser: argparse.ArgumentParser, max_tokens_default: str, others_default: str
+) -> None:
+    """Adds the flags, each defaulting to None: the command's own defaults, which the help states
+    (`max_tokens_default` for --max-tokens, `others_default` for the other fields)."""
+    group = parser.add_argument_group(
+        "sampling", f"SamplingParams fields; unset ones take {others_default}"
     )
-    parser.add_argument("--temperature", type=float, default=None, help="0 = greedy")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--min-p", type=float, default=None)
-    parser.add_argument("--repetition-penalty", type=float, default=None)
-    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"most tokens to generate per reply (default: {max_tokens_default})",
+    )
+    group.add_argument("--temperature", type=float, default=None, help="0 = greedy decoding")
+    group.add_argument("--top-p", type=float, default=None)
+    group.add_argument("--top-k", type=int, default=None)
+    group.add_argument("--min-p", type=float, default=None)
+    group.add_argument("--repetition-penalty", type=float, default=None)
+    group.add_argument(
+        "--sampling-seed", type=int, default=None, help="per-request seed (SamplingParams.seed)"
+    )
 
 
 def sampling_overrides(args: argparse.Namespace) -> dict[str, Any]:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 
+import pytest
+import torch
+
 from ferrum.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
-from ferrum.engine.arg_utils import EngineArgs
+from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from ferrum.engine.arg_utils import NOT_SUPPORTED_YET, EngineArgs, check_not_supported_yet
 
 
 def test_every_config_knob_is_an_engine_arg_with_the_config_default() -> None:
@@ -31,3 +35,37 @@ def test_cli_flags_carry_config_help_default_and_choices() -> None:
     for f in fields(EngineArgs):
         assert actions[f.name].help, f.name
     assert all(f.default is not MISSING for f in fields(EngineArgs) if f.name != "model")
+
+
+def test_triton_on_the_cpu_runs_bfloat16_checkpoints_in_float32() -> None:
+    # The shipped checkpoint is bfloat16, which Triton's CPU interpreter cannot run.
+    args = EngineArgs(model=DEFAULT_MODEL_DIR, device="cpu", kernel_backend="triton")
+    assert args.create_engine_config().model_config.dtype == "float32"
+    assert (
+        EngineArgs(model=DEFAULT_MODEL_DIR, device="cpu").create_engine_config().model_config.dtype
+        == "bfloat16"
+    )
+    with pytest.raises(
+        ValueError, match="dtype: bfloat16 does not run in Triton's CPU interpreter"
+    ):
+        args.replace(dtype="bfloat16").create_engine_config()
+
+
+def test_the_shipped_models_name_resolves_to_its_folder() -> None:
+    config = EngineArgs(model=DEFAULT_MODEL_NAME, device="cpu").create_engine_config()
+    assert config.model_config.model == DEFAULT_MODEL_DIR
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda_fails_before_loading() -> None:
+    with pytest.raises(ValueError, match="device: 'cuda:1' was asked for, but this torch build"):
+        EngineArgs(model=DEFAULT_MODEL_DIR, device="cuda:1").create_engine_config()
+
+
+def test_vllm_arguments_not_supported_yet() -> None:
+    check_not_supported_yet({"tensor_parallel_size": 1, "quantization": None})  # "off": fine
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: not supported yet by ferrum"):
+        check_not_supported_yet({"tensor_parallel_size": 2})
+    with pytest.raises(TypeError, match="unexpected engine argument 'max_num_seq'.*max_num_seqs"):
+        check_not_supported_yet({"max_num_seq": 4})
+    assert not set(NOT_SUPPORTED_YET) & {f.name for f in fields(EngineArgs)}

@@ -104,7 +104,6 @@ def test_max_tokens_none_fills_the_context() -> None:
         ({"prompt_token_ids": []}, SamplingParams(), "empty"),
         ({"prompt_token_ids": [1, 99999]}, SamplingParams(), r"outside \[0, 8192\)"),
         ({"prompt_token_ids": "abc"}, SamplingParams(), "list of integers"),
-        (42, SamplingParams(), "prompt must be"),
     ],
 )
 def test_bad_requests_fail_alone(llm: LLM, prompt, params, message) -> None:
@@ -198,3 +197,23 @@ def test_stop_strings_without_a_tokenizer_are_rejected(tiny_checkpoint) -> None:
     llm = LLM(tiny_checkpoint("qwen3"), skip_tokenizer_init=True, device="cpu", num_kv_blocks=16)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(stop="x"), use_tqdm=False)
+
+
+@pytest.mark.parametrize("args", [(), ("ferrum-tiny-qwen3",)])
+def test_llm_without_a_model_or_by_name_is_the_shipped_model(args: tuple[str, ...]) -> None:
+    llm = LLM(*args, device="cpu", num_kv_blocks=16, max_model_len=64, tensor_parallel_size=1)
+    assert llm.llm_engine.config.model_config.model == DEFAULT_MODEL_DIR
+
+
+@pytest.mark.parametrize("prompts", [123, [1, 2, 3], ["ok", None], b"bytes"])
+def test_prompts_of_a_wrong_type_are_a_type_error(llm: LLM, prompts) -> None:
+    with pytest.raises(TypeError, match=r"must be a string, \{'prompt': str\}"):
+        llm.generate(prompts, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_vllm_arguments_not_supported_yet_say_so() -> None:
+    with pytest.raises(ValueError, match="quantization='fp8': not supported yet by ferrum"):
+        LLM(quantization="fp8")
+    with pytest.raises(TypeError, match="unexpected engine argument 'max_num_seq'"):
+        LLM(max_num_seq=4)

@@ -11,7 +11,7 @@ from ferrum import SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.entrypoints.cli import build_parser, main
-from ferrum.entrypoints.run_chat import ChatSession, run_chat
+from ferrum.entrypoints.run_chat import ChatSession, default_params, run_chat
 
 ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "64"]
 GREEDY = ["--temperature", "0", "--max-tokens", "6"]
@@ -112,3 +112,32 @@ def test_single_positional_prompt_uses_the_shipped_model(
     # A path that does not exist stays a model argument and fails clearly.
     assert main(["run", "/no/such/model", *ENGINE_FLAGS, *GREEDY]) == 2
     assert "is not a local model folder" in capsys.readouterr().err
+
+
+def test_default_max_tokens_is_the_models_generation_limit(engine: LLMEngine) -> None:
+    args = build_parser().parse_args(["run", *ENGINE_FLAGS])
+    # The shipped model's generation_config.json: max_new_tokens 128.
+    assert default_params(engine, args).max_tokens == 128
+    args = build_parser().parse_args(["run", *ENGINE_FLAGS, "--max-tokens", "7"])
+    assert default_params(engine, args).max_tokens == 7
+
+
+def test_slash_commands_are_not_sent_to_the_model() -> None:
+    lines = iter(["/help", "Hi", "/settings", "/clear", "/settings", "/nope", "/exit"])
+    out = io.StringIO()
+    args = build_parser().parse_args(["run", *ENGINE_FLAGS, *GREEDY, "--system", "Be brief."])
+    assert run_chat(args, read_line=lambda _: next(lines), out=out) == 0
+    text = out.getvalue()
+    assert "/clear" in text and "forget the conversation" in text  # /help
+    assert "turns so far: 1" in text and "turns so far: 0" in text  # /settings around /clear
+    assert "max_tokens: 6" in text and "system: 'Be brief.'" in text
+    assert "conversation cleared" in text
+    assert "unknown command /nope" in text
+
+
+def test_clear_keeps_the_system_message(engine: LLMEngine) -> None:
+    session = ChatSession(engine, SamplingParams(temperature=0, max_tokens=2), system="Sys.")
+    session.reply("Hi", lambda _: None)
+    assert len(session.messages) == 3
+    session.clear()
+    assert session.messages == [{"role": "system", "content": "Sys."}]

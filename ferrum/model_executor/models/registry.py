@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib
 
-# architecture -> (module under ferrum.model_executor.models, class name)
+from ferrum.model_arch import SUPPORTED_ARCHITECTURES
+
+# architecture -> (module under ferrum.model_executor.models, class name); the keys are
+# SUPPORTED_ARCHITECTURES, which configs are checked against before anything loads.
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
@@ -14,7 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return list(SUPPORTED_ARCHITECTURES)
 
 
 def get_model_class(architecture: str) -> type:
