@@ -201,7 +201,11 @@ class CacheConfig:
     )
     # Applies on the CPU always, on the GPU when set.
     kv_cache_memory_bytes: int | None = field(
-        default=None, metadata=_help("KV pool budget in bytes (default on CPU: 4 GiB)")
+        default=None,
+        metadata=_help(
+            "KV pool budget in bytes (default on CPU: what max_num_seqs sequences of "
+            "max_model_len need, at most 512 MiB, at least one sequence)"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -256,10 +260,21 @@ class DeviceConfig:
         ),
     )
     enforce_eager: bool = field(default=False, metadata=_help("never capture CUDA graphs"))
+    num_cpu_threads: int | None = field(
+        default=None,
+        metadata=_help(
+            "threads torch computes with on the CPU (default: torch's, one per core); lower it "
+            "when other work shares the cores"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise _fail("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.num_cpu_threads is not None and (
+            not isinstance(self.num_cpu_threads, int) or self.num_cpu_threads < 1
+        ):
+            raise _fail("num_cpu_threads", f"must be an integer >= 1, got {self.num_cpu_threads!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise _fail(
                 "kernel_backend", f"must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}"

@@ -54,6 +54,7 @@ class Request:
         "sampling_params",
         "eos_token_id",
         "arrival_time",
+        "first_scheduled_time",
         "status",
         "num_computed_tokens",
         "num_cached_tokens",
@@ -78,6 +79,8 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # time.monotonic() when the scheduler first admitted it (None while waiting).
+        self.first_scheduled_time: float | None = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Prompt tokens served from the prefix cache at first admission (-1: not admitted yet).

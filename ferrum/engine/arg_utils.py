@@ -88,6 +88,7 @@ class EngineArgs:
     seed: int = ModelConfig.seed
     kernel_backend: str = DeviceConfig.kernel_backend
     enforce_eager: bool = DeviceConfig.enforce_eager
+    num_cpu_threads: int | None = DeviceConfig.num_cpu_threads
     async_scheduling: bool | None = None
 
     def create_engine_config(self) -> EngineConfig:

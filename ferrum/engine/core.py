@@ -8,6 +8,7 @@ device busy while the front end handles HTTP and text.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import deque
 from typing import Any
 
@@ -15,7 +16,12 @@ import torch
 
 from ferrum import envs
 from ferrum.config import EngineConfig
-from ferrum.engine.core_messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
+from ferrum.engine.core_messages import (
+    ITERATION_TOKENS_BUCKETS,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    SchedulerStats,
+)
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.logger import init_logger
 from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
@@ -30,6 +36,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         start = time.perf_counter()
+        if config.device_config.num_cpu_threads is not None:
+            torch.set_num_threads(config.device_config.num_cpu_threads)
         device = torch.device(config.device_config.device)
         self.runner = ModelRunner(config, device)
         if (fail_at := envs.debug_fail_forward()) is not None:
@@ -49,6 +57,9 @@ class EngineCore:
         self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()
         # Outputs of completed steps not yet returned by `step`.
         self._completed_outputs: list[EngineCoreOutput] = []
+        # Non-empty steps per ITERATION_TOKENS_BUCKETS bucket (+ one for larger), their tokens.
+        self._iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
         self.startup_seconds = time.perf_counter() - start
         logger.info(
             "engine core ready in %.2f s (model load %.2f s, KV cache sizing %.2f s, warm-up and "
@@ -95,6 +106,10 @@ class EngineCore:
             self._complete_oldest()
         # An empty step still tells the runner which requests finished.
         scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.is_empty:
+            num_tokens = scheduler_output.total_num_scheduled_tokens
+            self._iteration_tokens_counts[bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
+            self._iteration_tokens_sum += num_tokens
         try:
             launched = self.runner.launch(scheduler_output)
         except BaseException:
@@ -136,6 +151,7 @@ class EngineCore:
                 stop_reason=u.request.stop_reason,
                 logprobs=logprobs.get(u.request.req_id),
                 num_cached_tokens=max(u.request.num_cached_tokens, 0),
+                first_scheduled_time=u.request.first_scheduled_time,
             )
             for u in updates
         )
@@ -149,6 +165,8 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            iteration_tokens_counts=tuple(self._iteration_tokens_counts),
+            iteration_tokens_sum=self._iteration_tokens_sum,
         )
 
 

@@ -35,6 +35,12 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
+    # time.monotonic() in the core when the request was first scheduled (its queue time ends).
+    first_scheduled_time: float | None = None
+
+
+# Upper bounds of the buckets of tokens per engine step (vLLM's iteration_tokens_total).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass(slots=True)
@@ -45,6 +51,10 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Since start: non-empty steps per ITERATION_TOKENS_BUCKETS bucket of their token count (one
+    # more entry for larger steps), and the tokens of all of them.
+    iteration_tokens_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
 
 @dataclass(slots=True)

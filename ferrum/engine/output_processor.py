@@ -30,6 +30,8 @@ class _ChildState:
     stop_reason: int | str | None = None
     # Output tokens already returned (DELTA outputs only).
     num_sent_tokens: int = 0
+    # When this completion's latest new tokens arrived (None before its first).
+    last_token_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -102,8 +104,7 @@ class OutputProcessor:
             child = parent.children[core_output.req_id]
             if child.finish_reason is not None:
                 continue
-            if parent.metrics.first_token_time is None:
-                parent.metrics.first_token_time = now
+            self._record_times(parent.metrics, child, core_output, now)
             parent.num_cached_tokens = max(parent.num_cached_tokens, core_output.num_cached_tokens)
             self._add_logprobs(child, core_output.logprobs)
             stop_terminated = core_output.finish_reason == "stop"
@@ -123,6 +124,20 @@ class OutputProcessor:
             if parent.output_kind is not RequestOutputKind.FINAL_ONLY or parent.finished
         ]
         return outputs, stopped_by_string
+
+    @staticmethod
+    def _record_times(
+        metrics: RequestMetrics, child: _ChildState, core_output: EngineCoreOutput, now: float
+    ) -> None:
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = core_output.first_scheduled_time
+        if not core_output.new_token_ids:
+            return
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if child.last_token_time is not None:
+            metrics.inter_token_latencies.append(now - child.last_token_time)
+        child.last_token_time = metrics.last_token_time = now
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Marks every unfinished child aborted and returns the final output."""

@@ -10,7 +10,8 @@ import torch
 
 from ferrum.config import CacheConfig, ModelConfig, SchedulerConfig
 
-_CPU_DEFAULT_KV_BYTES = 4 << 30
+# The CPU pool's default cap: memory for development runs, not for throughput.
+CPU_DEFAULT_KV_BYTES = 512 << 20
 _GIB = float(1 << 30)
 
 
@@ -58,8 +59,21 @@ def num_blocks_from_budget(
     return int(num_blocks)
 
 
-def cpu_kv_budget(cache_config: CacheConfig) -> int:
-    return cache_config.kv_cache_memory_bytes or _CPU_DEFAULT_KV_BYTES
+def cpu_kv_budget(
+    model_config: ModelConfig,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    dtype: torch.dtype,
+) -> int:
+    """kv_cache_memory_bytes when set; else what every sequence slot at full length needs, at
+    most CPU_DEFAULT_KV_BYTES but at least one sequence of max_model_len."""
+    if cache_config.kv_cache_memory_bytes is not None:
+        return cache_config.kv_cache_memory_bytes
+    block_size = cache_config.block_size
+    per_block = kv_bytes_per_block(model_config, block_size, dtype)
+    one_sequence = (-(-scheduler_config.max_model_len // block_size) + 1) * per_block
+    every_slot = blocks_worth_keeping(scheduler_config, block_size) * per_block
+    return max(min(every_slot, CPU_DEFAULT_KV_BYTES), one_sequence)
 
 
 def allocate_kv_caches(

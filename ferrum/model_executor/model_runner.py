@@ -115,7 +115,9 @@ class ModelRunner:
         """KV blocks for the pool: the CPU budget, or what a profiled peak leaves on the GPU."""
         cfg = self.config
         if self.device.type != "cuda":
-            budget = cpu_kv_budget(cfg.cache_config)
+            budget = cpu_kv_budget(
+                cfg.model_config, cfg.cache_config, cfg.scheduler_config, self.dtype
+            )
         elif cfg.cache_config.kv_cache_memory_bytes is not None:
             budget = cfg.cache_config.kv_cache_memory_bytes
         else:

@@ -10,6 +10,7 @@ are freed and it is recomputed later), never a crash.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -166,6 +167,7 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_computed
+                request.first_scheduled_time = time.monotonic()
             num_scheduled[request.req_id] = num_new
             computed_before[request.req_id] = num_computed
             new_reqs.append(

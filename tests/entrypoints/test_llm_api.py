@@ -217,3 +217,19 @@ def test_vllm_arguments_not_supported_yet_say_so() -> None:
         LLM(quantization="fp8")
     with pytest.raises(TypeError, match="unexpected engine argument 'max_num_seq'"):
         LLM(max_num_seq=4)
+
+
+def test_request_metrics_carry_the_timeline(llm: LLM) -> None:
+    before = llm.llm_engine.stats()
+    [output] = llm.generate("Hello", greedy(n=2, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    m = output.metrics
+    assert m is not None and m.first_scheduled_time is not None
+    assert m.first_token_time is not None and m.last_token_time is not None
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+    assert m.finished_time is not None and m.last_token_time <= m.finished_time
+    # One gap per token after the first, of each completion.
+    assert len(m.inter_token_latencies) == 2 * 3
+    after = llm.llm_engine.stats()
+    num_steps = sum(after.iteration_tokens_counts) - sum(before.iteration_tokens_counts)
+    assert num_steps >= 4
+    assert after.iteration_tokens_sum - before.iteration_tokens_sum >= 2 * 3 + 1

@@ -9,6 +9,7 @@ import torch
 
 from ferrum.config import CacheConfig, ModelConfig, SchedulerConfig
 from ferrum.model_executor.kv_cache_sizing import (
+    CPU_DEFAULT_KV_BYTES,
     allocate_kv_caches,
     blocks_worth_keeping,
     cpu_kv_budget,
@@ -64,9 +65,18 @@ def test_a_budget_short_of_one_full_length_sequence_is_refused(model_config) -> 
         num_blocks_from_budget(33 * 2048 - 1, model_config, cache, sched, torch.float32)
 
 
-def test_cpu_budget_defaults_to_4_gib() -> None:
-    assert cpu_kv_budget(CacheConfig()) == 4 << 30
-    assert cpu_kv_budget(CacheConfig(kv_cache_memory_bytes=12345)) == 12345
+def test_cpu_budget_defaults_to_what_the_sequence_slots_need_bounded(model_config) -> None:
+    def budget(cache: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
+        sched = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+        return cpu_kv_budget(model_config, cache, sched, torch.float32)
+
+    cache = CacheConfig(block_size=4)
+    assert budget(CacheConfig(kv_cache_memory_bytes=12345), 128, 2) == 12345
+    # Two sequences of 32 blocks + the padding block.
+    assert budget(cache, 128, 2) == 65 * FP32_BLOCK_OF_4
+    assert budget(cache, 128, 100_000) == CPU_DEFAULT_KV_BYTES == 512 << 20
+    # Never less than one sequence of max_model_len (2**18 blocks + the padding block).
+    assert budget(cache, 2**20, 1) == (2**18 + 1) * FP32_BLOCK_OF_4 > CPU_DEFAULT_KV_BYTES
 
 
 def test_allocated_caches_are_one_zeroed_tensor_per_layer(model_config) -> None:
@@ -80,8 +90,19 @@ def test_allocated_caches_are_one_zeroed_tensor_per_layer(model_config) -> None:
 
 def test_the_cpu_engine_sizes_its_pool_from_the_budget(tiny_checkpoint) -> None:
     path = tiny_checkpoint("qwen3")
-    # The 4 GiB default is capped to 2 sequences of 32 blocks + the padding block.
+    # The default budget: 2 sequences of 32 blocks + the padding block.
     llm = make_llm(path, max_num_seqs=2)
     assert llm.llm_engine.core.kv_cache_manager.num_usable_blocks == 64
     llm = make_llm(path, kv_cache_memory_bytes=50 * FP32_BLOCK_OF_4)
     assert llm.llm_engine.core.kv_cache_manager.num_usable_blocks == 49
+
+
+def test_num_cpu_threads_sets_torchs_threads(tiny_checkpoint) -> None:
+    before = torch.get_num_threads()
+    try:
+        make_llm(tiny_checkpoint("qwen3"), num_cpu_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="num_cpu_threads: must be an integer >= 1, got 0"):
+        make_llm(tiny_checkpoint("qwen3"), num_cpu_threads=0)

@@ -1,18 +1,28 @@
 """GET /metrics: Prometheus metrics of one server, in its own registry.
 
-Scheduler gauges and the prefix-cache counters are read from the core's latest stats at scrape
-time; latency histograms and token counters are updated as each request finishes.
+vLLM's metric set under the `ferrum:` prefix. Scheduler gauges, the prefix-cache counters and the
+tokens-per-step histogram are read from the core's latest stats at scrape time; per-request
+histograms and counters are updated once per request (all its `n` completions) as it finishes.
+Times are time.monotonic() of one machine: queue time runs from arrival in the API process to the
+core's first scheduling, prefill to the first token, decode from the first token to the last.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from ferrum.engine.async_llm import AsyncLLM
+from ferrum.engine.core_messages import ITERATION_TOKENS_BUCKETS
 from ferrum.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -113,6 +123,20 @@ class _EngineStatsCollector(Collector):
             "Requests preempted to free KV cache blocks",
             stats.num_preemptions if stats else 0,
         )
+        iteration_tokens = HistogramMetricFamily(
+            "ferrum:iteration_tokens_total",
+            "Tokens (prompt and generated) per engine step",
+            labels=labels,
+        )
+        counts = stats.iteration_tokens_counts if stats else ()
+        counts = counts or (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        cumulative, buckets = 0, []
+        bounds = [str(float(b)) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
+        for bound, count in zip(bounds, counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        iteration_tokens.add_metric(values, buckets, stats.iteration_tokens_sum if stats else 0)
+        yield iteration_tokens
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -138,6 +162,31 @@ class ServerMetrics:
             registry=self.registry,
             buckets=_LATENCY_BUCKETS,
         ).labels(model_name)
+        self.inter_token_latency = self._histogram(
+            "ferrum:inter_token_latency_seconds",
+            "Time between consecutive outputs of new tokens of one completion",
+            _LATENCY_BUCKETS,
+        )
+        self.queue_time = self._histogram(
+            "ferrum:request_queue_time_seconds",
+            "Time from arrival to the first scheduling by the engine core",
+            _E2E_BUCKETS,
+        )
+        self.prefill_time = self._histogram(
+            "ferrum:request_prefill_time_seconds",
+            "Time from the first scheduling to the first generated token",
+            _E2E_BUCKETS,
+        )
+        self.decode_time = self._histogram(
+            "ferrum:request_decode_time_seconds",
+            "Time from the first generated token to the last",
+            _E2E_BUCKETS,
+        )
+        self.inference_time = self._histogram(
+            "ferrum:request_inference_time_seconds",
+            "Time from the first scheduling to the last generated token",
+            _E2E_BUCKETS,
+        )
         self.e2e_latency = Histogram(
             "ferrum:e2e_request_latency_seconds",
             "Time from arrival to the end of the request",
@@ -159,26 +208,38 @@ class ServerMetrics:
         ).labels(model_name)
         self.request_success = Counter(
             "ferrum:request_success",
-            "Finished requests by finish reason",
+            "Finished requests by finish reason (one per request, whatever its n)",
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
         engine.add_finished_listener(self.observe_finished)
 
+    def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Any:
+        return Histogram(
+            name, documentation, ["model_name"], registry=self.registry, buckets=buckets
+        ).labels(self.model_name)
+
     def observe_finished(self, output: RequestOutput) -> None:
-        """`output`: the request's final output, cumulative or DELTA."""
+        """`output`: the request's final output, cumulative or DELTA; observed once per request."""
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        for completion in output.outputs:
-            reason = completion.finish_reason or "abort"
-            self.request_success.labels(self.model_name, reason).inc()
+        self.request_success.labels(self.model_name, request_finish_reason(output)).inc()
         metrics = output.metrics
         if metrics is None or metrics.finished_time is None:
             return
         self.generation_tokens.inc(sum(metrics.num_generation_tokens))
         self.e2e_latency.observe(metrics.finished_time - metrics.arrival_time)
-        if metrics.first_token_time is None:
+        for latency in metrics.inter_token_latencies:
+            self.inter_token_latency.observe(latency)
+        scheduled = metrics.first_scheduled_time
+        if scheduled is not None:
+            self.queue_time.observe(max(scheduled - metrics.arrival_time, 0.0))
+        if metrics.first_token_time is None or metrics.last_token_time is None:
             return
         self.time_to_first_token.observe(metrics.first_token_time - metrics.arrival_time)
+        self.decode_time.observe(metrics.last_token_time - metrics.first_token_time)
+        if scheduled is not None:
+            self.prefill_time.observe(max(metrics.first_token_time - scheduled, 0.0))
+            self.inference_time.observe(max(metrics.last_token_time - scheduled, 0.0))
         num_tokens = max(metrics.num_generation_tokens, default=0)
         if num_tokens > 1:
             self.time_per_output_token.observe(
@@ -187,3 +248,9 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def request_finish_reason(output: RequestOutput) -> str:
+    """One reason per request: "abort" if any completion was aborted, else the first one's."""
+    reasons = [c.finish_reason or "abort" for c in output.outputs]
+    return "abort" if "abort" in reasons else reasons[0] if reasons else "abort"

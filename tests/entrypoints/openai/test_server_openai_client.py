@@ -247,7 +247,14 @@ def test_metrics_exposed(server: RemoteServer) -> None:
         "ferrum:time_to_first_token_seconds_count",
         "ferrum:time_per_output_token_seconds_count",
         "ferrum:e2e_request_latency_seconds_count",
+        "ferrum:inter_token_latency_seconds_count",
+        "ferrum:request_queue_time_seconds_count",
+        "ferrum:request_prefill_time_seconds_count",
+        "ferrum:request_decode_time_seconds_count",
+        "ferrum:request_inference_time_seconds_count",
+        "ferrum:iteration_tokens_total_count",
     ):
         assert name in metrics, name
+    assert metrics["ferrum:iteration_tokens_total_sum"] >= 2
     assert metrics["ferrum:generation_tokens_total"] >= 2
     assert metrics["ferrum:e2e_request_latency_seconds_count"] >= 1
