@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from tqdm import tqdm
+
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import SamplingParams
 
@@ -44,6 +46,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters-warmup", type=int, default=3, help="untimed iterations")
     parser.add_argument("--num-iters", type=int, default=10, help="timed iterations")
     parser.add_argument("--output-json", default=None, help="write the figures to this file")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -62,7 +65,10 @@ def main(args: argparse.Namespace) -> int:
     def prompts_for(seed: int) -> TokenPrompts:
         return random_prompts(args.batch_size, args.input_len, vocab_size, args.seed + seed)
 
-    latencies = measure_latencies(llm, prompts_for, params, args.num_iters_warmup, args.num_iters)
+    show_progress = not args.disable_tqdm
+    latencies = measure_latencies(
+        llm, prompts_for, params, args.num_iters_warmup, args.num_iters, show_progress
+    )
     result: dict[str, Any] = {
         "avg_latency": sum(latencies) / len(latencies),
         "latencies": latencies,
@@ -79,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
             first,
             args.num_iters_warmup,
             args.num_iters,
+            show_progress,
         )
         ttft = median(ttft_times)
         result["ttft_s"] = ttft
@@ -103,14 +110,18 @@ def main(args: argparse.Namespace) -> int:
 
 
 def timed_generate(
-    llm: LLM, prompts: TokenPrompts, params: SamplingParams | list[SamplingParams]
+    llm: LLM,
+    prompts: TokenPrompts,
+    params: SamplingParams | list[SamplingParams],
+    use_tqdm: bool = False,
 ) -> tuple[float, list[RequestOutput]]:
-    """Seconds of one `generate` call over token-id prompts, the device synchronized around it."""
+    """Seconds of one `generate` call over token-id prompts, the device synchronized around it
+    (`use_tqdm`: with generate's progress bar)."""
     synchronize = _device_synchronizer(llm)
     inputs = [{"prompt_token_ids": p} for p in prompts]
     synchronize()
     start = time.perf_counter()
-    outputs = llm.generate(inputs, params, use_tqdm=False)
+    outputs = llm.generate(inputs, params, use_tqdm=use_tqdm)
     synchronize()
     return time.perf_counter() - start, outputs
 
@@ -121,12 +132,16 @@ def measure_latencies(
     params: SamplingParams,
     num_warmup: int,
     num_iters: int,
+    show_progress: bool = True,
 ) -> list[float]:
     """Times `num_iters` generate calls after `num_warmup` untimed ones; iteration i (warm-up:
-    WARMUP_SEED_BASE + i) runs on `prompts_for(i)`."""
-    for i in range(num_warmup):
+    WARMUP_SEED_BASE + i) runs on `prompts_for(i)`. Progress bars count the iterations."""
+    for i in tqdm(range(num_warmup), desc="Warm-up iterations", disable=not show_progress):
         timed_generate(llm, prompts_for(WARMUP_SEED_BASE + i), params)
-    return [timed_generate(llm, prompts_for(i), params)[0] for i in range(num_iters)]
+    return [
+        timed_generate(llm, prompts_for(i), params)[0]
+        for i in tqdm(range(num_iters), desc="Timed iterations", disable=not show_progress)
+    ]
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> TokenPrompts:

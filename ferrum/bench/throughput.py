@@ -72,6 +72,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--temperature", type=float, default=None, help="default random 1.0, nano 0.6; 0 = greedy"
     )
     parser.add_argument("--output-json", default=None, help="write the figures to this file")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -88,7 +89,9 @@ def main(args: argparse.Namespace) -> int:
     else:
         prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, args.seed)
     prompts = workloads.fold_to_vocab(prompts, vocab_size)
-    result = measure_throughput(llm, prompts, output_lens, temperature)
+    result = measure_throughput(
+        llm, prompts, output_lens, temperature, show_progress=not args.disable_tqdm
+    )
     print(
         f"Throughput: {result.requests_per_second:.2f} requests/s, "
         f"{result.tokens_per_second:.2f} total tokens/s, "
@@ -114,16 +117,21 @@ def main(args: argparse.Namespace) -> int:
 
 
 def measure_throughput(
-    llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature: float
+    llm: LLM,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    temperature: float,
+    show_progress: bool = True,
 ) -> ThroughputResult:
-    """One `generate` call over every prompt (`ignore_eos`, max_tokens from `output_lens`);
-    unseeded requests draw from the engine's seeded generator."""
+    """One `generate` call over every prompt (`ignore_eos`, max_tokens from `output_lens`), with
+    its progress bar (requests done, tokens/s) unless told; unseeded requests draw from the
+    engine's seeded generator."""
     if len(prompts) != len(output_lens):
         raise ValueError(f"output_lens: got {len(output_lens)} for {len(prompts)} prompts")
     params = [
         SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n) for n in output_lens
     ]
-    elapsed, outputs = timed_generate(llm, prompts, params)
+    elapsed, outputs = timed_generate(llm, prompts, params, use_tqdm=show_progress)
     num_output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     num_prompt_tokens = sum(len(p) for p in prompts)
     return ThroughputResult(

@@ -122,6 +122,7 @@ class LLM:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
+        num_prompt_tokens = num_output_tokens = 0
         with tqdm(
             total=len(request_ids),
             desc="Processed prompts",
@@ -133,6 +134,14 @@ class LLM:
                     for output in engine.step():
                         if output.finished and output.request_id in wanted:
                             finished[output.request_id] = output
+                            num_prompt_tokens += len(output.prompt_token_ids)
+                            num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                            elapsed = bar.format_dict["elapsed"] or 1e-9
+                            bar.set_postfix_str(
+                                f"est. speed input: {num_prompt_tokens / elapsed:.2f} toks/s, "
+                                f"output: {num_output_tokens / elapsed:.2f} toks/s",
+                                refresh=False,
+                            )
                             bar.update(1)
             except BaseException:
                 engine.abort_request([r for r in request_ids if r not in finished])

@@ -11,8 +11,11 @@ from collections.abc import Callable, Hashable, Iterable, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
+from tqdm import tqdm
 
 INDEX_FILE = "model.safetensors.index.json"
+# Checkpoints at least this large show a progress bar (bytes read) while loading.
+PROGRESS_MIN_BYTES = 256 << 20
 
 # Maps a checkpoint tensor name to (parameter name, shard id); None skips the tensor.
 NameMapper = Callable[[str], "tuple[str, Hashable] | None"]
@@ -46,16 +49,30 @@ def list_safetensors_files(model_dir: str) -> list[str]:
 
 class SafetensorsCheckpoint:
     """Iterates (name, cpu tensor) over a checkpoint's files in order, one tensor in memory at a
-    time; `current_file` names the file being read."""
+    time; `current_file` names the file being read. Large checkpoints show a progress bar."""
 
     def __init__(self, model_dir: str) -> None:
         self.files = list_safetensors_files(model_dir)
         self.current_file: str | None = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for path in self.files:
-            self.current_file = path
-            yield from iterate_safetensors_file(path)
+        total = sum(os.path.getsize(path) for path in self.files)
+        with tqdm(
+            total=total,
+            desc="Loading weights",
+            unit="B",
+            unit_scale=True,
+            disable=total < PROGRESS_MIN_BYTES,
+        ) as bar:
+            for path in self.files:
+                self.current_file = path
+                left = os.path.getsize(path)
+                for name, tensor in iterate_safetensors_file(path):
+                    num_bytes = min(tensor.numel() * tensor.element_size(), left)
+                    left -= num_bytes
+                    bar.update(num_bytes)
+                    yield name, tensor
+                bar.update(left)  # the file's header
         self.current_file = None
 
 

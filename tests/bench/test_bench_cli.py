@@ -88,8 +88,10 @@ def test_latency_batch_of_one_reports_ttft_and_tpot(
     )
     assert args.skip_tokenizer_init  # token-id prompts: a config folder without tokenizer works
     assert latency.main(args) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "Avg latency:" in printed and "99% percentile latency:" in printed
+    assert "Timed iterations: 100%" in captured.err and "Warm-up iterations" in captured.err
     assert "TTFT (median):" in printed and "TPOT (median):" in printed
     result = json.loads(out.read_text())
     assert len(result["latencies"]) == 3 and len(result["ttft_latencies"]) == 3
@@ -152,7 +154,10 @@ def test_throughput_random_counts_every_token(
         ],
     )
     assert throughput.main(args) == 0
-    assert "requests/s" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "requests/s" in captured.out
+    # generate's progress bar: prompts done and the token rates.
+    assert "Processed prompts: 100%" in captured.err and "est. speed input:" in captured.err
     result = json.loads(out.read_text())
     assert (result["num_requests"], result["num_prompt_tokens"]) == (3, 24)
     assert (result["num_output_tokens"], result["total_num_tokens"]) == (15, 39)

@@ -233,3 +233,10 @@ def test_request_metrics_carry_the_timeline(llm: LLM) -> None:
     num_steps = sum(after.iteration_tokens_counts) - sum(before.iteration_tokens_counts)
     assert num_steps >= 4
     assert after.iteration_tokens_sum - before.iteration_tokens_sum >= 2 * 3 + 1
+
+
+def test_the_progress_bar_shows_token_rates(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    llm.generate(["a", "b"], greedy(max_tokens=2, ignore_eos=True), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts: 100%" in err and "2/2" in err
+    assert "est. speed input:" in err and "output:" in err and "toks/s" in err

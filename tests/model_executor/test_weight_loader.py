@@ -209,3 +209,18 @@ def test_tied_checkpoint_may_carry_lm_head(tiny_checkpoint, tmp_path) -> None:
     rewrite(folder, lambda t: t.update({"lm_head.weight": torch.zeros(384, 64)}))
     model = load(folder)
     assert model.lm_head.weight.abs().sum() > 0
+
+
+def test_large_checkpoints_show_loading_progress(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from safetensors.torch import save_file
+
+    from ferrum.model_executor import weight_loader
+
+    save_file({"w": torch.zeros(64, 64)}, str(tmp_path / "model.safetensors"))
+    assert [name for name, _ in weight_loader.SafetensorsCheckpoint(str(tmp_path))] == ["w"]
+    assert "Loading weights" not in capsys.readouterr().err  # small: no bar
+    monkeypatch.setattr(weight_loader, "PROGRESS_MIN_BYTES", 1)
+    assert [name for name, _ in weight_loader.SafetensorsCheckpoint(str(tmp_path))] == ["w"]
+    assert "Loading weights: 100%" in capsys.readouterr().err
