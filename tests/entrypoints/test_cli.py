@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import socket
 import subprocess
 import sys
 
@@ -138,3 +139,16 @@ def test_cuda_without_cuda_is_one_clear_line(
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("ferrum: error: device: 'cuda' was asked for") and err.count("\n") == 1
+
+
+def test_serve_on_a_busy_port_fails_before_loading_the_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        # The model does not exist: the port is checked first.
+        assert main(["serve", "/no/such/model", "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port: cannot listen on 127.0.0.1:{port}" in err and "model" not in err

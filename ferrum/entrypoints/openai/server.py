@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import hmac
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager, suppress
@@ -363,12 +364,33 @@ class _Server(uvicorn.Server):
             self.loop.call_soon_threadsafe(self.engine.abort_all)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port for uvicorn; ValueError naming the address when it is
+    taken or cannot be bound."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"host: cannot listen on {host!r}: {e}") from e
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"port: cannot listen on {host}:{port} ({e.strerror or e}); is another server "
+            "running there? Pick another --port"
+        ) from e
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Serves until SIGTERM/SIGINT; returns the process exit code."""
     started = time.perf_counter()
     engine_args = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR)
     if not 0 < args.port < 65536:
         raise ValueError(f"port must be in [1, 65535], got {args.port}")
+    listener = listen_socket(args.host, args.port)  # a busy port fails before the model loads
     config = engine_args.create_engine_config()
     if config.model_config.skip_tokenizer_init:
         raise ValueError("skip_tokenizer_init: the server needs a tokenizer")
@@ -392,7 +414,7 @@ def run_server(args: argparse.Namespace) -> int:
     server = _Server(uvicorn_config, engine)
     app.state.server = server
     app.state.server_config = uvicorn_config
-    server.run()
+    server.run(sockets=[listener])
     if getattr(app.state, "startup_failed", False) or not server.started:
         return 1
     return 0
