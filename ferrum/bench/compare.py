@@ -2,7 +2,7 @@
 
 Reads ferrum's and `vllm bench serve`'s JSON results (same field names); a figure a file lacks
 shows as "-". `--plot out.png` draws throughput and TTFT/TPOT/ITL percentiles (needs
-matplotlib: `pip install 'ferrum[plot]'`).
+matplotlib: `pip install -e '.[plot]'` in ferrum's checkout, or `pip install matplotlib`).
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ def _require_matplotlib() -> None:
 
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError(
-            "plot needs matplotlib, which is not installed: pip install 'ferrum[plot]'"
+            "plot needs matplotlib, which is not installed: pip install matplotlib (or "
+            "pip install -e '.[plot]' in ferrum's checkout)"
         )
 
 
