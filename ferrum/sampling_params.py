@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json as json_lib
+from copy import deepcopy
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 # Temperatures below this are treated as greedy decoding.
 _GREEDY_EPS = 1e-5
@@ -20,6 +23,82 @@ class RequestOutputKind(Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+# The structured-output kinds of StructuredOutputsParams; exactly one is set per request.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains the output to a JSON schema, a regex, one of fixed strings, an EBNF grammar
+    (xgrammar's GBNF dialect, root rule `root`) or any JSON object (vLLM's names).
+
+    Exactly one field is set. `json` is a schema as a dict or a JSON string. This validates the
+    shape of the fields only; whether a schema, regex or grammar compiles is decided by the
+    grammar compiler (`ferrum.structured_output`), which reports problems as `ValueError`.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, limit: str, value: object) -> ValueError:
+            return ValueError(f"structured_outputs.{name} {limit}, got {value!r:.200}")
+
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json_lib.loads(schema)
+                except json_lib.JSONDecodeError as e:
+                    raise bad(
+                        "json", f"must be a JSON schema; the string is not JSON ({e})", self.json
+                    ) from e
+            if not isinstance(schema, dict):
+                raise bad(
+                    "json", "must be a JSON schema object (a dict or its JSON text)", self.json
+                )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise bad(name, "must be a non-empty string", value)
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)):
+                raise bad("choice", "must be a list of strings", self.choice)
+            self.choice = list(self.choice)
+            if not self.choice:
+                raise bad("choice", "must hold at least one string", self.choice)
+            for option in self.choice:
+                if not isinstance(option, str) or not option:
+                    raise bad("choice", "must contain only non-empty strings", option)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise bad("json_object", "must be a bool", self.json_object)
+        kinds = self.kinds_set()
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                f"must be set, got {', '.join(kinds) if kinds else 'none'}"
+            )
+
+    def kinds_set(self) -> list[str]:
+        """The names of the set fields (`json_object=False` counts as not set)."""
+        return [
+            name
+            for name in STRUCTURED_OUTPUT_KINDS
+            if getattr(self, name) is not None and getattr(self, name) is not False
+        ]
+
+    @property
+    def kind(self) -> str:
+        """The one set field's name."""
+        return self.kinds_set()[0]
+
+    def clone(self) -> StructuredOutputsParams:
+        return deepcopy(self)
 
 
 class SamplingType(Enum):
@@ -56,6 +135,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine from the model's generation config; never part of the user's request.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -126,6 +206,14 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not is_int(t) or t < 0:
                 raise bad("stop_token_ids", "must contain only non-negative integers", t)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise bad(
+                "structured_outputs",
+                "must be a StructuredOutputsParams or None",
+                self.structured_outputs,
+            )
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -147,4 +235,6 @@ class SamplingParams:
         copy.stop = list(self.stop)
         copy.stop_token_ids = list(self.stop_token_ids)
         copy.all_stop_token_ids = set(self.all_stop_token_ids)
+        if self.structured_outputs is not None:
+            copy.structured_outputs = self.structured_outputs.clone()
         return copy

@@ -1,4 +1,5 @@
-"""ModelConfig reads the model folder once and resolves its "auto" values."""
+"""ModelConfig reads the model folder once and resolves its "auto" values;
+StructuredOutputsConfig is validated, its errors name the field and the limit."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import shutil
 
 import pytest
 
-from ferrum.config import ModelConfig
+from ferrum.config import ModelConfig, StructuredOutputsConfig
 
 
 def test_model_config_reads_the_folder_once(tiny_checkpoint, tmp_path) -> None:
@@ -33,3 +34,23 @@ def test_model_config_errors_name_the_field(tiny_checkpoint, tmp_path) -> None:
         ModelConfig(path, dtype="int8")
     with pytest.raises(ValueError, match="is not a local model folder"):
         ModelConfig(str(tmp_path / "missing"))
+
+
+def test_structured_outputs_config_defaults_are_valid() -> None:
+    config = StructuredOutputsConfig()
+    assert config.backend == "xgrammar" and config.compile_timeout_s == 10.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"backend": "guidance"}, r"backend: must be one of \('xgrammar',\)"),
+        ({"compile_timeout_s": 0}, r"compile_timeout_s: must be a number in \(0, 3600\]"),
+        ({"compile_timeout_s": True}, "compile_timeout_s"),
+        ({"compile_cache_size": 0}, "compile_cache_size: must be an integer >= 1"),
+        ({"compile_max_workers": 1.5}, "compile_max_workers: must be an integer >= 1"),
+    ],
+)
+def test_structured_outputs_config_invalid_fields_are_named(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsConfig(**kwargs)

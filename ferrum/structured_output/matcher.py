@@ -1,0 +1,68 @@
+"""StructuredOutputMatcher: one request's position in its grammar.
+
+Invariant: the matcher has accepted exactly the request's output tokens so far
+(`num_accepted_tokens` of them); whoever drops output tokens (a rejected draft, a discarded
+placeholder) rolls the matcher back by the same count. Preemption by recompute keeps the output
+tokens, so it leaves the matcher alone.
+
+Not thread-safe: one owner calls accept/rollback/fill at a time (xgrammar's GrammarMatcher is not
+safe for concurrent use). Distinct matchers may be used from distinct threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xgrammar as xgr
+
+
+class StructuredOutputMatcher:
+    __slots__ = ("_matcher", "_stop_token_ids", "num_accepted_tokens")
+
+    def __init__(self, grammar: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(grammar)
+        self._stop_token_ids = tuple(self._matcher.stop_token_ids)
+        self.num_accepted_tokens = 0
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """Advances over `token_ids` in order. Returns False at the first token the grammar
+        refuses (a token the mask forbade, or any token after the end); the tokens before it
+        stay accepted and the rest are not looked at."""
+        for token_id in token_ids:
+            if not self._matcher.accept_token(int(token_id)):
+                return False
+            self.num_accepted_tokens += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forgets the last `num_tokens` accepted tokens (an end-of-grammar stop token included),
+        as if they had never been accepted."""
+        if not 0 <= num_tokens <= self.num_accepted_tokens:
+            raise ValueError(
+                f"num_tokens must be in [0, {self.num_accepted_tokens}] (the tokens accepted), "
+                f"got {num_tokens}"
+            )
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            self.num_accepted_tokens -= num_tokens
+
+    def is_terminated(self) -> bool:
+        """True once the grammar ended and its stop token was accepted: the request is done."""
+        return self._matcher.is_terminated()
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Writes the allowed next tokens into row `row` of a host bitmask (`bitmask.py` layout).
+        A terminated matcher allows only its stop tokens (the token is dropped anyway: the
+        request has finished)."""
+        if self._matcher.is_terminated():
+            bitmask[row].zero_()
+            for token_id in self._stop_token_ids:
+                bitmask[row, token_id // 32] |= _bit(token_id % 32)
+            return
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def _bit(position: int) -> int:
+    """The int32 value with only bit `position` set."""
+    return (1 << position) - (1 << 32 if position == 31 else 0)
