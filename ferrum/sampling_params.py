@@ -26,16 +26,19 @@ class RequestOutputKind(Enum):
 
 
 # The structured-output kinds of StructuredOutputsParams; exactly one is set per request.
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# OpenAI's bound on a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
 class StructuredOutputsParams:
     """Constrains the output to a JSON schema, a regex, one of fixed strings, an EBNF grammar
-    (xgrammar's GBNF dialect, root rule `root`) or any JSON object (vLLM's names).
+    (xgrammar's GBNF dialect, root rule `root`), any JSON object, or an xgrammar structural tag
+    (what `tool_choice` compiles to) (vLLM's names).
 
-    Exactly one field is set. `json` is a schema as a dict or a JSON string. This validates the
-    shape of the fields only; whether a schema, regex or grammar compiles is decided by the
+    Exactly one field is set. `json` is a schema and `structural_tag` a structural tag, each as a
+    dict or its JSON text. This validates the shape of the fields only; whether a schema, regex or grammar compiles is decided by the
     grammar compiler (`ferrum.structured_output`), which reports problems as `ValueError`.
     """
 
@@ -44,24 +47,23 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, limit: str, value: object) -> ValueError:
             return ValueError(f"structured_outputs.{name} {limit}, got {value!r:.200}")
 
-        if self.json is not None:
-            schema = self.json
-            if isinstance(schema, str):
+        for name, what in (("json", "a JSON schema"), ("structural_tag", "a structural tag")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, str):
                 try:
-                    schema = json_lib.loads(schema)
+                    value = json_lib.loads(value)
                 except json_lib.JSONDecodeError as e:
-                    raise bad(
-                        "json", f"must be a JSON schema; the string is not JSON ({e})", self.json
-                    ) from e
-            if not isinstance(schema, dict):
-                raise bad(
-                    "json", "must be a JSON schema object (a dict or its JSON text)", self.json
-                )
+                    raise bad(name, f"must be {what}; the string is not JSON ({e})", value) from e
+            if not isinstance(value, dict):
+                raise bad(name, f"must be {what} object (a dict or its JSON text)", value)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -80,7 +82,7 @@ class StructuredOutputsParams:
         kinds = self.kinds_set()
         if len(kinds) != 1:
             raise ValueError(
-                "structured_outputs: exactly one of json, regex, choice, grammar, json_object "
+                f"structured_outputs: exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} "
                 f"must be set, got {', '.join(kinds) if kinds else 'none'}"
             )
 
@@ -136,6 +138,14 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Token id -> value added to its logit before sampling, in [-100, 100].
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: a word's last token is banned where the output ends with its others.
+    bad_words: list[str] | None = None
+    # Per prompt position, the logprob of its token given the prefix plus the top-k.
+    prompt_logprobs: int | None = None
     # Filled by the engine from the model's generation config; never part of the user's request.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -147,6 +157,10 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         if self.top_k is None or (isinstance(self.top_k, int) and self.top_k < 0):
             # vLLM accepts -1 (and None) for "disabled"; 0 is the canonical spelling.
             self.top_k = 0 if self.top_k is None or self.top_k == -1 else self.top_k
@@ -194,10 +208,10 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
-        if self.logprobs is not None and (
-            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]", value)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", "must contain only non-empty strings", s)
@@ -214,6 +228,34 @@ class SamplingParams:
                 "must be a StructuredOutputsParams or None",
                 self.structured_outputs,
             )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
+            for token_id, bias in self.logit_bias.items():
+                if not is_int(token_id) or token_id < 0:
+                    raise bad("logit_bias", "keys must be non-negative integer token ids", token_id)
+                if not is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise bad(
+                        "logit_bias",
+                        f"values must be numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+                        bias,
+                    )
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise bad(
+                    "allowed_token_ids",
+                    "must be a non-empty list of token ids",
+                    self.allowed_token_ids,
+                )
+            for t in self.allowed_token_ids:
+                if not is_int(t) or t < 0:
+                    raise bad("allowed_token_ids", "must contain only non-negative integers", t)
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, list):
+                raise bad("bad_words", "must be a list of strings", self.bad_words)
+            for word in self.bad_words:
+                if not isinstance(word, str) or not word.strip():
+                    raise bad("bad_words", "must contain only non-blank strings", word)
 
     @property
     def sampling_type(self) -> SamplingType:
@@ -235,6 +277,12 @@ class SamplingParams:
         copy.stop = list(self.stop)
         copy.stop_token_ids = list(self.stop_token_ids)
         copy.all_stop_token_ids = set(self.all_stop_token_ids)
+        if self.logit_bias is not None:
+            copy.logit_bias = dict(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            copy.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            copy.bad_words = list(self.bad_words)
         if self.structured_outputs is not None:
             copy.structured_outputs = self.structured_outputs.clone()
         return copy

@@ -1,4 +1,5 @@
-"""StructuredOutputsParams validation and its place in SamplingParams."""
+"""StructuredOutputsParams validation and its place in SamplingParams; the token-level fields
+(logit_bias, allowed_token_ids, bad_words, prompt_logprobs)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from ferrum.sampling_params import SamplingParams, StructuredOutputsParams
         ({"grammar": 'root ::= "a"'}, "grammar"),
         ({"json_object": True}, "json_object"),
         ({"regex": "a", "json_object": False}, "regex"),
+        ({"structural_tag": {"type": "structural_tag", "format": {}}}, "structural_tag"),
+        ({"structural_tag": '{"type": "structural_tag"}'}, "structural_tag"),
     ],
 )
 def test_exactly_one_kind_is_accepted(kwargs, kind):
@@ -29,7 +32,11 @@ def test_exactly_one_kind_is_accepted(kwargs, kind):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({}, "exactly one of json, regex, choice, grammar, json_object must be set, got none"),
+        (
+            {},
+            "exactly one of json, regex, choice, grammar, json_object, structural_tag must be "
+            "set, got none",
+        ),
         ({"json_object": False}, "got none"),
         ({"regex": "a", "choice": ["a"]}, "got regex, choice"),
         (
@@ -45,6 +52,8 @@ def test_exactly_one_kind_is_accepted(kwargs, kind):
         ({"choice": ["a", ""]}, r"structured_outputs\.choice must contain only non-empty strings"),
         ({"choice": ["a", 1]}, r"structured_outputs\.choice must contain only non-empty strings"),
         ({"json_object": "yes"}, r"structured_outputs\.json_object must be a bool"),
+        ({"structural_tag": "[]"}, r"structured_outputs\.structural_tag must be a structural tag"),
+        ({"structural_tag": "{"}, r"structured_outputs\.structural_tag must be a structural tag;"),
     ],
 )
 def test_invalid_params_name_the_field(kwargs, message):
@@ -68,3 +77,40 @@ def test_clone_copies_the_structured_outputs():
     assert copy.structured_outputs is not params.structured_outputs
     copy.structured_outputs.json["properties"]["b"] = {}
     assert "b" not in params.structured_outputs.json["properties"]
+
+
+def test_token_level_fields_are_kept_and_copied():
+    params = SamplingParams(
+        logit_bias={3: 5.0, 7: -100},
+        allowed_token_ids=(1, 2, 3),
+        bad_words=("foo bar",),
+        prompt_logprobs=0,
+    )
+    assert params.allowed_token_ids == [1, 2, 3] and params.bad_words == ["foo bar"]
+    copy = params.clone()
+    copy.logit_bias[4] = 1.0
+    copy.allowed_token_ids.append(9)
+    copy.bad_words.append("baz")
+    assert params.logit_bias == {3: 5.0, 7: -100}
+    assert params.allowed_token_ids == [1, 2, 3] and params.bad_words == ["foo bar"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"logit_bias": [1.0]}, r"logit_bias must be a dict"),
+        ({"logit_bias": {"3": 1.0}}, r"logit_bias keys must be non-negative integer token ids"),
+        ({"logit_bias": {-1: 1.0}}, r"logit_bias keys must be non-negative"),
+        ({"logit_bias": {3: 100.5}}, r"logit_bias values must be numbers in \[-100, 100\]"),
+        ({"logit_bias": {3: True}}, r"logit_bias values must be numbers"),
+        ({"allowed_token_ids": []}, r"allowed_token_ids must be a non-empty list"),
+        ({"allowed_token_ids": [1, -2]}, r"allowed_token_ids must contain only non-negative"),
+        ({"bad_words": "word"}, r"bad_words must be a list of strings"),
+        ({"bad_words": ["ok", " "]}, r"bad_words must contain only non-blank strings"),
+        ({"prompt_logprobs": 21}, r"prompt_logprobs must be an integer in \[0, 20\]"),
+        ({"prompt_logprobs": -1}, r"prompt_logprobs must be an integer in \[0, 20\]"),
+    ],
+)
+def test_token_level_fields_name_the_field_and_the_limit(kwargs, message):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{message}"):
+        SamplingParams(**kwargs)

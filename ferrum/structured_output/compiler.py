@@ -34,6 +34,7 @@ _WHAT_IS_INVALID = {
     GrammarKind.REGEX: "regex",
     GrammarKind.CHOICE: "choice",
     GrammarKind.GRAMMAR: "EBNF grammar",
+    GrammarKind.STRUCTURAL_TAG: "structural tag",
 }
 # xgrammar prefixes its errors with "[time] /path/file.cc:line: " (and sometimes a failed check).
 _XGRAMMAR_ERROR_PREFIX = re.compile(r"^\s*\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: .*? is false: )?")
@@ -270,8 +271,10 @@ class GrammarCompilerService:
                 return compiler.compile_regex(spec.text)
             if spec.kind is GrammarKind.CHOICE:
                 return compiler.compile_grammar(spec.choice_ebnf())
+            if spec.kind is GrammarKind.STRUCTURAL_TAG:
+                return compiler.compile_structural_tag(spec.text)
             return compiler.compile_grammar(spec.text)
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
             problem = _XGRAMMAR_ERROR_PREFIX.sub("", str(e)).strip()
             raise ValueError(
                 f"{spec.field_name}: invalid {_WHAT_IS_INVALID[spec.kind]}: {problem}"

@@ -20,14 +20,15 @@ class GrammarKind(Enum):
     REGEX = "regex"
     CHOICE = "choice"
     GRAMMAR = "grammar"
+    STRUCTURAL_TAG = "structural_tag"
 
 
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
     """A grammar to compile. Equal specs compile to the same grammar.
 
-    `text` is canonical: a JSON schema as compact JSON (key order kept: it orders the output's
-    properties), choices as a compact JSON list, a regex or an EBNF grammar verbatim, and "" for
+    `text` is canonical: a JSON schema or a structural tag as compact JSON (key order kept: it
+    orders the output's properties), choices as a compact JSON list, a regex or an EBNF grammar verbatim, and "" for
     `json_object`.
     """
 
@@ -37,9 +38,10 @@ class GrammarSpec:
     @classmethod
     def from_params(cls, params: StructuredOutputsParams) -> GrammarSpec:
         kind = GrammarKind(params.kind)
-        if kind is GrammarKind.JSON:
-            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
-            return cls(kind, _compact_json(schema, kind))
+        if kind in (GrammarKind.JSON, GrammarKind.STRUCTURAL_TAG):
+            value = getattr(params, kind.value)
+            value = json.loads(value) if isinstance(value, str) else value
+            return cls(kind, _compact_json(value, kind))
         if kind is GrammarKind.CHOICE:
             return cls(kind, _compact_json(params.choice, kind))
         if kind is GrammarKind.JSON_OBJECT:

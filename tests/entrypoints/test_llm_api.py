@@ -8,6 +8,7 @@ import pytest
 
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
+from ferrum.sampling_params import StructuredOutputsParams
 
 
 @pytest.fixture
@@ -240,3 +241,19 @@ def test_the_progress_bar_shows_token_rates(llm: LLM, capsys: pytest.CaptureFixt
     err = capsys.readouterr().err
     assert "Processed prompts: 100%" in err and "2/2" in err
     assert "est. speed input:" in err and "output:" in err and "toks/s" in err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"structured_outputs": StructuredOutputsParams(regex="[a-z]+")}, "structured_outputs"),
+        ({"logit_bias": {5: 2.0}}, "logit_bias"),
+        ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+        ({"bad_words": ["word"]}, "bad_words"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ],
+)
+def test_fields_not_applied_yet_are_refused(llm: LLM, kwargs, field) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} is not supported yet"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import xgrammar as xgr
 
 from ferrum.config import StructuredOutputsConfig
 from ferrum.sampling_params import StructuredOutputsParams
@@ -63,6 +64,10 @@ def test_cache_drops_least_recently_used(tokenizer_info):
             r"structured_outputs\.grammar: invalid EBNF grammar: .*rule",
         ),
         ({"grammar": "start ::= 'a'"}, r"structured_outputs\.grammar: invalid EBNF grammar"),
+        (
+            {"structural_tag": {"type": "structural_tag", "format": {"type": "nope"}}},
+            r"structured_outputs\.structural_tag: invalid structural tag",
+        ),
     ],
 )
 def test_invalid_spec_is_a_value_error_naming_the_field(compiler, params, message):
@@ -189,3 +194,20 @@ def test_service_from_config(tokenizer_info, tokenizer):
         assert not grammar.new_matcher().accept_tokens(tokenizer.encode("[ 1, 2]"))
     finally:
         service.shutdown()
+
+
+def test_structural_tag_compiles_and_constrains(compiler):
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<call>",
+            "content": {"type": "json_schema", "json_schema": {"type": "integer"}},
+            "end": "</call>",
+        },
+    }
+    grammar = compiler.compile(_spec(structural_tag=tag))
+    assert grammar.spec.kind is GrammarKind.STRUCTURAL_TAG
+    matcher = xgr.GrammarMatcher(grammar.grammar)
+    assert matcher.accept_string("<call>42</call>")
+    assert not xgr.GrammarMatcher(grammar.grammar).accept_string("<call>x")
