@@ -55,6 +55,9 @@ class InputProcessor:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = model_config.max_model_len
         self.pool_tokens = max_tokens_in_pool
+        # A text longer than this cannot fit in max_model_len tokens (see
+        # Tokenizer.max_token_chars), so it is refused before the tokenizer spends time on it.
+        self.max_prompt_chars = self.max_model_len * (tokenizer.max_token_chars if tokenizer else 1)
         # The tokenizer's EOS first (it stops with stop_reason None), then generation_config.json's
         # others (stop_reason: the id); all of them stop unless ignore_eos.
         eos_token_ids = model_config.eos_token_ids()
@@ -66,6 +69,16 @@ class InputProcessor:
     def max_tokens_room(self, num_prompt_tokens: int) -> int:
         """The most output tokens a prompt of this length can get (context and KV pool)."""
         return min(self.max_model_len, self.pool_tokens) - num_prompt_tokens
+
+    def check_prompt_chars(self, num_chars: int, field: str = "prompt") -> None:
+        """Raises ValueError when a text of `num_chars` characters is sure to exceed
+        max_model_len tokens."""
+        if num_chars > self.max_prompt_chars:
+            raise ValueError(
+                f"{field}: {num_chars} characters cannot fit in max_model_len={self.max_model_len} "
+                f"tokens (at most {self.max_prompt_chars} characters: no token of this tokenizer "
+                f"spans more than {self.max_prompt_chars // self.max_model_len})"
+            )
 
     def describe_limits(self) -> str:
         """The length limits a request is checked against, for error messages."""
@@ -111,6 +124,9 @@ class InputProcessor:
         if token_ids is None:
             if self.tokenizer is None:
                 raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init=True)")
+            if not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            self.check_prompt_chars(len(text))
             token_ids = self.tokenizer.encode(text)
         if not isinstance(token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in token_ids

@@ -35,6 +35,10 @@ NAMED_SPECIAL_TOKENS = (
     "mask_token",
 )
 _ADDED_TOKEN_FIELDS = ("single_word", "lstrip", "rstrip", "normalized")
+# Inputs at least this long go through the batch calls of `tokenizers`, which release the GIL,
+# so a thread encoding or decoding them leaves the caller's event loop running.
+RELEASE_GIL_MIN_CHARS = 4096
+RELEASE_GIL_MIN_TOKENS = 1024
 _CLEANUP_REPLACEMENTS = (
     (" .", "."),
     (" ?", "?"),
@@ -119,6 +123,11 @@ class Tokenizer:
         special_ids.update(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self.all_special_ids: set[int] = {i for i in special_ids if i is not None}
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        # Each input character becomes at least one character of a token's string (a byte-level
+        # BPE byte, a piece's character), so no token covers more input characters than this.
+        self.max_token_chars: int = max(
+            (len(t) for t in backend.get_vocab(with_added_tokens=True)), default=1
+        )
         # WordPiece-era cleanup ("hello ." -> "hello."); it corrupts BPE text, so BPE never gets it.
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False)) and (
             type(backend.model).__name__ != "BPE"
@@ -176,13 +185,23 @@ class Tokenizer:
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         try:
+            if len(text) >= RELEASE_GIL_MIN_CHARS:
+                return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[
+                    0
+                ].ids
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         except (TypeError, UnicodeEncodeError) as e:
             # e.g. a lone surrogate such as "\udcff", which JSON allows and UTF-8 does not.
             raise ValueError(f"text is not valid Unicode text: {e}") from e
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        text = self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        token_ids = list(token_ids)
+        if len(token_ids) >= RELEASE_GIL_MIN_TOKENS:
+            (text,) = self.backend.decode_batch(
+                [token_ids], skip_special_tokens=skip_special_tokens
+            )
+        else:
+            text = self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
         if self._clean_up_spaces:
             for old, new in _CLEANUP_REPLACEMENTS:
                 text = text.replace(old, new)

@@ -68,6 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     from ferrum.engine.arg_utils import EngineArgs
+    from ferrum.entrypoints.openai.http_limits import add_cli_args as add_http_limit_args
 
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
@@ -90,6 +91,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's log level (its access log is at info; default: info)",
     )
+    add_http_limit_args(parser)
     EngineArgs.add_cli_args(parser)
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ferrum.engine.tokenizer import Tokenizer
+from ferrum.engine.tokenizer import RELEASE_GIL_MIN_CHARS, RELEASE_GIL_MIN_TOKENS, Tokenizer
 from tests.utils.tokenizer_files import (
     BEGIN_OF_TEXT,
     ENDOFTEXT,
@@ -131,3 +131,29 @@ def test_corrupt_files_raise(tmp_path: Path) -> None:
 def test_encode_rejects_non_text(chatml_dir: Path) -> None:
     with pytest.raises(ValueError, match="text"):
         Tokenizer.from_pretrained(chatml_dir).encode([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("variant", ["chatml_dir", "bos_dir"])
+def test_long_inputs_take_the_gil_free_path_with_the_same_result(
+    variant: str, request: pytest.FixtureRequest
+) -> None:
+    path = request.getfixturevalue(variant)
+    ours = Tokenizer.from_pretrained(path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(path))
+    text = " ".join(TEXTS) * (RELEASE_GIL_MIN_CHARS // 40)
+    assert len(text) >= RELEASE_GIL_MIN_CHARS
+    ids = ours.encode(text)
+    assert ids == theirs(text)["input_ids"]
+    assert len(ids) >= RELEASE_GIL_MIN_TOKENS
+    assert ours.decode(ids, skip_special_tokens=False) == theirs.decode(ids)
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        ours.encode("x\ud800" * RELEASE_GIL_MIN_CHARS)
+
+
+def test_max_token_chars_bounds_characters_per_token(chatml_dir: Path) -> None:
+    tokenizer = Tokenizer.from_pretrained(chatml_dir)
+    longest = max(tokenizer.backend.get_vocab(with_added_tokens=True), key=len)
+    assert tokenizer.max_token_chars == len(longest)
+    for text in [*TEXTS, " ".join(TEXTS) * 50, "a" * 5000, " " * 5000]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert len(text) <= len(ids) * tokenizer.max_token_chars

@@ -30,6 +30,13 @@ from ferrum import __version__
 from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.engine.async_llm import AsyncLLM, EngineDeadError
+from ferrum.engine.tokenizer import Tokenizer
+from ferrum.entrypoints.openai.http_guard import (
+    RequestBodyLimitMiddleware,
+    limited_protocol,
+    send_error,
+)
+from ferrum.entrypoints.openai.http_limits import HttpLimits, raise_open_files_limit
 from ferrum.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from ferrum.entrypoints.openai.protocol import (
     APIError,
@@ -50,7 +57,7 @@ from ferrum.entrypoints.openai.protocol import (
 )
 from ferrum.entrypoints.openai.serving_chat import OpenAIServingChat
 from ferrum.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from ferrum.entrypoints.openai.serving_engine import NOT_UNICODE
+from ferrum.entrypoints.openai.serving_engine import NOT_UNICODE, off_loop
 from ferrum.logger import init_logger
 
 logger = init_logger(__name__)
@@ -120,7 +127,8 @@ class APIKeyMiddleware:
                 "missing or wrong API key (Authorization: Bearer <key>)",
                 code="invalid_api_key",
             )
-            await error_response(error)(scope, receive, send)
+            # The unread body, if any, is not drained: the connection closes.
+            await send_error(send, 401, error.info.message, code="invalid_api_key")
             return
         await self.app(scope, receive, send)
 
@@ -150,7 +158,12 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     return None
 
 
-def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    model_names: list[str],
+    api_key: str | None = None,
+    limits: HttpLimits | None = None,
+) -> FastAPI:
     completion = OpenAIServingCompletion(engine, model_names)
     chat = OpenAIServingChat(engine, model_names)
     metrics = ServerMetrics(engine, model_names[0])
@@ -174,7 +187,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         description="OpenAI-compatible API of the ferrum inference engine",
         lifespan=lifespan,
     )
+    limits = limits or HttpLimits()
+    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     if api_key:
+        # Outermost: a request without the key is refused before its body is read.
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]
 
@@ -253,15 +269,16 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", param="prompt")
         if body.prompt is not None:
-            try:
-                tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-            except ValueError as e:
-                raise APIError(400, f"prompt: {e}", param="prompt") from None
+            chat.check_prompt_chars(len(body.prompt), "prompt")
+            tokens = await off_loop(
+                len(body.prompt), _encode, tokenizer, body.prompt, body.add_special_tokens
+            )
         else:
             assert body.messages is not None
             if not body.messages:
                 raise APIError(400, "messages must not be empty", param="messages")
-            tokens = chat.render_messages(body.messages, body.add_generation_prompt).token_ids
+            rendered = await chat.render_messages(body.messages, body.add_generation_prompt)
+            tokens = rendered.token_ids
         return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
@@ -270,16 +287,26 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "the server runs without a tokenizer (skip_tokenizer_init)")
-        bad = next((t for t in body.tokens if not 0 <= t < tokenizer.vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                400,
-                f"tokens: token id {bad} is outside [0, {tokenizer.vocab_size})",
-                param="tokens",
-            )
-        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        text = await off_loop(len(body.tokens), _decode, tokenizer, body.tokens)
+        return DetokenizeResponse(prompt=text)
 
     return app
+
+
+def _encode(tokenizer: Tokenizer, prompt: str, add_special_tokens: bool) -> list[int]:
+    try:
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    except ValueError as e:
+        raise APIError(400, f"prompt: {e}", param="prompt") from None
+
+
+def _decode(tokenizer: Tokenizer, token_ids: list[int]) -> str:
+    bad = next((t for t in token_ids if not 0 <= t < tokenizer.vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400, f"tokens: token id {bad} is outside [0, {tokenizer.vocab_size})", param="tokens"
+        )
+    return tokenizer.decode(token_ids)
 
 
 async def _respond(raw: Request, work: Awaitable[Any]) -> Any:
@@ -403,13 +430,16 @@ def run_server(args: argparse.Namespace) -> int:
         model_names,
         time.perf_counter() - started,
     )
-    app = build_app(engine, model_names, args.api_key)
+    limits = HttpLimits.from_cli_args(args)
+    raise_open_files_limit(limits)
+    app = build_app(engine, model_names, args.api_key, limits)
     uvicorn_config = uvicorn.Config(
         app,
         host=args.host,
         port=args.port,
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=10,
+        http=limited_protocol(limits),
     )
     server = _Server(uvicorn_config, engine)
     app.state.server = server

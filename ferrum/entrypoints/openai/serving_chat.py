@@ -11,6 +11,7 @@ import jinja2
 
 from ferrum.engine.async_llm import RequestStream
 from ferrum.engine.input_processor import ProcessedPrompt
+from ferrum.engine.tokenizer import Tokenizer
 from ferrum.entrypoints.openai.protocol import (
     APIError,
     ChatChoiceLogprobs,
@@ -32,6 +33,7 @@ from ferrum.entrypoints.openai.serving_engine import (
     OpenAIServing,
     finite_logprob,
     is_unicode,
+    off_loop,
     sse_event,
     stream_error_event,
     usage_of,
@@ -81,7 +83,7 @@ def chat_logprobs(
 
 
 class OpenAIServingChat(OpenAIServing):
-    def render_messages(
+    async def render_messages(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool = True,
@@ -105,22 +107,18 @@ class OpenAIServingChat(OpenAIServing):
                 if field in message and not is_unicode(message[field]):
                     param = f"messages.{index}.{field}"
                     raise APIError(400, f"{param}: {NOT_UNICODE}", param=param)
-        try:
-            text = tokenizer.apply_chat_template(
-                conversation,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **(template_kwargs or {}),
-            )
-        except (ValueError, TypeError, jinja2.TemplateError) as e:
-            raise APIError(
-                400, f"messages: the chat template failed: {e}", param="messages"
-            ) from None
-        try:
-            token_ids = tokenizer.encode(text, add_special_tokens=False)
-        except ValueError as e:
-            raise APIError(400, f"messages: {e}", param="messages") from None
-        return self.tokenize({"prompt": text, "prompt_token_ids": token_ids}, "messages")
+        num_chars = sum(len(message["content"]) for message in conversation)
+        self.check_prompt_chars(num_chars, "messages")
+        text, token_ids = await off_loop(
+            num_chars,
+            _render_and_encode,
+            tokenizer,
+            conversation,
+            add_generation_prompt,
+            continue_final_message,
+            template_kwargs or {},
+        )
+        return await self.tokenize({"prompt": text, "prompt_token_ids": token_ids}, "messages")
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
@@ -129,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        tokenized = self.render_messages(
+        tokenized = await self.render_messages(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
@@ -245,6 +243,29 @@ class OpenAIServingChat(OpenAIServing):
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
         )
+
+
+def _render_and_encode(
+    tokenizer: Tokenizer,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_kwargs: dict[str, Any],
+) -> tuple[str, list[int]]:
+    """The conversation's prompt text and its ids; raises APIError (400) naming `messages`."""
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **template_kwargs,
+        )
+    except (ValueError, TypeError, jinja2.TemplateError) as e:
+        raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
+    try:
+        return text, tokenizer.encode(text, add_special_tokens=False)
+    except ValueError as e:
+        raise APIError(400, f"messages: {e}", param="messages") from None
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from ferrum.entrypoints.openai.serving_engine import (
     ChoiceState,
     OpenAIServing,
     finite_logprob,
+    off_loop,
     sse_event,
     stream_error_event,
     usage_of,
@@ -69,7 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 400, "echo with logprobs is not supported (no prompt logprobs)", param="echo"
             )
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        tokenized = [self.tokenize(p) for p in prompts]
+        tokenized = [await self.tokenize(p) for p in prompts]
         submissions = []
         for index, prompt in enumerate(tokenized):
             max_tokens = self.max_tokens_for(request.max_tokens, len(prompt.token_ids), "prompt")
@@ -77,7 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
             submissions.append((f"{request_id}-{index}", prompt, params))
         streams = self.add_requests(submissions, "prompt")
         model = request.model or self.model_names[0]
-        echoes = [self._echo_text(t) if request.echo else "" for t in tokenized]
+        echoes = [await self._echo_text(t) if request.echo else "" for t in tokenized]
         if request.stream:
             return self._stream(request, request_id, model, tokenized, echoes, streams)
         outputs = await self.final_outputs(streams)
@@ -95,13 +96,13 @@ class OpenAIServingCompletion(OpenAIServing):
             usage=usage_of(tokenized, list(outputs), num_generated),
         )
 
-    def _echo_text(self, prompt: ProcessedPrompt) -> str:
+    async def _echo_text(self, prompt: ProcessedPrompt) -> str:
         if prompt.text is not None:
             return prompt.text
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             return ""
-        return tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+        return await off_loop(len(prompt.token_ids), tokenizer.decode, prompt.token_ids, False)
 
     def _choice(
         self, request: CompletionRequest, prompt_index: int, completion: CompletionOutput, echo: str

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ferrum.engine.async_llm import (
     AsyncLLM,
@@ -26,6 +27,8 @@ from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
+T = TypeVar("T")
+
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
@@ -39,6 +42,28 @@ def is_unicode(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+# Work on inputs at least this big (characters or token ids) runs in a worker thread: one huge
+# request never stalls the event loop, /health and other streams (the tokenizer releases the GIL
+# for such inputs). Smaller inputs take well under a millisecond and stay on the loop.
+OFF_LOOP_MIN_SIZE = 4096
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, in the default executor when `size` >= OFF_LOOP_MIN_SIZE."""
+    if size < OFF_LOOP_MIN_SIZE:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def _prompt_size(prompt: PromptType) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+        return len(ids) if isinstance(ids, list) else len(prompt.get("prompt") or "")
+    return 0
 
 
 def sse_event(payload: str) -> str:
@@ -95,9 +120,18 @@ class OpenAIServing:
         except (EngineDeadError, EngineNotReadyError) as e:
             raise as_api_error(e) from None
 
-    def tokenize(self, prompt: PromptType, param: str = "prompt") -> ProcessedPrompt:
+    async def tokenize(self, prompt: PromptType, param: str = "prompt") -> ProcessedPrompt:
+        """The prompt's ids; a big prompt is tokenized in a worker thread."""
         try:
-            return self.engine.check_can_serve().process_prompt(prompt)
+            processor = self.engine.check_can_serve()
+            return await off_loop(_prompt_size(prompt), processor.process_prompt, prompt)
+        except (ValueError, EngineDeadError, EngineNotReadyError) as e:
+            raise as_api_error(e, param) from None
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """400 when a text of `num_chars` characters cannot fit in max_model_len tokens."""
+        try:
+            self.engine.check_can_serve().check_prompt_chars(num_chars, param)
         except (ValueError, EngineDeadError, EngineNotReadyError) as e:
             raise as_api_error(e, param) from None
 

@@ -1,0 +1,102 @@
+"""What one HTTP client may cost the server: body size, read time, open connections (the
+flags and their config; `http_guard` enforces them).
+
+- A request body over `max_request_body_bytes` gets 413 before any route sees it: at once when
+  Content-Length announces it, else as soon as the bytes read pass the limit. Routes get the whole
+  body in one message.
+- A client that owes bytes has `timeout_request_header` seconds for a request's whole header block
+  (from the connection's start, or from the first byte after a keep-alive pause) and
+  `timeout_request_body` seconds between two reads of its body; then it gets 408 (or, when its
+  response has already started, nothing) and the connection closes. Idle keep-alive connections
+  close after uvicorn's `timeout_keep_alive`.
+- A request on a connection beyond `limit_concurrency` open connections gets 503.
+Every refusal is OpenAI's error envelope and closes the connection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+from dataclasses import dataclass
+
+from ferrum.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Descriptors the process keeps besides client connections (engine pipes, model files, logs).
+_SPARE_FILES = 256
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    timeout_request_header: float = 10.0
+    timeout_request_body: float = 30.0
+    limit_concurrency: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_request_body_bytes",
+            "timeout_request_header",
+            "timeout_request_body",
+            "limit_concurrency",
+        ):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> HttpLimits:
+        return cls(
+            max_request_body_bytes=args.max_request_body_bytes,
+            timeout_request_header=args.timeout_request_header,
+            timeout_request_body=args.timeout_request_body,
+            limit_concurrency=args.limit_concurrency,
+        )
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    default = HttpLimits()
+    group = parser.add_argument_group("HTTP limits (refusals: 408, 413, 503)")
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=default.max_request_body_bytes,
+        help="largest request body; larger ones get 413 before they are parsed",
+    )
+    group.add_argument(
+        "--timeout-request-header",
+        type=float,
+        default=default.timeout_request_header,
+        help="seconds a client has to send a request's headers, else 408",
+    )
+    group.add_argument(
+        "--timeout-request-body",
+        type=float,
+        default=default.timeout_request_body,
+        help="seconds a client may pause while sending a request body, else 408",
+    )
+    group.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=default.limit_concurrency,
+        help="most open connections; requests on connections beyond it get 503",
+    )
+
+
+def raise_open_files_limit(limits: HttpLimits) -> None:
+    """Lifts the soft descriptor limit so that limit_concurrency connections can be open."""
+    needed = limits.limit_concurrency + _SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < needed:
+        logger.warning(
+            "only %d open files allowed (hard limit): fewer than limit_concurrency=%d "
+            "connections plus %d spare; lower --limit-concurrency or raise `ulimit -n`",
+            target,
+            limits.limit_concurrency,
+            _SPARE_FILES,
+        )
