@@ -417,6 +417,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR)
     if not 0 < args.port < 65536:
         raise ValueError(f"port must be in [1, 65535], got {args.port}")
+    limits = HttpLimits.from_cli_args(args)
+    raise_open_files_limit(limits)
     listener = listen_socket(args.host, args.port)  # a busy port fails before the model loads
     config = engine_args.create_engine_config()
     if config.model_config.skip_tokenizer_init:
@@ -430,8 +432,6 @@ def run_server(args: argparse.Namespace) -> int:
         model_names,
         time.perf_counter() - started,
     )
-    limits = HttpLimits.from_cli_args(args)
-    raise_open_files_limit(limits)
     app = build_app(engine, model_names, args.api_key, limits)
     uvicorn_config = uvicorn.Config(
         app,
