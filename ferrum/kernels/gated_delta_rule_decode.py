@@ -18,10 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels.gated_delta_rule_common import check_gated_delta_rule_args
+from ferrum.kernels.gated_delta_rule_common import check_gated_delta_rule_args, prepare_launch
 
 _L2NORM_EPS: tl.constexpr = tl.constexpr(1e-6)
-_MAX_GRID_YZ = 65535
 
 
 @triton.jit
@@ -127,47 +126,11 @@ def gated_delta_rule_decode(
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     num_reqs = v.shape[0] if v.dim() == 3 else 0
     check_gated_delta_rule_args(q, k, v, g, beta, state_pool, slot_ids, out, num_reqs)
-    if num_reqs > _MAX_GRID_YZ:
-        raise ValueError(f"num_reqs must be <= {_MAX_GRID_YZ}, got {num_reqs}")
-    num_v_heads, v_dim = v.shape[1], v.shape[2]
-    k_dim = q.shape[2]
-    block_k = max(16, triton.next_power_of_2(k_dim))
-    if block_v is None:
-        block_v = min(64, max(16, triton.next_power_of_2(v_dim)))
-    if block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
-    if num_reqs == 0:
-        return out
-    grid = (triton.cdiv(v_dim, block_v), num_v_heads, num_reqs)
-    _gated_delta_rule_decode_kernel[grid](
-        out,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        state_pool,
-        slot_ids,
-        k_dim**-0.5 if scale is None else scale,
-        k_dim,
-        v_dim,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        g.stride(0),
-        beta.stride(0),
-        state_pool.stride(0),
-        state_pool.stride(1),
-        state_pool.stride(2),
-        GROUP=num_v_heads // q.shape[1],
-        BLOCK_K=block_k,
-        BLOCK_V=block_v,
-        USE_QK_L2NORM=use_qk_l2norm,
-        num_warps=num_warps or (4 if block_k * block_v <= 4096 else 8),
+    grid, args, meta = prepare_launch(
+        q, k, v, g, beta, state_pool, out, num_reqs, scale, use_qk_l2norm, block_v, num_warps
     )
+    if num_reqs:
+        _gated_delta_rule_decode_kernel[grid](
+            out, q, k, v, g, beta, state_pool, slot_ids, *args, **meta
+        )
     return out

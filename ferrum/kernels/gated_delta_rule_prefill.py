@@ -24,13 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels.gated_delta_rule_common import check_gated_delta_rule_args
+from ferrum.kernels.gated_delta_rule_common import check_gated_delta_rule_args, prepare_launch
 from ferrum.kernels.varlen_args import check_varlen_args
 
 CHUNK_SIZE = 64
 _LOG2_CHUNK = 6
 _L2NORM_EPS: tl.constexpr = tl.constexpr(1e-6)
-_MAX_GRID_YZ = 65535
 
 
 @triton.jit
@@ -219,56 +218,23 @@ def gated_delta_rule_prefill(
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     num_seqs = check_varlen_args(cu_seqlens, has_initial_state, v.device)
     check_gated_delta_rule_args(q, k, v, g, beta, state_pool, slot_ids, out, num_seqs)
-    if num_seqs > _MAX_GRID_YZ:
-        raise ValueError(f"num_seqs must be <= {_MAX_GRID_YZ}, got {num_seqs}")
-    num_v_heads, v_dim = v.shape[1], v.shape[2]
-    k_dim = q.shape[2]
-    block_k = max(16, triton.next_power_of_2(k_dim))
-    if block_v is None:
-        block_v = min(64, max(16, triton.next_power_of_2(v_dim)))
-    if block_v < 16 or block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two >= 16, got {block_v}")
+    grid, args, meta = prepare_launch(
+        q, k, v, g, beta, state_pool, out, num_seqs, scale, use_qk_l2norm, block_v, num_warps
+    )
     if num_seqs == 0 or v.shape[0] == 0:
         return out
-    grid = (triton.cdiv(v_dim, block_v), num_v_heads, num_seqs)
+    flags = has_initial_state if has_initial_state is not None else slot_ids
+    tensors = (out, q, k, v, g, beta, state_pool, cu_seqlens, slot_ids, flags)
     _gated_delta_rule_prefill_kernel[grid](
-        out,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        state_pool,
-        cu_seqlens,
-        slot_ids,
-        has_initial_state if has_initial_state is not None else slot_ids,
-        k_dim**-0.5 if scale is None else scale,
-        k_dim,
-        v_dim,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        g.stride(0),
-        beta.stride(0),
-        state_pool.stride(0),
-        state_pool.stride(1),
-        state_pool.stride(2),
-        GROUP=num_v_heads // q.shape[1],
-        BLOCK_K=block_k,
-        BLOCK_V=block_v,
+        *tensors,
+        *args,
+        **meta,
         CHUNK=CHUNK_SIZE,
         LOG2_CHUNK=_LOG2_CHUNK,
-        USE_QK_L2NORM=use_qk_l2norm,
         HAS_INITIAL_STATE_FLAGS=has_initial_state is not None,
         # fp32 inputs stay IEEE (the exactness reference); half inputs take tf32 matmuls.
         DOT_PRECISION="ieee" if v.dtype == torch.float32 else "tf32",
         # The triangular inverse has entries far from 1: tf32 alone loses them.
         INVERSE_PRECISION="ieee" if v.dtype == torch.float32 else "tf32x3",
-        num_warps=num_warps or (4 if block_k * block_v <= 4096 else 8),
     )
     return out
