@@ -122,17 +122,20 @@ def _causal_conv1d_kernel(
         tl.store(new_ptrs, new_state, mask=row_mask)
 
 
-def _check_args(
+def _check_and_launch(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     conv_state_pool: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
     slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    activation: str | None,
     out: torch.Tensor,
     num_seqs: int,
-    activation: str | None,
-) -> int:
-    """Raises ValueError naming the first malformed argument; returns the conv width."""
+    max_seq_len: int,
+) -> None:
+    """Raises ValueError naming the first malformed argument, else launches the kernel."""
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(
             f"x must be [num_tokens, dim] fp16/bf16/fp32 with stride(1) == 1, got "
@@ -179,23 +182,8 @@ def _check_args(
     for t in (weight, conv_state_pool, slot_ids, out) + ((bias,) if bias is not None else ()):
         if t.device != x.device:
             raise ValueError(f"all tensors must be on {x.device}, got one on {t.device}")
-    return width
-
-
-def _launch(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state_pool: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor | None,
-    activation: str | None,
-    out: torch.Tensor,
-    width: int,
-    max_seq_len: int,
-) -> None:
-    num_seqs, dim = slot_ids.shape[0], x.shape[1]
+    if not 0 <= max_seq_len <= max(x.shape[0], 1):
+        raise ValueError(f"max_seq_len must be in [0, num_tokens={x.shape[0]}], got {max_seq_len}")
     if num_seqs == 0 or x.shape[0] == 0 or max_seq_len == 0:
         return
     block_t = 1 if cu_seqlens is None else _BLOCK_T
@@ -249,21 +237,9 @@ def causal_conv1d_prefill(
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_seqs = check_varlen_args(cu_seqlens, has_initial_state, x.device)
-    width = _check_args(x, weight, bias, conv_state_pool, slot_ids, out, num_seqs, activation)
-    if not 0 <= max_seq_len <= max(x.shape[0], 1):
-        raise ValueError(f"max_seq_len must be in [0, num_tokens={x.shape[0]}], got {max_seq_len}")
-    _launch(
-        x,
-        weight,
-        bias,
-        conv_state_pool,
-        cu_seqlens,
-        slot_ids,
-        has_initial_state,
-        activation,
-        out,
-        width,
-        max_seq_len,
+    state_args = (cu_seqlens, slot_ids, has_initial_state)
+    _check_and_launch(
+        x, weight, bias, conv_state_pool, *state_args, activation, out, num_seqs, max_seq_len
     )
     return out
 
@@ -283,6 +259,7 @@ def causal_conv1d_update(
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_reqs = x.shape[0] if x.dim() == 2 else 0
-    width = _check_args(x, weight, bias, conv_state_pool, slot_ids, out, num_reqs, activation)
-    _launch(x, weight, bias, conv_state_pool, None, slot_ids, None, activation, out, width, 1)
+    _check_and_launch(
+        x, weight, bias, conv_state_pool, None, slot_ids, None, activation, out, num_reqs, 1
+    )
     return out
