@@ -237,9 +237,18 @@ def causal_conv1d_prefill(
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_seqs = check_varlen_args(cu_seqlens, has_initial_state, x.device)
-    state_args = (cu_seqlens, slot_ids, has_initial_state)
     _check_and_launch(
-        x, weight, bias, conv_state_pool, *state_args, activation, out, num_seqs, max_seq_len
+        x,
+        weight,
+        bias,
+        conv_state_pool,
+        cu_seqlens,
+        slot_ids,
+        has_initial_state,
+        activation,
+        out,
+        num_seqs,
+        max_seq_len,
     )
     return out
 
