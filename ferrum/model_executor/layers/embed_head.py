@@ -5,12 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ferrum.model_executor.layers.linear import (
-    default_weight_loader,
-    linear,
-    new_parameter,
-    set_weight_loader,
-)
+from ferrum.model_executor.layers.linear import new_parameter
 
 
 class VocabEmbedding(nn.Module):
@@ -18,7 +13,6 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.weight = new_parameter(vocab_size, hidden_size)
-        set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> [num_tokens, hidden_size]."""
@@ -34,13 +28,8 @@ class LMHead(nn.Module):
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self.tied = tied_to is not None
-        if tied_to is not None:
-            self.weight = tied_to.weight
-        else:
-            self.weight = new_parameter(vocab_size, hidden_size)
-            set_weight_loader(self.weight, default_weight_loader)
+        self.weight = new_parameter(vocab_size, hidden_size) if tied_to is None else tied_to.weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32."""
-        return linear(hidden_states, self.weight, None).float()
+        return torch.nn.functional.linear(hidden_states, self.weight).float()

@@ -7,11 +7,7 @@ from torch import nn
 
 from ferrum.kernels.rms_norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from ferrum.model_executor.kernel_backend import TritonKernels
-from ferrum.model_executor.layers.linear import (
-    default_weight_loader,
-    new_parameter,
-    set_weight_loader,
-)
+from ferrum.model_executor.layers.linear import new_parameter
 
 
 class RMSNorm(nn.Module):
@@ -19,7 +15,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = new_parameter(hidden_size)
-        set_weight_loader(self.weight, default_weight_loader)
         self.kernels = kernels
 
     def forward(

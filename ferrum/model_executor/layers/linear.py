@@ -7,20 +7,12 @@ and `shard_ids` (the keys that must all be covered before the parameter counts a
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from itertools import accumulate
 
 import torch
 from torch import nn
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Hashable], set[Hashable]]
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
-
-
-def new_parameter(*shape: int) -> nn.Parameter:
-    """Uninitialised inference parameter in the current default dtype and device."""
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 def set_weight_loader(
@@ -47,6 +39,14 @@ def default_weight_loader(
     return {None}
 
 
+def new_parameter(*shape: int) -> nn.Parameter:
+    """Uninitialised inference parameter in the current default dtype and device, loaded whole
+    by `default_weight_loader` (a layer with shards sets its own loader)."""
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
+    set_weight_loader(param, default_weight_loader)
+    return param
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W: [output_size, input_size]."""
 
@@ -55,14 +55,10 @@ class Linear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.weight = new_parameter(output_size, input_size)
-        set_weight_loader(self.weight, default_weight_loader)
-        self.bias: nn.Parameter | None = None
-        if bias:
-            self.bias = new_parameter(output_size)
-            set_weight_loader(self.bias, default_weight_loader)
+        self.bias = new_parameter(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
@@ -73,19 +69,11 @@ class MergedLinear(Linear):
     def __init__(self, input_size: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
         super().__init__(input_size, sum(shard_sizes.values()), bias)
         self.shard_sizes = dict(shard_sizes)
-        self.shard_offsets: dict[str, int] = {}
-        offset = 0
-        for name, size in shard_sizes.items():
-            self.shard_offsets[name] = offset
-            offset += size
+        self.shard_offsets = dict(zip(shard_sizes, accumulate(shard_sizes.values(), initial=0)))
         shard_ids = frozenset(shard_sizes)
         set_weight_loader(self.weight, self._load_shard, shard_ids)
         if self.bias is not None:
             set_weight_loader(self.bias, self._load_shard, shard_ids)
-
-    @property
-    def output_sizes(self) -> list[int]:
-        return list(self.shard_sizes.values())
 
     def _load_shard(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable
