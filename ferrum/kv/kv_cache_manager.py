@@ -89,22 +89,8 @@ class KVCacheManager:
             return [], 0
         block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
         # At least the last token is always computed: it yields the logits of the next one.
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        token_ids = request.all_token_ids
-        size = self.block_size
-        parent_entry_id = ROOT_ENTRY_ID
-        block_ids: list[int] = []
-        for i in range(max_hit_blocks):
-            block_id = self.block_pool.lookup(
-                request.block_hashes[i], parent_entry_id, token_ids[i * size : (i + 1) * size]
-            )
-            if block_id is None:
-                break
-            entry = self.block_pool.entry(block_id)
-            assert entry is not None
-            parent_entry_id = entry.entry_id
-            block_ids.append(block_id)
-        num_computed_tokens = len(block_ids) * size
+        block_ids = self._cached_prefix(request, (request.num_tokens - 1) // self.block_size)
+        num_computed_tokens = len(block_ids) * self.block_size
         if record_stats:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_computed_tokens
@@ -191,21 +177,33 @@ class KVCacheManager:
                 f"new_computed_blocks has {len(computed_blocks)} blocks but request "
                 f"{request.req_id!r} has only {len(request.block_hashes)} full blocks"
             )
-        size = self.block_size
-        parent_entry_id = ROOT_ENTRY_ID
+        found = self._cached_prefix(request, len(computed_blocks))
         for i, block_id in enumerate(computed_blocks):
-            token_ids = request.all_token_ids[i * size : (i + 1) * size]
-            if (
-                self.block_pool.lookup(request.block_hashes[i], parent_entry_id, token_ids)
-                != block_id
-            ):
+            if i == len(found) or found[i] != block_id:
                 raise ValueError(
                     f"new_computed_blocks[{i}]={block_id} does not cache block {i} of "
                     f"{request.req_id!r}; pass the result of get_computed_blocks unchanged"
                 )
+
+    def _cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
+        """The cached blocks verified, each after its parent, against the request's first full
+        blocks, up to `max_blocks` (block hashes must cover them)."""
+        size = self.block_size
+        parent_entry_id = ROOT_ENTRY_ID
+        block_ids: list[int] = []
+        for i in range(max_blocks):
+            block_id = self.block_pool.lookup(
+                request.block_hashes[i],
+                parent_entry_id,
+                request.all_token_ids[i * size : (i + 1) * size],
+            )
+            if block_id is None:
+                break
             entry = self.block_pool.entry(block_id)
             assert entry is not None
             parent_entry_id = entry.entry_id
+            block_ids.append(block_id)
+        return block_ids
 
     def _cache_full_blocks(self, request: Request, state: _RequestBlocks, num_tokens: int) -> None:
         """Caches the blocks of the first `num_tokens` tokens that are full and not yet handled."""
