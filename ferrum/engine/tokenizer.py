@@ -24,16 +24,6 @@ from ferrum.engine.chat_template import (
     select_chat_template,
 )
 
-# The special tokens every tokenizer may name; models add their own `*_token` keys.
-NAMED_SPECIAL_TOKENS = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
 _ADDED_TOKEN_FIELDS = ("single_word", "lstrip", "rstrip", "normalized")
 # Inputs at least this long go through the batch calls of `tokenizers`, which release the GIL,
 # so a thread encoding or decoding them leaves the caller's event loop running.
@@ -81,12 +71,11 @@ def _as_added_token(value: Any, special: bool) -> AddedToken:
 
 
 def _collect_special_tokens(config: Mapping[str, Any]) -> tuple[dict[str, Any], list[Any]]:
-    """Named tokens (`bos_token`, ..., and model-specific `*_token` keys) and extra tokens."""
-    named: dict[str, Any] = {}
-    for key, value in config.items():
-        is_named = key in NAMED_SPECIAL_TOKENS or key.endswith("_token")
-        if is_named and _token_content(value) is not None:
-            named[key] = value
+    """Named tokens (every `*_token` key: `bos_token`, `eos_token`, ..., model-specific ones)
+    and extra tokens."""
+    named = {
+        k: v for k, v in config.items() if k.endswith("_token") and _token_content(v) is not None
+    }
     extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
     if isinstance(extra, Mapping):
         named.update({k: v for k, v in extra.items() if _token_content(v) is not None})
