@@ -58,8 +58,7 @@ def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
                 param.fill_(1.0)
             else:
                 if param.device not in generators:
-                    generators[param.device] = torch.Generator(device=param.device)
-                    generators[param.device].manual_seed(seed)
+                    generators[param.device] = torch.Generator(param.device).manual_seed(seed)
                 param.normal_(0.0, DUMMY_STD, generator=generators[param.device])
 
 
