@@ -68,6 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     from ferrum.engine.arg_utils import EngineArgs
+    from ferrum.entrypoints.openai.frontend_args import FrontendConfig
     from ferrum.entrypoints.openai.http_limits import add_cli_args as add_http_limit_args
 
     parser.add_argument(
@@ -92,6 +93,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="uvicorn's log level (its access log is at info; default: info)",
     )
     add_http_limit_args(parser)
+    FrontendConfig.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
 
 

@@ -1,12 +1,21 @@
-"""Pydantic models of the OpenAI-compatible HTTP API (OpenAI's field names and shapes, plus
-vLLM's sampling extensions: top_k, min_p, repetition_penalty, ignore_eos, ...)."""
+"""Pydantic models of the OpenAI-compatible HTTP API shared by every endpoint: errors, the sampling
+fields of completions and chat (OpenAI's names plus vLLM's extensions: top_k, min_p,
+repetition_penalty, ignore_eos, ...), /v1/completions, /tokenize and the small endpoints. Chat's
+own models are in chat_protocol.py.
+
+Requests are validated strictly, and the published OpenAPI schema is generated from these models,
+so the schema and the validation are one thing: an unknown field is a 400 naming it (no field is
+silently ignored), a boolean is not an integer, an integer is not a string. Fields that OpenAI
+defines but that have no effect on a local model are listed in `NO_EFFECT_FIELDS`; they are
+accepted and documented as such.
+"""
 
 from __future__ import annotations
 
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -14,10 +23,54 @@ from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
 MAX_CHOICES = 128
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
+# Accepted for compatibility with OpenAI clients; they do not change what the server does.
+NO_EFFECT_FIELDS = (
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+)
+
 
 class OpenAIModel(BaseModel):
-    # Unknown fields are ignored (clients send vendor extras); NaN and infinities are invalid.
+    # NaN and infinities are invalid; responses tolerate fields added by later versions.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestModel(BaseModel):
+    """A request body (or part of one): unknown fields are errors, types are strict (a boolean
+    is not an integer, a number is not a string), NaN and infinities are invalid."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def implies(condition: dict[str, Any], consequence: dict[str, Any]) -> dict[str, Any]:
+    """A JSON-schema clause: when every field of `condition` is present with the given value
+    (`NOT_NULL`: any value but null), every field of `consequence` is present with its value."""
+
+    return {
+        "if": {"required": list(condition), "properties": _field_values(condition)},
+        "then": {"required": list(consequence), "properties": _field_values(consequence)},
+    }
+
+
+def excludes(fields: dict[str, Any]) -> dict[str, Any]:
+    """A JSON-schema clause: the fields are not all present with these values together."""
+    return {"not": {"required": list(fields), "properties": _field_values(fields)}}
+
+
+NOT_NULL = object()
+# Tags of unions told apart by a function start with this; error locations leave them out.
+UNION_TAG = "~"
+
+
+def _field_values(fields: dict[str, Any]) -> dict[str, Any]:
+    return {
+        name: {"not": {"type": "null"}} if value is NOT_NULL else {"const": value}
+        for name, value in fields.items()
+    }
 
 
 # -- errors ----------------------------------------------------------------------------------------
@@ -73,33 +126,55 @@ def shorten(text: str, limit: int = 500) -> str:
 # -- requests --------------------------------------------------------------------------------------
 
 
-class StreamOptions(OpenAIModel):
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 1.0 as an integer; strict validation would refuse it."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+def integer(ge: int | None = None, le: int | None = None) -> Any:
+    """An integer as JSON Schema defines it (3 and 3.0; never true, "3" or 3.5), in [ge, le].
+    The bounds sit before the validator so that they reach the schema."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+TokenId = integer(ge=0)
+NonNegativeInt = integer(ge=0)
+PositiveInt = integer(ge=1)
+NumChoices = integer(ge=1, le=MAX_CHOICES)
+NumLogprobs = integer(ge=0, le=MAX_LOGPROBS)
+NonEmptyText = Annotated[str, Field(min_length=1)]
+
+
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions. None means "the model's default"
     (generation_config.json), then OpenAI's."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    n: NumChoices = 1
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: integer(ge=-1) | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
-    seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    seed: integer(ge=_INT64_MIN, le=_INT64_MAX) | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
+    stop_token_ids: list[TokenId] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: NonNegativeInt = 0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
+    # No effect (see NO_EFFECT_FIELDS).
     user: str | None = None
 
     def to_sampling_params(
@@ -107,8 +182,6 @@ class SamplingRequest(OpenAIModel):
     ) -> SamplingParams:
         """Request fields first, then `defaults` (the model's generation config), then
         SamplingParams' own; raises ValueError (400) or APIError naming the field."""
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
         def pick(name: str) -> Any:
             value = getattr(self, name)
@@ -137,6 +210,7 @@ class SamplingRequest(OpenAIModel):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
@@ -146,61 +220,54 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: (
-        Annotated[str, Field(min_length=0)]
-        | Annotated[list[str], Field(min_length=1)]
-        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-        | Annotated[
-            list[Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]],
-            Field(min_length=1),
-        ]
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [excludes({"echo": True, "logprobs": NOT_NULL})]}
     )
-    max_tokens: int | None = Field(16, ge=1)
+
+    prompt: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    max_tokens: PositiveInt | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: NumLogprobs | None = None
+    # Ranking several candidates per choice is not supported: best_of must equal n.
+    best_of: NumChoices | None = None
+    # Fill-in-the-middle is not supported: the only suffix accepted is the empty one.
+    suffix: Literal[""] | None = None
+
+    # Cross-field rules are field validators (the error names the field); fields are
+    # validated in declaration order, so `info.data` holds the ones above.
+    @field_validator("logprobs")
+    @classmethod
+    def _no_echo_with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("echo"):
+            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(
+                f"best_of ({value}) must equal n ({n}): ranking candidates by likelihood is "
+                "not supported"
+            )
+        return value
 
 
-class TextContentPart(OpenAIModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
-    tool_call_id: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-
-class TokenizeRequest(OpenAIModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -247,64 +314,6 @@ class CompletionStreamResponse(OpenAIModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class TopLogprob(OpenAIModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatChoiceLogprobs(OpenAIModel):
-    content: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(OpenAIModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-
-
-class ChatCompletionChoice(OpenAIModel):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(OpenAIModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-
-
-class DeltaMessage(OpenAIModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatCompletionStreamChoice(OpenAIModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(OpenAIModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
 
 

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,6 +32,12 @@ from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.engine.async_llm import AsyncLLM, EngineDeadError
 from ferrum.engine.tokenizer import Tokenizer
+from ferrum.entrypoints.openai.chat_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    TokenizeRequest,
+)
+from ferrum.entrypoints.openai.frontend_args import FrontendConfig
 from ferrum.entrypoints.openai.http_guard import (
     RequestBodyLimitMiddleware,
     limited_protocol,
@@ -39,9 +46,8 @@ from ferrum.entrypoints.openai.http_guard import (
 from ferrum.entrypoints.openai.http_limits import HttpLimits, raise_open_files_limit
 from ferrum.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from ferrum.entrypoints.openai.protocol import (
+    UNION_TAG,
     APIError,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -50,7 +56,7 @@ from ferrum.entrypoints.openai.protocol import (
     HealthResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
+    TokenizeCompletionRequest,
     TokenizeResponse,
     VersionResponse,
     shorten,
@@ -163,9 +169,11 @@ def build_app(
     model_names: list[str],
     api_key: str | None = None,
     limits: HttpLimits | None = None,
+    frontend: FrontendConfig | None = None,
 ) -> FastAPI:
+    frontend = frontend or FrontendConfig()
     completion = OpenAIServingCompletion(engine, model_names)
-    chat = OpenAIServingChat(engine, model_names)
+    chat = OpenAIServingChat(engine, model_names, frontend)
     metrics = ServerMetrics(engine, model_names[0])
     created = int(time.time())
     max_model_len = engine.config.model_config.max_model_len
@@ -192,6 +200,14 @@ def build_app(
     if api_key:
         # Outermost: a request without the key is refused before its body is read.
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    # Outermost: a browser's preflight carries no API key.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=frontend.allowed_origins,
+        allow_methods=frontend.allowed_methods,
+        allow_headers=frontend.allowed_headers,
+        allow_credentials=frontend.allow_credentials,
+    )
     app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
@@ -266,19 +282,13 @@ def build_app(
         tokenizer = engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "the server runs without a tokenizer (skip_tokenizer_init)")
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
-        if body.prompt is not None:
+        if isinstance(body, TokenizeCompletionRequest):
             chat.check_prompt_chars(len(body.prompt), "prompt")
             tokens = await off_loop(
                 len(body.prompt), _encode, tokenizer, body.prompt, body.add_special_tokens
             )
         else:
-            assert body.messages is not None
-            if not body.messages:
-                raise APIError(400, "messages must not be empty", param="messages")
-            rendered = await chat.render_messages(body.messages, body.add_generation_prompt)
-            tokens = rendered.token_ids
+            tokens = (await chat.render(body)).token_ids
         return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
@@ -354,7 +364,11 @@ def _validation_api_error(error: RequestValidationError) -> APIError:
     if not errors:
         return APIError(400, "invalid request")
     first = errors[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    location = [
+        str(part)
+        for part in first.get("loc", ())
+        if part != "body" and not str(part).startswith(UNION_TAG)
+    ]
     if first.get("type") == "json_invalid":
         return APIError(400, f"invalid JSON: {first.get('msg', '')}")
     param = ".".join(location) or None
@@ -415,6 +429,7 @@ def run_server(args: argparse.Namespace) -> int:
     """Serves until SIGTERM/SIGINT; returns the process exit code."""
     started = time.perf_counter()
     engine_args = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR)
+    frontend = FrontendConfig.from_cli_args(args)
     if not 0 < args.port < 65536:
         raise ValueError(f"port must be in [1, 65535], got {args.port}")
     limits = HttpLimits.from_cli_args(args)
@@ -432,7 +447,7 @@ def run_server(args: argparse.Namespace) -> int:
         model_names,
         time.perf_counter() - started,
     )
-    app = build_app(engine, model_names, args.api_key, limits)
+    app = build_app(engine, model_names, args.api_key, limits, frontend)
     uvicorn_config = uvicorn.Config(
         app,
         host=args.host,

@@ -1,31 +1,42 @@
-"""POST /v1/chat/completions: messages through the model's chat template, then generation."""
+"""POST /v1/chat/completions: messages (and tools) through the chat template, generation, then
+the output split into reasoning, answer text and tool calls (ChatOutputParser), whole or streamed.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 
-from ferrum.engine.async_llm import RequestStream
+from ferrum.engine.async_llm import AsyncLLM, RequestStream
 from ferrum.engine.input_processor import ProcessedPrompt
 from ferrum.engine.tokenizer import Tokenizer
-from ferrum.entrypoints.openai.protocol import (
-    APIError,
+from ferrum.entrypoints.openai.chat_output_parser import ChatDelta, ChatOutputParser
+from ferrum.entrypoints.openai.chat_protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatMessage,
     ChatResponseMessage,
     ChatTokenLogprob,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    TokenizeChatRequest,
+    ToolCall,
+    ToolCallFunction,
     TopLogprob,
+    message_dict,
 )
+from ferrum.entrypoints.openai.frontend_args import FrontendConfig
+from ferrum.entrypoints.openai.protocol import APIError
+from ferrum.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
 from ferrum.entrypoints.openai.serving_engine import (
     NOT_UNICODE,
     SSE_DONE,
@@ -38,6 +49,10 @@ from ferrum.entrypoints.openai.serving_engine import (
     stream_error_event,
     usage_of,
 )
+from ferrum.entrypoints.openai.tool_messages import decode_tool_call_arguments
+from ferrum.entrypoints.openai.tool_parsers import DeltaToolCall as ParsedDeltaToolCall
+from ferrum.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from ferrum.entrypoints.openai.tool_parsers.tool_choice import forced_function_names
 from ferrum.outputs import CompletionOutput, RequestOutput, SampleLogprobs
 
 # apply_chat_template arguments a request may not set through chat_template_kwargs.
@@ -82,26 +97,68 @@ def chat_logprobs(
     return ChatChoiceLogprobs(content=content)
 
 
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """How one request's output is parsed: the parsers' classes (None: that part is off), and
+    whether only the first tool call is kept (parallel_tool_calls=false)."""
+
+    reasoning_parser: type[ReasoningParser] | None
+    tool_parser: type[ToolParser] | None
+    single_call: bool
+    tools: list[dict[str, Any]] | None
+
+    def output_parser(self, prompt: ProcessedPrompt) -> ChatOutputParser | None:
+        """A fresh parser for one choice's output, or None when the output is all content."""
+        if self.reasoning_parser is None and self.tool_parser is None:
+            return None
+        reasoning = (
+            None
+            if self.reasoning_parser is None
+            else self.reasoning_parser.for_prompt(prompt.text or "")
+        )
+        tools = None if self.tool_parser is None else self.tool_parser(self.tools)
+        return ChatOutputParser(reasoning, tools)
+
+
 class OpenAIServingChat(OpenAIServing):
-    async def render_messages(
-        self,
-        messages: list[ChatMessage],
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> ProcessedPrompt:
-        """The conversation as prompt text and ids (the template holds any BOS token)."""
+    def __init__(
+        self, engine: AsyncLLM, model_names: list[str], frontend: FrontendConfig | None = None
+    ) -> None:
+        super().__init__(engine, model_names)
+        self.frontend = frontend or FrontendConfig()
+        self.reasoning_parser = (
+            None
+            if self.frontend.reasoning_parser is None
+            else get_reasoning_parser(self.frontend.reasoning_parser)
+        )
+        self.tool_parser = (
+            None
+            if self.frontend.tool_call_parser is None
+            else get_tool_parser(self.frontend.tool_call_parser)
+        )
+
+    async def render(self, request: ChatCompletionRequest | TokenizeChatRequest) -> ProcessedPrompt:
+        """The conversation (and its tools) as prompt text and ids; a big conversation is
+        rendered and tokenized in a worker thread."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise APIError(400, "chat needs a tokenizer (the server runs skip_tokenizer_init)")
-        reserved = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
+        template_kwargs = request.chat_template_kwargs or {}
+        reserved = _RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs)
         if reserved:
             raise APIError(
                 400,
                 f"chat_template_kwargs may not set {sorted(reserved)}",
                 param="chat_template_kwargs",
             )
-        conversation = [_message_dict(m) for m in messages]
+        if request.chat_template is not None and not self.frontend.trust_request_chat_template:
+            raise APIError(
+                400,
+                "chat_template in a request needs a server started with "
+                "--trust-request-chat-template",
+                param="chat_template",
+            )
+        conversation = decode_tool_call_arguments([message_dict(m) for m in request.messages])
         for index, message in enumerate(conversation):
             for field in ("name", "tool_call_id"):
                 if field in message and not is_unicode(message[field]):
@@ -109,30 +166,62 @@ class OpenAIServingChat(OpenAIServing):
                     raise APIError(400, f"{param}: {NOT_UNICODE}", param=param)
         num_chars = sum(len(message["content"]) for message in conversation)
         self.check_prompt_chars(num_chars, "messages")
+        render_kwargs = {
+            "add_generation_prompt": request.add_generation_prompt,
+            "continue_final_message": request.continue_final_message,
+            "tools": request.tool_dicts(),
+            "chat_template": request.chat_template or self.frontend.chat_template,
+            **template_kwargs,
+        }
+        add_special_tokens = getattr(request, "add_special_tokens", False)
         text, token_ids = await off_loop(
             num_chars,
             _render_and_encode,
             tokenizer,
             conversation,
-            add_generation_prompt,
-            continue_final_message,
-            template_kwargs or {},
+            render_kwargs,
+            add_special_tokens,
         )
         return await self.tokenize({"prompt": text, "prompt_token_ids": token_ids}, "messages")
+
+    def plan(self, request: ChatCompletionRequest) -> ChatPlan:
+        """Checks tools and tool_choice against the server's flags; raises APIError."""
+        tool_choice = request.effective_tool_choice
+        try:
+            forced = forced_function_names(request.tool_dicts(), tool_choice)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from None
+        if forced is not None:
+            raise APIError(
+                400,
+                f"tool_choice {tool_choice!r} needs a grammar-forced call (structured outputs), "
+                'which this server does not support yet; use tool_choice "auto"',
+                param="tool_choice",
+            )
+        tool_parser: type[ToolParser] | None = None
+        if tool_choice == "auto" and request.tools:
+            if not self.frontend.enable_auto_tool_choice or self.tool_parser is None:
+                raise APIError(
+                    400,
+                    'tool_choice "auto" needs a server started with --enable-auto-tool-choice '
+                    "and --tool-call-parser",
+                    param="tool_choice",
+                )
+            tool_parser = self.tool_parser
+        return ChatPlan(
+            self.reasoning_parser,
+            tool_parser,
+            request.parallel_tool_calls is False,
+            request.tool_dicts(),
+        )
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """The response, or (stream=True) an iterator of SSE events; raises APIError."""
         self.check_request(request.model)
-        if request.top_logprobs is not None and not request.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        tokenized = await self.render_messages(
-            request.messages,
-            request.add_generation_prompt,
-            request.continue_final_message,
-            request.chat_template_kwargs,
-        )
+        plan = self.plan(request)
+        tokenized = await self.render(request)
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self.max_tokens_for(requested, len(tokenized.token_ids), "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -141,9 +230,12 @@ class OpenAIServingChat(OpenAIServing):
         streams = self.add_requests([(request_id, tokenized, params)], "messages")
         model = request.model or self.model_names[0]
         if request.stream:
-            return self._stream(request, request_id, model, tokenized, streams[0])
+            return self._stream(request, plan, request_id, model, tokenized, streams[0])
         (output,) = await self.final_outputs(streams)
-        choices = [self._choice(request, completion) for completion in output.outputs]
+        choices = [
+            response_choice(request, completion, plan.output_parser(tokenized), plan.single_call)
+            for completion in output.outputs
+        ]
         num_generated = sum(len(c.token_ids) for c in output.outputs)
         return ChatCompletionResponse(
             id=request_id,
@@ -152,25 +244,10 @@ class OpenAIServingChat(OpenAIServing):
             usage=usage_of([tokenized], [output], num_generated),
         )
 
-    def _choice(
-        self, request: ChatCompletionRequest, completion: CompletionOutput
-    ) -> ChatCompletionChoice:
-        logprobs = None
-        if request.logprobs and completion.logprobs is not None:
-            logprobs = chat_logprobs(
-                completion.token_ids, completion.logprobs, request.top_logprobs or 0
-            )
-        return ChatCompletionChoice(
-            index=completion.index,
-            message=ChatResponseMessage(content=completion.text),
-            logprobs=logprobs,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
-
     async def _stream(
         self,
         request: ChatCompletionRequest,
+        plan: ChatPlan,
         request_id: str,
         model: str,
         tokenized: ProcessedPrompt,
@@ -186,7 +263,10 @@ class OpenAIServingChat(OpenAIServing):
             )
             return sse_event(response.model_dump_json(exclude=exclude))
 
-        states = {index: ChoiceState() for index in range(request.n)}
+        choices_state = {
+            index: StreamedChoice(plan.output_parser(tokenized), plan.single_call)
+            for index in range(request.n)
+        }
         last_output: RequestOutput | None = None
         try:
             yield chunk(
@@ -205,12 +285,13 @@ class OpenAIServingChat(OpenAIServing):
                 choices = [
                     choice
                     for completion in output.outputs
-                    if (choice := self._delta_choice(request, completion, states)) is not None
+                    if (choice := self._delta_choice(request, completion, choices_state))
+                    is not None
                 ]
                 if choices:
                     yield chunk(choices)
             if request.include_usage:
-                num_generated = sum(state.num_tokens for state in states.values())
+                num_generated = sum(c.state.num_tokens for c in choices_state.values())
                 yield chunk([], usage=usage_of([tokenized], [last_output], num_generated))
         except Exception as e:
             yield stream_error_event(e)
@@ -222,56 +303,129 @@ class OpenAIServingChat(OpenAIServing):
         self,
         request: ChatCompletionRequest,
         completion: CompletionOutput,
-        states: dict[int, ChoiceState],
+        choices_state: dict[int, StreamedChoice],
     ) -> ChatCompletionStreamChoice | None:
-        state = states[completion.index]
+        streamed = choices_state[completion.index]
+        state = streamed.state
         if state.num_chunks == 0:
             # The role chunk was the opening chunk; content starts with the next one.
             state.num_chunks = 1
         update = state.advance(completion)
         if update is None:
             return None
-        delta, new_token_ids, new_logprobs, _ = update
+        text, new_token_ids, new_logprobs, _ = update
+        finished = completion.finish_reason is not None
+        delta = streamed.delta(text, finished)
         logprobs = None
         if request.logprobs and new_logprobs is not None:
             logprobs = chat_logprobs(new_token_ids, new_logprobs, request.top_logprobs or 0)
-        finished = completion.finish_reason is not None
+        if not finished and logprobs is None and _is_empty(delta):
+            return None
         return ChatCompletionStreamChoice(
             index=completion.index,
-            delta=DeltaMessage(content=delta) if delta or not finished else DeltaMessage(),
+            delta=delta,
             logprobs=logprobs,
-            finish_reason=completion.finish_reason,
+            finish_reason=_finish_reason(completion.finish_reason, streamed.num_calls > 0),
             stop_reason=completion.stop_reason,
+        )
+
+
+def response_choice(
+    request: ChatCompletionRequest,
+    completion: CompletionOutput,
+    parser: ChatOutputParser | None,
+    single_call: bool,
+) -> ChatCompletionChoice:
+    logprobs = None
+    if request.logprobs and completion.logprobs is not None:
+        logprobs = chat_logprobs(
+            completion.token_ids, completion.logprobs, request.top_logprobs or 0
+        )
+    message = ChatResponseMessage(content=completion.text)
+    if parser is not None:
+        parsed = parser.parse(completion.text)
+        calls = parsed.tool_calls[:1] if single_call else parsed.tool_calls
+        message = ChatResponseMessage(
+            content=parsed.content if parsed.content or not calls else None,
+            reasoning_content=parsed.reasoning_content or None,
+            tool_calls=[
+                ToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
+                for c in calls
+            ],
+        )
+    return ChatCompletionChoice(
+        index=completion.index,
+        message=message,
+        logprobs=logprobs,
+        finish_reason=_finish_reason(completion.finish_reason, bool(message.tool_calls)),
+        stop_reason=completion.stop_reason,
+    )
+
+
+class StreamedChoice:
+    """One streamed choice: what it has sent and its output parser's state."""
+
+    __slots__ = ("state", "parser", "single_call", "num_calls")
+
+    def __init__(self, parser: ChatOutputParser | None, single_call: bool) -> None:
+        self.state = ChoiceState()
+        self.parser = parser
+        self.single_call = single_call
+        self.num_calls = 0
+
+    def delta(self, text: str, finished: bool) -> DeltaMessage:
+        """The next delta message from the next piece of output text."""
+        if self.parser is None:
+            return DeltaMessage(content=text) if text or not finished else DeltaMessage()
+        parsed = self.parser.parse_delta(text)
+        if finished:
+            last = self.parser.finish()
+            parsed = ChatDelta(
+                parsed.reasoning_content + last.reasoning_content,
+                parsed.content + last.content,
+                parsed.tool_calls + last.tool_calls,
+            )
+        calls = [c for c in parsed.tool_calls if not (self.single_call and c.index > 0)]
+        self.num_calls = max([self.num_calls] + [c.index + 1 for c in calls])
+        return DeltaMessage(
+            content=parsed.content or None,
+            reasoning_content=parsed.reasoning_content or None,
+            tool_calls=[_delta_tool_call(c) for c in calls] or None,
         )
 
 
 def _render_and_encode(
     tokenizer: Tokenizer,
     conversation: list[dict[str, Any]],
-    add_generation_prompt: bool,
-    continue_final_message: bool,
-    template_kwargs: dict[str, Any],
+    render_kwargs: dict[str, Any],
+    add_special_tokens: bool,
 ) -> tuple[str, list[int]]:
     """The conversation's prompt text and its ids; raises APIError (400) naming `messages`."""
     try:
-        text = tokenizer.apply_chat_template(
-            conversation,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **template_kwargs,
-        )
+        text = tokenizer.apply_chat_template(conversation, **render_kwargs)
     except (ValueError, TypeError, jinja2.TemplateError) as e:
         raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
     try:
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except ValueError as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
 
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    result: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.name is not None:
-        result["name"] = message.name
-    if message.tool_call_id is not None:
-        result["tool_call_id"] = message.tool_call_id
-    return result
+def _delta_tool_call(call: ParsedDeltaToolCall) -> DeltaToolCall:
+    if call.id is not None:
+        return DeltaToolCall(
+            index=call.index,
+            id=call.id,
+            type="function",
+            function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+        )
+    return DeltaToolCall(index=call.index, function=DeltaFunctionCall(arguments=call.arguments))
+
+
+def _is_empty(delta: DeltaMessage) -> bool:
+    return not (delta.content or delta.reasoning_content or delta.tool_calls)
+
+
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended after calling tools."""
+    return "tool_calls" if reason == "stop" and made_calls else reason

@@ -65,10 +65,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 f"completions exceeds the limit of {MAX_CHOICES}",
                 param="n",
             )
-        if request.echo and request.logprobs is not None:
-            raise APIError(
-                400, "echo with logprobs is not supported (no prompt logprobs)", param="echo"
-            )
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tokenized = [await self.tokenize(p) for p in prompts]
         submissions = []

@@ -30,6 +30,11 @@ class ReasoningParser(ABC):
     def finish(self) -> ReasoningDelta:
         """Flushes what was held back at the end of the output; the parser is then spent."""
 
+    @classmethod
+    def for_prompt(cls, prompt: str) -> ReasoningParser:
+        """A parser for the output that follows the rendered `prompt`."""
+        return cls()
+
     @abstractmethod
     def fresh(self) -> ReasoningParser:
         """A parser in this one's initial state (same options)."""

@@ -41,6 +41,10 @@ class Qwen3ReasoningParser(ReasoningParser):
         """Whether a rendered prompt leaves the model inside an open `<think>` block."""
         return prompt.rfind(cls.START_TAG) > prompt.rfind(cls.END_TAG)
 
+    @classmethod
+    def for_prompt(cls, prompt: str) -> Qwen3ReasoningParser:
+        return cls(starts_in_reasoning=cls.prompt_ends_in_reasoning(prompt))
+
     def fresh(self) -> Qwen3ReasoningParser:
         return Qwen3ReasoningParser(starts_in_reasoning=self.starts_in_reasoning)
 

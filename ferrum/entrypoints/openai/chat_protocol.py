@@ -1,0 +1,341 @@
+"""Pydantic models of POST /v1/chat/completions (and /tokenize with messages): messages by role,
+tools and tool_choice, chat-template options, and the response shapes with tool calls and
+reasoning. Validation rules are those of protocol.py (strict, unknown fields are errors)."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
+
+from ferrum.entrypoints.openai.protocol import (
+    NOT_NULL,
+    UNION_TAG,
+    NumLogprobs,
+    OpenAIModel,
+    PositiveInt,
+    RequestModel,
+    SamplingRequest,
+    TokenizeCompletionRequest,
+    UsageInfo,
+    implies,
+)
+
+# OpenAI's rule for function names; it also keeps names safe inside the tool-call tags.
+FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+
+# -- messages --------------------------------------------------------------------------------------
+
+
+class TextContentPart(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+Content = str | list[TextContentPart]
+
+
+def content_text(content: Content | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text for part in content)
+
+
+class SystemMessage(RequestModel):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(RequestModel):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(RequestModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class AssistantMessage(RequestModel):
+    role: Literal["assistant"]
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    # A previous turn's reasoning; the chat template decides whether to render it.
+    reasoning_content: str | None = None
+
+
+class ToolMessage(RequestModel):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+ChatMessage = Annotated[
+    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
+]
+
+
+def message_dict(message: SystemMessage | UserMessage | AssistantMessage | ToolMessage) -> dict:
+    """A message as chat templates read it: content as text ("" when absent), tool calls as
+    OpenAI sends them (their JSON arguments are decoded before rendering)."""
+    result = message.model_dump(exclude_none=True)
+    result["content"] = content_text(message.content)
+    return result
+
+
+# -- tools -----------------------------------------------------------------------------------------
+
+
+class FunctionDefinition(RequestModel):
+    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    # Calls forced by tool_choice ("required" or a named function) always match `parameters`;
+    # "auto" calls are parsed from free output whatever `strict` says.
+    strict: bool | None = None
+
+
+class ChatCompletionTool(RequestModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+def check_continue_final_message(value: bool, info: ValidationInfo) -> bool:
+    if value and info.data.get("add_generation_prompt", True):
+        raise ValueError(
+            "continue_final_message needs add_generation_prompt=false: one continues the last "
+            "message, the other starts a new assistant message"
+        )
+    return value
+
+
+# -- request ---------------------------------------------------------------------------------------
+
+
+class ChatCompletionRequest(SamplingRequest):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                implies({"top_logprobs": NOT_NULL}, {"logprobs": True}),
+                implies({"continue_final_message": True}, {"add_generation_prompt": False}),
+            ]
+        }
+    )
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    tools: list[ChatCompletionTool] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's default).
+    tool_choice: ToolChoice | None = None
+    # False: at most one tool call per response.
+    parallel_tool_calls: bool | None = None
+    # A template text (or the name of one of the model's templates) to render this request with.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # No effect (see protocol.NO_EFFECT_FIELDS).
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    # Cross-field rules are field validators (the error names the field); fields are
+    # validated in declaration order, so `info.data` holds the ones above.
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs=true")
+        return value
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_generate(cls, value: bool, info: ValidationInfo) -> bool:
+        return check_continue_final_message(value, info)
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, str):
+            return self.tool_choice
+        return self.tool_choice.model_dump()
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+class TokenizeChatRequest(RequestModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [implies({"continue_final_message": True}, {"add_generation_prompt": False})]
+        }
+    )
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatCompletionTool] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_generate(cls, value: bool, info: ValidationInfo) -> bool:
+        return check_continue_final_message(value, info)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+
+# -- responses -------------------------------------------------------------------------------------
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatResponseMessage(OpenAIModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class _SparseModel(OpenAIModel):
+    """Stream deltas leave out the keys they do not set (OpenAI's chunks are sparse)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: Any) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class DeltaFunctionCall(_SparseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_SparseModel):
+    """The first entry of a call carries id, type and the name; the later ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
+class DeltaMessage(_SparseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatCompletionStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+def _tokenize_form(body: Any) -> str:
+    return (
+        f"{UNION_TAG}messages"
+        if isinstance(body, dict) and "messages" in body
+        else f"{UNION_TAG}prompt"
+    )
+
+
+# POST /tokenize: text (`prompt`) or a conversation (`messages`), told apart by their key.
+TokenizeRequest = Annotated[
+    Annotated[TokenizeCompletionRequest, Tag(f"{UNION_TAG}prompt")]
+    | Annotated[TokenizeChatRequest, Tag(f"{UNION_TAG}messages")],
+    Discriminator(_tokenize_form),
+]
