@@ -15,9 +15,22 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from ferrum.sampling_params import MAX_LOGPROBS, SamplingParams
+from ferrum.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 # Most completions one HTTP request may ask for (n, times the prompts of a batch).
 MAX_CHOICES = 128
@@ -145,6 +158,83 @@ PositiveInt = integer(ge=1)
 NumChoices = integer(ge=1, le=MAX_CHOICES)
 NumLogprobs = integer(ge=0, le=MAX_LOGPROBS)
 NonEmptyText = Annotated[str, Field(min_length=1)]
+NonBlankText = Annotated[str, Field(pattern=r"\S")]
+TOKEN_ID_TEXT_PATTERN = r"^[0-9]{1,10}$"
+TokenIdText = Annotated[str, Field(pattern=TOKEN_ID_TEXT_PATTERN)]
+LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
+
+
+# -- constrained output --
+
+
+class JsonSchemaFormat(RequestModel):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    # The output always matches `schema` (OpenAI's strict mode is how it works here).
+    strict: bool | None = None
+
+
+class TextResponseFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JsonObjectResponseFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextResponseFormat | JsonObjectResponseFormat | JsonSchemaResponseFormat,
+    Field(discriminator="type"),
+]
+
+
+def _exactly_one_field(schema: dict[str, Any]) -> None:
+    schema["minProperties"] = 1
+    schema["maxProperties"] = 1
+    for prop in schema.get("properties", {}).values():
+        options = prop.pop("anyOf", None)
+        if options is not None:
+            prop.update(next(o for o in options if o.get("type") != "null"))
+        prop.pop("default", None)
+
+
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs` body field: exactly one kind of constraint."""
+
+    model_config = ConfigDict(json_schema_extra=_exactly_one_field)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: NonEmptyText | None = None
+    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    grammar: NonEmptyText | None = None
+    json_object: Literal[True] | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_kind(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (len(data) != 1 or None in data.values()):
+            raise ValueError(
+                "give exactly one of json, regex, choice, grammar, json_object, structural_tag"
+            )
+        return data
+
+    def to_params(self) -> StructuredOutputsParams:
+        """Raises ValueError unless exactly one kind is set (and well formed)."""
+        return StructuredOutputsParams(
+            json=self.json_,
+            regex=self.regex,
+            choice=self.choice,
+            grammar=self.grammar,
+            json_object=self.json_object,
+            structural_tag=self.structural_tag,
+        )
 
 
 class StreamOptions(RequestModel):
@@ -174,14 +264,27 @@ class SamplingRequest(RequestModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # OpenAI: token id (as text) -> bias added to its logit, in [-100, 100].
+    logit_bias: dict[TokenIdText, LogitBias] | None = Field(
+        None, json_schema_extra={"propertyNames": {"pattern": TOKEN_ID_TEXT_PATTERN}}
+    )
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[NonBlankText] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     # No effect (see NO_EFFECT_FIELDS).
     user: str | None = None
 
     def to_sampling_params(
-        self, max_tokens: int, logprobs: int | None, defaults: dict[str, Any]
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        defaults: dict[str, Any],
+        structured_outputs: StructuredOutputsParams | None,
     ) -> SamplingParams:
         """Request fields first, then `defaults` (the model's generation config), then
-        SamplingParams' own; raises ValueError (400) or APIError naming the field."""
+        SamplingParams' own; raises ValueError (400) naming the field. `structured_outputs` is
+        the constraint the caller derived from this request (see structured_outputs.py)."""
 
         def pick(name: str) -> Any:
             value = getattr(self, name)
@@ -212,6 +315,14 @@ class SamplingRequest(RequestModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=(
+                None
+                if self.logit_bias is None
+                else {int(token): bias for token, bias in self.logit_bias.items()}
+            ),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            structured_outputs=structured_outputs,
         )
 
     @property

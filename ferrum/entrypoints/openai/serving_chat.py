@@ -49,11 +49,13 @@ from ferrum.entrypoints.openai.serving_engine import (
     stream_error_event,
     usage_of,
 )
+from ferrum.entrypoints.openai.structured_outputs import after_reasoning
 from ferrum.entrypoints.openai.tool_messages import decode_tool_call_arguments
 from ferrum.entrypoints.openai.tool_parsers import DeltaToolCall as ParsedDeltaToolCall
-from ferrum.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
-from ferrum.entrypoints.openai.tool_parsers.tool_choice import forced_function_names
+from ferrum.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
+from ferrum.entrypoints.openai.tool_parsers.tool_choice import tool_call_structural_tag
 from ferrum.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from ferrum.sampling_params import StructuredOutputsParams
 
 # apply_chat_template arguments a request may not set through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -106,6 +108,16 @@ class ChatPlan:
     tool_parser: type[ToolParser] | None
     single_call: bool
     tools: list[dict[str, Any]] | None
+    # What the output must match (a forced tool call or the requested format), if anything.
+    constraint: StructuredOutputsParams | None
+
+    def output_constraint(self, prompt: ProcessedPrompt) -> StructuredOutputsParams | None:
+        """The constraint as the engine applies it: after the reasoning when a reasoning
+        parser is on (the reasoning itself stays free)."""
+        if self.constraint is None or self.reasoning_parser is None:
+            return self.constraint
+        parser = self.reasoning_parser.for_prompt(prompt.text or "")
+        return after_reasoning(self.constraint, parser.reasoning_format())
 
     def output_parser(self, prompt: ProcessedPrompt) -> ChatOutputParser | None:
         """A fresh parser for one choice's output, or None when the output is all content."""
@@ -185,20 +197,13 @@ class OpenAIServingChat(OpenAIServing):
         return await self.tokenize({"prompt": text, "prompt_token_ids": token_ids}, "messages")
 
     def plan(self, request: ChatCompletionRequest) -> ChatPlan:
-        """Checks tools and tool_choice against the server's flags; raises APIError."""
+        """Checks tools, tool_choice and the output constraint against the server's flags;
+        raises APIError."""
         tool_choice = request.effective_tool_choice
-        try:
-            forced = forced_function_names(request.tool_dicts(), tool_choice)
-        except ValueError as e:
-            raise APIError(400, str(e), param="tool_choice") from None
-        if forced is not None:
-            raise APIError(
-                400,
-                f"tool_choice {tool_choice!r} needs a grammar-forced call (structured outputs), "
-                'which this server does not support yet; use tool_choice "auto"',
-                param="tool_choice",
-            )
+        tools = request.tool_dicts()
+        requested = self.requested_constraint(request)
         tool_parser: type[ToolParser] | None = None
+        tool_tag = None
         if tool_choice == "auto" and request.tools:
             if not self.frontend.enable_auto_tool_choice or self.tool_parser is None:
                 raise APIError(
@@ -208,11 +213,29 @@ class OpenAIServingChat(OpenAIServing):
                     param="tool_choice",
                 )
             tool_parser = self.tool_parser
+        elif tool_choice != "none" and tool_choice != "auto":
+            # The grammar forces the configured parser's syntax (hermes when none is set): the
+            # calls parse whatever the model was trained on.
+            tool_parser = self.tool_parser or HermesToolParser
+            try:
+                tool_tag = tool_call_structural_tag(
+                    tool_parser, tools, tool_choice, request.parallel_tool_calls is not False
+                )
+            except ValueError as e:
+                raise APIError(400, str(e), param="tool_choice") from None
+            if requested is not None:
+                raise APIError(
+                    400,
+                    f"tool_choice {tool_choice!r} forces tool calls: it cannot be combined with "
+                    "response_format or structured_outputs",
+                    param="tool_choice",
+                )
         return ChatPlan(
             self.reasoning_parser,
             tool_parser,
             request.parallel_tool_calls is False,
-            request.tool_dicts(),
+            tools,
+            requested if tool_tag is None else StructuredOutputsParams(structural_tag=tool_tag),
         )
 
     async def create_chat_completion(
@@ -225,7 +248,11 @@ class OpenAIServingChat(OpenAIServing):
         requested = request.max_completion_tokens or request.max_tokens
         max_tokens = self.max_tokens_for(requested, len(tokenized.token_ids), "messages")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs)
+        try:
+            constraint = plan.output_constraint(tokenized)
+        except ValueError as e:
+            raise APIError(400, str(e), param="structured_outputs") from None
+        params = self.sampling_params(request, max_tokens, logprobs, constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self.add_requests([(request_id, tokenized, params)], "messages")
         model = request.model or self.model_names[0]

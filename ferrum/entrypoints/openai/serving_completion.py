@@ -65,12 +65,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 f"completions exceeds the limit of {MAX_CHOICES}",
                 param="n",
             )
+        constraint = self.requested_constraint(request)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         tokenized = [await self.tokenize(p) for p in prompts]
         submissions = []
         for index, prompt in enumerate(tokenized):
             max_tokens = self.max_tokens_for(request.max_tokens, len(prompt.token_ids), "prompt")
-            params = self.sampling_params(request, max_tokens, request.logprobs)
+            params = self.sampling_params(request, max_tokens, request.logprobs, constraint)
             submissions.append((f"{request_id}-{index}", prompt, params))
         streams = self.add_requests(submissions, "prompt")
         model = request.model or self.model_names[0]

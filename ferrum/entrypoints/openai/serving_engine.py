@@ -21,9 +21,10 @@ from ferrum.entrypoints.openai.protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from ferrum.entrypoints.openai.structured_outputs import requested_constraint
 from ferrum.logger import init_logger
 from ferrum.outputs import CompletionOutput, RequestOutput, SampleLogprobs
-from ferrum.sampling_params import RequestOutputKind, SamplingParams
+from ferrum.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = init_logger(__name__)
 
@@ -82,7 +83,9 @@ def as_api_error(error: BaseException, param: str | None = None) -> APIError:
     if isinstance(error, EngineNotReadyError):
         return APIError(503, str(error), code="engine_loading")
     if isinstance(error, ValueError):
-        return APIError(400, str(error), param=param)
+        # An error about a sampling field names it: "SamplingParams.<field> ...".
+        field = _SAMPLING_FIELD.match(str(error))
+        return APIError(400, str(error), param=field.group(1) if field else param)
     raise error
 
 
@@ -152,11 +155,17 @@ class OpenAIServing:
         return room if default is None else min(int(default), room)
 
     def sampling_params(
-        self, request: SamplingRequest, max_tokens: int, logprobs: int | None
+        self,
+        request: SamplingRequest,
+        max_tokens: int,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         """A stream consumes DELTA outputs; a plain response waits for the final one."""
         try:
-            params = request.to_sampling_params(max_tokens, logprobs, self.defaults)
+            params = request.to_sampling_params(
+                max_tokens, logprobs, self.defaults, structured_outputs
+            )
         except ValueError as e:
             # SamplingParams names the field: "SamplingParams.<field> must be ...".
             field = _SAMPLING_FIELD.match(str(e))
@@ -164,6 +173,15 @@ class OpenAIServing:
         stream = bool(request.stream)
         params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         return params
+
+    @staticmethod
+    def requested_constraint(request: SamplingRequest) -> StructuredOutputsParams | None:
+        """The request's response_format / structured_outputs as engine params; raises APIError."""
+        try:
+            return requested_constraint(request.response_format, request.structured_outputs)
+        except ValueError as e:
+            param = "structured_outputs" if request.structured_outputs else "response_format"
+            raise APIError(400, str(e), param=param) from None
 
     def add_requests(
         self, requests: list[tuple[str, ProcessedPrompt, SamplingParams]], param: str

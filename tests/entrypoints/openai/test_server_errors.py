@@ -67,7 +67,7 @@ def test_invalid_json_is_400(server: RemoteServer) -> None:
         ),
         ("/v1/completions", {"prompt": [99999999]}, "prompt"),
         ("/v1/completions", {"prompt": ""}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101.0}}, "logit_bias"),
         ("/detokenize", {"tokens": [-1]}, None),
         ("/tokenize", {}, "prompt"),
     ],

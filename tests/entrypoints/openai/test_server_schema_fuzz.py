@@ -50,6 +50,7 @@ MODEL_LIMITS = re.compile(
             r"chat_template",
             r"prompt is empty|empty prompt",
             r"needs a server started with",
+            r"is not supported yet",
         )
     )
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass(slots=True)
@@ -34,6 +34,11 @@ class ReasoningParser(ABC):
     def for_prompt(cls, prompt: str) -> ReasoningParser:
         """A parser for the output that follows the rendered `prompt`."""
         return cls()
+
+    @abstractmethod
+    def reasoning_format(self) -> dict[str, Any]:
+        """The reasoning block this parser expects, as an xgrammar structural-tag format (free
+        text): a grammar that puts it before a constrained answer leaves the reasoning free."""
 
     @abstractmethod
     def fresh(self) -> ReasoningParser:

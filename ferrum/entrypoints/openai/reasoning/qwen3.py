@@ -12,6 +12,7 @@ block are content, verbatim.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from ferrum.entrypoints.openai.reasoning.base import ReasoningDelta, ReasoningParser
 from ferrum.entrypoints.openai.stream_text import partial_tag_len, split_trailing_space
@@ -44,6 +45,14 @@ class Qwen3ReasoningParser(ReasoningParser):
     @classmethod
     def for_prompt(cls, prompt: str) -> Qwen3ReasoningParser:
         return cls(starts_in_reasoning=cls.prompt_ends_in_reasoning(prompt))
+
+    def reasoning_format(self) -> dict[str, Any]:
+        """A `<think>` block (optional), or the rest of the block the prompt left open."""
+        body = {"type": "any_text", "excludes": [self.START_TAG]}
+        if self.starts_in_reasoning:
+            return {"type": "tag", "begin": "", "content": body, "end": self.END_TAG}
+        block = {"type": "tag", "begin": self.START_TAG, "content": body, "end": self.END_TAG}
+        return {"type": "optional", "content": block}
 
     def fresh(self) -> Qwen3ReasoningParser:
         return Qwen3ReasoningParser(starts_in_reasoning=self.starts_in_reasoning)
