@@ -24,11 +24,27 @@ def triton_interpret() -> bool:
 
 
 def debug_fail_forward() -> int | None:
-    """FERRUM_DEBUG_FAIL_FORWARD=N: the engine core process raises in its Nth non-empty forward
-    (1-based). A test-only fault hook for the server's error path; unset or <= 0 disables it."""
-    value = _get("FERRUM_DEBUG_FAIL_FORWARD", "")
+    """FERRUM_DEBUG_FAIL_FORWARD=N: the first engine core raises in its Nth non-empty forward
+    (1-based); cores started after it (restarts) do not. A test-only fault hook; unset or <= 0
+    disables it."""
+    return _positive_int("FERRUM_DEBUG_FAIL_FORWARD")
+
+
+def debug_fail_on_token() -> int | None:
+    """FERRUM_DEBUG_FAIL_ON_TOKEN=T: every engine core raises in each forward whose batch holds a
+    request with token id T in its prompt (a poison request). A test-only fault hook; unset or
+    < 0 disables it."""
+    value = _get("FERRUM_DEBUG_FAIL_ON_TOKEN", "")
     try:
-        n = int(value)
+        token_id = int(value)
+    except ValueError:
+        return None
+    return token_id if token_id >= 0 else None
+
+
+def _positive_int(name: str) -> int | None:
+    try:
+        n = int(_get(name, ""))
     except ValueError:
         return None
     return n if n > 0 else None

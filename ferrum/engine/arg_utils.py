@@ -13,7 +13,14 @@ import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ferrum.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ferrum.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    EngineRecoveryConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from ferrum.default_model import resolve_model
 from ferrum.logger import init_logger
 
@@ -152,6 +159,26 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+
+def add_engine_recovery_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineRecoveryConfig` field (`ferrum serve`)."""
+    for f in fields(EngineRecoveryConfig):
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": f.default,
+            "type": _parse_type(str(f.type)),
+            "help": f"{f.metadata['help']} (default: {f.default})",
+        }
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+
+
+def engine_recovery_config(args: argparse.Namespace) -> EngineRecoveryConfig:
+    return EngineRecoveryConfig(
+        **{f.name: getattr(args, f.name) for f in fields(EngineRecoveryConfig)}
+    )
 
 
 def _init_args(config_class: type, values: dict[str, Any]) -> dict[str, Any]:

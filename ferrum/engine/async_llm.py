@@ -3,16 +3,25 @@
 It mirrors `LLMEngine` (same InputProcessor / OutputProcessor), but the EngineCore runs in its own
 process behind an `EngineCoreClient`. Every method must be called from the event loop thread that
 called `start()`; messages from the core are handed to that loop by the client's thread.
+
+The core can fail: a step raises, the process dies, or it stops stepping while it holds requests
+(no message for `engine_stall_timeout` seconds). With `engine_failure_policy="restart"` the front
+end then starts a fresh core and resumes every open completion on it from the tokens it has
+streamed (its detokenizer and stream stay here, so clients see no seam); `recovery.py` decides
+which requests are blamed and when to give up. Dead (given up, or policy "exit"): every stream
+fails and `wait_dead()` returns, for the server to exit non-zero. While a core restarts, new
+requests are accepted and wait for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
-from ferrum.config import EngineConfig
+from ferrum.config import EngineConfig, EngineRecoveryConfig
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.engine.core_client import EngineCoreClient
 from ferrum.engine.core_messages import (
@@ -20,11 +29,25 @@ from ferrum.engine.core_messages import (
     CoreInfo,
     CoreOutputs,
     EngineCoreOutput,
+    EngineCoreRequest,
     FromCore,
     SchedulerStats,
 )
-from ferrum.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from ferrum.engine.core_stats import StatsAcrossCores
+from ferrum.engine.input_processor import (
+    InputProcessor,
+    PromptType,
+    child_request_id,
+    load_tokenizer,
+)
 from ferrum.engine.output_processor import OutputProcessor
+from ferrum.engine.recovery import (
+    RecoveryTracker,
+    resumed_request,
+    trial_request,
+    unclip_trial_output,
+)
+from ferrum.engine.request_stream import RequestStream
 from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput
 from ferrum.request import RequestStatus
@@ -41,66 +64,48 @@ class EngineNotReadyError(RuntimeError):
     """The core process is still loading."""
 
 
-class RequestStream:
-    """One request's outputs as an async iterator. A reader that falls behind gets one output
-    holding all it missed: the latest cumulative output, or the pending DELTA outputs merged. The
-    final output is never skipped."""
-
-    def __init__(
-        self, request_id: str, on_close: Callable[[str], object], merge_deltas: bool
-    ) -> None:
-        self.request_id = request_id
-        self._on_close = on_close
-        self._merge_deltas = merge_deltas
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._event = asyncio.Event()
-        self._done = False
-
-    def put(self, output: RequestOutput) -> None:
-        if self._latest is not None and self._merge_deltas:
-            self._latest.add(output)
-        else:
-            self._latest = output
-        self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
-
-    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self._done:
-                await self._event.wait()
-                self._event.clear()
-                if self._error is not None:
-                    raise self._error
-                output, self._latest = self._latest, None
-                if output is not None:
-                    self._done = output.finished
-                    yield output
-        finally:
-            # Runs on normal end, on error, and when the reader is cancelled (client gone).
-            self._on_close(self.request_id)
+class RequestCrashedEngineError(RuntimeError):
+    """The request was in the failing step of two engine-core crashes: it is failed alone so
+    that the other requests go on."""
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, recovery_config: EngineRecoveryConfig | None = None
+    ) -> None:
         self.config = config
+        self.recovery_config = recovery_config or EngineRecoveryConfig()
         self.tokenizer = load_tokenizer(config.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None
         self.dead_reason: str | None = None
+        # Why the current core is being started again (None: the first core, or it is ready).
+        self.restart_reason: str | None = None
+        self.num_restarts = 0
         self._streams: dict[str, RequestStream] = {}
-        self._latest_stats: SchedulerStats | None = None
+        # Each open completion's request as validated, in arrival order: resumed from it.
+        self._core_requests: dict[str, EngineCoreRequest] = {}
+        self._recovery = RecoveryTracker(self.recovery_config)
+        self._stats = StatsAcrossCores()
         self._finished_listeners: list[Callable[[RequestOutput], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[CoreInfo] | None = None
-        self._client = EngineCoreClient(config, self._on_core_message)
+        self._dead = asyncio.Event()
+        self._watchdog: asyncio.Task[None] | None = None
+        # Messages of a core count only while their epoch is current: a failed core's late
+        # messages are dropped.
+        self._epoch = 0
+        self._core_ready = False
+        self._core_started = 0.0
+        # When the current core last finished a step, or last had no request to work on.
+        self._last_progress = time.monotonic()
+        self._client = self._new_client()
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
-        return cls(engine_args.create_engine_config())
+    def from_engine_args(
+        cls, engine_args: EngineArgs, recovery_config: EngineRecoveryConfig | None = None
+    ) -> AsyncLLM:
+        return cls(engine_args.create_engine_config(), recovery_config)
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -109,23 +114,11 @@ class AsyncLLM:
         core fails to start."""
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
-        started = time.perf_counter()
+        self._core_started = time.perf_counter()
         self._client.start()
         logger.info("engine core process started (pid %s); loading the model", self._client.pid)
-        info = await self._ready
-        self.input_processor = InputProcessor(
-            self.config.model_config, self.tokenizer, info.max_tokens_in_pool
-        )
-        logger.info(
-            "engine core ready in %.2f s (process start + imports %.2f s, engine %.2f s): "
-            "%d KV blocks, %d tokens in the pool",
-            time.perf_counter() - started,
-            info.import_seconds,
-            info.engine_seconds,
-            info.num_kv_blocks,
-            info.max_tokens_in_pool,
-        )
-        return info
+        self._watchdog = self._loop.create_task(self._watch_progress())
+        return await self._ready
 
     @property
     def is_ready(self) -> bool:
@@ -135,8 +128,26 @@ class AsyncLLM:
     def is_dead(self) -> bool:
         return self.dead_reason is not None
 
+    def health_problem(self) -> tuple[str, str] | None:
+        """(code, message) of why the engine cannot serve now, or None when it can."""
+        if self.dead_reason is not None:
+            return "engine_dead", f"the engine is dead: {self.dead_reason}"
+        if self.input_processor is None:
+            return "engine_loading", "the engine is still loading"
+        if self.restart_reason is not None:
+            return "engine_restarting", f"the engine core is restarting: {self.restart_reason}"
+        return None
+
+    async def wait_dead(self) -> str:
+        """Returns (the reason) once the engine is dead: it serves nothing any more."""
+        await self._dead.wait()
+        assert self.dead_reason is not None
+        return self.dead_reason
+
     async def shutdown(self) -> None:
         """Finishes every open stream as aborted, then stops the core process (bounded)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self.abort_all()
         await asyncio.to_thread(self._client.shutdown)
 
@@ -144,7 +155,7 @@ class AsyncLLM:
 
     def check_can_serve(self) -> InputProcessor:
         """The input processor; raises EngineDeadError or EngineNotReadyError if no request can
-        be served now."""
+        be served now (while a core restarts, requests are served: they wait for it)."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
         if self.input_processor is None:
@@ -154,7 +165,8 @@ class AsyncLLM:
     def add_request(
         self, request_id: str, prompt: PromptType, params: SamplingParams
     ) -> RequestStream:
-        """Validates and queues one request (n completions); on error nothing is queued.
+        """Validates and queues one request (n completions); on error nothing is queued. While
+        the core restarts, the request waits for it.
 
         Iterate the returned stream to get outputs; leaving the iteration early (break, error,
         cancellation) aborts the request in the core.
@@ -163,7 +175,10 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, prompt, requests)
         merge_deltas = params.output_kind is RequestOutputKind.DELTA
         stream = self._streams[request_id] = RequestStream(request_id, self.abort, merge_deltas)
-        self._client.add_requests(requests)
+        for request in requests:
+            self._core_requests[request.req_id] = request
+        if self._core_ready and self._recovery.on_trial is None:
+            self._client.add_requests(requests)
         return stream
 
     async def generate(
@@ -177,9 +192,9 @@ class AsyncLLM:
         """Aborts a request and returns its final output (unknown or finished ids: None); its KV
         blocks return to the pool as soon as the core reads the message."""
         self._streams.pop(request_id, None)
-        self._client.finish_requests(
-            self.output_processor.child_ids(request_id), RequestStatus.FINISHED_ABORTED
-        )
+        child_ids = self.output_processor.child_ids(request_id)
+        self._client.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+        self._forget(child_ids)
         output = self.output_processor.abort(request_id)
         if output is not None:
             self._notify_finished(output)
@@ -197,8 +212,10 @@ class AsyncLLM:
         return len(self._streams)
 
     def stats(self) -> SchedulerStats | None:
-        """The core's scheduler stats after its latest step (None before the first)."""
-        return self._latest_stats
+        """Scheduler stats: the counters summed over every core so far; the gauges of the
+        current core's latest step, or 0 while no core is serving (restarting or dead). None
+        before the first step."""
+        return self._stats.current(serving=self._core_ready and self.dead_reason is None)
 
     def add_finished_listener(self, listener: Callable[[RequestOutput], None]) -> None:
         """`listener(output)` is called once per request when it finishes or is aborted."""
@@ -206,50 +223,64 @@ class AsyncLLM:
 
     # -- messages from the core ----------------------------------------------------------------
 
-    def _on_core_message(self, message: FromCore) -> None:
+    def _new_client(self) -> EngineCoreClient:
+        on_message = functools.partial(self._on_core_message, self._epoch)
+        return EngineCoreClient(self.config, on_message, core_index=self.num_restarts)
+
+    def _on_core_message(self, epoch: int, message: FromCore) -> None:
         """Called on the client's thread: hands the message to the event loop."""
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         # RuntimeError: the loop closed since the check; nobody is listening any more.
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(self._handle_core_message, message)
+            loop.call_soon_threadsafe(self._handle_core_message, epoch, message)
 
-    def _handle_core_message(self, message: FromCore) -> None:
+    def _handle_core_message(self, epoch: int, message: FromCore) -> None:
+        if epoch != self._epoch:
+            return
         match message:
             case CoreOutputs(core_outputs, stats):
-                self._latest_stats = stats
+                self._last_progress = time.monotonic()
+                self._stats.update(stats)
                 self._process_outputs(core_outputs)
             case CoreInfo():
-                assert self._ready is not None
-                if not self._ready.done():
-                    self._ready.set_result(message)
-            case CoreFailed(reason):
-                self._on_dead(reason)
+                self._on_core_ready(message)
+            case CoreFailed(reason, req_ids):
+                self._on_core_failure(reason, req_ids)
 
     def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> None:
+        trial = self._recovery.on_trial
+        if trial is not None:
+            core_outputs = [self._unclip(o) if o.req_id == trial else o for o in core_outputs]
         outputs, stopped = self.output_processor.process(core_outputs)
         self._client.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if output.finished:
                 self._streams.pop(output.request_id, None)
+                n = len(output.outputs)
+                self._forget(
+                    [child_request_id(output.request_id, c.index, n) for c in output.outputs]
+                )
                 self._notify_finished(output)
             if stream is not None:
                 stream.put(output)
+        # The trial's one output ends it (unless it finished the completion: then `_forget`
+        # moved on already).
+        if (
+            trial is not None
+            and trial == self._recovery.on_trial
+            and any(o.req_id == trial for o in core_outputs)
+        ):
+            self._recovery.pass_trial()
+            self._resume()
 
-    def _on_dead(self, reason: str) -> None:
-        if self.dead_reason is not None:
-            return
-        self.dead_reason = reason
-        logger.error("%s; failing %d in-flight request(s)", reason, len(self._streams))
-        if self._ready is not None and not self._ready.done():
-            self._ready.set_exception(EngineDeadError(reason))
-        error = EngineDeadError(reason)
+    def _fail_request(self, child_id: str, error: BaseException) -> None:
         for request_id, stream in list(self._streams.items()):
-            self._streams.pop(request_id, None)
-            self.output_processor.abort(request_id)
-            stream.fail(error)
+            if child_id in self.output_processor.child_ids(request_id):
+                self.abort(request_id)
+                stream.fail(error)
 
     def _notify_finished(self, output: RequestOutput) -> None:
         for listener in self._finished_listeners:
@@ -257,3 +288,161 @@ class AsyncLLM:
                 listener(output)
             except Exception:
                 logger.exception("finished-request listener failed")
+
+    def _forget(self, child_ids: list[str]) -> None:
+        """Drops finished or aborted completions; a completion on trial is replaced by the
+        next."""
+        trial = self._recovery.on_trial
+        for child_id in child_ids:
+            self._core_requests.pop(child_id, None)
+            self._recovery.forget(child_id)
+        if trial in child_ids and self._core_ready:
+            self._resume()
+
+    # -- failures and restarts -----------------------------------------------------------------
+
+    def _on_core_ready(self, info: CoreInfo) -> None:
+        # A restarted core may size its KV pool differently: the length checks follow it.
+        self.input_processor = InputProcessor(
+            self.config.model_config, self.tokenizer, info.max_tokens_in_pool
+        )
+        self._core_ready = True
+        self._last_progress = time.monotonic()
+        logger.info(
+            "engine core ready in %.2f s (process start + imports %.2f s, engine %.2f s): "
+            "%d KV blocks, %d tokens in the pool",
+            time.perf_counter() - self._core_started,
+            info.import_seconds,
+            info.engine_seconds,
+            info.num_kv_blocks,
+            info.max_tokens_in_pool,
+        )
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(info)
+        if self.restart_reason is not None:
+            self.restart_reason = None
+            self._resume()
+
+    def _resume(self) -> None:
+        """Sends the open completions to a fresh core: the next one on probation alone, or
+        (nobody on probation) all of them, each from the tokens it already has."""
+        trial = self._recovery.start_next_trial()
+        while trial is not None and self._resumed_request(trial) is None:
+            self._recovery.forget(trial)  # finished meanwhile
+            trial = self._recovery.start_next_trial()
+        if trial is not None:
+            request = self._resumed_request(trial)
+            assert request is not None
+            request = trial_request(request)
+            logger.warning(
+                "running %s alone: it was in the step that crashed the engine core (%d more "
+                "on probation)",
+                trial,
+                self._recovery.num_on_probation - 1,
+            )
+            self._client.add_requests([request])
+            return
+        requests = [r for c in self._core_requests if (r := self._resumed_request(c)) is not None]
+        if requests:
+            num_tokens = sum(len(r.output_token_ids) for r in requests)
+            logger.info(
+                "resuming %d completion(s) on the engine core, %d token(s) already generated",
+                len(requests),
+                num_tokens,
+            )
+            self._client.add_requests(requests)
+
+    def _resumed_request(self, child_id: str) -> EngineCoreRequest | None:
+        """The completion's request with the tokens it has so far; None once it is finished."""
+        token_ids = self.output_processor.output_token_ids(child_id)
+        request = self._core_requests.get(child_id)
+        if token_ids is None or request is None:
+            return None
+        return resumed_request(request, token_ids)
+
+    def _unclip(self, output: EngineCoreOutput) -> EngineCoreOutput:
+        token_ids = self.output_processor.output_token_ids(output.req_id) or []
+        request = self._core_requests[output.req_id]
+        max_model_len = self.config.model_config.max_model_len
+        return unclip_trial_output(output, request, len(token_ids), max_model_len)
+
+    def _on_core_failure(self, reason: str, req_ids: list[str] | None) -> None:
+        """The current core failed (`req_ids`: the requests of its failing step, if known):
+        restart it, or die."""
+        if self.dead_reason is not None:
+            return
+        was_ready, self._core_ready = self._core_ready, False
+        self._retire_client()
+        if self.recovery_config.engine_failure_policy == "exit":
+            self._die(reason)
+            return
+        if not was_ready:
+            what = "a restarted engine core" if self.num_restarts else "the engine core"
+            self._die(f"{what} failed before it was ready: {reason}")
+            return
+        suspects = None
+        if req_ids is not None:
+            failed_step = set(req_ids)
+            suspects = [c for c in self._core_requests if c in failed_step]
+        verdict = self._recovery.record_crash(suspects)
+        if verdict.give_up is not None:
+            self._die(f"{reason}; giving up after {verdict.give_up}")
+            return
+        error = RequestCrashedEngineError(
+            f"the request was in the failing step of two engine-core crashes, the last: {reason}"
+        )
+        for child_id in verdict.failed:
+            logger.error("failing %s alone: it crashed the engine core twice", child_id)
+            self._fail_request(child_id, error)
+        self.num_restarts += 1
+        self.restart_reason = reason
+        logger.warning(
+            "%s; starting engine core #%d (crash %d of at most %d within %g s); %d open "
+            "request(s) wait for it",
+            reason,
+            self.num_restarts,
+            self._recovery.num_recent_crashes,
+            self.recovery_config.engine_max_restarts,
+            self.recovery_config.engine_restart_window,
+            len(self._streams),
+        )
+        self._client = self._new_client()
+        self._core_started = time.perf_counter()
+        self._client.start()
+
+    def _retire_client(self) -> None:
+        """Stops listening to the current core and kills its process."""
+        self._epoch += 1
+        self._stats.retire_core()
+        self._client.kill()
+
+    def _die(self, reason: str) -> None:
+        self.dead_reason = reason
+        self.restart_reason = None
+        logger.error("%s; failing %d in-flight request(s)", reason, len(self._streams))
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(EngineDeadError(reason))
+        error = EngineDeadError(reason)
+        for request_id, stream in list(self._streams.items()):
+            self._streams.pop(request_id, None)
+            self._forget(self.output_processor.child_ids(request_id))
+            self.output_processor.abort(request_id)
+            stream.fail(error)
+        self._dead.set()
+
+    async def _watch_progress(self) -> None:
+        """Counts a core that holds requests and finishes no step for `engine_stall_timeout`
+        seconds as failed (it is killed)."""
+        timeout = self.recovery_config.engine_stall_timeout
+        while self.dead_reason is None:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            now = time.monotonic()
+            if not (self._core_ready and self._core_requests):
+                self._last_progress = now
+            elif now - self._last_progress > timeout:
+                self._on_core_failure(
+                    f"the engine core (pid {self._client.pid}) finished no step for "
+                    f"{now - self._last_progress:.1f} s while holding "
+                    f"{len(self._core_requests)} completion(s)",
+                    None,
+                )

@@ -10,11 +10,9 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import deque
-from typing import Any
 
 import torch
 
-from ferrum import envs
 from ferrum.config import EngineConfig
 from ferrum.engine.core_messages import (
     ITERATION_TOKENS_BUCKETS,
@@ -22,6 +20,7 @@ from ferrum.engine.core_messages import (
     EngineCoreRequest,
     SchedulerStats,
 )
+from ferrum.engine.fault_injection import with_injected_faults
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.logger import init_logger
 from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
@@ -33,15 +32,14 @@ logger = init_logger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, core_index: int = 0) -> None:
+        """`core_index`: 0 for a front end's first core, n for its nth restart."""
         self.config = config
         start = time.perf_counter()
         if config.device_config.num_cpu_threads is not None:
             torch.set_num_threads(config.device_config.num_cpu_threads)
         device = torch.device(config.device_config.device)
-        self.runner = ModelRunner(config, device)
-        if (fail_at := envs.debug_fail_forward()) is not None:
-            self.runner = FaultInjectingRunner(self.runner, fail_at)
+        self.runner = with_injected_faults(ModelRunner(config, device), core_index)
         loaded = time.perf_counter()
         num_blocks = config.cache_config.num_kv_blocks or self.runner.determine_num_kv_blocks()
         self.runner.initialize_kv_cache(num_blocks)
@@ -60,6 +58,8 @@ class EngineCore:
         # Non-empty steps per ITERATION_TOKENS_BUCKETS bucket (+ one for larger), their tokens.
         self._iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self._iteration_tokens_sum = 0
+        # The requests of the step(s) lost when the latest `step` raised, sorted.
+        self.failed_step_req_ids: list[str] = []
         self.startup_seconds = time.perf_counter() - start
         logger.info(
             "engine core ready in %.2f s (model load %.2f s, KV cache sizing %.2f s, warm-up and "
@@ -79,9 +79,14 @@ class EngineCore:
         )
 
     def add_request(self, r: EngineCoreRequest) -> None:
-        """Builds the core's own `Request`; raises ValueError if the scheduler refuses it."""
+        """Builds the core's own `Request`; raises ValueError if the scheduler refuses it. A
+        resumed request's earlier output tokens are its outputs here too (length limits,
+        min_tokens, penalties, its seeded generator): it continues like a preempted one."""
         args = (r.req_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id, r.arrival_time)
-        self.scheduler.add_request(Request(*args))
+        request = Request(*args)
+        for token_id in r.output_token_ids:
+            request.append_output_token(token_id)
+        self.scheduler.add_request(request)
 
     def finish_requests(
         self, req_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -102,6 +107,7 @@ class EngineCore:
         nothing was left to run completes (with no outputs) on the next call. Outputs of steps
         completed before an exception are returned by the next call.
         """
+        self.failed_step_req_ids = []
         if self._in_flight and (not self.async_scheduling or self.scheduler.needs_host_history()):
             self._complete_oldest()
         # An empty step still tells the runner which requests finished.
@@ -113,6 +119,7 @@ class EngineCore:
         try:
             launched = self.runner.launch(scheduler_output)
         except BaseException:
+            self._record_failed_steps([scheduler_output])
             try:
                 while self._in_flight:  # launched before the failure: may be intact
                     self._complete_oldest()
@@ -132,6 +139,7 @@ class EngineCore:
         try:
             runner_output = self.runner.complete(launched)
         except BaseException:
+            self._record_failed_steps([step for step, _ in self._in_flight])
             for failed, _ in self._in_flight:
                 self.scheduler.recover_from_failed_step(failed)
             self._in_flight.clear()
@@ -156,6 +164,14 @@ class EngineCore:
             for u in updates
         )
 
+    def _record_failed_steps(self, steps: list[SchedulerOutput]) -> None:
+        """Adds the requests of `steps` to `failed_step_req_ids`: a launch that raised names its
+        own step; a device failure surfacing at completion names every step still in flight."""
+        req_ids = set(self.failed_step_req_ids)
+        for step in steps:
+            req_ids.update(step.num_scheduled_tokens)
+        self.failed_step_req_ids = sorted(req_ids)
+
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(
@@ -168,26 +184,3 @@ class EngineCore:
             iteration_tokens_counts=tuple(self._iteration_tokens_counts),
             iteration_tokens_sum=self._iteration_tokens_sum,
         )
-
-
-class FaultInjectingRunner:
-    """A debugging seam (FERRUM_DEBUG_FAIL_FORWARD=N): the runner's Nth non-empty step launch
-    raises; everything else is the wrapped runner's."""
-
-    def __init__(self, runner: ModelRunner, fail_at: int) -> None:
-        self.runner = runner
-        self.fail_at = fail_at
-        self.num_launches = 0
-        logger.warning("FERRUM_DEBUG_FAIL_FORWARD=%d: forward %d will raise", fail_at, fail_at)
-
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
-        if not scheduler_output.is_empty:
-            self.num_launches += 1
-            if self.num_launches == self.fail_at:
-                raise RuntimeError(
-                    f"injected fault in forward {self.fail_at} (FERRUM_DEBUG_FAIL_FORWARD)"
-                )
-        return self.runner.launch(scheduler_output)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)

@@ -44,11 +44,19 @@ class EngineCoreClient:
     """The front end's handle on a core process.
 
     `on_message(message)` is called from a background thread for every message from the core;
-    when the core dies without saying why, it gets a `CoreFailed` once.
+    when the core dies without saying why, it gets a `CoreFailed` once (unless the client was
+    shut down or killed first). One client runs one core process: a restart takes a new client.
     """
 
-    def __init__(self, config: EngineConfig, on_message: Callable[[FromCore], None]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_message: Callable[[FromCore], None],
+        core_index: int = 0,
+    ) -> None:
+        """`core_index`: 0 for the front end's first core, n for its nth restart."""
         self.config = config
+        self.core_index = core_index
         self._on_message = on_message
         self._outbox: queue.SimpleQueue[ToCore] = queue.SimpleQueue()
         self._process: multiprocessing.process.BaseProcess | None = None
@@ -61,7 +69,7 @@ class EngineCoreClient:
         from_core_recv, from_core_send = ctx.Pipe(duplex=False)
         self._process = ctx.Process(
             target=run_engine_core,
-            args=(self.config, to_core_recv, from_core_send),
+            args=(self.config, to_core_recv, from_core_send, self.core_index),
             name="ferrum-engine-core",
             daemon=True,
         )
@@ -106,6 +114,18 @@ class EngineCoreClient:
             process.kill()
             process.join(5.0)
 
+    def kill(self) -> None:
+        """Ends the core process now (SIGKILL: a stopped process too) and stops the client's
+        threads, without blocking; no `CoreFailed` follows. A thread reaps the process."""
+        self._closed = True
+        self._outbox.put(Shutdown())  # wakes the sending thread, which then exits
+        process = self._process
+        if process is None:
+            return
+        if process.is_alive():
+            process.kill()
+        threading.Thread(target=process.join, name="ferrum-core-reap", daemon=True).start()
+
     def _send_loop(self, conn: Connection) -> None:
         try:
             while True:
@@ -132,6 +152,8 @@ class EngineCoreClient:
                         return
         except (OSError, EOFError):
             pass
+        except Exception as e:  # e.g. a message cut short by the core's death
+            reason += f" ({type(e).__name__} reading its messages)"
         finally:
             conn.close()
         if not self._closed:
@@ -143,16 +165,19 @@ class EngineCoreClient:
             self._on_message(CoreFailed(reason))
 
 
-def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection) -> None:
+def run_engine_core(
+    config: EngineConfig, inbox: Connection, outbox: Connection, core_index: int = 0
+) -> None:
     """The core process's entry point."""
     started = time.perf_counter()
     # Ctrl-C reaches the whole process group; the front end decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    core = None
     try:
         from ferrum.engine.core import EngineCore
 
         imported = time.perf_counter()
-        core = EngineCore(config)
+        core = EngineCore(config, core_index)
         info = CoreInfo(
             num_kv_blocks=core.kv_cache_manager.num_usable_blocks,
             max_tokens_in_pool=core.kv_cache_manager.max_tokens_in_pool(),
@@ -166,8 +191,10 @@ def run_engine_core(config: EngineConfig, inbox: Connection, outbox: Connection)
         return
     except BaseException as e:
         logger.error("engine core failed: %s", "".join(traceback.format_exception(e)).rstrip())
+        req_ids = (core.failed_step_req_ids or None) if core is not None else None
+        failed = CoreFailed(f"engine core failed: {type(e).__name__}: {e}", req_ids)
         with contextlib.suppress(OSError):
-            outbox.send([CoreFailed(f"engine core failed: {type(e).__name__}: {e}")])
+            outbox.send([failed])
         raise SystemExit(1) from None
 
 

@@ -5,7 +5,7 @@ that changed state, and `CoreFailed` just before it exits on an error."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ferrum.request import Logprobs, RequestStatus
 from ferrum.sampling_params import SamplingParams
@@ -22,6 +22,9 @@ class EngineCoreRequest:
     # The primary EOS id (it stops with stop_reason None); None with ignore_eos.
     eos_token_id: int | None
     arrival_time: float
+    # Tokens a previous core already generated (a request resumed after a core restart): the
+    # core counts them as outputs, as for a preempted request.
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -90,6 +93,9 @@ class CoreOutputs:
 @dataclass(slots=True)
 class CoreFailed:
     reason: str
+    # The requests of the failed step when a step raised; None when the cause is unknown (the
+    # process died, or failed outside a step).
+    req_ids: list[str] | None = None
 
 
 ToCore = EngineCoreRequest | FinishRequests | Shutdown

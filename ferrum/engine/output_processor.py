@@ -86,6 +86,14 @@ class OutputProcessor:
         parent = self._parents.get(request_id)
         return list(parent.children) if parent else []
 
+    def output_token_ids(self, child_id: str) -> list[int] | None:
+        """The tokens a completion has so far (a copy); None once it is finished or unknown."""
+        parent = self._parent_of.get(child_id)
+        if parent is None:
+            return None
+        child = parent.children[child_id]
+        return None if child.finish_reason is not None else list(child.detokenizer.token_ids)
+
     def process(
         self, core_outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:

@@ -67,7 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from ferrum.engine.arg_utils import EngineArgs
+    from ferrum.engine.arg_utils import EngineArgs, add_engine_recovery_args
     from ferrum.entrypoints.openai.frontend_args import FrontendConfig
     from ferrum.entrypoints.openai.http_limits import add_cli_args as add_http_limit_args
 
@@ -95,6 +95,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_http_limit_args(parser)
     FrontendConfig.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
+    add_engine_recovery_args(parser)
 
 
 def _serve(args: argparse.Namespace) -> int:

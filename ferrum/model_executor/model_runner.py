@@ -23,7 +23,7 @@ from ferrum.model_executor.kv_cache_sizing import (
     num_blocks_from_budget,
 )
 from ferrum.model_executor.model_loader import load_model
-from ferrum.model_executor.sampler import Sampler, SamplerOutput
+from ferrum.model_executor.sampler import Sampler, SamplerOutput, advance_sampling_generator
 from ferrum.model_executor.sampling_metadata import (
     SamplingMetadata,
     SamplingRow,
@@ -261,20 +261,28 @@ class ModelRunner:
                 params=new.sampling_params,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                generator=self._generator_for(new.req_id, new.sampling_params),
+                generator=self._generator_for(
+                    new.req_id, new.sampling_params, len(new.output_token_ids)
+                ),
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _generator_for(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
+    def _generator_for(
+        self, req_id: str, params: SamplingParams, num_output_tokens: int
+    ) -> torch.Generator | None:
+        """A seeded request's generator. One made for a request that already has output tokens
+        (resumed by a new engine core) replays the draws that sampled them: its next token is
+        the one the request would have drawn without the restart."""
         if params.seed is None or params.temperature == 0.0:
             return None
         generator = self._seeded_generators.get(req_id)
         if generator is None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
+            advance_sampling_generator(generator, num_output_tokens, self.vocab_size, self.device)
             self._seeded_generators[req_id] = generator
         return generator
 

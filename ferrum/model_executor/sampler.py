@@ -155,6 +155,18 @@ def _exponential_race(
     return probs.div_(q).argmax(dim=-1)
 
 
+def advance_sampling_generator(
+    generator: torch.Generator, num_tokens: int, vocab_size: int, device: torch.device
+) -> None:
+    """Moves a seeded row's generator past `num_tokens` sampled tokens: each token took exactly
+    the draw `_exponential_race` makes for one row (vocab_size float32 exponentials)."""
+    if num_tokens <= 0:
+        return
+    row = torch.empty(vocab_size, dtype=torch.float32, device=device)
+    for _ in range(num_tokens):
+        row.exponential_(generator=generator)
+
+
 class Sampler:
     """Picks one token per row from [N, V] logits; see the module docstring for the order."""
 

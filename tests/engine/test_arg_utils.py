@@ -8,9 +8,21 @@ from dataclasses import MISSING, fields
 import pytest
 import torch
 
-from ferrum.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+from ferrum.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineRecoveryConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
 from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
-from ferrum.engine.arg_utils import NOT_SUPPORTED_YET, EngineArgs, check_not_supported_yet
+from ferrum.engine.arg_utils import (
+    NOT_SUPPORTED_YET,
+    EngineArgs,
+    add_engine_recovery_args,
+    check_not_supported_yet,
+    engine_recovery_config,
+)
 
 
 def test_every_config_knob_is_an_engine_arg_with_the_config_default() -> None:
@@ -69,3 +81,28 @@ def test_vllm_arguments_not_supported_yet() -> None:
     with pytest.raises(TypeError, match="unexpected engine argument 'max_num_seq'.*max_num_seqs"):
         check_not_supported_yet({"max_num_seq": 4})
     assert not set(NOT_SUPPORTED_YET) & {f.name for f in fields(EngineArgs)}
+
+
+def test_engine_recovery_flags_build_a_validated_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_recovery_args(parser)
+    assert engine_recovery_config(parser.parse_args([])) == EngineRecoveryConfig()
+    args = parser.parse_args(
+        [
+            "--engine-failure-policy",
+            "exit",
+            "--engine-max-restarts",
+            "2",
+            "--engine-restart-window",
+            "30",
+            "--engine-stall-timeout",
+            "5.5",
+        ]
+    )
+    assert engine_recovery_config(args) == EngineRecoveryConfig("exit", 2, 30.0, 5.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--engine-failure-policy", "retry"])
+    with pytest.raises(ValueError, match="engine_stall_timeout: must be a number of seconds > 0"):
+        engine_recovery_config(parser.parse_args(["--engine-stall-timeout", "0"]))
+    with pytest.raises(ValueError, match="engine_max_restarts: must be an integer >= 0"):
+        EngineRecoveryConfig(engine_max_restarts=-1)

@@ -7,6 +7,7 @@ import torch
 
 from ferrum.model_executor.sampler import (
     Sampler,
+    advance_sampling_generator,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -355,3 +356,36 @@ def test_bf16_logits_are_sampled_in_float32() -> None:
     out = Sampler()(logits, meta)
     assert out.sampled_token_ids.tolist() == [2]
     assert out.logprobs is not None and out.logprobs.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+        ),
+    ],
+)
+def test_advanced_generator_continues_a_seeded_row(device: str) -> None:
+    """A generator seeded and moved past k tokens (a request resumed by a new engine core)
+    samples token k+1 as the row's own generator does."""
+    vocab, k = 300, 7
+    logits_gen = torch.Generator().manual_seed(3)
+    steps = [torch.randn(3, vocab, generator=logits_gen).to(device) for _ in range(k + 3)]
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=99)
+    noise = SamplingParams(temperature=1.0)
+
+    def sample(generator: torch.Generator, logits: torch.Tensor) -> int:
+        rows = [
+            SamplingRow(noise, [], [], None, set()),
+            SamplingRow(params, [], [], generator, set()),
+        ]
+        meta = SamplingMetadata.from_rows(rows, vocab, sampling_staging(2, torch.device(device)))
+        return Sampler()(logits[:2], meta).sampled_token_ids[1].item()
+
+    own = torch.Generator(device=device).manual_seed(99)
+    uninterrupted = [sample(own, s) for s in steps]
+    resumed = torch.Generator(device=device).manual_seed(99)
+    advance_sampling_generator(resumed, k, vocab, torch.device(device))
+    assert [sample(resumed, s) for s in steps[k:]] == uninterrupted[k:]

@@ -2,7 +2,9 @@
 
 The API process tokenizes, detokenizes and speaks HTTP; the engine core runs in its own process
 (`AsyncLLM` over `EngineCoreClient`). The port opens before the model is loaded: `/health` answers
-503 until the core is ready, and again after the core dies.
+503 until the core is ready, while a crashed core restarts, and once the engine is dead; a dead
+engine (it failed to load, crashed with --engine-failure-policy exit, or crashed too often) ends
+the process with exit code 1.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ferrum import __version__
 from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
-from ferrum.engine.arg_utils import EngineArgs
+from ferrum.engine.arg_utils import EngineArgs, engine_recovery_config
 from ferrum.engine.async_llm import AsyncLLM, EngineDeadError
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.entrypoints.openai.chat_protocol import (
@@ -182,10 +184,12 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.startup_failed = False
         starting = asyncio.create_task(_start_engine(app, engine))
+        exiting = asyncio.create_task(_exit_when_dead(app, engine))
         try:
             yield
         finally:
             starting.cancel()
+            exiting.cancel()
             await engine.shutdown()
             logger.info("engine core stopped")
 
@@ -237,10 +241,10 @@ def build_app(
 
     @app.get("/health", response_model=HealthResponse, responses=_ERROR_RESPONSES)
     async def health() -> HealthResponse:
-        if engine.is_dead:
-            raise APIError(503, f"the engine is dead: {engine.dead_reason}", code="engine_dead")
-        if not engine.is_ready:
-            raise APIError(503, "the engine is still loading", code="engine_loading")
+        problem = engine.health_problem()
+        if problem is not None:
+            code, message = problem
+            raise APIError(503, message, code=code)
         return HealthResponse()
 
     @app.get("/version", response_model=VersionResponse)
@@ -344,6 +348,15 @@ async def _start_engine(app: FastAPI, engine: AsyncLLM) -> None:
         logger.info("ready: serving at http://%s:%d/v1", config.host, config.port)
 
 
+async def _exit_when_dead(app: FastAPI, engine: AsyncLLM) -> None:
+    """A dead engine ends the server (exit code 1), so that a supervisor can restart it."""
+    reason = await engine.wait_dead()
+    logger.error("the engine is dead (%s): shutting the server down", reason)
+    server = getattr(app.state, "server", None)
+    if server is not None:
+        server.should_exit = True
+
+
 def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
     """The generated schema, minus FastAPI's 422 responses: invalid requests get 400 here."""
     if app.openapi_schema is None:
@@ -439,7 +452,7 @@ def run_server(args: argparse.Namespace) -> int:
     if config.model_config.skip_tokenizer_init:
         raise ValueError("skip_tokenizer_init: the server needs a tokenizer")
     model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    engine = AsyncLLM(config)
+    engine = AsyncLLM(config, engine_recovery_config(args))
     logger.info(
         "ferrum %s serving %s as %s; config and tokenizer ready in %.2f s",
         __version__,
@@ -460,6 +473,6 @@ def run_server(args: argparse.Namespace) -> int:
     app.state.server = server
     app.state.server_config = uvicorn_config
     server.run(sockets=[listener])
-    if getattr(app.state, "startup_failed", False) or not server.started:
+    if getattr(app.state, "startup_failed", False) or not server.started or engine.is_dead:
         return 1
     return 0

@@ -12,6 +12,7 @@ from ferrum.engine.async_llm import (
     AsyncLLM,
     EngineDeadError,
     EngineNotReadyError,
+    RequestCrashedEngineError,
     RequestStream,
 )
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
@@ -82,6 +83,8 @@ def as_api_error(error: BaseException, param: str | None = None) -> APIError:
         return APIError(503, f"the engine is dead: {error}", code="engine_dead")
     if isinstance(error, EngineNotReadyError):
         return APIError(503, str(error), code="engine_loading")
+    if isinstance(error, RequestCrashedEngineError):
+        return APIError(500, str(error), code="request_crashed_engine")
     if isinstance(error, ValueError):
         # An error about a sampling field names it: "SamplingParams.<field> ...".
         field = _SAMPLING_FIELD.match(str(error))
@@ -91,7 +94,8 @@ def as_api_error(error: BaseException, param: str | None = None) -> APIError:
 
 def stream_error_event(error: Exception) -> str:
     """The SSE event that ends a stream which failed after its 200 status was sent."""
-    if isinstance(error, (APIError, ValueError, EngineDeadError, EngineNotReadyError)):
+    known = (APIError, ValueError, EngineDeadError, EngineNotReadyError, RequestCrashedEngineError)
+    if isinstance(error, known):
         api_error = as_api_error(error)
     else:
         logger.error("a stream failed", exc_info=error)

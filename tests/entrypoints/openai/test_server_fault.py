@@ -1,95 +1,139 @@
-"""A forward that raises in the core: in-flight requests get errors, /health turns 503."""
+"""Engine-core failures under live streams: with the default policy a fresh core resumes every
+stream (a raising forward, a killed core, a stopped core), a poison request is failed alone, and
+a crash loop ends the server; with --engine-failure-policy exit the server exits non-zero."""
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
+import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
+import torch
 
-from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from ferrum import LLM, SamplingParams
+from ferrum.default_model import DEFAULT_MODEL_DIR
 from tests.utils.remote_server import REPO_ROOT, RemoteServer, free_port
 
-MODEL = DEFAULT_MODEL_NAME
-# Late enough that every request of the test is running when it fails (each asks for 400
-# tokens, so none has finished).
-FAIL_AT_FORWARD = 150
+NUM_STREAMS = 32
+MAX_TOKENS = 24
+# The first core's 12th forward raises: the streams have started by then and none has finished.
+FAIL_AT_FORWARD = 12
+# A prompt holding this token id crashes every forward it is in (no text prompt tokenizes to it).
+POISON_TOKEN_ID = 8191
+# Room for all 32 streams without preemption.
+SERVER_ARGS = ["--max-model-len", "512", "--async-scheduling", "--num-kv-blocks", "256"]
+
+
+def prompt_of(i: int) -> str:
+    return f"Story {i}: a short tale about the sea and {i * 7} friends"
+
+
+@dataclass
+class StreamResult:
+    text: str
+    finish_reason: str | None
+    error: dict | None
+
+
+async def _stream(
+    client: httpx.AsyncClient, url: str, prompt: str | list[int], started: asyncio.Event
+) -> StreamResult:
+    """One greedy stream of MAX_TOKENS; sets `started` once it has received text."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    result = StreamResult("", None, None)
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                result.error = chunk["error"]
+                continue
+            choice = chunk["choices"][0]
+            result.text += choice["text"]
+            result.finish_reason = choice["finish_reason"] or result.finish_reason
+            if result.text:
+                started.set()
+    started.set()
+    return result
+
+
+def stream_all(
+    server: RemoteServer,
+    prompts: list[str | list[int]],
+    once_all_started: Callable[[], None] | None = None,
+) -> list[StreamResult]:
+    """Streams every prompt concurrently until all end; calls `once_all_started()` as soon as
+    every stream has received text (or ended)."""
+
+    async def run() -> list[StreamResult]:
+        started = [asyncio.Event() for _ in prompts]
+        async with httpx.AsyncClient(timeout=120) as client:
+            tasks = [
+                asyncio.create_task(_stream(client, server.url, p, e))
+                for p, e in zip(prompts, started)
+            ]
+            if once_all_started is not None:
+                for event in started:
+                    await event.wait()
+                once_all_started()
+            return await asyncio.gather(*tasks)
+
+    return asyncio.run(run())
 
 
 @pytest.fixture(scope="module")
-def faulty_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+def expected_texts(shipped_llm: LLM) -> list[str]:
+    """The uninterrupted greedy outputs of the streams' prompts."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [prompt_of(i) for i in range(NUM_STREAMS)]
+    # One thread, as the server's core: the tiny model gains nothing from more, and spinning
+    # OpenMP workers on a busy machine slow it down by orders of magnitude.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        outputs = shipped_llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch.set_num_threads(num_threads)
+    return [o.outputs[0].text for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
+    """Restart policy; the first core's FAIL_AT_FORWARD-th forward raises, poison prompts raise
+    in every core, a core silent for 2 s with work counts as stuck."""
     log = tmp_path_factory.mktemp("fault") / "server.log"
-    # Async scheduling: the fault hits a launch while the step before it is still in flight.
     remote = RemoteServer(
-        ["--max-model-len", "512", "--async-scheduling"],
+        [*SERVER_ARGS, "--engine-stall-timeout", "2", "--engine-max-restarts", "20"],
         log,
-        env={"FERRUM_DEBUG_FAIL_FORWARD": str(FAIL_AT_FORWARD)},
+        env={
+            "FERRUM_DEBUG_FAIL_FORWARD": str(FAIL_AT_FORWARD),
+            "FERRUM_DEBUG_FAIL_ON_TOKEN": str(POISON_TOKEN_ID),
+        },
     )
     yield remote
     assert remote.stop() == 0, remote.log()
 
 
-def _wait_for_running(server: RemoteServer, num_requests: int) -> None:
-    deadline = time.monotonic() + 30
-    while server.metrics()["ferrum:num_requests_running"] < num_requests:
-        assert time.monotonic() < deadline, "the requests never started"
-        time.sleep(0.02)
-
-
-def _stream(server: RemoteServer) -> str:
-    stream = server.client().chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Talk"}],
-        max_tokens=400,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    try:
-        for _ in stream:
-            pass
-    except openai.APIError as e:
-        return str(e)
-    return "finished without error"
-
-
-def _complete(server: RemoteServer) -> str:
-    try:
-        server.client().completions.create(
-            model=MODEL, prompt="Talk", max_tokens=400, extra_body={"ignore_eos": True}
-        )
-    except openai.APIStatusError as e:
-        return f"{e.status_code}: {e.body}"
-    return "finished without error"
-
-
-def test_forward_fault_fails_in_flight_requests(faulty_server: RemoteServer) -> None:
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        futures = [pool.submit(_stream, faulty_server) for _ in range(3)]
-        futures.append(pool.submit(_complete, faulty_server))
-        _wait_for_running(faulty_server, 4)
-        results = [f.result(timeout=60) for f in futures]
-    for result in results[:3]:
-        assert "engine is dead" in result and "injected fault" in result
-    assert results[3].startswith("503") and "engine_dead" in results[3]
-    health = httpx.get(faulty_server.url + "/health", timeout=10)
-    assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
-    later = httpx.post(faulty_server.url + "/v1/completions", json={"prompt": "x"}, timeout=10)
-    assert later.status_code == 503 and later.json()["error"]["code"] == "engine_dead"
-    log = faulty_server.log()
-    assert f"RuntimeError: injected fault in forward {FAIL_AT_FORWARD}" in log
-    assert "failing 4 in-flight request(s)" in log
-
-
-def _core_pid(server: RemoteServer) -> int:
+def core_pid(server: RemoteServer) -> int:
+    """The server's engine core process (a spawned multiprocessing child)."""
     pid = server.process.pid
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     for child in children:
@@ -99,18 +143,85 @@ def _core_pid(server: RemoteServer) -> int:
     raise AssertionError(f"no engine core process among {children}")
 
 
-def test_killed_core_fails_in_flight_requests(tmp_path: Path) -> None:
-    server = RemoteServer(["--max-model-len", "512"], tmp_path / "server.log")
+def full_log(server: RemoteServer) -> str:
+    return server.log_path.read_text(errors="replace")
+
+
+def assert_intact(results: list[StreamResult], expected: list[str]) -> None:
+    for i, (result, text) in enumerate(zip(results, expected, strict=True)):
+        assert result.error is None, f"stream {i}: {result.error}"
+        assert result.finish_reason == "length", f"stream {i}"
+        assert result.text == text, f"stream {i}"
+
+
+def test_forward_fault_streams_continue(server: RemoteServer, expected_texts: list[str]) -> None:
+    results = stream_all(server, [prompt_of(i) for i in range(NUM_STREAMS)])
+    assert_intact(results, expected_texts)
+    log = full_log(server)
+    assert f"injected fault in forward {FAIL_AT_FORWARD}" in log
+    assert "resuming" in log
+
+
+def test_killed_core_streams_continue(server: RemoteServer, expected_texts: list[str]) -> None:
+    pid = core_pid(server)
+    prompts: list[str | list[int]] = [prompt_of(i) for i in range(NUM_STREAMS)]
+    results = stream_all(server, prompts, lambda: os.kill(pid, signal.SIGKILL))
+    assert_intact(results, expected_texts)
+    assert "exited unexpectedly (exit code -9)" in full_log(server)
+
+
+def test_stopped_core_is_restarted(server: RemoteServer, expected_texts: list[str]) -> None:
+    pid = core_pid(server)
+    prompts: list[str | list[int]] = [prompt_of(i) for i in range(NUM_STREAMS)]
     try:
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(_stream, server), pool.submit(_complete, server)]
-            _wait_for_running(server, 2)
-            os.kill(_core_pid(server), signal.SIGKILL)
-            stream_result, complete_result = (f.result(timeout=60) for f in futures)
-        assert "engine is dead" in stream_result and "exited unexpectedly" in stream_result
-        assert complete_result.startswith("503")
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 503
-        assert server.stop() == 0, server.log()
+        results = stream_all(server, prompts, lambda: os.kill(pid, signal.SIGSTOP))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # the server has killed it already unless this failed
+    assert_intact(results, expected_texts)
+    assert f"engine core (pid {pid}) finished no step for" in full_log(server)
+
+
+def test_poison_request_fails_alone(server: RemoteServer, expected_texts: list[str]) -> None:
+    prompts: list[str | list[int]] = [prompt_of(i) for i in range(7)]
+    prompts.insert(3, [1, 2, POISON_TOKEN_ID, 3])
+    results = stream_all(server, prompts)
+    poisoned = results.pop(3)
+    assert poisoned.error is not None and poisoned.error["code"] == "request_crashed_engine"
+    assert_intact(results, expected_texts[:7])
+    assert "crashed the engine core twice" in full_log(server)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_crash_loop_exits_nonzero(tmp_path: Path) -> None:
+    # One poison request: it crashes the first core, then the restarted one when it runs alone;
+    # with one restart allowed, the second crash ends the server.
+    server = RemoteServer(
+        [*SERVER_ARGS, "--engine-max-restarts", "1"],
+        tmp_path / "server.log",
+        env={"FERRUM_DEBUG_FAIL_ON_TOKEN": str(POISON_TOKEN_ID)},
+    )
+    try:
+        (result,) = stream_all(server, [[1, 2, POISON_TOKEN_ID, 3]])
+        assert result.error is not None and result.error["code"] == "engine_dead"
+        assert server.process.wait(60) == 1, server.log()
+        assert "giving up after 2 engine-core crashes" in full_log(server)
+    finally:
+        server.stop(signal.SIGKILL)
+
+
+def test_exit_policy_exits_nonzero(tmp_path: Path) -> None:
+    server = RemoteServer(
+        [*SERVER_ARGS, "--engine-failure-policy", "exit"],
+        tmp_path / "server.log",
+        env={"FERRUM_DEBUG_FAIL_FORWARD": "3"},
+    )
+    try:
+        results = stream_all(server, [prompt_of(i) for i in range(2)])
+        for result in results:
+            assert result.error is not None and result.error["code"] == "engine_dead"
+            assert "injected fault" in result.error["message"]
+        assert server.process.wait(60) == 1, server.log()
     finally:
         server.stop(signal.SIGKILL)
 

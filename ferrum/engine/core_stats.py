@@ -1,0 +1,52 @@
+"""Scheduler stats of a front end whose engine core may be replaced: counters add up over
+every core it ran; gauges are the current core's, or 0 while none is serving."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ferrum.engine.core_messages import SchedulerStats
+
+
+class StatsAcrossCores:
+    def __init__(self) -> None:
+        self._latest: SchedulerStats | None = None
+        # Counters of the cores that are gone.
+        self._past = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+    def update(self, stats: SchedulerStats) -> None:
+        """The current core's stats after its latest step."""
+        self._latest = stats
+
+    def retire_core(self) -> None:
+        """The current core is gone: its counters move to the past."""
+        latest, past = self._latest, self._past
+        if latest is None:
+            return
+        self._past = _with_counters(past, past, latest)
+        self._latest = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+    def current(self, serving: bool) -> SchedulerStats | None:
+        """Counters summed over every core; the gauges only while a core is `serving`. None
+        before the first core's first step."""
+        latest, past = self._latest, self._past
+        if latest is None:
+            return None
+        gauges = latest if serving else SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        return _with_counters(gauges, past, latest)
+
+
+def _with_counters(gauges: SchedulerStats, a: SchedulerStats, b: SchedulerStats) -> SchedulerStats:
+    """`gauges` with the counters of `a` and `b` added up."""
+    counts_a, counts_b = a.iteration_tokens_counts, b.iteration_tokens_counts
+    if len(counts_a) < len(counts_b):
+        counts_a, counts_b = counts_b, counts_a
+    counts = tuple(x + (counts_b[i] if i < len(counts_b) else 0) for i, x in enumerate(counts_a))
+    return dataclasses.replace(
+        gauges,
+        prefix_cache_queries=a.prefix_cache_queries + b.prefix_cache_queries,
+        prefix_cache_hits=a.prefix_cache_hits + b.prefix_cache_hits,
+        num_preemptions=a.num_preemptions + b.num_preemptions,
+        iteration_tokens_counts=counts,
+        iteration_tokens_sum=a.iteration_tokens_sum + b.iteration_tokens_sum,
+    )

@@ -1,0 +1,69 @@
+"""Test-only fault hooks around the model runner, driven by FERRUM_DEBUG_* knobs (`envs.py`):
+a forward that raises once (`FERRUM_DEBUG_FAIL_FORWARD`, first core only) and poison requests
+that make every forward holding them raise (`FERRUM_DEBUG_FAIL_ON_TOKEN`, every core)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ferrum import envs
+from ferrum.logger import init_logger
+from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
+from ferrum.scheduler.output import SchedulerOutput
+
+logger = init_logger(__name__)
+
+
+def with_injected_faults(runner: ModelRunner, core_index: int) -> Any:
+    """`runner`, wrapped if a fault knob is set. `core_index`: 0 for the first core of a server
+    (or an in-process engine), n for its nth restart."""
+    fail_at = envs.debug_fail_forward() if core_index == 0 else None
+    poison_token_id = envs.debug_fail_on_token()
+    if fail_at is None and poison_token_id is None:
+        return runner
+    return FaultInjectingRunner(runner, fail_at, poison_token_id)
+
+
+class FaultInjectingRunner:
+    """The runner's `fail_at`th non-empty step launch raises, and so does every launch that
+    schedules a request whose prompt holds `poison_token_id`; everything else is the wrapped
+    runner's."""
+
+    def __init__(
+        self, runner: ModelRunner, fail_at: int | None, poison_token_id: int | None
+    ) -> None:
+        self.runner = runner
+        self.fail_at = fail_at
+        self.poison_token_id = poison_token_id
+        self.num_launches = 0
+        # Requests whose prompt holds the poison token, from admission until they finish.
+        self._poisoned: set[str] = set()
+        if fail_at is not None:
+            logger.warning("FERRUM_DEBUG_FAIL_FORWARD=%d: forward %d will raise", fail_at, fail_at)
+        if poison_token_id is not None:
+            logger.warning(
+                "FERRUM_DEBUG_FAIL_ON_TOKEN=%d: forwards of prompts holding it will raise",
+                poison_token_id,
+            )
+
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        self._poisoned -= scheduler_output.finished_req_ids
+        for new in scheduler_output.scheduled_new_reqs:
+            if self.poison_token_id in new.prompt_token_ids:
+                self._poisoned.add(new.req_id)
+        if not scheduler_output.is_empty:
+            self.num_launches += 1
+            if self.num_launches == self.fail_at:
+                raise RuntimeError(
+                    f"injected fault in forward {self.fail_at} (FERRUM_DEBUG_FAIL_FORWARD)"
+                )
+            poisoned = sorted(self._poisoned & scheduler_output.num_scheduled_tokens.keys())
+            if poisoned:
+                raise RuntimeError(
+                    f"injected fault: token {self.poison_token_id} in the prompt of "
+                    f"{poisoned} (FERRUM_DEBUG_FAIL_ON_TOKEN)"
+                )
+        return self.runner.launch(scheduler_output)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
