@@ -373,6 +373,9 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
 
     def __post_init__(self) -> None:
         device = self.device_config

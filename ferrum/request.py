@@ -7,8 +7,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ferrum.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferrum.structured_output.manager import RequestGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -62,6 +66,8 @@ class Request:
         "num_preemptions",
         "block_hashes",
         "stop_reason",
+        "grammar",
+        "num_prompt_logprobs_sent",
     )
 
     def __init__(
@@ -92,6 +98,11 @@ class Request:
         self.block_hashes: list[int] = []
         # The stop token id or stop string that finished the request, if any.
         self.stop_reason: int | str | None = None
+        # Structured outputs: the grammar (compiling, then its matcher); set by the engine core.
+        self.grammar: RequestGrammar | None = None
+        # Prompt positions whose prompt logprobs were reported (chunks recomputed after a
+        # preemption are not reported twice).
+        self.num_prompt_logprobs_sent = 0
 
     @property
     def num_tokens(self) -> int:

@@ -148,6 +148,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Filled by the engine from the model's generation config; never part of the user's request.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: each bad word's token ids, with and without a leading space.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -283,6 +285,7 @@ class SamplingParams:
             copy.allowed_token_ids = list(self.allowed_token_ids)
         if self.bad_words is not None:
             copy.bad_words = list(self.bad_words)
+        copy.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         if self.structured_outputs is not None:
             copy.structured_outputs = self.structured_outputs.clone()
         return copy

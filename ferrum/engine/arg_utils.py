@@ -3,13 +3,15 @@
 Each field is an `LLM` keyword argument and a CLI flag of the same name in kebab-case
 (`max_num_seqs` -> `--max-num-seqs`; booleans also get `--no-...`). Its default, help and choices
 are those of the config dataclass field of the same name; `device` and `async_scheduling` default
-to None here, which picks them from the hardware.
+to None here, which picks them from the hardware. `structured_outputs_config` (vLLM's name) is a
+`StructuredOutputsConfig`, a dict of its fields, or on the command line their JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -20,6 +22,7 @@ from ferrum.config import (
     EngineRecoveryConfig,
     ModelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 from ferrum.default_model import resolve_model
 from ferrum.logger import init_logger
@@ -97,6 +100,7 @@ class EngineArgs:
     enforce_eager: bool = DeviceConfig.enforce_eager
     num_cpu_threads: int | None = DeviceConfig.num_cpu_threads
     async_scheduling: bool | None = None
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model (None or the shipped model's name: its folder), device None (cuda
@@ -127,12 +131,24 @@ class EngineArgs:
             cache_config=CacheConfig(**_init_args(CacheConfig, values)),
             scheduler_config=SchedulerConfig(**_init_args(SchedulerConfig, values)),
             device_config=DeviceConfig(**_init_args(DeviceConfig, values)),
+            structured_outputs_config=_structured_outputs_config(self.structured_outputs_config),
         )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
         """Adds one flag per field; the model is a positional argument (optional) unless told."""
         for f in fields(EngineArgs):
+            if f.name == "structured_outputs_config":
+                parser.add_argument(
+                    "--structured-outputs-config",
+                    dest=f.name,
+                    type=json.loads,
+                    default=None,
+                    help="grammar compilation for structured outputs, as JSON: "
+                    '{"compile_timeout_s": 10.0, "compile_cache_size": 256, '
+                    '"compile_max_workers": 4, "disable_any_whitespace": false}',
+                )
+                continue
             metadata = _CONFIG_FIELDS[f.name].metadata
             if f.name == "model":
                 name_or_flag = "model" if model_positional else "--model"
@@ -184,6 +200,27 @@ def engine_recovery_config(args: argparse.Namespace) -> EngineRecoveryConfig:
 def _init_args(config_class: type, values: dict[str, Any]) -> dict[str, Any]:
     """The constructor arguments of `config_class` taken from `values` by field name."""
     return {f.name: values[f.name] for f in fields(config_class) if f.init}
+
+
+def _structured_outputs_config(
+    value: StructuredOutputsConfig | dict[str, Any] | None,
+) -> StructuredOutputsConfig:
+    if value is None:
+        return StructuredOutputsConfig()
+    if isinstance(value, StructuredOutputsConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(
+            "structured_outputs_config: must be a StructuredOutputsConfig or a dict of its "
+            f"fields, got {value!r}"
+        )
+    known = {f.name for f in fields(StructuredOutputsConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(
+            f"structured_outputs_config: unknown field(s) {unknown}; known: {sorted(known)}"
+        )
+    return StructuredOutputsConfig(**value)
 
 
 def _parse_type(annotation: str) -> type:

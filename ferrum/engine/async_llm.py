@@ -1,7 +1,11 @@
 """The asyncio front end: text in, streams of RequestOutputs out, over a core in another process.
 
 It mirrors `LLMEngine` (same InputProcessor / OutputProcessor), but the EngineCore runs in its own
-process behind an `EngineCoreClient`. Every method must be called from the event loop thread that
+process behind an `EngineCoreClient`. Structured outputs: this process compiles each grammar too
+(`structured_output/manager.py` says why), imported and built on the first such request, off the
+event loop; a request is sent to the core only once its grammar compiled, and a bad grammar or a
+compile past the timeout fails it with a ValueError (`compile_grammar` raises it before the
+request is queued; a request added while its grammar compiles gets it from its stream). Every method must be called from the event loop thread that
 called `start()`; messages from the core are handed to that loop by the client's thread.
 
 The core can fail: a step raises, the process dies, or it stops stepping while it holds requests
@@ -34,6 +38,7 @@ from ferrum.engine.core_messages import (
     SchedulerStats,
 )
 from ferrum.engine.core_stats import StatsAcrossCores
+from ferrum.engine.grammar_frontend import GrammarFrontend
 from ferrum.engine.input_processor import (
     InputProcessor,
     PromptType,
@@ -100,6 +105,7 @@ class AsyncLLM:
         # When the current core last finished a step, or last had no request to work on.
         self._last_progress = time.monotonic()
         self._client = self._new_client()
+        self.grammars = GrammarFrontend(config, self.tokenizer)
 
     @classmethod
     def from_engine_args(
@@ -172,14 +178,46 @@ class AsyncLLM:
         cancellation) aborts the request in the core.
         """
         prompt, requests = self.check_can_serve().process(request_id, prompt, params)
+        compiled = params.structured_outputs is None or self.grammars.check_compiled(params)
         self.output_processor.add_request(request_id, prompt, requests)
         merge_deltas = params.output_kind is RequestOutputKind.DELTA
         stream = self._streams[request_id] = RequestStream(request_id, self.abort, merge_deltas)
+        if compiled:
+            self._queue(requests)
+        else:
+            assert self._loop is not None
+            self._loop.create_task(self._add_when_compiled(stream, params, requests))
+        return stream
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles `params`' grammar (if any) within the compile timeout; raises ValueError
+        naming the field for a bad grammar or one that timed out. Awaited before `add_request`,
+        a bad grammar is refused before anything is queued or streamed."""
+        if params.structured_outputs is not None:
+            await self.grammars.compile(params)
+
+    async def _add_when_compiled(
+        self, stream: RequestStream, params: SamplingParams, requests: list[EngineCoreRequest]
+    ) -> None:
+        try:
+            await self.grammars.compile(params)
+        except Exception as e:
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+                self.output_processor.abort(stream.request_id)
+                stream.fail(e)
+            return
+        # Aborted while it compiled: the core never hears of it.
+        if self._streams.get(stream.request_id) is stream and self.dead_reason is None:
+            self._queue(requests)
+
+    def _queue(self, requests: list[EngineCoreRequest]) -> None:
+        """Sends a request's completions to the core (kept for a restarted core to resume);
+        while the core restarts, they wait for it."""
         for request in requests:
             self._core_requests[request.req_id] = request
         if self._core_ready and self._recovery.on_trial is None:
             self._client.add_requests(requests)
-        return stream
 
     async def generate(
         self, request_id: str, prompt: PromptType, params: SamplingParams

@@ -2,7 +2,14 @@
 
 It knows nothing of text: tokenization, detokenization, stop strings and `n` fan-out live in the
 front end (`LLMEngine`, the API server), so the core can run in its own process and keep the
-device busy while the front end handles HTTP and text.
+device busy while the front end handles HTTP and text. The one exception is structured outputs:
+grammars are compiled against the tokenizer's vocabulary (`StructuredOutputManager`, built on
+first use, off the loop); a request waits, unscheduled, until its grammar is compiled.
+
+Structured outputs and async scheduling: a step's bitmask needs every earlier output token
+accepted by the request's matcher, so while a constrained request runs, each step waits for the
+previous step's tokens before it is scheduled (like penalties, `Scheduler.needs_host_history`).
+The runner fills the bitmask on the host and applies it to the logits on the device.
 """
 
 from __future__ import annotations
@@ -21,20 +28,36 @@ from ferrum.engine.core_messages import (
     SchedulerStats,
 )
 from ferrum.engine.fault_injection import with_injected_faults
+from ferrum.engine.grammar_frontend import tokenizer_info_builder
+from ferrum.engine.input_processor import load_tokenizer
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.logger import init_logger
 from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
 from ferrum.request import Request, RequestStatus
 from ferrum.scheduler.output import SchedulerOutput
 from ferrum.scheduler.scheduler import Scheduler
+from ferrum.structured_output import StructuredOutputMatcher
+from ferrum.structured_output.manager import RequestGrammar, StructuredOutputManager
 
 logger = init_logger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, core_index: int = 0) -> None:
-        """`core_index`: 0 for a front end's first core, n for its nth restart."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        core_index: int = 0,
+        grammars: StructuredOutputManager | None = None,
+    ) -> None:
+        """`core_index`: 0 for a front end's first core, n for its nth restart. `grammars`: a
+        manager shared with an in-process front end (default: the core's own)."""
         self.config = config
+        self.grammars = grammars or StructuredOutputManager(
+            config.structured_outputs_config,
+            tokenizer_info_builder(
+                config.model_config, lambda: load_tokenizer(config.model_config)
+            ),
+        )
         start = time.perf_counter()
         if config.device_config.num_cpu_threads is not None:
             torch.set_num_threads(config.device_config.num_cpu_threads)
@@ -86,6 +109,10 @@ class EngineCore:
         request = Request(*args)
         for token_id in r.output_token_ids:
             request.append_output_token(token_id)
+        if r.sampling_params.structured_outputs is not None:
+            request.grammar = RequestGrammar(
+                self.grammars.submit(r.sampling_params.structured_outputs)
+            )
         self.scheduler.add_request(request)
 
     def finish_requests(
@@ -116,8 +143,11 @@ class EngineCore:
             num_tokens = scheduler_output.total_num_scheduled_tokens
             self._iteration_tokens_counts[bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
             self._iteration_tokens_sum += num_tokens
+        self._report_failed()
+        if scheduler_output.is_empty and not self._in_flight and self._waiting_on_grammars():
+            time.sleep(_GRAMMAR_POLL_SECONDS)  # nothing to run until a compile ends
         try:
-            launched = self.runner.launch(scheduler_output)
+            launched = self.runner.launch(scheduler_output, self._matchers(scheduler_output))
         except BaseException:
             self._record_failed_steps([scheduler_output])
             try:
@@ -131,6 +161,29 @@ class EngineCore:
             self._complete_oldest()
         outputs, self._completed_outputs = self._completed_outputs, []
         return outputs
+
+    def _matchers(self, scheduler_output: SchedulerOutput) -> dict[str, StructuredOutputMatcher]:
+        """The matchers of the scheduled requests that have a grammar (the runner masks the
+        rows among them that sample this step)."""
+        requests = self.scheduler.requests
+        matchers = {}
+        for req_id in scheduler_output.num_scheduled_tokens:
+            grammar = requests[req_id].grammar
+            if grammar is not None and grammar.matcher is not None:
+                matchers[req_id] = grammar.matcher
+        return matchers
+
+    def _waiting_on_grammars(self) -> bool:
+        return any(
+            r.grammar is not None and r.grammar.matcher is None for r in self.scheduler.waiting
+        )
+
+    def _report_failed(self) -> None:
+        for request, reason in self.scheduler.take_failed():
+            logger.warning("request %s aborted: %s", request.req_id, reason)
+            self._completed_outputs.append(
+                EngineCoreOutput(req_id=request.req_id, new_token_ids=[], finish_reason="abort")
+            )
 
     def _complete_oldest(self) -> None:
         """Waits for the oldest launched step and applies its tokens. If the device failed, every
@@ -184,3 +237,7 @@ class EngineCore:
             iteration_tokens_counts=tuple(self._iteration_tokens_counts),
             iteration_tokens_sum=self._iteration_tokens_sum,
         )
+
+
+# How long an idle step sleeps while a request waits for its grammar.
+_GRAMMAR_POLL_SECONDS = 0.002

@@ -46,7 +46,9 @@ class FaultInjectingRunner:
                 poison_token_id,
             )
 
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def launch(
+        self, scheduler_output: SchedulerOutput, matchers: dict[str, Any] | None = None
+    ) -> LaunchedStep:
         self._poisoned -= scheduler_output.finished_req_ids
         for new in scheduler_output.scheduled_new_reqs:
             if self.poison_token_id in new.prompt_token_ids:
@@ -63,7 +65,7 @@ class FaultInjectingRunner:
                     f"injected fault: token {self.poison_token_id} in the prompt of "
                     f"{poisoned} (FERRUM_DEBUG_FAIL_ON_TOKEN)"
                 )
-        return self.runner.launch(scheduler_output)
+        return self.runner.launch(scheduler_output, matchers)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)

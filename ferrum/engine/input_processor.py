@@ -28,19 +28,23 @@ PromptType = str | dict[str, Any] | ProcessedPrompt
 
 
 # SamplingParams fields the engine does not apply yet: a request setting one is refused.
-_NOT_APPLIED_YET = (
-    "structured_outputs",
-    "logit_bias",
-    "allowed_token_ids",
-    "bad_words",
-    "prompt_logprobs",
-)
+_NOT_APPLIED_YET = ("prompt_logprobs",)
 
 
 def load_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
     if model_config.skip_tokenizer_init:
         return None
     return Tokenizer.from_pretrained(model_config.tokenizer)
+
+
+def eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer | None) -> list[int]:
+    """The tokenizer's EOS first (it stops with stop_reason None), then generation_config.json's
+    others (stop_reason: the id); all of them stop unless ignore_eos."""
+    ids = model_config.eos_token_ids()
+    primary = None if tokenizer is None else tokenizer.eos_token_id
+    if primary is not None:
+        ids = [primary] + [i for i in ids if i != primary]
+    return ids
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -58,13 +62,7 @@ class InputProcessor:
         # A text longer than this cannot fit in max_model_len tokens (see
         # Tokenizer.max_token_chars), so it is refused before the tokenizer spends time on it.
         self.max_prompt_chars = self.max_model_len * (tokenizer.max_token_chars if tokenizer else 1)
-        # The tokenizer's EOS first (it stops with stop_reason None), then generation_config.json's
-        # others (stop_reason: the id); all of them stop unless ignore_eos.
-        eos_token_ids = model_config.eos_token_ids()
-        primary = None if tokenizer is None else tokenizer.eos_token_id
-        if primary is not None:
-            eos_token_ids = [primary] + [i for i in eos_token_ids if i != primary]
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = eos_token_ids(model_config, tokenizer)
 
     def max_tokens_room(self, num_prompt_tokens: int) -> int:
         """The most output tokens a prompt of this length can get (context and KV pool)."""
@@ -147,6 +145,7 @@ class InputProcessor:
                 raise ValueError(f"SamplingParams.{name} is not supported yet")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True)")
+        self._check_token_fields(params)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - num_prompt_tokens
             if params.max_tokens < 1:
@@ -161,3 +160,47 @@ class InputProcessor:
         if not params.ignore_eos:
             params.all_stop_token_ids.update(self.eos_token_ids)
         return params
+
+    def _check_token_fields(self, params: SamplingParams) -> None:
+        """Token ids within the model's vocabulary; bad words tokenized; structured outputs'
+        limits. Raises ValueError naming the field."""
+        vocab = self.vocab_size
+        for name, ids in (
+            ("logit_bias", params.logit_bias or ()),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside [0, {vocab})")
+        params.bad_words_token_ids = []
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: need a tokenizer (skip_tokenizer_init=True)")
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
+            bad = next((t for w in params.bad_words_token_ids for t in w if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"bad_words: token id {bad} is outside [0, {vocab})")
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "structured_outputs: grammars need a tokenizer (skip_tokenizer_init=True)"
+                )
+            if params.min_tokens:
+                raise ValueError(
+                    "min_tokens: must be 0 with structured_outputs (the grammar decides where "
+                    f"the output may end), got {params.min_tokens}"
+                )
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, bad_words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as it would start the text and, when that tokenizes into as
+    many tokens but a different first one, after a space (vLLM's rule)."""
+    result: list[list[int]] = []
+    for word in bad_words:
+        word = word.lstrip()
+        plain = tokenizer.encode(word, add_special_tokens=False)
+        result.append(plain)
+        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
+        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+            result.append(spaced)
+    return result

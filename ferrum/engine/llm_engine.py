@@ -1,7 +1,13 @@
-"""The synchronous front end: text in, RequestOutputs out, over an in-process EngineCore."""
+"""The synchronous front end: text in, RequestOutputs out, over an in-process EngineCore.
+
+Structured outputs: the front end and the core share the core's grammar manager, so a grammar
+compiles once; `add_request` waits for it (at most the compile timeout) and raises ValueError for
+a bad grammar before anything is queued.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 from ferrum.config import EngineConfig
@@ -33,6 +39,14 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._request_counter))
 
+    def start_grammar_compile(self, params: SamplingParams) -> None:
+        """Starts compiling `params`' grammar (if any) without waiting: callers adding many
+        requests start every compile first, so the compiles run in parallel. Errors are left
+        for `add_request` to raise."""
+        if params.structured_outputs is not None and self.tokenizer is not None:
+            with contextlib.suppress(ValueError):
+                self.core.grammars.submit(params.structured_outputs)
+
     def add_request(
         self,
         request_id: str,
@@ -42,6 +56,8 @@ class LLMEngine:
     ) -> None:
         """Validates and queues one request (n completions); on error nothing is queued."""
         prompt, requests = self.input_processor.process(request_id, prompt, params, arrival_time)
+        if params.structured_outputs is not None:
+            self.core.grammars.compile(params.structured_outputs)
         self.output_processor.add_request(request_id, prompt, requests)
         for request in requests:
             self.core.add_request(request)

@@ -57,6 +57,8 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = self._per_prompt_params(sampling_params, len(prompts))
         engine = self.llm_engine
+        for p in params:
+            engine.start_grammar_compile(p)
         request_ids: list[str] = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             request_id = engine.next_request_id()

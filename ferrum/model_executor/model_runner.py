@@ -2,6 +2,12 @@
 
 The runner keeps its own copy of each scheduled request's tokens and block table (new requests
 arrive once in full, running ones as diffs) and never touches the block pool.
+
+Structured outputs: `launch` gets the matchers of the constrained requests; the rows that sample
+this step get their next-token bitmask filled on the host (other rows allow everything), copied to
+a device buffer sized once (max_num_seqs rows) and applied to the logits by the sampler. The two
+host buffers alternate between launches: the one being filled was last read by the step before
+the previous one, which has completed (at most one step is in flight while the next launches).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from ferrum.model_executor.sampling_metadata import (
 )
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from ferrum.structured_output import StructuredOutputMatcher, allocate_token_bitmask
 
 if TYPE_CHECKING:
     from ferrum.kernels.paged_attention import SplitKVWorkspace
@@ -91,6 +98,15 @@ class ModelRunner:
         # The latest launched step's sampled tokens (on the device) and each request's row there.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
         self._last_sampled_rows: dict[str, int] = {}
+        max_num_seqs = config.scheduler_config.max_num_seqs
+        pin = device.type == "cuda"
+        self._bitmask_host = [
+            allocate_token_bitmask(max_num_seqs, self.vocab_size, pin_memory=pin) for _ in range(2)
+        ]
+        self._bitmask_device = (
+            allocate_token_bitmask(max_num_seqs, self.vocab_size).to(device) if pin else None
+        )
+        self._num_bitmask_launches = 0
 
     def _allocate_split_kv_workspace(self) -> SplitKVWorkspace | None:
         """Scratch for the split-KV decode kernel on CUDA, sized once for the whole run."""
@@ -309,12 +325,36 @@ class ModelRunner:
         assert self.cuda_graphs is not None
         return self.cuda_graphs.replay(graph_shape, num_tokens)
 
+    def _grammar_bitmask(
+        self, sampled_req_ids: list[str], matchers: dict[str, StructuredOutputMatcher]
+    ) -> torch.Tensor | None:
+        """[len(sampled_req_ids), vocab/32] int32 on the device: each constrained row's allowed
+        next tokens, all ones elsewhere; None when no sampled row is constrained."""
+        rows = [(i, matchers[r]) for i, r in enumerate(sampled_req_ids) if r in matchers]
+        if not rows:
+            return None
+        num_rows = len(sampled_req_ids)
+        host = self._bitmask_host[self._num_bitmask_launches % 2][:num_rows]
+        self._num_bitmask_launches += 1
+        if len(rows) < num_rows:
+            host.fill_(-1)
+        for i, matcher in rows:
+            matcher.fill_bitmask(host, i)
+        if self._bitmask_device is None:
+            return host
+        return self._bitmask_device[:num_rows].copy_(host, non_blocking=True)
+
     @torch.inference_mode()
-    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+    def launch(
+        self,
+        scheduler_output: SchedulerOutput,
+        matchers: dict[str, StructuredOutputMatcher] | None = None,
+    ) -> LaunchedStep:
         """Queues one step's forward and sampling on the device and the copy of its tokens to
         the host, without waiting for any of it. Steps complete (`complete`) in launch order;
         between the two, the next step may be launched: a decode whose input is this step's
-        token reads it on the device."""
+        token reads it on the device. `matchers`: the grammars of the constrained requests,
+        each having accepted all of its request's output tokens."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None)
@@ -347,6 +387,8 @@ class ModelRunner:
             for s in states
         ]
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, self.sampling_staging)
+        if matchers:
+            metadata.grammar_bitmask = self._grammar_bitmask(inputs.sampled_req_ids, matchers)
         sampler_output = self.sampler(logits, metadata, self.generator)
         self._last_sampled = sampler_output.sampled_token_ids
         self._last_sampled_rows = {r: i for i, r in enumerate(inputs.sampled_req_ids)}

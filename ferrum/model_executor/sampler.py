@@ -1,7 +1,8 @@
 """Token sampling on the logits' device, without device-to-host syncs.
 
-Order per step: logprobs from the raw logits; repetition, frequency and presence penalties; the
-min_tokens mask; greedy rows take the argmax; random rows apply temperature, top-k, top-p and
+Order per step: logprobs from the raw logits; the structured-output bitmask, allowed_token_ids,
+the banned tokens (min_tokens' stop ids, bad words), logit_bias; repetition, frequency and
+presence penalties; greedy rows take the argmax; random rows apply temperature, top-k, top-p and
 min-p, then sample with the exponential race `argmax(probs / q)`, q ~ Exp(1), which picks token i
 with probability probs[i]. Seeded rows draw q from their own generator, so their tokens do not
 depend on the rest of the batch.
@@ -16,6 +17,7 @@ import torch
 
 from ferrum.model_executor.sampling_metadata import SamplingMetadata
 from ferrum.request import Logprobs
+from ferrum.structured_output import apply_token_bitmask_
 
 
 @dataclass(slots=True)
@@ -86,6 +88,30 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
         logits = logits - meta.frequency_penalty[:, None] * counts
     if meta.presence_penalty is not None:
         logits = logits - meta.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_token_constraints(
+    logits: torch.Tensor, meta: SamplingMetadata, in_place: bool = False
+) -> torch.Tensor:
+    """-inf where the grammar, allowed_token_ids or a ban forbids a token; + logit_bias.
+    Modifies `logits` only if `in_place`."""
+    if meta.grammar_bitmask is not None:
+        logits = logits if in_place else logits.clone()
+        apply_token_bitmask_(logits, meta.grammar_bitmask)
+    # torch.full fills on the device; torch.tensor(value, device=...) would copy and sync.
+    neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
+    if meta.allowed_rows is not None:
+        assert meta.disallowed_mask is not None
+        rows = logits.index_select(0, meta.allowed_rows).masked_fill(meta.disallowed_mask, neg_inf)
+        logits = logits.index_copy(0, meta.allowed_rows, rows)
+    if meta.banned_rows is not None:
+        logits = logits.index_put((meta.banned_rows, meta.banned_token_ids), neg_inf)
+    if meta.bias_rows is not None:
+        assert meta.bias_values is not None
+        logits = logits.index_put(
+            (meta.bias_rows, meta.bias_token_ids), meta.bias_values, accumulate=True
+        )
     return logits
 
 
@@ -182,19 +208,16 @@ class Sampler:
                 f"logits must have shape [num_rows={metadata.num_rows}, "
                 f"vocab_size={metadata.vocab_size}], got {list(logits.shape)}"
             )
+        # A float32 input is the caller's: it must not be modified.
+        owned = logits.dtype != torch.float32
         logits = logits.float()
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)
 
+        logits = apply_token_constraints(logits, metadata, in_place=owned)
         if metadata.uses_penalties:
             logits = apply_penalties(logits, metadata)
-        if metadata.min_tokens_rows is not None:
-            # torch.full fills on the device; torch.tensor(value, device=...) would copy and sync.
-            neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
-            logits = logits.index_put(
-                (metadata.min_tokens_rows, metadata.min_tokens_token_ids), neg_inf
-            )
 
         sampled = self._sample(logits, metadata, generator)
         if raw_logprobs is None:

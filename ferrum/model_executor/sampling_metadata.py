@@ -97,9 +97,20 @@ class SamplingMetadata:
     presence_penalty: torch.Tensor | None = None  # [N] float32
     prompt_mask: torch.Tensor | None = None  # [N, V] bool: token occurs in the prompt
     output_counts: torch.Tensor | None = None  # [N, V] float32: occurrences in the output
-    # Stop ids to mask while a row is below min_tokens, as parallel [M] row / token id tensors.
-    min_tokens_rows: torch.Tensor | None = None
-    min_tokens_token_ids: torch.Tensor | None = None
+    # Tokens banned this step, as parallel [M] row / token id tensors: the stop ids while a row
+    # is below min_tokens, and each bad word's last token where the output ends with its others.
+    banned_rows: torch.Tensor | None = None
+    banned_token_ids: torch.Tensor | None = None
+    # logit_bias as parallel [M] row / token id / bias tensors.
+    bias_rows: torch.Tensor | None = None
+    bias_token_ids: torch.Tensor | None = None
+    bias_values: torch.Tensor | None = None
+    # allowed_token_ids: the rows that have them, and [len(rows), V] True where a token is not
+    # allowed.
+    allowed_rows: torch.Tensor | None = None
+    disallowed_mask: torch.Tensor | None = None
+    # Structured outputs: [N, ceil(V / 32)] int32 next-token bitmask (all ones on free rows).
+    grammar_bitmask: torch.Tensor | None = None
     # Largest `logprobs` asked in the batch; None when no row asks.
     max_num_logprobs: int | None = None
 
@@ -143,7 +154,9 @@ class SamplingMetadata:
             meta._fill_random(rows, greedy, staging)
         meta._fill_penalties(rows, staging)
         staging.copy()
-        meta._fill_min_tokens(rows, staging.device)
+        meta._fill_banned(rows, staging.device)
+        meta._fill_logit_bias(rows, staging.device)
+        meta._fill_allowed(rows, staging.device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         meta.max_num_logprobs = max(asked) if asked else None
         return meta
@@ -200,15 +213,72 @@ class SamplingMetadata:
             outputs, self.vocab_size, device, torch.float32, "output_token_ids"
         )
 
-    def _fill_min_tokens(self, rows: list[SamplingRow], device: torch.device) -> None:
+    def _fill_banned(self, rows: list[SamplingRow], device: torch.device) -> None:
         row_index: list[int] = []
         token_ids: list[int] = []
         for i, row in enumerate(rows):
-            if len(row.output_token_ids) + row.num_output_placeholders < row.params.min_tokens:
-                # Ids outside the logits can never be sampled, so they need no mask.
-                ids = sorted(t for t in row.stop_token_ids if 0 <= t < self.vocab_size)
-                row_index.extend([i] * len(ids))
-                token_ids.extend(ids)
+            banned: set[int] = set()
+            num_outputs = len(row.output_token_ids) + row.num_output_placeholders
+            if num_outputs < row.params.min_tokens:
+                banned.update(row.stop_token_ids)
+            if row.params.bad_words_token_ids:
+                # The engine waits for every output token before a row with bad words samples.
+                assert not row.num_output_placeholders, "bad words need the output on the host"
+                banned.update(_bad_word_ends(row.params.bad_words_token_ids, row.output_token_ids))
+            # Ids outside the logits can never be sampled, so they need no mask.
+            ids = sorted(t for t in banned if 0 <= t < self.vocab_size)
+            row_index.extend([i] * len(ids))
+            token_ids.extend(ids)
         if token_ids:
-            self.min_tokens_rows = _to_device(row_index, torch.int64, device)
-            self.min_tokens_token_ids = _to_device(token_ids, torch.int64, device)
+            self.banned_rows = _to_device(row_index, torch.int64, device)
+            self.banned_token_ids = _to_device(token_ids, torch.int64, device)
+
+    def _fill_logit_bias(self, rows: list[SamplingRow], device: torch.device) -> None:
+        row_index: list[int] = []
+        token_ids: list[int] = []
+        values: list[float] = []
+        for i, row in enumerate(rows):
+            for token_id, bias in (row.params.logit_bias or {}).items():
+                if token_id >= self.vocab_size:
+                    raise ValueError(
+                        f"logit_bias: token id {token_id} is outside [0, {self.vocab_size})"
+                    )
+                row_index.append(i)
+                token_ids.append(token_id)
+                values.append(bias)
+        if token_ids:
+            self.bias_rows = _to_device(row_index, torch.int64, device)
+            self.bias_token_ids = _to_device(token_ids, torch.int64, device)
+            self.bias_values = _to_device(values, torch.float32, device)
+
+    def _fill_allowed(self, rows: list[SamplingRow], device: torch.device) -> None:
+        allowed_rows = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+        if not allowed_rows:
+            return
+        local_index: list[int] = []
+        token_ids: list[int] = []
+        for k, i in enumerate(allowed_rows):
+            ids = rows[i].params.allowed_token_ids
+            assert ids is not None
+            local_index.extend([k] * len(ids))
+            token_ids.extend(ids)
+        if max(token_ids) >= self.vocab_size:
+            raise ValueError(f"allowed_token_ids must lie in [0, vocab_size={self.vocab_size})")
+        mask = torch.ones(len(allowed_rows), self.vocab_size, dtype=torch.bool, device=device)
+        mask[
+            _to_device(local_index, torch.int64, device), _to_device(token_ids, torch.int64, device)
+        ] = False
+        self.allowed_rows = _to_device(allowed_rows, torch.int64, device)
+        self.disallowed_mask = mask
+
+
+def _bad_word_ends(bad_words_token_ids: list[list[int]], output_token_ids: list[int]) -> set[int]:
+    """The last token of every bad word whose other tokens end the output (vLLM's rule)."""
+    banned = set()
+    for word in bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) > len(output_token_ids):
+            continue
+        if not prefix or output_token_ids[-len(prefix) :] == prefix:
+            banned.add(word[-1])
+    return banned

@@ -6,6 +6,12 @@ last. "Prefill" and "decode" are not separate paths: each scheduled request simp
 `num_scheduled_tokens` so that its `num_computed_tokens` catches up with its `num_tokens`.
 When the KV pool runs dry, the most recently admitted running request is preempted (its blocks
 are freed and it is recomputed later), never a crash.
+
+A waiting request whose grammar (structured outputs) is still compiling is passed over, keeping
+its place; one whose compile failed is finished (aborted) and reported by `take_failed`. The
+grammar's matcher accepts every output token as it is appended; once the grammar has ended (its
+end token accepted) the request stops with "stop". A request that needs its prompt logprobs gets
+no prefix-cache hits: every prompt position goes through a forward.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 
 from ferrum.config import SchedulerConfig
 from ferrum.kv.kv_cache_manager import KVCacheManager
+from ferrum.logger import init_logger
 from ferrum.request import Request, RequestStatus, check_request_fits
 from ferrum.scheduler.output import (
     CachedRequestData,
@@ -24,6 +31,8 @@ from ferrum.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+
+logger = init_logger(__name__)
 
 
 @dataclass(slots=True)
@@ -56,6 +65,9 @@ class Scheduler:
         # scheduling a request can finish and its id be reused while a step that ran it is out.
         self._step_requests: dict[int, dict[str, Request]] = {}
         self._num_steps = 0
+        # Requests finished by the scheduler outside a step's output (a grammar that failed to
+        # compile), with the reason, until `take_failed`.
+        self._failed: list[tuple[Request, str]] = []
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -146,6 +158,7 @@ class Scheduler:
             index += 1
 
         # A step that had to preempt admits nobody: the pool is already short.
+        compiling: list[Request] = []
         while (
             not preempted
             and self.waiting
@@ -153,10 +166,18 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting[0]
-            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
-                request, record_stats=request.req_id not in self._looked_up
-            )
-            self._looked_up.add(request.req_id)
+            if not self._grammar_ready(request):
+                if request.is_finished:
+                    continue  # _grammar_ready took it out of the queue
+                compiling.append(self.waiting.popleft())
+                continue
+            if self._needs_prompt_logprobs(request):
+                computed_blocks, num_computed = [], 0
+            else:
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
+                    request, record_stats=request.req_id not in self._looked_up
+                )
+                self._looked_up.add(request.req_id)
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 break
@@ -181,6 +202,8 @@ class Scheduler:
                 )
             )
             budget -= num_new
+        # Still compiling: back to the head of the queue, in their order.
+        self.waiting.extendleft(reversed(compiling))
 
         self._num_steps += 1
         step_requests = self._step_requests[self._num_steps] = {}
@@ -217,8 +240,38 @@ class Scheduler:
 
     def needs_host_history(self) -> bool:
         """True when a running request samples from its exact output history on the host
-        (penalties): the previous step's tokens must arrive before the next step is scheduled."""
-        return any(r.sampling_params.uses_penalties for r in self.running)
+        (penalties, bad words, a grammar's matcher): the previous step's tokens must arrive
+        before the next step is scheduled."""
+        return any(
+            r.grammar is not None
+            or r.sampling_params.uses_penalties
+            or r.sampling_params.bad_words is not None
+            for r in self.running
+        )
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """True unless the request's grammar is still compiling or failed to (then the request
+        is finished, aborted, and kept for `take_failed`)."""
+        if request.grammar is None:
+            return True
+        try:
+            return request.grammar.poll(request.output_token_ids)
+        except Exception as e:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._failed.append((request, str(e) or type(e).__name__))
+            return False
+
+    def take_failed(self) -> list[tuple[Request, str]]:
+        """The requests finished since the previous call because their grammar failed, and why."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    @staticmethod
+    def _needs_prompt_logprobs(request: Request) -> bool:
+        return (
+            request.sampling_params.prompt_logprobs is not None
+            and request.num_prompt_logprobs_sent < request.num_prompt_tokens
+        )
 
     def recover_from_failed_step(self, scheduler_output: SchedulerOutput) -> None:
         """After a forward that did not finish: no KV of that step exists, so the prefix-cache
@@ -261,11 +314,35 @@ class Scheduler:
             if request.num_output_placeholders:  # 0 once preempted
                 request.num_output_placeholders -= 1
             request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
+            status = self._accept_by_grammar(request, token_id)
+            if status is None:
+                status = self._check_stop(request, token_id)
             if status is not None:
                 self._finish(request, status)
             updates.append(RequestUpdate(request, [token_id], status is not None))
         return updates
+
+    @staticmethod
+    def _accept_by_grammar(request: Request, token_id: int) -> RequestStatus | None:
+        """Advances the request's matcher; the request stops once its grammar has ended, and is
+        aborted if the grammar refuses the token (the mask allowed nothing, e.g. an empty
+        intersection with allowed_token_ids)."""
+        grammar = request.grammar
+        if grammar is None or grammar.matcher is None:
+            return None
+        if not grammar.matcher.accept_tokens([token_id]):
+            logger.warning(
+                "request %s: token %d is refused by its grammar (%s): aborted",
+                request.req_id,
+                token_id,
+                grammar.field_name,
+            )
+            return RequestStatus.FINISHED_ABORTED
+        if grammar.matcher.is_terminated():
+            if token_id != request.eos_token_id:
+                request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

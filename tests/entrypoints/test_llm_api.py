@@ -8,7 +8,6 @@ import pytest
 
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
-from ferrum.sampling_params import StructuredOutputsParams
 
 
 @pytest.fixture
@@ -243,17 +242,47 @@ def test_the_progress_bar_shows_token_rates(llm: LLM, capsys: pytest.CaptureFixt
     assert "est. speed input:" in err and "output:" in err and "toks/s" in err
 
 
+def test_prompt_logprobs_are_refused_until_supported(llm: LLM) -> None:
+    with pytest.raises(ValueError, match=r"SamplingParams\.prompt_logprobs is not supported yet"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(llm: LLM) -> None:
+    prompt = "The history of the"
+    base = llm.generate(prompt, greedy(max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    tokens = base.outputs[0].token_ids
+    favoured = (tokens[0] + 1) % 8192
+    biased = llm.generate(
+        prompt, greedy(max_tokens=4, ignore_eos=True, logit_bias={favoured: 100}), use_tqdm=False
+    )[0].outputs[0]
+    assert biased.token_ids == [favoured] * 4
+    allowed = [tokens[1], 100, 200]
+    out = llm.generate(
+        prompt,
+        SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=6, allowed_token_ids=allowed),
+        use_tqdm=False,
+    )[0]
+    assert all(set(c.token_ids) <= set(allowed) for c in out.outputs)
+    # Banning the greedy continuation's second word: its tokens never follow each other again.
+    tokenizer = llm.get_tokenizer()
+    word = base.outputs[0].text.split()[1]
+    banned = llm.generate(
+        prompt, greedy(max_tokens=8, ignore_eos=True, bad_words=[word]), use_tqdm=False
+    )[0].outputs[0]
+    for ids in (tokenizer.encode(w, add_special_tokens=False) for w in (word, " " + word)):
+        windows = [banned.token_ids[i : i + len(ids)] for i in range(len(banned.token_ids))]
+        assert ids not in windows
+    assert banned.token_ids != tokens
+
+
 @pytest.mark.parametrize(
-    ("kwargs", "field"),
+    ("kwargs", "message"),
     [
-        ({"structured_outputs": StructuredOutputsParams(regex="[a-z]+")}, "structured_outputs"),
-        ({"logit_bias": {5: 2.0}}, "logit_bias"),
-        ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
-        ({"bad_words": ["word"]}, "bad_words"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"logit_bias": {8192: 1.0}}, r"logit_bias: token id 8192 is outside \[0, 8192\)"),
+        ({"allowed_token_ids": [1, 9000]}, r"allowed_token_ids: token id 9000 is outside"),
     ],
 )
-def test_fields_not_applied_yet_are_refused(llm: LLM, kwargs, field) -> None:
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} is not supported yet"):
+def test_token_ids_outside_the_vocabulary_are_refused(llm: LLM, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
         llm.generate("Hello", SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
-    assert not llm.llm_engine.has_unfinished_requests()

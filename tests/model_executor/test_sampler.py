@@ -10,10 +10,12 @@ from ferrum.model_executor.sampler import (
     advance_sampling_generator,
     apply_min_p,
     apply_penalties,
+    apply_token_constraints,
     apply_top_k_top_p,
 )
 from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow, sampling_staging
 from ferrum.sampling_params import SamplingParams
+from ferrum.structured_output import allocate_token_bitmask, apply_token_bitmask_reference
 
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")
@@ -260,7 +262,7 @@ def test_min_tokens_masks_stop_ids() -> None:
         _row(params, output=[1, 1], stop_token_ids={eos, stop}),
     ]
     meta = _meta(rows, 5)
-    assert sorted(zip(meta.min_tokens_rows.tolist(), meta.min_tokens_token_ids.tolist())) == [
+    assert sorted(zip(meta.banned_rows.tolist(), meta.banned_token_ids.tolist())) == [
         (0, 2),
         (0, 4),
         (1, 4),
@@ -389,3 +391,80 @@ def test_advanced_generator_continues_a_seeded_row(device: str) -> None:
     resumed = torch.Generator(device=device).manual_seed(99)
     advance_sampling_generator(resumed, k, vocab, torch.device(device))
     assert [sample(resumed, s) for s in steps[k:]] == uninterrupted[k:]
+
+
+def _constrained_reference(
+    logits: torch.Tensor, rows: list[SamplingRow], bitmask: torch.Tensor | None
+) -> torch.Tensor:
+    """The torch definition of the token constraints, one row and one rule at a time."""
+    out = logits.clone()
+    if bitmask is not None:
+        out = apply_token_bitmask_reference(out, bitmask)
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.allowed_token_ids is not None:
+            keep = torch.full_like(out[i], NEG_INF)
+            keep[p.allowed_token_ids] = 0.0
+            out[i] += keep
+        for word in p.bad_words_token_ids:
+            prefix = word[:-1]
+            if len(prefix) <= len(row.output_token_ids) and (
+                not prefix
+                or row.output_token_ids[len(row.output_token_ids) - len(prefix) :] == prefix
+            ):
+                out[i, word[-1]] = NEG_INF
+        for token_id, bias in (p.logit_bias or {}).items():
+            out[i, token_id] += bias
+    return out
+
+
+def test_token_constraints_match_the_torch_reference() -> None:
+    vocab = 70
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(3))
+    with_words = SamplingParams(temperature=0.0, bad_words=["x"])
+    with_words.bad_words_token_ids = [[7], [1, 2, 9], [3, 2, 11], [4, 5, 6, 12]]
+    rows = [
+        _row(SamplingParams(temperature=0.0, logit_bias={5: 3.5, 69: -100.0, 0: 0.25})),
+        _row(SamplingParams(temperature=0.0, allowed_token_ids=[3, 4, 60])),
+        _row(with_words, output=[8, 1, 2]),
+        _row(SamplingParams(temperature=0.0)),
+        _row(SamplingParams(temperature=0.0, allowed_token_ids=[1, 2, 3, 40], logit_bias={2: 9.0})),
+    ]
+    meta = _meta(rows, vocab)
+    bitmask = allocate_token_bitmask(5, vocab)
+    bitmask[3, 0] = 0b1010  # row 3: tokens 1 and 3 of the first word only
+    bitmask[3, 1:] = 0
+    bitmask[4, 0] = ~(1 << 2)  # row 4: token 2 forbidden by the grammar
+    meta.grammar_bitmask = bitmask
+    before = logits.clone()
+    got = apply_token_constraints(logits, meta)
+    assert torch.equal(logits, before)
+    expected = _constrained_reference(logits, rows, bitmask)
+    assert torch.equal(got, expected)
+    # Row 2's output ends with [1, 2]: token 9 is banned, and 7 always; 11 and 12 are not.
+    assert _kept(got)[2] == set(range(vocab)) - {7, 9}
+    assert _kept(got)[3] == {1, 3} and _kept(got)[4] == {1, 3, 40}
+    out = Sampler()(logits, meta)
+    assert out.sampled_token_ids.tolist() == expected.argmax(dim=-1).tolist()
+
+
+def test_token_constraints_apply_to_random_rows_and_keep_raw_logprobs() -> None:
+    vocab = 40
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(4))
+    rows = [
+        _row(SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[5, 6], logprobs=2)),
+        _row(SamplingParams(temperature=0.7, seed=2, logit_bias={9: 100.0})),
+    ]
+    for _ in range(5):
+        out = Sampler()(logits, _meta(rows, vocab))
+        assert out.sampled_token_ids[0].item() in (5, 6)
+        assert out.sampled_token_ids[1].item() == 9
+    raw = logits.log_softmax(dim=-1)
+    assert torch.allclose(out.logprobs[0, 1:], raw[0].topk(2).values)
+
+
+def test_out_of_vocabulary_token_fields_raise() -> None:
+    with pytest.raises(ValueError, match=r"logit_bias: token id 12 is outside \[0, 10\)"):
+        _meta([_row(SamplingParams(logit_bias={12: 1.0}))], 10)
+    with pytest.raises(ValueError, match=r"allowed_token_ids must lie in \[0, vocab_size=10\)"):
+        _meta([_row(SamplingParams(allowed_token_ids=[3, 10]))], 10)

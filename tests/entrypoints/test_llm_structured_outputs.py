@@ -1,0 +1,210 @@
+"""Structured outputs through `LLM.generate` on the shipped model: every kind, sampled with several
+seeds and temperatures and n > 1, always yields output its grammar accepts, with async scheduling
+off and on; a grammar that does not compile in time fails its request alone; unconstrained
+requests keep their greedy output beside constrained ones; preemption keeps matchers in step."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import jsonschema
+import pytest
+
+from ferrum import LLM, SamplingParams
+from ferrum.default_model import DEFAULT_MODEL_DIR
+from ferrum.engine.core_messages import EngineCoreRequest
+from ferrum.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from ferrum.entrypoints.openai.tool_parsers.tool_choice import tool_call_structural_tag
+from ferrum.sampling_params import StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "ok": {"type": "boolean"},
+        "size": {"enum": ["small", "large"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "ok", "size"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"
+CHOICES = ["yes", "no", "maybe later"]
+EBNF = 'root ::= "(" digit digit? ")" " " ("up" | "down")\ndigit ::= [0-9]'
+EBNF_AS_REGEX = r"\([0-9]{1,2}\) (up|down)"
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "set_mode",
+            "parameters": {
+                "type": "object",
+                "properties": {"mode": {"enum": ["fast", "slow"]}},
+                "required": ["mode"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+KINDS = {
+    "json": StructuredOutputsParams(json=SCHEMA),
+    "regex": StructuredOutputsParams(regex=REGEX),
+    "choice": StructuredOutputsParams(choice=CHOICES),
+    "grammar": StructuredOutputsParams(grammar=EBNF),
+    "json_object": StructuredOutputsParams(json_object=True),
+    "structural_tag": StructuredOutputsParams(
+        # One call: "required" with parallel calls lets a model call again until its budget ends.
+        structural_tag=tool_call_structural_tag(HermesToolParser, TOOLS, "required", False)
+    ),
+}
+PROMPTS = ["Once upon a time", "The answer is"]
+
+
+def check_output(kind: str, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES
+    elif kind == "grammar":
+        assert re.fullmatch(EBNF_AS_REGEX, text), text
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    else:
+        content, calls = HermesToolParser(TOOLS).extract_tool_calls(text)
+        assert content == "" and calls, text
+        for call in calls:
+            assert call.name == "set_mode"
+            jsonschema.validate(json.loads(call.arguments), TOOLS[0]["function"]["parameters"])
+
+
+def make_llm(**kwargs) -> LLM:
+    defaults = dict(
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=128,
+        max_model_len=256,
+        # Random-ish tiny models would otherwise fill their budget with blanks between tokens.
+        structured_outputs_config={"disable_any_whitespace": True},
+    )
+    return LLM(DEFAULT_MODEL_DIR, **(defaults | kwargs))
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def llm(request: pytest.FixtureRequest) -> LLM:
+    return make_llm(async_scheduling=request.param)
+
+
+def test_every_kind_always_matches_its_grammar(llm: LLM) -> None:
+    prompts, params, kinds = [], [], []
+    for kind, structured in KINDS.items():
+        for i, temperature in enumerate((0.0, 0.7, 1.3)):
+            prompts.append(PROMPTS[i % 2])
+            params.append(
+                SamplingParams(
+                    temperature=temperature,
+                    top_p=0.9 if i == 1 else 1.0,
+                    n=1 if temperature == 0.0 else 2,
+                    seed=None if i == 1 else 100 + i,
+                    logprobs=2 if i == 2 else None,
+                    max_tokens=80,
+                    structured_outputs=structured,
+                )
+            )
+            kinds.append(kind)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for kind, p, output in zip(kinds, params, outputs):
+        assert len(output.outputs) == p.n
+        for completion in output.outputs:
+            assert completion.finish_reason == "stop", (kind, completion.text)
+            check_output(kind, completion.text)
+            if p.logprobs is not None:
+                assert len(completion.logprobs) == len(completion.token_ids)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_unconstrained_greedy_output_is_unchanged_beside_constrained_requests(llm: LLM) -> None:
+    free = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(PROMPTS, free, use_tqdm=False)
+    constrained = [
+        SamplingParams(temperature=0.8, seed=7, max_tokens=40, structured_outputs=s)
+        for s in (KINDS["json"], KINDS["regex"])
+    ]
+    mixed = llm.generate(PROMPTS + PROMPTS, [free, free, *constrained], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == [o.outputs[0].token_ids for o in alone]
+    for kind, output in zip(("json", "regex"), mixed[2:]):
+        check_output(kind, output.outputs[0].text)
+
+
+def test_invalid_grammars_are_value_errors_naming_the_field(llm: LLM) -> None:
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a(b"))
+    with pytest.raises(ValueError, match=r"prompts\[1\]: structured_outputs\.regex: invalid regex"):
+        llm.generate(PROMPTS, [SamplingParams(max_tokens=2), bad], use_tqdm=False)
+    with pytest.raises(ValueError, match="min_tokens: must be 0 with structured_outputs"):
+        llm.generate(
+            PROMPTS[0],
+            SamplingParams(min_tokens=2, structured_outputs=KINDS["regex"]),
+            use_tqdm=False,
+        )
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.fixture
+def blocked_compiles(llm: LLM):
+    """The engine's compile service, whose compiles of a regex "slow" block until released."""
+    service = llm.llm_engine.core.grammars._service_future().result()
+    release = threading.Event()
+    real_compile = service._compile_now
+
+    def compile_blocking_slow(spec):
+        if spec.text == "slow":
+            release.wait()
+        return real_compile(spec)
+
+    service._compile_now = compile_blocking_slow
+    timeout = service.timeout_s
+    service.timeout_s = 0.05
+    yield release
+    release.set()
+    service._compile_now = real_compile
+    service.timeout_s = timeout
+
+
+def test_a_compile_past_the_timeout_fails_its_request_alone(llm: LLM, blocked_compiles) -> None:
+    engine = llm.llm_engine
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.add_request("free", PROMPTS[0], free)
+    slow = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="slow"))
+    with pytest.raises(
+        ValueError,
+        match=r"structured_outputs\.regex: the grammar did not compile within the 0\.05 s limit",
+    ):
+        engine.add_request("slow", PROMPTS[1], slow)
+    # The same failure inside the core (the front end of another process let it through): that
+    # request alone is aborted, the other finishes.
+    request = EngineCoreRequest("slow-core", [5, 6, 7], slow, None, 0.0)
+    engine.core.add_request(request)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.core.step():
+            if output.finish_reason is not None:
+                finished[output.req_id] = output.finish_reason
+    assert finished == {"free": "length", "slow-core": "abort"}
+
+
+def test_preemption_keeps_the_matchers_in_step() -> None:
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=KINDS[kind])
+        for kind in ("json", "structural_tag", "json", "structural_tag")
+    ]
+    roomy = make_llm(max_num_seqs=4).generate(PROMPTS * 2, params, use_tqdm=False)
+    # 10 blocks of 16 tokens: the four requests cannot all keep their KV.
+    tight = make_llm(max_num_seqs=4, num_kv_blocks=10, max_model_len=128)
+    squeezed = tight.generate(PROMPTS * 2, params, use_tqdm=False)
+    assert tight.llm_engine.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
+    for kind, output in zip(("json", "structural_tag") * 2, squeezed):
+        check_output(kind, output.outputs[0].text)
