@@ -37,7 +37,11 @@ from ferrum.model_executor.sampling_metadata import (
 )
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from ferrum.structured_output import StructuredOutputMatcher, allocate_token_bitmask
+from ferrum.structured_output import (
+    BatchBitmaskFiller,
+    StructuredOutputMatcher,
+    allocate_token_bitmask,
+)
 
 if TYPE_CHECKING:
     from ferrum.kernels.paged_attention import SplitKVWorkspace
@@ -107,6 +111,7 @@ class ModelRunner:
             allocate_token_bitmask(max_num_seqs, self.vocab_size).to(device) if pin else None
         )
         self._num_bitmask_launches = 0
+        self._bitmask_filler = BatchBitmaskFiller()
 
     def _allocate_split_kv_workspace(self) -> SplitKVWorkspace | None:
         """Scratch for the split-KV decode kernel on CUDA, sized once for the whole run."""
@@ -338,8 +343,7 @@ class ModelRunner:
         self._num_bitmask_launches += 1
         if len(rows) < num_rows:
             host.fill_(-1)
-        for i, matcher in rows:
-            matcher.fill_bitmask(host, i)
+        self._bitmask_filler.fill(host, rows)
         if self._bitmask_device is None:
             return host
         return self._bitmask_device[:num_rows].copy_(host, non_blocking=True)

@@ -10,9 +10,11 @@ import pytest
 import torch
 from grammar_fixtures import MODEL_VOCAB_SIZE, STOP_TOKEN_IDS, TOKENIZER_VOCAB_SIZE
 
+from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.sampling_params import StructuredOutputsParams
 from ferrum.structured_output import (
+    BatchBitmaskFiller,
     CompiledGrammar,
     GrammarCompilerService,
     GrammarSpec,
@@ -218,3 +220,25 @@ def test_special_and_padded_tokens_are_never_allowed(compiler, tokenizer):
     assert special_not_stop and not allowed[special_not_stop].any()
     assert not allowed[TOKENIZER_VOCAB_SIZE:].any()
     assert allowed[:TOKENIZER_VOCAB_SIZE].sum() > TOKENIZER_VOCAB_SIZE - 100
+
+
+def test_batch_fill_matches_one_row_at_a_time(compiler: GrammarCompilerService) -> None:
+    grammars = [
+        compiler.compile(GrammarSpec.from_params(StructuredOutputsParams(**kwargs)))
+        for kwargs in ({"json": TOOL_CALL_SCHEMA}, {"regex": "[a-z]+@x"}, {"choice": ["ab", "c"]})
+    ]
+    matchers = [g.new_matcher() for g in grammars]
+    assert matchers[1].accept_tokens([]) and matchers[2].accept_tokens([])
+    # Row 3 is a terminated matcher: it allows only the stop tokens.
+    done = grammars[2].new_matcher()
+    tokenizer = Tokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    assert done.accept_tokens(tokenizer.encode("c", add_special_tokens=False) + [STOP_TOKEN_IDS[0]])
+    assert done.is_terminated()
+    rows = [(0, matchers[0]), (2, matchers[1]), (3, done), (4, matchers[2])]
+    one_by_one = allocate_token_bitmask(5, MODEL_VOCAB_SIZE)
+    for i, matcher in rows:
+        matcher.fill_bitmask(one_by_one, i)
+    batched = allocate_token_bitmask(5, MODEL_VOCAB_SIZE)
+    BatchBitmaskFiller(max_threads=2).fill(batched, rows)
+    assert torch.equal(batched, one_by_one)
+    assert (batched[1] == -1).all()  # untouched
