@@ -197,7 +197,7 @@ def test_a_compile_past_the_timeout_fails_its_request_alone(llm: LLM, blocked_co
 
 def test_preemption_keeps_the_matchers_in_step() -> None:
     params = [
-        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=KINDS[kind])
+        SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=KINDS[kind])
         for kind in ("json", "structural_tag", "json", "structural_tag")
     ]
     roomy = make_llm(max_num_seqs=4).generate(PROMPTS * 2, params, use_tqdm=False)
@@ -207,4 +207,5 @@ def test_preemption_keeps_the_matchers_in_step() -> None:
     assert tight.llm_engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
     for kind, output in zip(("json", "structural_tag") * 2, squeezed):
+        assert output.outputs[0].finish_reason == "stop"
         check_output(kind, output.outputs[0].text)
