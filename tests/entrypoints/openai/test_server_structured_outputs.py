@@ -120,6 +120,8 @@ def required_calls(
         "messages": USER,
         "tools": [WEATHER, TIME],
         "tool_choice": "required",
+        # One call: with parallel calls a random model may call again until max_tokens.
+        "parallel_tool_calls": False,
         "max_tokens": 120,
         "temperature": 1.0,
         "seed": seed,
