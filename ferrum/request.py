@@ -67,7 +67,6 @@ class Request:
         "block_hashes",
         "stop_reason",
         "grammar",
-        "num_prompt_logprobs_sent",
     )
 
     def __init__(
@@ -100,9 +99,6 @@ class Request:
         self.stop_reason: int | str | None = None
         # Structured outputs: the grammar (compiling, then its matcher); set by the engine core.
         self.grammar: RequestGrammar | None = None
-        # Prompt positions whose prompt logprobs were reported (chunks recomputed after a
-        # preemption are not reported twice).
-        self.num_prompt_logprobs_sent = 0
 
     @property
     def num_tokens(self) -> int:

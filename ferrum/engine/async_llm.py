@@ -155,6 +155,7 @@ class AsyncLLM:
         if self._watchdog is not None:
             self._watchdog.cancel()
         self.abort_all()
+        self.grammars.shutdown()
         await asyncio.to_thread(self._client.shutdown)
 
     # -- requests ------------------------------------------------------------------------------

@@ -10,8 +10,7 @@ are freed and it is recomputed later), never a crash.
 A waiting request whose grammar (structured outputs) is still compiling is passed over, keeping
 its place; one whose compile failed is finished (aborted) and reported by `take_failed`. The
 grammar's matcher accepts every output token as it is appended; once the grammar has ended (its
-end token accepted) the request stops with "stop". A request that needs its prompt logprobs gets
-no prefix-cache hits: every prompt position goes through a forward.
+end token accepted) the request stops with "stop".
 """
 
 from __future__ import annotations
@@ -171,13 +170,10 @@ class Scheduler:
                     continue  # _grammar_ready took it out of the queue
                 compiling.append(self.waiting.popleft())
                 continue
-            if self._needs_prompt_logprobs(request):
-                computed_blocks, num_computed = [], 0
-            else:
-                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
-                    request, record_stats=request.req_id not in self._looked_up
-                )
-                self._looked_up.add(request.req_id)
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
+                request, record_stats=request.req_id not in self._looked_up
+            )
+            self._looked_up.add(request.req_id)
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 break
@@ -265,13 +261,6 @@ class Scheduler:
         """The requests finished since the previous call because their grammar failed, and why."""
         failed, self._failed = self._failed, []
         return failed
-
-    @staticmethod
-    def _needs_prompt_logprobs(request: Request) -> bool:
-        return (
-            request.sampling_params.prompt_logprobs is not None
-            and request.num_prompt_logprobs_sent < request.num_prompt_tokens
-        )
 
     def recover_from_failed_step(self, scheduler_output: SchedulerOutput) -> None:
         """After a forward that did not finish: no KV of that step exists, so the prefix-cache

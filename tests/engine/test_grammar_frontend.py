@@ -73,4 +73,3 @@ async def _run(engine: AsyncLLM) -> None:
         assert engine.num_open_requests == 0
     finally:
         await engine.shutdown()
-        engine.grammars.shutdown()
