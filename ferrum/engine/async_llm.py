@@ -55,7 +55,7 @@ from ferrum.engine.recovery import (
 from ferrum.engine.request_stream import RequestStream
 from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput
-from ferrum.request import RequestStatus
+from ferrum.request import RequestStatus, check_request_fits
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
@@ -345,6 +345,7 @@ class AsyncLLM:
         self.input_processor = InputProcessor(
             self.config.model_config, self.tokenizer, info.max_tokens_in_pool
         )
+        self._fail_unfitting(info.max_tokens_in_pool)
         self._core_ready = True
         self._last_progress = time.monotonic()
         logger.info(
@@ -361,6 +362,23 @@ class AsyncLLM:
         if self.restart_reason is not None:
             self.restart_reason = None
             self._resume()
+
+    def _fail_unfitting(self, pool_tokens: int) -> None:
+        """Fails alone each open completion that a restarted core's (smaller) KV pool can no
+        longer hold; resending it would crash that core too. Runs before the core counts as
+        ready, so failing one does not resume the others early."""
+        max_model_len = self.config.model_config.max_model_len
+        for child_id, request in list(self._core_requests.items()):
+            max_tokens = request.sampling_params.max_tokens
+            assert max_tokens is not None
+            try:
+                check_request_fits(
+                    len(request.prompt_token_ids), max_tokens, max_model_len, pool_tokens
+                )
+            except ValueError as e:
+                self._fail_request(
+                    child_id, ValueError(f"the restarted engine core cannot hold it: {e}")
+                )
 
     def _resume(self) -> None:
         """Sends the open completions to a fresh core: the next one on probation alone, or

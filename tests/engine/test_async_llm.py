@@ -293,3 +293,30 @@ def test_a_restarted_core_that_fails_to_load_kills_the_engine(
         assert reason.startswith("a restarted engine core failed before it was ready")
 
     run(scenario, h)
+
+
+def test_a_restarted_core_with_a_smaller_pool_fails_only_what_no_longer_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    h = Harness(monkeypatch)
+
+    async def scenario(h: Harness) -> None:
+        await h.start()
+        first = h.core
+        a = h.add("a")  # 3 prompt tokens + max_tokens 20 = 23 tokens
+        params = SamplingParams(max_tokens=5, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        small = Collector(h.engine.add_request("small", {"prompt_token_ids": [5, 6, 7]}, params))
+        await h.tokens(first, {"a": [11], "small": [21]})
+        await first.deliver(CoreFailed("engine core failed: boom"))
+        smaller = CoreInfo(
+            num_kv_blocks=1, max_tokens_in_pool=16, import_seconds=0, engine_seconds=0
+        )
+        await h.core.deliver(smaller)
+        # Only the request that fits the new pool is resent; the other fails alone.
+        assert h.core.added_ids == ["small"]
+        await asyncio.sleep(0)
+        assert isinstance(a.error, ValueError) and "cannot hold it" in str(a.error)
+        await h.tokens(h.core, {"small": [22]})
+        assert small.token_ids == {0: [21, 22]} and small.error is None
+
+    run(scenario, h)
