@@ -13,13 +13,12 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from ferrum.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
-    EngineRecoveryConfig,
     ModelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
@@ -70,6 +69,8 @@ def check_not_supported_yet(kwargs: dict[str, Any]) -> None:
                 f"{NOT_SUPPORTED_YET[name]!r}); see the README's 'Not supported yet' list"
             )
 
+
+_Config = TypeVar("_Config")
 
 _CONFIG_FIELDS = {
     f.name: f
@@ -177,9 +178,10 @@ class EngineArgs:
         return dataclasses.replace(self, **changes)
 
 
-def add_engine_recovery_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineRecoveryConfig` field (`ferrum serve`)."""
-    for f in fields(EngineRecoveryConfig):
+def add_config_args(parser: argparse.ArgumentParser, config_class: type) -> None:
+    """One flag per field of a flat config dataclass, its help and choices from the field's
+    metadata (`ferrum serve`'s recovery and HTTP-limit configs)."""
+    for f in fields(config_class):
         kwargs: dict[str, Any] = {
             "dest": f.name,
             "default": f.default,
@@ -191,10 +193,9 @@ def add_engine_recovery_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
 
 
-def engine_recovery_config(args: argparse.Namespace) -> EngineRecoveryConfig:
-    return EngineRecoveryConfig(
-        **{f.name: getattr(args, f.name) for f in fields(EngineRecoveryConfig)}
-    )
+def config_from_args(config_class: type[_Config], args: argparse.Namespace) -> _Config:
+    """The config whose fields `add_config_args` turned into flags, from the parsed flags."""
+    return config_class(**{f.name: getattr(args, f.name) for f in fields(config_class)})
 
 
 def _init_args(config_class: type, values: dict[str, Any]) -> dict[str, Any]:

@@ -67,9 +67,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from ferrum.engine.arg_utils import EngineArgs, add_engine_recovery_args
+    from ferrum.config import EngineRecoveryConfig
+    from ferrum.engine.arg_utils import EngineArgs, add_config_args
     from ferrum.entrypoints.openai.frontend_args import FrontendConfig
-    from ferrum.entrypoints.openai.http_limits import add_cli_args as add_http_limit_args
+    from ferrum.entrypoints.openai.http_limits import HttpLimits
 
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"
@@ -92,10 +93,10 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's log level (its access log is at info; default: info)",
     )
-    add_http_limit_args(parser)
+    add_config_args(parser.add_argument_group("HTTP limits (refusals: 408, 413, 503)"), HttpLimits)
     FrontendConfig.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)
-    add_engine_recovery_args(parser)
+    add_config_args(parser, EngineRecoveryConfig)
 
 
 def _serve(args: argparse.Namespace) -> int:

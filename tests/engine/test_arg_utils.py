@@ -19,9 +19,9 @@ from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from ferrum.engine.arg_utils import (
     NOT_SUPPORTED_YET,
     EngineArgs,
-    add_engine_recovery_args,
+    add_config_args,
     check_not_supported_yet,
-    engine_recovery_config,
+    config_from_args,
 )
 
 
@@ -85,8 +85,8 @@ def test_vllm_arguments_not_supported_yet() -> None:
 
 def test_engine_recovery_flags_build_a_validated_config() -> None:
     parser = argparse.ArgumentParser()
-    add_engine_recovery_args(parser)
-    assert engine_recovery_config(parser.parse_args([])) == EngineRecoveryConfig()
+    add_config_args(parser, EngineRecoveryConfig)
+    assert config_from_args(EngineRecoveryConfig, parser.parse_args([])) == EngineRecoveryConfig()
     args = parser.parse_args(
         [
             "--engine-failure-policy",
@@ -99,10 +99,12 @@ def test_engine_recovery_flags_build_a_validated_config() -> None:
             "5.5",
         ]
     )
-    assert engine_recovery_config(args) == EngineRecoveryConfig("exit", 2, 30.0, 5.5)
+    assert config_from_args(EngineRecoveryConfig, args) == EngineRecoveryConfig(
+        "exit", 2, 30.0, 5.5
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["--engine-failure-policy", "retry"])
     with pytest.raises(ValueError, match="engine_stall_timeout: must be a number of seconds > 0"):
-        engine_recovery_config(parser.parse_args(["--engine-stall-timeout", "0"]))
+        config_from_args(EngineRecoveryConfig, parser.parse_args(["--engine-stall-timeout", "0"]))
     with pytest.raises(ValueError, match="engine_max_restarts: must be an integer >= 0"):
         EngineRecoveryConfig(engine_max_restarts=-1)

@@ -15,9 +15,8 @@ Every refusal is OpenAI's error envelope and closes the connection.
 
 from __future__ import annotations
 
-import argparse
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ferrum.logger import init_logger
 
@@ -29,10 +28,22 @@ _SPARE_FILES = 256
 
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
-    max_request_body_bytes: int = 16 * 1024 * 1024
-    timeout_request_header: float = 10.0
-    timeout_request_body: float = 30.0
-    limit_concurrency: int = 2048
+    max_request_body_bytes: int = field(
+        default=16 * 1024 * 1024,
+        metadata={"help": "largest request body; larger ones get 413 before they are parsed"},
+    )
+    timeout_request_header: float = field(
+        default=10.0,
+        metadata={"help": "seconds a client has to send a request's headers, else 408"},
+    )
+    timeout_request_body: float = field(
+        default=30.0,
+        metadata={"help": "seconds a client may pause while sending a request body, else 408"},
+    )
+    limit_concurrency: int = field(
+        default=2048,
+        metadata={"help": "most open connections; requests on connections beyond it get 503"},
+    )
 
     def __post_init__(self) -> None:
         for name in (
@@ -44,44 +55,6 @@ class HttpLimits:
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> HttpLimits:
-        return cls(
-            max_request_body_bytes=args.max_request_body_bytes,
-            timeout_request_header=args.timeout_request_header,
-            timeout_request_body=args.timeout_request_body,
-            limit_concurrency=args.limit_concurrency,
-        )
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    default = HttpLimits()
-    group = parser.add_argument_group("HTTP limits (refusals: 408, 413, 503)")
-    group.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=default.max_request_body_bytes,
-        help="largest request body; larger ones get 413 before they are parsed",
-    )
-    group.add_argument(
-        "--timeout-request-header",
-        type=float,
-        default=default.timeout_request_header,
-        help="seconds a client has to send a request's headers, else 408",
-    )
-    group.add_argument(
-        "--timeout-request-body",
-        type=float,
-        default=default.timeout_request_body,
-        help="seconds a client may pause while sending a request body, else 408",
-    )
-    group.add_argument(
-        "--limit-concurrency",
-        type=int,
-        default=default.limit_concurrency,
-        help="most open connections; requests on connections beyond it get 503",
-    )
 
 
 def raise_open_files_limit(limits: HttpLimits) -> None:

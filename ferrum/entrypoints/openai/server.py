@@ -30,8 +30,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ferrum import __version__
+from ferrum.config import EngineRecoveryConfig
 from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
-from ferrum.engine.arg_utils import EngineArgs, engine_recovery_config
+from ferrum.engine.arg_utils import EngineArgs, config_from_args
 from ferrum.engine.async_llm import AsyncLLM, EngineDeadError
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.entrypoints.openai.chat_protocol import (
@@ -445,14 +446,14 @@ def run_server(args: argparse.Namespace) -> int:
     frontend = FrontendConfig.from_cli_args(args)
     if not 0 < args.port < 65536:
         raise ValueError(f"port must be in [1, 65535], got {args.port}")
-    limits = HttpLimits.from_cli_args(args)
+    limits = config_from_args(HttpLimits, args)
     raise_open_files_limit(limits)
     listener = listen_socket(args.host, args.port)  # a busy port fails before the model loads
     config = engine_args.create_engine_config()
     if config.model_config.skip_tokenizer_init:
         raise ValueError("skip_tokenizer_init: the server needs a tokenizer")
     model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    engine = AsyncLLM(config, engine_recovery_config(args))
+    engine = AsyncLLM(config, config_from_args(EngineRecoveryConfig, args))
     logger.info(
         "ferrum %s serving %s as %s; config and tokenizer ready in %.2f s",
         __version__,
