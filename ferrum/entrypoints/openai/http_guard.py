@@ -1,10 +1,11 @@
 """Enforces HttpLimits (see `http_limits` for the promises): a body-size middleware, and
-uvicorn's h11 protocol with read deadlines and a connection limit."""
+uvicorn's h11 protocol with read deadlines, a connection limit and a lingering close."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import h11
@@ -18,6 +19,14 @@ from ferrum.logger import init_logger
 logger = init_logger(__name__)
 
 _REASONS = {408: b"Request Timeout", 413: b"Content Too Large", 503: b"Service Unavailable"}
+
+# A connection closed while its client still sends a body lingers: the answer is flushed and
+# the write side shut (FIN), then the client's bytes are read and dropped until it closes, it
+# pauses this long, or the whole linger reaches its cap (nginx's lingering_timeout and
+# lingering_time). Closing at once would reset the connection on the client's next bytes, and
+# a reset can destroy the answer before the client reads it.
+LINGER_IDLE_S = 5.0
+LINGER_TOTAL_S = 30.0
 
 
 def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
@@ -84,9 +93,28 @@ class RequestBodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+class _LingeringTransport:
+    """The transport uvicorn sees: every call goes to the socket's transport, except that
+    close() goes to the protocol, which may linger first; a lingering one is closing."""
+
+    def __init__(self, transport: asyncio.Transport, close: Callable[[], None]) -> None:
+        self._transport = transport
+        self._close = close
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        self._close()
+
+
 class LimitedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with read deadlines and a connection limit (see the module doc).
-    Subclasses made by `limited_protocol` set `limits`."""
+    """uvicorn's h11 protocol with read deadlines, a connection limit and a lingering close
+    (see the module docs). Subclasses made by `limited_protocol` set `limits`."""
 
     limits: ClassVar[HttpLimits]
 
@@ -97,14 +125,62 @@ class LimitedH11Protocol(H11Protocol):
         self._seen_request = False
         self._inner_app = self.app
         self.app = self._app_within_connection_limit
+        self._socket_transport: asyncio.Transport | None = None
+        self._uvicorn_transport: _LingeringTransport | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._linger_until: float | None = None
+        self._shutting_down = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._socket_transport = transport
+        self._uvicorn_transport = _LingeringTransport(transport, self._close)
+        super().connection_made(self._uvicorn_transport)  # type: ignore[arg-type]
         self._watch_reads(new_bytes=False)
 
     def data_received(self, data: bytes) -> None:
+        if self._linger_until is not None:
+            self._arm_linger()  # the bytes of a body nobody reads
+            return
         super().data_received(data)
         self._watch_reads(new_bytes=True)
+
+    def shutdown(self) -> None:
+        self._shutting_down = True
+        if self._linger_until is not None:
+            self._close()
+        else:
+            super().shutdown()
+
+    def _close(self) -> None:
+        """Closes the connection, lingering first while the client is sending a body."""
+        transport, seen = self._socket_transport, self._uvicorn_transport
+        assert transport is not None and seen is not None
+        if (
+            self._linger_until is not None
+            or self._shutting_down
+            or transport.is_closing()
+            or self.conn.their_state is not h11.SEND_BODY
+        ):
+            self._cancel_linger_timer()
+            transport.close()
+            return
+        self._cancel_read_timer()
+        self._linger_until = self.loop.time() + LINGER_TOTAL_S
+        seen.lingering = True
+        transport.write_eof()  # after the buffered answer
+        self.flow.resume_reading()
+        self._arm_linger()
+
+    def _arm_linger(self) -> None:
+        assert self._linger_until is not None
+        self._cancel_linger_timer()
+        left = self._linger_until - self.loop.time()
+        self._linger_timer = self.loop.call_later(min(LINGER_IDLE_S, max(left, 0.0)), self._close)
+
+    def _cancel_linger_timer(self) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        self._linger_timer = None
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -112,6 +188,7 @@ class LimitedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
+        self._cancel_linger_timer()
         super().connection_lost(exc)
 
     def _watch_reads(self, new_bytes: bool) -> None:

@@ -10,7 +10,8 @@ flags and their config; `http_guard` enforces them).
   response has already started, nothing) and the connection closes. Idle keep-alive connections
   close after uvicorn's `timeout_keep_alive`.
 - A request on a connection beyond `limit_concurrency` open connections gets 503.
-Every refusal is OpenAI's error envelope and closes the connection.
+Every refusal is OpenAI's error envelope and closes the connection; a connection closed while
+its client is still sending a body lingers (reads and drops the rest) so the answer arrives.
 """
 
 from __future__ import annotations

@@ -111,6 +111,23 @@ def test_body_over_the_limit_is_413_and_at_the_limit_is_served() -> None:
         assert status == 413 and "--max-request-body-bytes" in body["error"]["message"]
 
 
+def test_refused_body_is_read_and_dropped_until_the_client_closes() -> None:
+    """A client that writes its whole body before reading gets the 413 intact: the server
+    keeps reading after answering, so the client's later bytes are not answered by a reset."""
+    with guarded_server() as port:
+        conn = connect(port)
+        conn.sendall(post_head(100 * MAX_BODY))
+        status, _ = read_response(conn)
+        assert status == 413
+        conn.sendall(b"x" * (100 * MAX_BODY))
+        for _ in range(20):  # still read and dropped a while later
+            time.sleep(0.01)
+            conn.sendall(b"x" * MAX_BODY)
+        conn.shutdown(socket.SHUT_WR)
+        assert conn.recv(1) == b""  # the server closes after the client: no reset
+        conn.close()
+
+
 def test_slow_body_and_slow_headers_get_408() -> None:
     with guarded_server(timeout_request_header=0.5, timeout_request_body=0.5) as port:
         slow_body = connect(port)
