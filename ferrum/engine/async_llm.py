@@ -194,7 +194,7 @@ class AsyncLLM:
         """Compiles `params`' grammar (if any) within the compile timeout; raises ValueError
         naming the field for a bad grammar or one that timed out. Awaited before `add_request`,
         a bad grammar is refused before anything is queued or streamed."""
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and not self.grammars.check_compiled(params):
             await self.grammars.compile(params)
 
     async def _add_when_compiled(

@@ -110,6 +110,8 @@ class ChatPlan:
     tools: list[dict[str, Any]] | None
     # What the output must match (a forced tool call or the requested format), if anything.
     constraint: StructuredOutputsParams | None
+    # The request field the constraint comes from (named by a 400 when its grammar fails).
+    constraint_param: str
 
     def output_constraint(self, prompt: ProcessedPrompt) -> StructuredOutputsParams | None:
         """The constraint as the engine applies it: after the reasoning when a reasoning
@@ -236,6 +238,7 @@ class OpenAIServingChat(OpenAIServing):
             request.parallel_tool_calls is False,
             tools,
             requested if tool_tag is None else StructuredOutputsParams(structural_tag=tool_tag),
+            self.constraint_param(request) if tool_tag is None else "tool_choice",
         )
 
     async def create_chat_completion(
@@ -254,7 +257,8 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, str(e), param="structured_outputs") from None
         params = self.sampling_params(request, max_tokens, logprobs, constraint)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = self.add_requests([(request_id, tokenized, params)], "messages")
+        submission = (request_id, tokenized, params)
+        streams = await self.add_requests([submission], "messages", plan.constraint_param)
         model = request.model or self.model_names[0]
         if request.stream:
             return self._stream(request, plan, request_id, model, tokenized, streams[0])

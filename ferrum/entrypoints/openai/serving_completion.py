@@ -73,7 +73,7 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.max_tokens_for(request.max_tokens, len(prompt.token_ids), "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs, constraint)
             submissions.append((f"{request_id}-{index}", prompt, params))
-        streams = self.add_requests(submissions, "prompt")
+        streams = await self.add_requests(submissions, "prompt", self.constraint_param(request))
         model = request.model or self.model_names[0]
         echoes = [await self._echo_text(t) if request.echo else "" for t in tokenized]
         if request.stream:

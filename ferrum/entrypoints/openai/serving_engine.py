@@ -184,13 +184,32 @@ class OpenAIServing:
         try:
             return requested_constraint(request.response_format, request.structured_outputs)
         except ValueError as e:
-            param = "structured_outputs" if request.structured_outputs else "response_format"
-            raise APIError(400, str(e), param=param) from None
+            raise APIError(400, str(e), param=OpenAIServing.constraint_param(request)) from None
 
-    def add_requests(
-        self, requests: list[tuple[str, ProcessedPrompt, SamplingParams]], param: str
+    @staticmethod
+    def constraint_param(request: SamplingRequest) -> str:
+        """The request field its output constraint came from."""
+        return "structured_outputs" if request.structured_outputs else "response_format"
+
+    async def add_requests(
+        self,
+        requests: list[tuple[str, ProcessedPrompt, SamplingParams]],
+        param: str,
+        constraint_param: str | None = None,
     ) -> list[RequestStream]:
-        """Queues every request, or none: on a validation error the ones queued are aborted."""
+        """Compiles the requests' grammars, then queues every request, or none: a grammar that
+        is invalid or misses the compile timeout is a 400 naming `constraint_param` before
+        anything is queued or streamed; on a validation error the ones queued are aborted."""
+        compiled: set[int] = set()
+        for _, _, params in requests:
+            constraint = params.structured_outputs
+            if constraint is None or id(constraint) in compiled:
+                continue
+            try:
+                await self.engine.compile_grammar(params)
+            except ValueError as e:
+                raise APIError(400, str(e), param=constraint_param) from None
+            compiled.add(id(constraint))
         streams: list[RequestStream] = []
         try:
             for request_id, prompt, params in requests:

@@ -194,3 +194,33 @@ def test_invalid_schema_or_grammar_is_400(server: RemoteServer, body: dict, word
         server.client().chat.completions.create(
             model=MODEL, messages=USER, max_tokens=4, extra_body=body
         )
+
+
+@applied
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "response_format",
+        ),
+    ],
+)  # fmt: skip
+def test_streamed_invalid_grammar_is_400_before_the_stream(
+    server: RemoteServer, endpoint: str, body: dict, param: str
+) -> None:
+    """The grammar compiles before the request is queued: a 400 naming the field, never a 200
+    whose stream then carries an error event."""
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        if endpoint == "chat":
+            client.chat.completions.create(
+                model=MODEL, messages=USER, max_tokens=4, stream=True, extra_body=body
+            )
+        else:
+            client.completions.create(
+                model=MODEL, prompt=["a", "b"], max_tokens=4, stream=True, extra_body=body
+            )
+    assert caught.value.body["param"] == param
