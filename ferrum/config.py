@@ -28,6 +28,7 @@ _GENERATION_DEFAULTS = (
     "max_new_tokens",
 )
 KERNEL_BACKENDS = ("auto", "torch", "triton")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 ENGINE_FAILURE_POLICIES = ("restart", "exit")
 
 
@@ -368,6 +369,99 @@ class EngineRecoveryConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How one model is spread over the devices of one host. Construction resolves
+    distributed_executor_backend None: "uni" (in process) for one rank, "mp" (one process per
+    rank) for more."""
+
+    tensor_parallel_size: int = field(
+        default=1, metadata=_help("ranks (GPUs) each layer's weights are split over")
+    )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=_help(
+            "MoE models: give each rank whole experts (num_experts / tensor_parallel_size of "
+            "them) instead of a slice of every expert"
+        ),
+    )
+    distributed_executor_backend: str | None = field(
+        default=None,
+        metadata=_help(
+            "uni (one process) or mp (one worker process per rank); default: uni for "
+            "tensor_parallel_size 1, mp above",
+            choices=EXECUTOR_BACKENDS,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise _fail("tensor_parallel_size", f"must be an integer >= 1, got {tp!r}")
+        backend = self.distributed_executor_backend
+        if backend is None:
+            backend = "uni" if tp == 1 else "mp"
+        if backend not in EXECUTOR_BACKENDS:
+            raise _fail(
+                "distributed_executor_backend",
+                f"must be one of {EXECUTOR_BACKENDS} or None, got {backend!r}",
+            )
+        if backend == "ray":
+            raise _fail("distributed_executor_backend", "'ray' is not supported yet")
+        if backend == "uni" and tp > 1:
+            raise _fail(
+                "distributed_executor_backend",
+                f"'uni' runs one rank; tensor_parallel_size={tp} needs 'mp'",
+            )
+        object.__setattr__(self, "distributed_executor_backend", backend)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
+def check_parallel_fits_model(parallel: ParallelConfig, arch: ModelArchConfig) -> None:
+    """Every split the parallel layers make must be exact: attention heads, KV heads (split,
+    or replicated when tensor_parallel_size is a multiple of them), MLP widths and experts."""
+    tp = parallel.tensor_parallel_size
+    if arch.num_attention_heads % tp:
+        raise _fail(
+            "tensor_parallel_size",
+            f"{tp} must divide num_attention_heads={arch.num_attention_heads}",
+        )
+    kv = arch.num_kv_heads
+    if kv % tp and tp % kv:
+        raise _fail(
+            "tensor_parallel_size",
+            f"{tp} must divide num_key_value_heads={kv} or be a multiple of it",
+        )
+    moe = arch.num_experts > 0
+    if parallel.enable_expert_parallel and not moe:
+        raise _fail("enable_expert_parallel", f"{arch.architecture} has no experts (num_experts=0)")
+    has_dense_mlp = not moe or any(
+        (i + 1) % arch.decoder_sparse_step or i in arch.mlp_only_layers
+        for i in range(arch.num_hidden_layers)
+    )
+    if has_dense_mlp and arch.intermediate_size % tp:
+        raise _fail(
+            "tensor_parallel_size", f"{tp} must divide intermediate_size={arch.intermediate_size}"
+        )
+    if not moe:
+        return
+    if parallel.enable_expert_parallel:
+        if arch.num_experts % tp:
+            raise _fail(
+                "tensor_parallel_size",
+                f"{tp} must divide num_experts={arch.num_experts} with enable_expert_parallel",
+            )
+    elif arch.moe_intermediate_size % tp:
+        raise _fail(
+            "tensor_parallel_size",
+            f"{tp} must divide moe_intermediate_size={arch.moe_intermediate_size} (or set "
+            "enable_expert_parallel to split whole experts)",
+        )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -376,8 +470,10 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
+        check_parallel_fits_model(self.parallel_config, self.model_config.arch)
         device = self.device_config
         if (
             device.kernel_backend == "triton"

@@ -9,7 +9,14 @@ import shutil
 
 import pytest
 
-from ferrum.config import ModelConfig, StructuredOutputsConfig
+from ferrum.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    StructuredOutputsConfig,
+)
 
 
 def test_model_config_reads_the_folder_once(tiny_checkpoint, tmp_path) -> None:
@@ -54,3 +61,67 @@ def test_structured_outputs_config_defaults_are_valid() -> None:
 def test_structured_outputs_config_invalid_fields_are_named(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         StructuredOutputsConfig(**kwargs)
+
+
+def test_parallel_config_resolves_the_executor_backend() -> None:
+    assert ParallelConfig().distributed_executor_backend == "uni"
+    assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
+    assert ParallelConfig(2, distributed_executor_backend="mp").world_size == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size: must be an integer >= 1"),
+        ({"tensor_parallel_size": True}, "tensor_parallel_size: must be an integer >= 1"),
+        ({"distributed_executor_backend": "ray"}, "distributed_executor_backend: 'ray' is not"),
+        ({"distributed_executor_backend": "slurm"}, "distributed_executor_backend: must be one"),
+        (
+            {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
+            "distributed_executor_backend: 'uni' runs one rank",
+        ),
+    ],
+)
+def test_parallel_config_invalid_fields_are_named(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**kwargs)
+
+
+def _engine_config(path: str, **parallel: object) -> EngineConfig:
+    model = ModelConfig(path)
+    return EngineConfig(
+        model_config=model,
+        cache_config=CacheConfig(),
+        scheduler_config=SchedulerConfig(max_model_len=model.max_model_len),
+        parallel_config=ParallelConfig(**parallel),
+    )
+
+
+def test_parallel_config_must_split_the_model_exactly(tiny_checkpoint) -> None:
+    # 4 heads, 2 KV heads, intermediate 96; the MoE model: 8 experts of width 32, layer 1 dense.
+    llama, moe = tiny_checkpoint("llama"), tiny_checkpoint("qwen3_moe")
+    assert _engine_config(llama, tensor_parallel_size=4).parallel_config.world_size == 4
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 must divide num_attention_he"):
+        _engine_config(llama, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 8 must divide num_attention_he"):
+        _engine_config(llama, tensor_parallel_size=8)
+    with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no exp"):
+        _engine_config(llama, enable_expert_parallel=True)
+    for ep in (False, True):
+        _engine_config(moe, tensor_parallel_size=4, enable_expert_parallel=ep)
+    odd_kv = tiny_checkpoint("qwen3", num_attention_heads=6, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="divide num_key_value_heads=3 or be a multiple of it"):
+        _engine_config(odd_kv, tensor_parallel_size=2)
+    _engine_config(odd_kv, tensor_parallel_size=6)  # each KV head replicated on two ranks
+    wide = tiny_checkpoint("qwen3_moe", moe_intermediate_size=36, intermediate_size=98)
+    with pytest.raises(ValueError, match="must divide intermediate_size=98"):
+        _engine_config(wide, tensor_parallel_size=4)
+    no_dense = tiny_checkpoint(
+        "qwen3_moe", moe_intermediate_size=30, intermediate_size=30, mlp_only_layers=[]
+    )
+    with pytest.raises(ValueError, match="must divide moe_intermediate_size=30"):
+        _engine_config(no_dense, tensor_parallel_size=4)
+    _engine_config(no_dense, tensor_parallel_size=4, enable_expert_parallel=True)
+    six_experts = tiny_checkpoint("qwen3_moe", num_experts=6)
+    with pytest.raises(ValueError, match="must divide num_experts=6 with enable_expert_parallel"):
+        _engine_config(six_experts, tensor_parallel_size=4, enable_expert_parallel=True)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ferrum.config import ModelConfig
+from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.model_executor.kernel_backend import load_kernels
 from ferrum.model_executor.models.registry import get_model_class
 from ferrum.model_executor.weight_loader import SafetensorsCheckpoint, WeightFileError
@@ -29,11 +30,18 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    model_config: ModelConfig, device: torch.device, kernel_backend: str = "torch"
+    model_config: ModelConfig,
+    device: torch.device,
+    kernel_backend: str = "torch",
+    tp_group: TensorParallelGroup | None = None,
 ) -> nn.Module:
     """The model of `model_config.architecture` on `device` in `model_config.dtype`, built with
     the (resolved) kernel backend, with weights from the checkpoint's safetensors ("auto",
-    "safetensors") or random ("dummy")."""
+    "safetensors") or random ("dummy"). With a tensor-parallel group, this rank's shard."""
+    if tp_group is not None and tp_group.world_size > 1:
+        raise ValueError(
+            "tensor_parallel_size: the tensor-parallel layers are not built yet (only 1)"
+        )
     model_class = get_model_class(model_config.architecture)
     kernels = load_kernels(kernel_backend)
     device = torch.device(device)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrum.config import EngineConfig
+from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.logger import init_logger
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
 from ferrum.model_executor.input_batch import InputBuffers, StepInputs, profile_batch
@@ -71,14 +72,30 @@ class CachedRequestState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+    """The runner of one rank. With a tensor-parallel group of several ranks it builds this
+    rank's shard of the model; every rank computes the same full logits and samples them with the
+    same generators, so every rank's sampled tokens are identical and each feeds its own next
+    step."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        tp_group: TensorParallelGroup | None = None,
+    ) -> None:
         self.config = config
         self.device = device
+        self.tp_group = TensorParallelGroup() if tp_group is None else tp_group
+        tp_size = config.parallel_config.tensor_parallel_size
+        if self.tp_group.world_size != tp_size:
+            raise ValueError(
+                f"tp_group: {self.tp_group.world_size} ranks, but tensor_parallel_size={tp_size}"
+            )
         self.dtype = torch_dtype(config.model_config.dtype)
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.vocab_size
         self.kernel_backend = resolve_kernel_backend(config.device_config.kernel_backend, device)
-        self.model = load_model(config.model_config, device, self.kernel_backend)
+        self.model = load_model(config.model_config, device, self.kernel_backend, self.tp_group)
         self.split_kv_workspace = self._allocate_split_kv_workspace()
         sched = config.scheduler_config
         max_model_len = config.model_config.max_model_len

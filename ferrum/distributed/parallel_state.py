@@ -1,0 +1,132 @@
+"""The tensor-parallel group of one rank and the collectives the model layers call.
+
+Layers hold a `TensorParallelGroup` passed to them at build time and never see the backend (NCCL
+on CUDA, gloo on CPU) or the executor that started the process. A group of world size 1 needs no
+torch.distributed at all: every collective returns its input unchanged (today's single-process
+path). Collectives run on the caller's current CUDA stream, so with NCCL they can be captured in
+CUDA graphs as long as the group is initialised before capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("nccl", "gloo")
+# torch >= 2.10 names it all_gather_single (all_gather_into_tensor is deprecated there).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class TensorParallelGroup:
+    """One rank's view of its tensor-parallel group: `rank` in [0, world_size)."""
+
+    __slots__ = ("rank", "world_size", "_group")
+
+    def __init__(
+        self, rank: int = 0, world_size: int = 1, group: dist.ProcessGroup | None = None
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank: must be in [0, world_size={world_size}), got {rank}")
+        if world_size > 1 and group is None:
+            raise ValueError(
+                f"world_size: a group of {world_size} ranks needs a torch.distributed process "
+                "group (use init_distributed)"
+            )
+        self.rank = rank
+        self.world_size = world_size
+        self._group = group
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place; returns `tensor`."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self._group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `tensor` (same shape on all ranks) concatenated along `dim`, in rank
+        order, on every rank."""
+        if self.world_size == 1:
+            return tensor
+        dim = dim % tensor.dim()
+        gathered = torch.empty(
+            (self.world_size * tensor.shape[0], *tensor.shape[1:]),
+            dtype=tensor.dtype,
+            device=tensor.device,
+        )
+        _all_gather_single(gathered, tensor.contiguous(), group=self._group)
+        if dim == 0:
+            return gathered
+        return _concat_ranks(gathered.view(self.world_size, *tensor.shape), dim)
+
+    def gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
+        """Every rank's `tensor` concatenated along `dim` on rank 0; None on the other ranks."""
+        if self.world_size == 1:
+            return tensor
+        dim = dim % tensor.dim()
+        tensor = tensor.contiguous()
+        if self.rank != 0:
+            dist.gather(tensor, None, dst=0, group=self._group)
+            return None
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.gather(tensor, parts, dst=0, group=self._group)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `tensor` copied into `tensor` on every rank, in place; returns it."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=dist.get_global_rank(self._group, src), group=self._group)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self._group)
+
+
+def _concat_ranks(gathered: torch.Tensor, dim: int) -> torch.Tensor:
+    """[world, *shape] -> the ranks' tensors concatenated along `dim` of `shape`."""
+    world = gathered.shape[0]
+    shape = list(gathered.shape[1:])
+    moved = gathered.movedim(0, dim)  # [..., world, shape[dim], ...]
+    shape[dim] *= world
+    return moved.reshape(shape)
+
+
+def init_distributed(
+    world_size: int, rank: int, init_method: str, backend: str
+) -> TensorParallelGroup:
+    """Joins this process to the default process group (every rank of the tensor-parallel
+    group) and returns its TensorParallelGroup. world_size 1 initialises nothing. On CUDA the
+    caller sets this process's device (torch.cuda.set_device) first."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: must be in [0, {world_size}), got {rank!r}")
+    if world_size == 1:
+        return TensorParallelGroup()
+    if dist.is_initialized():
+        raise ValueError("init_distributed: this process already belongs to a process group")
+    device_id = None
+    if backend == "nccl":
+        device_id = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        world_size=world_size,
+        rank=rank,
+        device_id=device_id,
+    )
+    group = dist.group.WORLD
+    assert group is not None
+    return TensorParallelGroup(rank, world_size, group)
+
+
+def destroy_distributed() -> None:
+    """Leaves the process group, if this process joined one (safe to call twice)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
