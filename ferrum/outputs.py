@@ -15,6 +15,9 @@ class Logprob:
 
 # One dict per generated position: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt position, None for the first (nothing precedes it): the prompt token
+# plus the top-k.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -59,12 +62,16 @@ class RequestOutput:
     # Prompt tokens served from the prefix cache at admission.
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    # With SamplingParams.prompt_logprobs: in every output, or only the first of DELTA outputs.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, next_output: RequestOutput) -> None:
         """Appends the next DELTA output of this request to this one (for a reader that fell
         behind): every output of a request lists all its completions in index order."""
         self.finished = next_output.finished
         self.num_cached_tokens = next_output.num_cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
         for mine, new in zip(self.outputs, next_output.outputs):
             mine.text += new.text
             mine.token_ids.extend(new.token_ids)

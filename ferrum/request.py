@@ -67,6 +67,7 @@ class Request:
         "block_hashes",
         "stop_reason",
         "grammar",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -99,6 +100,11 @@ class Request:
         self.stop_reason: int | str | None = None
         # Structured outputs: the grammar (compiling, then its matcher); set by the engine core.
         self.grammar: RequestGrammar | None = None
+        # prompt_logprobs: positions 1, 2, ... of the prompt collected so far, until they are
+        # sent with the first output token (then None; None too when not asked for).
+        self.prompt_logprobs: list[Logprobs] | None = (
+            [] if sampling_params.prompt_logprobs is not None else None
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -33,7 +33,7 @@ from ferrum.engine.input_processor import load_tokenizer
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.logger import init_logger
 from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
-from ferrum.request import Request, RequestStatus
+from ferrum.request import Logprobs, Request, RequestStatus
 from ferrum.scheduler.output import SchedulerOutput
 from ferrum.scheduler.scheduler import Scheduler
 from ferrum.structured_output import StructuredOutputMatcher
@@ -109,6 +109,8 @@ class EngineCore:
         request = Request(*args)
         for token_id in r.output_token_ids:
             request.append_output_token(token_id)
+        if r.output_token_ids:
+            request.prompt_logprobs = None  # the front end has them
         if r.sampling_params.structured_outputs is not None:
             request.grammar = RequestGrammar(
                 self.grammars.submit(r.sampling_params.structured_outputs)
@@ -198,6 +200,8 @@ class EngineCore:
             self._in_flight.clear()
             raise
         self._in_flight.popleft()
+        if runner_output.prompt_logprobs:
+            self._collect_prompt_logprobs(runner_output.prompt_logprobs)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         logprobs = (
             dict(zip(runner_output.req_ids, runner_output.logprobs))
@@ -211,11 +215,23 @@ class EngineCore:
                 finish_reason=u.request.status.finish_reason if u.finished else None,
                 stop_reason=u.request.stop_reason,
                 logprobs=logprobs.get(u.request.req_id),
+                prompt_logprobs=_take_prompt_logprobs(u.request),
                 num_cached_tokens=max(u.request.num_cached_tokens, 0),
                 first_scheduled_time=u.request.first_scheduled_time,
             )
             for u in updates
         )
+
+    def _collect_prompt_logprobs(self, chunks: dict[str, tuple[int, list[Logprobs]]]) -> None:
+        """Appends each chunk's positions that its request has not collected yet (a request
+        recomputed after a preemption scores its prompt again)."""
+        for req_id, (first_position, entries) in chunks.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            skip = len(request.prompt_logprobs) + 1 - first_position
+            assert skip >= 0, "prompt logprobs arrive in position order"
+            request.prompt_logprobs.extend(entries[skip:])
 
     def _record_failed_steps(self, steps: list[SchedulerOutput]) -> None:
         """Adds the requests of `steps` to `failed_step_req_ids`: a launch that raised names its
@@ -237,6 +253,17 @@ class EngineCore:
             iteration_tokens_counts=tuple(self._iteration_tokens_counts),
             iteration_tokens_sum=self._iteration_tokens_sum,
         )
+
+
+def _take_prompt_logprobs(request: Request) -> list[Logprobs] | None:
+    """The request's prompt logprobs, once its first output token exists (then they are sent
+    and forgotten here)."""
+    collected = request.prompt_logprobs
+    if collected is None or not request.output_token_ids:
+        return None
+    assert len(collected) == request.num_prompt_tokens - 1
+    request.prompt_logprobs = None
+    return collected
 
 
 # How long an idle step sleeps while a request waits for its grammar.

@@ -37,6 +37,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: Logprobs | None = None
+    # prompt_logprobs, once, with the first output token: prompt positions 1, 2, ... (the
+    # prompt token first in each).
+    prompt_logprobs: list[Logprobs] | None = None
     num_cached_tokens: int = 0
     # time.monotonic() in the core when the request was first scheduled (its queue time ends).
     first_scheduled_time: float | None = None

@@ -27,10 +27,6 @@ class ProcessedPrompt:
 PromptType = str | dict[str, Any] | ProcessedPrompt
 
 
-# SamplingParams fields the engine does not apply yet: a request setting one is refused.
-_NOT_APPLIED_YET = ("prompt_logprobs",)
-
-
 def load_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
     if model_config.skip_tokenizer_init:
         return None
@@ -140,9 +136,6 @@ class InputProcessor:
     def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """A copy with max_tokens=None resolved and the model's EOS ids; checks length limits."""
         params = params.clone()
-        for name in _NOT_APPLIED_YET:
-            if getattr(params, name) is not None:
-                raise ValueError(f"SamplingParams.{name} is not supported yet")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True)")
         self._check_token_fields(params)

@@ -15,7 +15,13 @@ from ferrum.engine.core_messages import EngineCoreOutput, EngineCoreRequest
 from ferrum.engine.detokenizer import IncrementalDetokenizer
 from ferrum.engine.input_processor import ProcessedPrompt
 from ferrum.engine.tokenizer import Tokenizer
-from ferrum.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ferrum.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from ferrum.request import Logprobs
 from ferrum.sampling_params import RequestOutputKind
 
@@ -42,6 +48,9 @@ class _ParentState:
     output_kind: RequestOutputKind
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # prompt_logprobs once a completion brought them; `prompt_logprobs_sent`: in a DELTA output.
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -115,6 +124,9 @@ class OutputProcessor:
             self._record_times(parent.metrics, child, core_output, now)
             parent.num_cached_tokens = max(parent.num_cached_tokens, core_output.num_cached_tokens)
             self._add_logprobs(child, core_output.logprobs)
+            if core_output.prompt_logprobs is not None and parent.prompt_logprobs is None:
+                parent.prompt_logprobs = [None]
+                parent.prompt_logprobs.extend(map(self._logprob_entry, core_output.prompt_logprobs))
             stop_terminated = core_output.finish_reason == "stop"
             stop_string = child.detokenizer.update(core_output.new_token_ids, stop_terminated)
             if stop_string is not None:
@@ -160,6 +172,12 @@ class OutputProcessor:
     def _add_logprobs(self, child: _ChildState, step: Logprobs | None) -> None:
         if child.logprobs is None or step is None:
             return
+        child.logprobs.append(self._logprob_entry(step))
+        assert child.cumulative_logprob is not None
+        child.cumulative_logprob += step.logprobs[0]
+
+    def _logprob_entry(self, step: Logprobs) -> dict[int, Logprob]:
+        """One position's token id -> Logprob: the chosen (sampled or prompt) token first."""
         entry: dict[int, Logprob] = {}
         for rank_index, (token_id, value) in enumerate(zip(step.token_ids, step.logprobs)):
             rank = step.sampled_rank if rank_index == 0 else rank_index
@@ -168,9 +186,7 @@ class OutputProcessor:
                 if self.tokenizer is not None:
                     text = self.tokenizer.decode([token_id], skip_special_tokens=False)
                 entry[token_id] = Logprob(value, rank, text)
-        child.logprobs.append(entry)
-        assert child.cumulative_logprob is not None
-        child.cumulative_logprob += step.logprobs[0]
+        return entry
 
     def _make_output(self, parent: _ParentState, now: float) -> RequestOutput:
         finished = parent.finished
@@ -183,6 +199,10 @@ class OutputProcessor:
             for child_id in parent.children:
                 self._parent_of.pop(child_id, None)
         delta = parent.output_kind is RequestOutputKind.DELTA
+        prompt_logprobs = parent.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs = None if parent.prompt_logprobs_sent else prompt_logprobs
+            parent.prompt_logprobs_sent = True
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt.text,
@@ -193,6 +213,7 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
+            prompt_logprobs=prompt_logprobs,
         )
 
     @staticmethod

@@ -13,7 +13,7 @@ the previous one, which has completed (at most one step is in flight while the n
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +30,11 @@ from ferrum.model_executor.kv_cache_sizing import (
     num_blocks_from_budget,
 )
 from ferrum.model_executor.model_loader import load_model
+from ferrum.model_executor.prompt_logprobs import (
+    PromptLogprobsChunk,
+    compute_prompt_logprobs,
+    prompt_rows,
+)
 from ferrum.model_executor.sampler import Sampler, SamplerOutput, advance_sampling_generator
 from ferrum.model_executor.sampling_metadata import (
     SamplingMetadata,
@@ -387,10 +392,14 @@ class ModelRunner:
             self.requests, num_scheduled, num_tokens, self._last_sampled_rows, pad_to=shape
         )
         hidden_states = self._forward(inputs, shape, num_tokens)
+        prompt_chunks = [
+            compute_prompt_logprobs(hidden_states, rows, self.model.compute_logits)
+            for rows in prompt_rows(self._prompt_views(num_scheduled), num_scheduled)
+        ]
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         if not inputs.sampled_req_ids:
-            return LaunchedStep([], [], None, None)
+            return LaunchedStep([], [], None, None, prompt_chunks)
 
         if inputs.logits_indices is not None:
             hidden_states = hidden_states[inputs.logits_indices]
@@ -420,12 +429,26 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(inputs.sampled_req_ids, states, host_output, done)
+        return LaunchedStep(inputs.sampled_req_ids, states, host_output, done, prompt_chunks)
+
+    def _prompt_views(
+        self, num_scheduled: dict[str, int]
+    ) -> dict[str, tuple[list[int], int, int | None]]:
+        """What `prompt_rows` needs of each scheduled request, before this step's forward."""
+        views = {}
+        for req_id in num_scheduled:
+            state = self.requests[req_id]
+            k = state.params.prompt_logprobs
+            views[req_id] = (state.prompt_token_ids, state.num_computed_tokens, k)
+        return views
 
     def complete(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Waits for a launched step's tokens and hands them to the host."""
+        prompt_logprobs = (
+            {c.req_id: c.to_host() for c in step.prompt_logprobs} if step.prompt_logprobs else None
+        )
         if step.output is None:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         if step.done is not None:
             step.done.synchronize()
         sampled, logprobs = step.output.to_host([s.params.logprobs for s in step.states])
@@ -435,7 +458,7 @@ class ModelRunner:
             state.token_ids.append(token_id)
         if logprobs is not None and all(lp is None for lp in logprobs):
             logprobs = None
-        return ModelRunnerOutput(req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -447,3 +470,5 @@ class LaunchedStep:
     states: list[CachedRequestState]
     output: SamplerOutput | None
     done: torch.cuda.Event | None
+    # prompt_logprobs of the requests whose prompt positions ran in this step.
+    prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)

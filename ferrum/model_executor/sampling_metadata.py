@@ -45,7 +45,7 @@ def _put(staging: StagingBuffer, values: list, dtype: torch.dtype) -> torch.Tens
     return device
 
 
-def _to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host -> device copy of data whose size no config bounds, that never waits for the device
     (pinned + non_blocking on CUDA)."""
     cpu = torch.as_tensor(np.asarray(data)).to(dtype)
@@ -67,7 +67,7 @@ def _token_counts(
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise ValueError(f"{field} must lie in [0, vocab_size={vocab_size})")
     row_index = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
-    flat = _to_device(row_index * vocab_size + ids, torch.int64, device)
+    flat = to_device(row_index * vocab_size + ids, torch.int64, device)
     counts.view(-1).index_add_(0, flat, torch.ones(total, dtype=dtype, device=device))
     return counts
 
@@ -230,8 +230,8 @@ class SamplingMetadata:
             row_index.extend([i] * len(ids))
             token_ids.extend(ids)
         if token_ids:
-            self.banned_rows = _to_device(row_index, torch.int64, device)
-            self.banned_token_ids = _to_device(token_ids, torch.int64, device)
+            self.banned_rows = to_device(row_index, torch.int64, device)
+            self.banned_token_ids = to_device(token_ids, torch.int64, device)
 
     def _fill_logit_bias(self, rows: list[SamplingRow], device: torch.device) -> None:
         row_index: list[int] = []
@@ -247,9 +247,9 @@ class SamplingMetadata:
                 token_ids.append(token_id)
                 values.append(bias)
         if token_ids:
-            self.bias_rows = _to_device(row_index, torch.int64, device)
-            self.bias_token_ids = _to_device(token_ids, torch.int64, device)
-            self.bias_values = _to_device(values, torch.float32, device)
+            self.bias_rows = to_device(row_index, torch.int64, device)
+            self.bias_token_ids = to_device(token_ids, torch.int64, device)
+            self.bias_values = to_device(values, torch.float32, device)
 
     def _fill_allowed(self, rows: list[SamplingRow], device: torch.device) -> None:
         allowed_rows = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
@@ -266,9 +266,9 @@ class SamplingMetadata:
             raise ValueError(f"allowed_token_ids must lie in [0, vocab_size={self.vocab_size})")
         mask = torch.ones(len(allowed_rows), self.vocab_size, dtype=torch.bool, device=device)
         mask[
-            _to_device(local_index, torch.int64, device), _to_device(token_ids, torch.int64, device)
+            to_device(local_index, torch.int64, device), to_device(token_ids, torch.int64, device)
         ] = False
-        self.allowed_rows = _to_device(allowed_rows, torch.int64, device)
+        self.allowed_rows = to_device(allowed_rows, torch.int64, device)
         self.disallowed_mask = mask
 
 

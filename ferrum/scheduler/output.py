@@ -62,6 +62,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # One entry per sampled request when any request in the batch asked for logprobs.
     logprobs: list[Logprobs | None] | None = None
+    # prompt_logprobs: per request computing prompt positions this step, the first position it
+    # covers (>= 1: position 0 has none) and one entry per position, the prompt token first.
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

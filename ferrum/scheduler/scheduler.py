@@ -11,6 +11,9 @@ A waiting request whose grammar (structured outputs) is still compiling is passe
 its place; one whose compile failed is finished (aborted) and reported by `take_failed`. The
 grammar's matcher accepts every output token as it is appended; once the grammar has ended (its
 end token accepted) the request stops with "stop".
+
+A request that asks for prompt logprobs takes no prefix-cache hit until they are sent: they are
+computed by the forward over the prompt (as vLLM does).
 """
 
 from __future__ import annotations
@@ -171,9 +174,14 @@ class Scheduler:
                 compiling.append(self.waiting.popleft())
                 continue
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
-                request, record_stats=request.req_id not in self._looked_up
+                request,
+                record_stats=request.req_id not in self._looked_up
+                and request.prompt_logprobs is None,
             )
             self._looked_up.add(request.req_id)
+            if request.prompt_logprobs is not None:
+                # Prompt logprobs come from the forward: the whole prompt is computed.
+                computed_blocks, num_computed = [], 0
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 break

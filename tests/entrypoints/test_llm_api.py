@@ -242,10 +242,16 @@ def test_the_progress_bar_shows_token_rates(llm: LLM, capsys: pytest.CaptureFixt
     assert "est. speed input:" in err and "output:" in err and "toks/s" in err
 
 
-def test_prompt_logprobs_are_refused_until_supported(llm: LLM) -> None:
-    with pytest.raises(ValueError, match=r"SamplingParams\.prompt_logprobs is not supported yet"):
-        llm.generate("Hello", SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
-    assert not llm.llm_engine.has_unfinished_requests()
+def test_prompt_logprobs_are_decoded(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    (output,) = llm.generate("Hello there, world", params, use_tqdm=False)
+    prompt_logprobs = output.prompt_logprobs
+    assert prompt_logprobs is not None and prompt_logprobs[0] is None
+    assert len(prompt_logprobs) == len(output.prompt_token_ids)
+    tokenizer = llm.get_tokenizer()
+    for token_id, entry in zip(output.prompt_token_ids[1:], prompt_logprobs[1:]):
+        assert entry is not None and 1 <= len(entry) <= 2
+        assert entry[token_id].decoded_token == tokenizer.decode([token_id])
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words(llm: LLM) -> None:

@@ -18,11 +18,13 @@ from pydantic import (
 )
 
 from ferrum.entrypoints.openai.protocol import (
+    NO_STREAMED_PROMPT_LOGPROBS,
     NOT_NULL,
     UNION_TAG,
     NumLogprobs,
     OpenAIModel,
     PositiveInt,
+    PromptLogprobsJSON,
     RequestModel,
     SamplingRequest,
     TokenizeCompletionRequest,
@@ -150,6 +152,7 @@ class ChatCompletionRequest(SamplingRequest):
             "allOf": [
                 implies({"top_logprobs": NOT_NULL}, {"logprobs": True}),
                 implies({"continue_final_message": True}, {"add_generation_prompt": False}),
+                NO_STREAMED_PROMPT_LOGPROBS,
             ]
         }
     )
@@ -277,6 +280,8 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    # vLLM's extension, with the request's prompt_logprobs.
+    prompt_logprobs: PromptLogprobsJSON | None = None
 
 
 class _SparseModel(OpenAIModel):

@@ -241,6 +241,9 @@ class StreamOptions(RequestModel):
     include_usage: bool | None = False
 
 
+NO_STREAMED_PROMPT_LOGPROBS = excludes({"stream": True, "prompt_logprobs": NOT_NULL})
+
+
 class SamplingRequest(RequestModel):
     """Fields shared by completions and chat completions. None means "the model's default"
     (generation_config.json), then OpenAI's."""
@@ -270,6 +273,8 @@ class SamplingRequest(RequestModel):
     )
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[NonBlankText] | None = None
+    # vLLM's extension: per prompt token, its logprob and the top-k (not with stream=true).
+    prompt_logprobs: NumLogprobs | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # No effect (see NO_EFFECT_FIELDS).
@@ -323,7 +328,15 @@ class SamplingRequest(RequestModel):
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
             structured_outputs=structured_outputs,
+            prompt_logprobs=self.prompt_logprobs,
         )
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs_in_streams(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available with stream=true")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -331,9 +344,7 @@ class SamplingRequest(RequestModel):
 
 
 class CompletionRequest(SamplingRequest):
-    model_config = ConfigDict(
-        json_schema_extra={"allOf": [excludes({"echo": True, "logprobs": NOT_NULL})]}
-    )
+    model_config = ConfigDict(json_schema_extra={"allOf": [NO_STREAMED_PROMPT_LOGPROBS]})
 
     prompt: (
         NonEmptyText
@@ -351,13 +362,6 @@ class CompletionRequest(SamplingRequest):
 
     # Cross-field rules are field validators (the error names the field); fields are
     # validated in declaration order, so `info.data` holds the ones above.
-    @field_validator("logprobs")
-    @classmethod
-    def _no_echo_with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and info.data.get("echo"):
-            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
-        return value
-
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -402,12 +406,25 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's prompt_logprobs entry for one token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (None for the first): token id (as text) -> its entry.
+PromptLogprobsJSON = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None
 
 
 class CompletionResponse(OpenAIModel):

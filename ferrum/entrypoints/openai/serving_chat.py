@@ -45,6 +45,7 @@ from ferrum.entrypoints.openai.serving_engine import (
     finite_logprob,
     is_unicode,
     off_loop,
+    prompt_logprobs_json,
     sse_event,
     stream_error_event,
     usage_of,
@@ -273,6 +274,7 @@ class OpenAIServingChat(OpenAIServing):
             model=model,
             choices=choices,
             usage=usage_of([tokenized], [output], num_generated),
+            prompt_logprobs=prompt_logprobs_json(output.prompt_logprobs),
         )
 
     async def _stream(

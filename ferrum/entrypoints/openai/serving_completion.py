@@ -24,19 +24,32 @@ from ferrum.entrypoints.openai.serving_engine import (
     OpenAIServing,
     finite_logprob,
     off_loop,
+    prompt_logprobs_json,
     sse_event,
     stream_error_event,
     usage_of,
 )
-from ferrum.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from ferrum.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 
 
 def completion_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, text_offset: int
+    token_ids: list[int],
+    logprobs: PromptLogprobs,
+    text_offset: int,
+    first_token_text: str = "",
 ) -> CompletionLogprobs:
-    """OpenAI's legacy completions shape; offsets count characters from `text_offset`."""
+    """OpenAI's legacy completions shape; offsets count characters from `text_offset`. A None
+    entry is an echoed prompt's first token (nothing precedes it): `first_token_text`, and null
+    logprobs."""
     result = CompletionLogprobs()
-    for token_id, entry in zip(token_ids, logprobs):
+    for token_id, entry in zip(token_ids, logprobs, strict=True):
+        if entry is None:
+            result.tokens.append(first_token_text)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            result.text_offset.append(text_offset)
+            text_offset += len(first_token_text)
+            continue
         sampled = entry.get(token_id)
         token = (sampled.decoded_token if sampled else None) or ""
         result.tokens.append(token)
@@ -72,6 +85,9 @@ class OpenAIServingCompletion(OpenAIServing):
         for index, prompt in enumerate(tokenized):
             max_tokens = self.max_tokens_for(request.max_tokens, len(prompt.token_ids), "prompt")
             params = self.sampling_params(request, max_tokens, request.logprobs, constraint)
+            if request.echo and request.logprobs is not None:
+                # The echoed prompt's tokens carry logprobs too.
+                params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)
             submissions.append((f"{request_id}-{index}", prompt, params))
         streams = await self.add_requests(submissions, "prompt", self.constraint_param(request))
         model = request.model or self.model_names[0]
@@ -84,7 +100,14 @@ class OpenAIServingCompletion(OpenAIServing):
             for completion in output.outputs:
                 num_generated += len(completion.token_ids)
                 choices.append(
-                    self._choice(request, prompt_index, completion, echoes[prompt_index])
+                    self._choice(
+                        request,
+                        prompt_index,
+                        completion,
+                        echoes[prompt_index],
+                        tokenized[prompt_index],
+                        output.prompt_logprobs,
+                    )
                 )
         return CompletionResponse(
             id=request_id,
@@ -102,17 +125,56 @@ class OpenAIServingCompletion(OpenAIServing):
         return await off_loop(len(prompt.token_ids), tokenizer.decode, prompt.token_ids, False)
 
     def _choice(
-        self, request: CompletionRequest, prompt_index: int, completion: CompletionOutput, echo: str
+        self,
+        request: CompletionRequest,
+        prompt_index: int,
+        completion: CompletionOutput,
+        echo: str,
+        prompt: ProcessedPrompt,
+        prompt_logprobs: PromptLogprobs | None,
     ) -> CompletionChoice:
         logprobs = None
         if request.logprobs is not None and completion.logprobs is not None:
-            logprobs = completion_logprobs(completion.token_ids, completion.logprobs, len(echo))
+            logprobs = self._logprobs(
+                request,
+                prompt,
+                prompt_logprobs,
+                completion.token_ids,
+                completion.logprobs,
+                len(echo),
+                with_prompt=True,
+            )
         return CompletionChoice(
             index=prompt_index * request.n + completion.index,
             text=echo + completion.text,
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,
+            prompt_logprobs=(
+                prompt_logprobs_json(prompt_logprobs)
+                if request.prompt_logprobs is not None
+                else None
+            ),
+        )
+
+    def _logprobs(
+        self,
+        request: CompletionRequest,
+        prompt: ProcessedPrompt,
+        prompt_logprobs: PromptLogprobs | None,
+        token_ids: list[int],
+        logprobs: PromptLogprobs,
+        text_offset: int,
+        with_prompt: bool,
+    ) -> CompletionLogprobs:
+        """The legacy logprobs of `token_ids` (offsets from `text_offset`), after the echoed
+        prompt's when `with_prompt` (then the offsets count from the prompt's first token)."""
+        if not (with_prompt and request.echo and prompt_logprobs is not None):
+            return completion_logprobs(token_ids, logprobs, text_offset)
+        tokenizer = self.engine.tokenizer
+        first = "" if tokenizer is None else tokenizer.decode(prompt.token_ids[:1], False)
+        return completion_logprobs(
+            prompt.token_ids + token_ids, prompt_logprobs + logprobs, 0, first
         )
 
     async def _stream(
@@ -139,12 +201,20 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             for prompt_index, stream in enumerate(streams):
                 states: dict[int, ChoiceState] = {}
+                prompt_logprobs = None  # sent with a DELTA stream's first output
                 async for output in stream:
                     last_outputs[prompt_index] = output
+                    prompt_logprobs = prompt_logprobs or output.prompt_logprobs
                     choices = []
                     for completion in output.outputs:
                         choice = self._delta_choice(
-                            request, prompt_index, completion, echoes[prompt_index], states
+                            request,
+                            prompt_index,
+                            completion,
+                            echoes[prompt_index],
+                            states,
+                            tokenized[prompt_index],
+                            prompt_logprobs,
                         )
                         if choice is not None:
                             choices.append(choice)
@@ -166,19 +236,31 @@ class OpenAIServingCompletion(OpenAIServing):
         completion: CompletionOutput,
         echo: str,
         states: dict[int, ChoiceState],
+        prompt: ProcessedPrompt,
+        prompt_logprobs: PromptLogprobs | None,
     ) -> CompletionChoice | None:
-        """The choice's news since its last chunk, or None when there is nothing to send."""
+        """The choice's news since its last chunk, or None when there is nothing to send. The
+        first chunk carries the echo (and, with logprobs, the prompt's)."""
         state = states.setdefault(completion.index, ChoiceState())
         update = state.advance(completion)
         if update is None:
             return None
         delta, new_token_ids, new_logprobs, text_offset = update
+        first = state.num_chunks == 1
         logprobs = None
         if request.logprobs is not None and new_logprobs is not None:
-            logprobs = completion_logprobs(new_token_ids, new_logprobs, len(echo) + text_offset)
+            logprobs = self._logprobs(
+                request,
+                prompt,
+                prompt_logprobs,
+                new_token_ids,
+                new_logprobs,
+                len(echo) + text_offset,
+                with_prompt=first,
+            )
         return CompletionChoice(
             index=prompt_index * request.n + completion.index,
-            text=(echo if state.num_chunks == 1 else "") + delta,
+            text=(echo if first else "") + delta,
             logprobs=logprobs,
             finish_reason=completion.finish_reason,
             stop_reason=completion.stop_reason,

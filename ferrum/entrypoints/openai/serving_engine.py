@@ -18,13 +18,15 @@ from ferrum.engine.async_llm import (
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.entrypoints.openai.protocol import (
     APIError,
+    PromptLogprob,
+    PromptLogprobsJSON,
     PromptTokensDetails,
     SamplingRequest,
     UsageInfo,
 )
 from ferrum.entrypoints.openai.structured_outputs import requested_constraint
 from ferrum.logger import init_logger
-from ferrum.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from ferrum.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from ferrum.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = init_logger(__name__)
@@ -265,6 +267,23 @@ def usage_of(
 def finite_logprob(value: float) -> float:
     """JSON has no -inf: impossible tokens get OpenAI's -9999.0."""
     return value if value > -9999.0 else -9999.0
+
+
+def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobsJSON | None:
+    """vLLM's prompt_logprobs response field."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(token_id): PromptLogprob(
+                logprob=finite_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for token_id, lp in entry.items()
+        }
+        for entry in prompt_logprobs
+    ]
 
 
 class ChoiceState:

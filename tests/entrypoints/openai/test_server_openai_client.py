@@ -258,3 +258,60 @@ def test_metrics_exposed(server: RemoteServer) -> None:
     assert metrics["ferrum:iteration_tokens_total_sum"] >= 2
     assert metrics["ferrum:generation_tokens_total"] >= 2
     assert metrics["ferrum:e2e_request_latency_seconds_count"] >= 1
+
+
+def _tokens(server: RemoteServer, text: str) -> list[int]:
+    response = httpx.post(
+        server.url + "/tokenize", json={"prompt": text}, headers=server.headers, timeout=10
+    )
+    return response.json()["tokens"]
+
+
+def test_prompt_logprobs_and_echo_with_logprobs_agree(server: RemoteServer) -> None:
+    """vLLM's prompt_logprobs field (first position null, the prompt token's entry in each) and
+    the legacy echo + logprobs shape carry the same numbers; a stream sends the same tokens."""
+    client = server.client()
+    prompt_ids = _tokens(server, PROMPT)
+    common = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=2)
+    result = client.completions.create(
+        **common, echo=True, extra_body={"prompt_logprobs": 1, "ignore_eos": True}
+    )
+    choice = result.choices[0]
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
+    for token_id, entry in zip(prompt_ids[1:], prompt_logprobs[1:]):
+        assert str(token_id) in entry and entry[str(token_id)]["logprob"] <= 0.0
+        assert entry[str(token_id)]["rank"] >= 1 and len(entry) <= 3  # top-2, echo's
+    logprobs = choice.logprobs
+    assert logprobs is not None and choice.text.startswith(PROMPT)
+    assert len(logprobs.tokens) == len(prompt_ids) + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for position, token_id in enumerate(prompt_ids[1:], 1):
+        expected = prompt_logprobs[position][str(token_id)]["logprob"]
+        assert logprobs.token_logprobs[position] == pytest.approx(expected)
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset[len(prompt_ids)] == len(PROMPT)
+
+    tokens, token_logprobs, text = [], [], ""
+    for chunk in client.completions.create(
+        **common, echo=True, stream=True, extra_body={"ignore_eos": True}
+    ):
+        for streamed in chunk.choices:
+            text += streamed.text
+            if streamed.logprobs is not None:
+                tokens += streamed.logprobs.tokens
+                token_logprobs += streamed.logprobs.token_logprobs
+    assert text == choice.text and tokens == logprobs.tokens
+    assert token_logprobs == pytest.approx(logprobs.token_logprobs)
+
+
+def test_chat_prompt_logprobs(server: RemoteServer) -> None:
+    result = server.client().chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    prompt_logprobs = result.model_extra["prompt_logprobs"]
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == result.usage.prompt_tokens
+    assert all(len(entry) == 1 for entry in prompt_logprobs[1:])

@@ -39,7 +39,18 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
         ("/v1/completions", {"prompt": [[False]]}, "prompt", ""),
         ("/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix", ""),
         ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "must equal n"),
-        ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, "logprobs", "echo"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "stream": True, "prompt_logprobs": 1},
+            "prompt_logprobs",
+            "stream=true",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": USER, "stream": True, "prompt_logprobs": 0},
+            "prompt_logprobs",
+            "stream=true",
+        ),
         # Tools need the server's flags for "auto" (the default once tools are given).
         (
             "/v1/chat/completions",

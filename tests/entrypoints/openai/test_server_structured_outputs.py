@@ -1,8 +1,5 @@
 """Constrained output through the server with the official client, on the shared server's
-random-ish tiny model: whatever it would say, the output parses and matches the schema.
-
-These run once the engine applies structured outputs (until then it refuses them with a 400,
-which the first test checks)."""
+random-ish tiny model: whatever it would say, the output parses and matches the schema."""
 
 from __future__ import annotations
 
@@ -14,7 +11,6 @@ import openai
 import pytest
 
 from ferrum.default_model import DEFAULT_MODEL_NAME
-from ferrum.engine.input_processor import _NOT_APPLIED_YET
 from tests.utils.remote_server import RemoteServer
 
 MODEL = DEFAULT_MODEL_NAME
@@ -58,20 +54,8 @@ TIME = {
         },
     },
 }
-applied = pytest.mark.skipif(
-    "structured_outputs" in _NOT_APPLIED_YET, reason="the engine does not apply grammars yet"
-)
 
 
-@pytest.mark.skipif("structured_outputs" not in _NOT_APPLIED_YET, reason="grammars are applied")
-def test_until_the_engine_applies_grammars_they_are_refused(server: RemoteServer) -> None:
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        server.client().chat.completions.create(
-            model=MODEL, messages=USER, max_tokens=8, response_format={"type": "json_object"}
-        )
-
-
-@applied
 @pytest.mark.parametrize("seed", SEEDS)
 def test_json_schema_output_always_validates(server: RemoteServer, seed: int) -> None:
     result = server.client().chat.completions.create(
@@ -90,7 +74,6 @@ def test_json_schema_output_always_validates(server: RemoteServer, seed: int) ->
     jsonschema.validate(json.loads(choice.message.content), PERSON)
 
 
-@applied
 @pytest.mark.parametrize("seed", SEEDS)
 def test_completions_structured_outputs_kinds(server: RemoteServer, seed: int) -> None:
     client = server.client()
@@ -152,7 +135,6 @@ def required_calls(
     return [(names[i], json.loads(arguments[i])) for i in sorted(names)]
 
 
-@applied
 @pytest.mark.parametrize("seed", SEEDS)
 def test_required_tool_calls_always_parse_and_validate(server: RemoteServer, seed: int) -> None:
     calls = required_calls(server, seed, stream=False)
@@ -164,7 +146,6 @@ def test_required_tool_calls_always_parse_and_validate(server: RemoteServer, see
     assert required_calls(server, seed, stream=True) == calls
 
 
-@applied
 def test_named_tool_choice_calls_that_function_once(server: RemoteServer) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
     for seed in SEEDS:
@@ -172,7 +153,6 @@ def test_named_tool_choice_calls_that_function_once(server: RemoteServer) -> Non
         assert [name for name, _ in calls] == ["get_time"]
 
 
-@applied
 @pytest.mark.parametrize(
     ("body", "words"),
     [
@@ -196,7 +176,6 @@ def test_invalid_schema_or_grammar_is_400(server: RemoteServer, body: dict, word
         )
 
 
-@applied
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 @pytest.mark.parametrize(
     ("body", "param"),
