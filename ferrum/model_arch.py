@@ -12,14 +12,22 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 _REQUIRED: Any = object()
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 # The architectures (config.json `architectures[0]`) the model registry can build.
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
+    "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
 )
+# Multimodal containers of which only the language model (config.json `text_config`) loads.
+TEXT_CONFIG_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 def check_architecture(hf_config: dict[str, Any]) -> str:
@@ -39,10 +47,21 @@ def check_architecture(hf_config: dict[str, Any]) -> str:
     return arch
 
 
-def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling) from either config spelling: transformers 5 `rope_parameters` or the
-    older top-level `rope_theta` + `rope_scaling`. scaling is None for plain RoPE."""
+def rope_parameters(
+    hf_config: dict[str, Any], layer_type: str = FULL_ATTENTION
+) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from either config spelling: transformers 5 `rope_parameters` (flat,
+    or one entry per layer type as Gemma 3 writes it) or the older top-level `rope_theta` +
+    `rope_scaling` (+ Gemma 3's `rope_local_base_freq` for sliding layers). scaling is None for
+    plain RoPE."""
     params = dict(hf_config.get("rope_parameters") or {})
+    per_type = any(key in params for key in LAYER_TYPES)
+    if per_type:
+        params = dict(params.get(layer_type) or {})
+    local_theta = hf_config.get("rope_local_base_freq")
+    if layer_type == SLIDING_ATTENTION and local_theta is not None and not per_type:
+        # Legacy Gemma 3: sliding layers use plain RoPE at their own base.
+        return float(local_theta), None
     legacy = hf_config.get("rope_scaling") or {}
     for key, value in legacy.items():
         params.setdefault(key, value)
@@ -58,6 +77,45 @@ def rope_parameters(hf_config: dict[str, Any]) -> tuple[float, dict[str, Any] | 
     scaling["rope_type"] = rope_type
     scaling.setdefault("original_max_position_embeddings", hf_config.get("max_position_embeddings"))
     return float(theta), scaling
+
+
+def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config: the nested `text_config` of a multimodal container (its
+    top-level `architectures` kept), else the config itself."""
+    if check_architecture(hf_config) not in TEXT_CONFIG_ARCHITECTURES:
+        return hf_config
+    nested = hf_config.get("text_config")
+    if not isinstance(nested, dict):
+        raise ValueError(
+            f"text_config: {hf_config['architectures'][0]} needs a text_config object in "
+            "config.json"
+        )
+    inherited = {k: hf_config[k] for k in ("tie_word_embeddings",) if k in hf_config}
+    return {**inherited, **nested, "architectures": hf_config["architectures"]}
+
+
+def _layer_types(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[str, ...]:
+    """Each layer's attention: Gemma 3 lists them (or gives a pattern: every n-th layer is
+    global); Mistral slides in every layer when it sets `sliding_window` (Qwen's
+    `sliding_window` without `use_sliding_window` is unused)."""
+    if arch.startswith("Gemma3"):
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            pattern = int(hf.get("sliding_window_pattern") or 6)
+            layer_types = [
+                SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
+                for i in range(num_layers)
+            ]
+    elif arch == "MistralForCausalLM" and hf.get("sliding_window") is not None:
+        layer_types = [SLIDING_ATTENTION] * num_layers
+    else:
+        layer_types = [FULL_ATTENTION] * num_layers
+    if len(layer_types) != num_layers or any(t not in LAYER_TYPES for t in layer_types):
+        raise ValueError(
+            f"layer_types: must list {num_layers} of {list(LAYER_TYPES)} ({arch}), "
+            f"got {layer_types!r}"
+        )
+    return tuple(layer_types)
 
 
 @dataclass(frozen=True)
@@ -86,10 +144,25 @@ class ModelArchConfig:
     norm_topk_prob: bool
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
+    # Attention of each layer (FULL_ATTENTION or SLIDING_ATTENTION); sliding layers see their
+    # last `sliding_window` positions (p - W < k <= p) and rotate with the local RoPE.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    local_rope_theta: float = 10000.0
+    local_rope_scaling: dict[str, Any] | None = None
+    # Attention scale is query_pre_attn_scalar ** -0.5 when set (Gemma), else head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    # logits = cap * tanh(logits / cap) when set.
+    final_logit_softcapping: float | None = None
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The window of layer `layer_idx`'s attention, None for full attention."""
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING_ATTENTION else None
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelArchConfig:
         arch = check_architecture(hf)
+        hf = text_config(hf)
 
         def get(key: str, kind: Callable[[Any], T], default: Any = _REQUIRED) -> T:
             value = hf.get(key)
@@ -105,7 +178,26 @@ class ModelArchConfig:
                 ) from e
 
         if hf.get("use_sliding_window"):
-            raise ValueError("use_sliding_window: sliding-window attention is not supported")
+            raise ValueError(
+                f"use_sliding_window: sliding-window attention is not supported ({arch})"
+            )
+        if hf.get("attn_logit_softcapping") is not None:
+            raise ValueError(
+                f"attn_logit_softcapping: attention soft-capping is not supported ({arch})"
+            )
+        if hf.get("use_bidirectional_attention"):
+            raise ValueError(
+                f"use_bidirectional_attention: only causal attention is supported ({arch})"
+            )
+        num_layers = get("num_hidden_layers", int)
+        layer_types = _layer_types(hf, arch, num_layers)
+        sliding_window = (
+            get("sliding_window", int, None) if SLIDING_ATTENTION in layer_types else None
+        )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window: must be >= 1, got {sliding_window} ({arch})")
+        local_rope_theta, local_rope_scaling = rope_parameters(hf, SLIDING_ATTENTION)
+        hidden_act = get("hidden_act", str, None) or get("hidden_activation", str, "silu")
         num_heads = get("num_attention_heads", int)
         hidden_size = get("hidden_size", int)
         num_experts = get("num_experts", int, None)
@@ -121,16 +213,17 @@ class ModelArchConfig:
             vocab_size=get("vocab_size", int),
             hidden_size=hidden_size,
             intermediate_size=get("intermediate_size", int),
-            num_hidden_layers=get("num_hidden_layers", int),
+            num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_kv_heads=get("num_key_value_heads", int, 0) or num_heads,
             head_dim=get("head_dim", int, 0) or hidden_size // num_heads,
             max_position_embeddings=get("max_position_embeddings", int, 0) or 2048,
             rms_norm_eps=get("rms_norm_eps", float, 1e-6),
-            hidden_act=get("hidden_act", str, "silu"),
+            hidden_act=hidden_act,
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=get("tie_word_embeddings", bool, False),
+            # Gemma ties them unless told otherwise (its checkpoints carry no lm_head).
+            tie_word_embeddings=get("tie_word_embeddings", bool, arch.startswith("Gemma3")),
             attention_bias=get("attention_bias", bool, False),
             mlp_bias=get("mlp_bias", bool, False),
             num_experts=num_experts,
@@ -139,4 +232,10 @@ class ModelArchConfig:
             norm_topk_prob=get("norm_topk_prob", bool, False),
             decoder_sparse_step=decoder_sparse_step,
             mlp_only_layers=tuple(get("mlp_only_layers", list, [])),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
+            local_rope_theta=local_rope_theta,
+            local_rope_scaling=local_rope_scaling,
+            query_pre_attn_scalar=get("query_pre_attn_scalar", float, None),
+            final_logit_softcapping=get("final_logit_softcapping", float, None),
         )

@@ -18,6 +18,15 @@ BASE: dict[str, Any] = {
 }
 
 
+GEMMA: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "hidden_activation": "gelu_pytorch_tanh",
+    "sliding_window": 512,
+    "query_pre_attn_scalar": 256,
+}
+MISTRAL: dict[str, Any] = {"architectures": ["MistralForCausalLM"]}
+
+
 def parse(**changes: Any) -> ModelArchConfig:
     return ModelArchConfig.from_hf_config({**BASE, **changes})
 
@@ -50,11 +59,69 @@ def test_moe_fields() -> None:
         ({"architectures": []}, "architectures: config.json names none"),
         ({"use_sliding_window": True}, "use_sliding_window: sliding-window attention"),
         ({"decoder_sparse_step": 0}, "decoder_sparse_step: must be >= 1"),
+        (GEMMA | {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: .*not supported"),
+        (GEMMA | {"use_bidirectional_attention": True}, "use_bidirectional_attention: "),
+        (GEMMA | {"layer_types": ["full_attention"]}, "layer_types: must list 2 of"),
+        (MISTRAL | {"sliding_window": 0}, r"sliding_window: must be >= 1, got 0"),
+        (
+            {"architectures": ["Gemma3ForConditionalGeneration"]},
+            "text_config: Gemma3ForConditionalGeneration needs a text_config",
+        ),
     ],
 )
 def test_bad_fields_name_the_field(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse(**changes)
+
+
+def test_sliding_window_layers() -> None:
+    assert parse(sliding_window=8).layer_types == ("full_attention",) * 2  # Llama: unused
+    qwen = parse(architectures=["Qwen2ForCausalLM"], sliding_window=8, use_sliding_window=False)
+    assert qwen.sliding_window is None and qwen.layer_sliding_window(1) is None
+    mistral = parse(**MISTRAL, sliding_window=8)
+    assert mistral.layer_types == ("sliding_attention",) * 2
+    assert [mistral.layer_sliding_window(i) for i in range(2)] == [8, 8]
+    assert parse(**MISTRAL, sliding_window=None).layer_types == ("full_attention",) * 2
+
+
+def test_gemma3_legacy_and_transformers5_spellings_agree() -> None:
+    legacy = parse(
+        **GEMMA,
+        num_hidden_layers=4,
+        sliding_window_pattern=2,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    )
+    new = parse(
+        **GEMMA,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        },
+    )
+    assert legacy == new
+    assert legacy.layer_types == ("sliding_attention", "full_attention") * 2
+    assert [legacy.layer_sliding_window(i) for i in range(4)] == [512, None, 512, None]
+    assert (legacy.rope_theta, legacy.rope_scaling["factor"]) == (1e6, 8.0)
+    assert (legacy.local_rope_theta, legacy.local_rope_scaling) == (1e4, None)
+    assert legacy.hidden_act == "gelu_pytorch_tanh" and legacy.tie_word_embeddings
+    assert legacy.query_pre_attn_scalar == 256.0
+
+
+def test_gemma3_multimodal_reads_its_text_config() -> None:
+    text = {k: v for k, v in {**BASE, **GEMMA}.items() if k != "architectures"}
+    outer = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"hidden_size": 32},
+        "tie_word_embeddings": True,
+    }
+    arch = ModelArchConfig.from_hf_config(outer)
+    assert arch.architecture == "Gemma3ForConditionalGeneration"
+    assert (arch.hidden_size, arch.sliding_window, arch.tie_word_embeddings) == (64, 512, True)
 
 
 def test_rope_parameters_spellings_agree() -> None:

@@ -187,6 +187,16 @@ def _prepare_message(message: Any, index: int) -> dict[str, Any]:
         raise ValueError(f"messages[{index}] must be a dict, got {type(message).__name__}")
     # Keys set to None are dropped: templates test for missing keys, not for None.
     plain = {k: _plain(v) for k, v in message.items() if v is not None}
+    content = plain.get("content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if kind != "text":
+                raise ValueError(
+                    f"messages[{index}].content[{j}]: content type {kind!r} is not supported "
+                    "(ferrum takes text input only; multimodal checkpoints load their language "
+                    "model)"
+                )
     reasoning = next((plain[k] for k in _REASONING_KEYS if plain.get(k) is not None), None)
     if reasoning is None:
         return plain

@@ -12,6 +12,7 @@ from ferrum.engine.tokenizer import Tokenizer
 from tests.utils.tokenizer_files import (
     BEGIN_OF_TEXT,
     CHATML_TEMPLATE,
+    GEMMA3_TEMPLATE,
     LLAMA3_TEMPLATE,
     QWEN3_TEMPLATE,
     build_tokenizer_dir,
@@ -101,6 +102,50 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Any]:
     return _both(
         build_tokenizer_dir(tmp_path_factory.mktemp("qwen3"), chat_template=QWEN3_TEMPLATE)
     )
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Tokenizer, Any]:
+    path = build_tokenizer_dir(
+        tmp_path_factory.mktemp("gemma3"), chat_template=GEMMA3_TEMPLATE, bos_token="<bos>"
+    )
+    return _both(path)
+
+
+GEMMA3_CONVERSATIONS = [
+    *CONVERSATIONS,
+    [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": " two "}, {"type": "text", "text": "parts"}],
+        },
+    ],
+]
+
+
+@pytest.mark.parametrize("conversation", GEMMA3_CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_gemma3_template_matches_transformers(
+    gemma3: tuple[Tokenizer, Any], conversation: list[dict], add_generation_prompt: bool
+) -> None:
+    ours, theirs = gemma3
+    expected = theirs.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    got = ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+    assert got == expected and got.startswith("<bos><start_of_turn>user\n")
+
+
+def test_gemma3_template_errors_and_image_parts(gemma3: tuple[Tokenizer, Any]) -> None:
+    ours, _ = gemma3
+    with pytest.raises(ValueError, match="roles must alternate"):
+        ours.apply_chat_template([{"role": "assistant", "content": "x"}])
+    image = {"type": "image", "url": "cat.png"}
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[1\]: content type 'image'"):
+        ours.apply_chat_template(
+            [{"role": "user", "content": [{"type": "text", "text": "a"}, image]}]
+        )
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)

@@ -29,6 +29,11 @@ CASES = [
         {"decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": False},
         id="qwen3_moe-step2",
     ),
+    pytest.param("mistral", {}, id="mistral"),
+    pytest.param("mistral_sw", {}, id="mistral-sliding"),
+    pytest.param("gemma3", {}, id="gemma3"),
+    pytest.param("gemma3", {"final_logit_softcapping": 3.0}, id="gemma3-softcap"),
+    pytest.param("gemma3_mm", {}, id="gemma3-multimodal"),
 ]
 
 

@@ -15,6 +15,12 @@ builds per session):
     "qwen2"      Qwen2ForCausalLM (qkv bias), tied word embeddings
     "qwen3"      Qwen3ForCausalLM (q/k norm)
     "qwen3_moe"  Qwen3MoeForCausalLM, 3 layers, 8 experts top-2, norm_topk_prob, layer 1 dense
+    "mistral"    MistralForCausalLM without a sliding window
+    "mistral_sw" MistralForCausalLM with sliding_window 6 (not a multiple of any block size)
+    "gemma3"     Gemma3ForCausalLM, 3 layers: sliding (window 6), global, sliding; linear RoPE
+                 scaling on the global layer, query_pre_attn_scalar 12, tied embeddings
+    "gemma3_mm"  Gemma3ForConditionalGeneration: the "gemma3" text model inside the multimodal
+                 container with a one-layer vision tower
 Shapes: hidden 64, head_dim 16, vocab 384 (token ids 0..383), max_position_embeddings 256.
 Special ids: bos 1, eos 2, pad 0 (config.json and generation_config.json); hf_greedy does not
 stop at eos, so engine comparisons should ignore eos. No tokenizer files are written.
@@ -31,7 +37,19 @@ from typing import Any
 
 import torch
 
-ARCHS = ("llama", "llama3", "qwen2", "qwen3", "qwen3_moe")
+ARCHS = (
+    "llama",
+    "llama3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mistral",
+    "mistral_sw",
+    "gemma3",
+    "gemma3_mm",
+)
+# The sliding window of "mistral_sw" and of the sliding layers of "gemma3" / "gemma3_mm".
+SLIDING_WINDOW = 6
 INIT_STD = 0.15
 
 _COMMON: dict[str, Any] = {
@@ -75,6 +93,26 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [1],
         "tie_word_embeddings": False,
     },
+    "mistral": {"rope_theta": 10000.0, "sliding_window": None, "tie_word_embeddings": False},
+    "mistral_sw": {"rope_theta": 10000.0, "sliding_window": 6, "tie_word_embeddings": False},
+    "gemma3": {
+        "num_hidden_layers": 3,
+        "sliding_window": 6,
+        "sliding_window_pattern": 2,
+        "query_pre_attn_scalar": 12,
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "tie_word_embeddings": True,
+    },
+}
+_ARCH_CONFIGS["gemma3_mm"] = _ARCH_CONFIGS["gemma3"]
+# The vision tower of "gemma3_mm": as small as its config allows.
+_GEMMA3_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 37,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "image_size": 28,
+    "patch_size": 14,
 }
 
 # Default max_shard_size per arch: only "llama" is sharded (its tensors exceed 20 KB one by one).
@@ -90,7 +128,21 @@ def _config_class(arch: str) -> Any:
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "mistral": transformers.MistralConfig,
+        "mistral_sw": transformers.MistralConfig,
+        "gemma3": transformers.Gemma3TextConfig,
     }[arch]
+
+
+def _make_config(arch: str, kwargs: dict[str, Any]) -> Any:
+    import transformers
+
+    if arch != "gemma3_mm":
+        return _config_class(arch)(**kwargs)
+    text = transformers.Gemma3TextConfig(**kwargs)
+    return transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=_GEMMA3_VISION, mm_tokens_per_image=4
+    )
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -120,7 +172,7 @@ def make_tiny_checkpoint(
     if arch not in ARCHS:
         raise ValueError(f"arch: {arch!r} is not one of {ARCHS}")
     kwargs = {**_COMMON, **_ARCH_CONFIGS[arch], **config_overrides}
-    config = _config_class(arch)(**kwargs)
+    config = _make_config(arch, kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)

@@ -8,7 +8,7 @@ from torch import nn
 from ferrum.kernels.activation_ref import silu_and_mul_ref
 from ferrum.model_executor.kernel_backend import TritonKernels
 
-SUPPORTED_ACTIVATIONS = ("silu",)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 class SiluAndMul(nn.Module):
@@ -23,9 +23,20 @@ class SiluAndMul(nn.Module):
         return silu_and_mul_ref(x)
 
 
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up (Gemma); torch ops on every backend (no Triton kernel)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., 2 * d] holding gate then up; returns [..., d]."""
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 def get_act_and_mul(hidden_act: str, kernels: TritonKernels | None) -> nn.Module:
-    if hidden_act != "silu":
-        raise ValueError(
-            f"hidden_act: {hidden_act!r} is not supported; supported: {list(SUPPORTED_ACTIVATIONS)}"
-        )
-    return SiluAndMul(kernels)
+    if hidden_act == "silu":
+        return SiluAndMul(kernels)
+    if hidden_act == "gelu_pytorch_tanh":
+        return GeluTanhAndMul()
+    raise ValueError(
+        f"hidden_act: {hidden_act!r} is not supported; supported: {list(SUPPORTED_ACTIVATIONS)}"
+    )

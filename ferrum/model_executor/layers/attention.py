@@ -31,6 +31,7 @@ class Attention(nn.Module):
         num_kv_heads: int,
         scale: float,
         kernels: TritonKernels | None,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
@@ -42,6 +43,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window: must be >= 1, got {sliding_window}")
+        # Each query attends to its last `sliding_window` positions (None: all of them).
+        self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
         # Scratch of the Triton split-KV decode path, owned by the runner and shared by every
         # layer (they run one after another); None disables that path.
@@ -90,6 +95,7 @@ class Attention(nn.Module):
                 attn_metadata.query_start_loc_cpu,
                 attn_metadata.seq_lens_cpu,
                 self.scale,
+                self.sliding_window,
             )
         self.kernels.rotary_kv(
             query,
@@ -115,4 +121,5 @@ class Attention(nn.Module):
             self.scale,
             out,
             self.split_kv_workspace,
+            sliding_window=self.sliding_window,
         )

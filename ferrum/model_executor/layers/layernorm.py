@@ -7,7 +7,7 @@ from torch import nn
 
 from ferrum.kernels.rms_norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from ferrum.model_executor.kernel_backend import TritonKernels
-from ferrum.model_executor.layers.linear import new_parameter
+from ferrum.model_executor.layers.linear import check_shape, new_parameter, set_weight_loader
 
 
 class RMSNorm(nn.Module):
@@ -33,3 +33,20 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm_ref(x, self.weight, self.eps)
         return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+
+
+def _load_offset_by_one(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> set:
+    if shard_id is not None:
+        raise ValueError(f"parameter takes no shard, got shard {shard_id!r}")
+    check_shape(param.shape, loaded.shape)
+    param.data.copy_(loaded.float() + 1.0)
+    return {None}
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm, x / rms(x) * (1 + w): the checkpoint's w is stored as 1 + w at load time
+    (in fp32 exactly HF's product; in bf16 the scale is rounded once)."""
+
+    def __init__(self, hidden_size: int, eps: float, kernels: TritonKernels | None) -> None:
+        super().__init__(hidden_size, eps, kernels)
+        set_weight_loader(self.weight, _load_offset_by_one)

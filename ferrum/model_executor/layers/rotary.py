@@ -43,6 +43,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Frequencies under `scaling["rope_type"]`: "linear" divides them all by `factor`
+    (positions interpolated), "llama3" scales by wavelength."""
+    if scaling["rope_type"] == "linear":
+        factor = scaling.get("factor")
+        if factor is None or float(factor) <= 0:
+            raise ValueError(f"rope_parameters.factor: must be > 0 for 'linear', got {factor!r}")
+        return inv_freq / float(factor)
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -59,7 +70,7 @@ class RotaryEmbedding(nn.Module):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (theta**exponents)
         if scaling is not None:
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            inv_freq = _scaled_inv_freq(inv_freq, scaling)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)  # [max_position, D/2]
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)

@@ -50,7 +50,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, kernels: TritonKernels | None, qkv_bias: bool, o_bias: bool
+        self,
+        arch: ModelArchConfig,
+        kernels: TritonKernels | None,
+        qkv_bias: bool,
+        o_bias: bool,
+        sliding_window: int | None = None,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
@@ -63,7 +69,12 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, arch.hidden_size, o_bias)
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, kernels
+            self.num_heads,
+            self.head_dim,
+            self.num_kv_heads,
+            self.head_dim**-0.5 if scale is None else scale,
+            kernels,
+            sliding_window,
         )
         # Per-head RMSNorm of q and k before RoPE (Qwen3 sets them).
         self.q_norm: RMSNorm | None = None
@@ -158,9 +169,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.kernels = kernels
-        self.model = LlamaModel(arch, kernels, self.make_decoder_layer)
+        self.model = self.make_model()
         tied_to = self.model.embed_tokens if arch.tie_word_embeddings else None
         self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tied_to)
+
+    def make_model(self) -> nn.Module:
+        """The decoder stack; it must have `embed_tokens` and `layers` (each with
+        `self_attn.attn`)."""
+        return LlamaModel(self.arch, self.kernels, self.make_decoder_layer)
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
         arch, kernels, bias = self.arch, self.kernels, self.arch.attention_bias

@@ -1,0 +1,24 @@
+"""Mistral: the Llama architecture, optionally with sliding-window attention in every layer."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ferrum.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    def make_decoder_layer(self, layer_idx: int) -> nn.Module:
+        arch, kernels = self.arch, self.kernels
+        window = arch.layer_sliding_window(layer_idx)
+        return LlamaDecoderLayer(
+            LlamaAttention(arch, kernels, qkv_bias=False, o_bias=False, sliding_window=window),
+            LlamaMLP(arch, kernels, bias=False),
+            arch,
+            kernels,
+        )
