@@ -230,7 +230,7 @@ def test_run_workloads_writes_every_figure(tiny_model: str, tmp_path: Path) -> N
         "--out",
         str(out),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     for key in ("device_name", "torch_version", "git_commit", "date", "engine_args"):

@@ -85,7 +85,8 @@ def test_random_completions_counts_add_up(server: RemoteServer, tmp_path: Path) 
     assert result["total_input_tokens"] == num_prompts * input_len
     assert result["output_lens"] == [output_len] * num_prompts
     assert result["total_output_tokens"] == num_prompts * output_len
-    assert [len(itl) for itl in result["itls"]] == [output_len - 1] * num_prompts
+    # One gap per streamed chunk; a slow reader gets merged chunks, so at most one per token.
+    assert all(1 <= len(itl) <= output_len - 1 for itl in result["itls"]), result["itls"]
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     assert_ordered_positive(result)
 

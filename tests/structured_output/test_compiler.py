@@ -150,6 +150,7 @@ def test_pathological_grammar_times_out_while_other_compiles_work(tokenizer_info
         with pytest.raises(GrammarCompileTimeoutError, match=r"within the 0\.15 s limit"):
             slow.result()
         assert slow.done()
+        service.timeout_s = 30.0  # the next compile's deadline is not what this test measures
         # A small grammar still compiles within its own deadline on the one worker.
         assert service.compile(_spec(regex="[ab]{3}")).spec.kind is GrammarKind.REGEX
     finally:
@@ -170,8 +171,13 @@ def test_shutdown_fails_queued_compiles(tokenizer_info):
     running = service.submit(_spec(regex="a"))
     started.wait()
     queued = service.submit(_spec(regex="b"))
-    threading.Timer(0.05, release.set).start()
-    service.shutdown(wait=True)
+    stopper = threading.Thread(target=service.shutdown, kwargs={"wait": True})
+    stopper.start()
+    with pytest.raises(RuntimeError, match="shut down"):
+        queued.result()  # failed by shutdown while "a" still runs
+    release.set()
+    stopper.join(30)
+    assert not stopper.is_alive()
     assert running.result().spec.text == "a"
     with pytest.raises(RuntimeError, match="shut down"):
         queued.result()

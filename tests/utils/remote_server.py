@@ -39,7 +39,7 @@ class RemoteServer:
         log_path: Path,
         env: dict[str, str] | None = None,
         api_key: str | None = None,
-        startup_timeout: float = 120.0,
+        startup_timeout: float = 300.0,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
