@@ -11,8 +11,9 @@ For each batch size (`--batch`, default 1,64): `batch` requests with `--input-le
 are prefilled, then `--steps` decode steps are timed (wall time per engine step = TPOT), once
 unconstrained and once with every request under the schema below (it cannot end before
 `--steps` tokens: a minimum item count; `constrained_running_at_end` checks it). The host time spent filling bitmasks is reported too.
-Async scheduling (the CUDA default) is on for both runs: constrained requests make each step wait
-for the previous step's tokens (the matchers need them), which is part of the measured overhead.
+Async scheduling (the CUDA default) is on for both runs: a constrained step's forward is queued
+first, and its mask is filled (after the previous step's tokens reach the matchers) while the
+device runs it; `deferred_sampling_steps` counts the steps sampled that way.
 Compile: p50/p99 of `--compile-iters` cold compiles (a tool-call schema, each with a fresh title)
 and of warm ones (the same schema again: a cache hit).
 
@@ -115,6 +116,14 @@ def time_decode(llm: LLM, batch: int, input_len: int, steps: int, schema: dict |
             fill_seconds[0] += time.perf_counter() - start
 
     runner._grammar_bitmask = timed_fill
+    real_sample: Callable = runner.sample
+    num_deferred = [0]
+
+    def counted_sample(step) -> None:  # called by the core only for deferred sampling
+        num_deferred[0] += 1
+        real_sample(step)
+
+    runner.sample = counted_sample
     synchronize()
     start = time.perf_counter()
     for _ in range(steps):
@@ -122,12 +131,14 @@ def time_decode(llm: LLM, batch: int, input_len: int, steps: int, schema: dict |
     synchronize()
     wall = (time.perf_counter() - start) / steps
     runner._grammar_bitmask = real_fill
+    runner.sample = real_sample
     running = core.scheduler.num_running
     engine.abort_request(ids)
     return {
         "tpot_ms": wall * 1e3,
         "mask_fill_ms_per_step": fill_seconds[0] / steps * 1e3,
         "running_at_end": running,
+        "deferred_sampling_steps": num_deferred[0],
     }
 
 
@@ -195,14 +206,19 @@ def main() -> int:
                     "overhead_pct": overhead * 100,
                     "mask_fill_ms_per_step": constrained["mask_fill_ms_per_step"],
                     "constrained_running_at_end": constrained["running_at_end"],
+                    "deferred_sampling_steps": constrained["deferred_sampling_steps"],
                 }
             )
         compiles = time_compiles(llm, args.compile_iters)
-    print(f"{'batch':>5} {'TPOT free ms':>13} {'TPOT json ms':>13} {'overhead':>9} {'fill ms':>8}")
+    print(
+        f"{'batch':>5} {'TPOT free ms':>13} {'TPOT json ms':>13} {'overhead':>9} {'fill ms':>8}"
+        f" {'deferred':>8}"
+    )
     for r in rows:
         print(
             f"{r['batch']:>5} {r['tpot_ms_unconstrained']:>13.3f} {r['tpot_ms_json_schema']:>13.3f}"
             f" {r['overhead_pct']:>8.2f}% {r['mask_fill_ms_per_step']:>8.3f}"
+            f" {r['deferred_sampling_steps']:>8}"
         )
     print(
         f"compile (tool_call schema): cold p50 {compiles['cold_p50_ms']:.1f} ms, p99 "

@@ -7,9 +7,12 @@ grammars are compiled against the tokenizer's vocabulary (`StructuredOutputManag
 first use, off the loop); a request waits, unscheduled, until its grammar is compiled.
 
 Structured outputs and async scheduling: a step's bitmask needs every earlier output token
-accepted by the request's matcher, so while a constrained request runs, each step waits for the
-previous step's tokens before it is scheduled (like penalties, `Scheduler.needs_host_history`).
-The runner fills the bitmask on the host and applies it to the logits on the device.
+accepted by the request's matcher. A step that samples a constrained request is launched as its
+forward alone while the previous step is still in flight; the host then completes the previous
+step (its tokens reach the matchers) and fills the bitmask while the device runs the forward,
+and only then queues the sampling (`ModelRunner.sample`), which applies the mask on the device.
+Tokens are the same as with synchronous scheduling. (Penalties and bad words still make a step
+wait for the previous one's tokens before it is scheduled: `Scheduler.needs_host_history`.)
 """
 
 from __future__ import annotations
@@ -149,7 +152,11 @@ class EngineCore:
         if scheduler_output.is_empty and not self._in_flight and self._waiting_on_grammars():
             time.sleep(_GRAMMAR_POLL_SECONDS)  # nothing to run until a compile ends
         try:
-            launched = self.runner.launch(scheduler_output, self._matchers(scheduler_output))
+            launched = self.runner.launch(
+                scheduler_output,
+                self._matchers(scheduler_output),
+                defer_sampling=bool(self._in_flight),
+            )
         except BaseException:
             self._record_failed_steps([scheduler_output])
             try:
@@ -159,10 +166,26 @@ class EngineCore:
                 self.scheduler.recover_from_failed_step(scheduler_output)
             raise
         self._in_flight.append((scheduler_output, launched))
+        if launched.awaits_sampling:
+            self._sample_after_previous(scheduler_output, launched)
         if not self.async_scheduling or len(self._in_flight) > 1:
             self._complete_oldest()
         outputs, self._completed_outputs = self._completed_outputs, []
         return outputs
+
+    def _sample_after_previous(
+        self, scheduler_output: SchedulerOutput, launched: LaunchedStep
+    ) -> None:
+        """While the device runs `launched`'s forward: completes the step before it (its tokens
+        reach the matchers), then queues `launched`'s sampling with the masks they give."""
+        self._complete_oldest()  # on a device failure, every step in flight is recovered
+        try:
+            self.runner.sample(launched)
+        except BaseException:
+            self._record_failed_steps([scheduler_output])
+            self._in_flight.pop()
+            self.scheduler.recover_from_failed_step(scheduler_output)
+            raise
 
     def _matchers(self, scheduler_output: SchedulerOutput) -> dict[str, StructuredOutputMatcher]:
         """The matchers of the scheduled requests that have a grammar (the runner masks the

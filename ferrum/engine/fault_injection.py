@@ -47,7 +47,10 @@ class FaultInjectingRunner:
             )
 
     def launch(
-        self, scheduler_output: SchedulerOutput, matchers: dict[str, Any] | None = None
+        self,
+        scheduler_output: SchedulerOutput,
+        matchers: dict[str, Any] | None = None,
+        defer_sampling: bool = False,
     ) -> LaunchedStep:
         self._poisoned -= scheduler_output.finished_req_ids
         for new in scheduler_output.scheduled_new_reqs:
@@ -65,7 +68,7 @@ class FaultInjectingRunner:
                     f"injected fault: token {self.poison_token_id} in the prompt of "
                     f"{poisoned} (FERRUM_DEBUG_FAIL_ON_TOKEN)"
                 )
-        return self.runner.launch(scheduler_output, matchers)
+        return self.runner.launch(scheduler_output, matchers, defer_sampling)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)

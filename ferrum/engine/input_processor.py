@@ -155,8 +155,8 @@ class InputProcessor:
         return params
 
     def _check_token_fields(self, params: SamplingParams) -> None:
-        """Token ids within the model's vocabulary; bad words tokenized; structured outputs'
-        limits. Raises ValueError naming the field."""
+        """Token ids within the model's vocabulary; bad words tokenized; grammars need a
+        tokenizer. Raises ValueError naming the field."""
         vocab = self.vocab_size
         for name, ids in (
             ("logit_bias", params.logit_bias or ()),
@@ -173,16 +173,10 @@ class InputProcessor:
             bad = next((t for w in params.bad_words_token_ids for t in w if t >= vocab), None)
             if bad is not None:
                 raise ValueError(f"bad_words: token id {bad} is outside [0, {vocab})")
-        if params.structured_outputs is not None:
-            if self.tokenizer is None:
-                raise ValueError(
-                    "structured_outputs: grammars need a tokenizer (skip_tokenizer_init=True)"
-                )
-            if params.min_tokens:
-                raise ValueError(
-                    "min_tokens: must be 0 with structured_outputs (the grammar decides where "
-                    f"the output may end), got {params.min_tokens}"
-                )
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError(
+                "structured_outputs: grammars need a tokenizer (skip_tokenizer_init=True)"
+            )
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, bad_words: list[str]) -> list[list[int]]:

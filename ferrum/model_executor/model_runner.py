@@ -47,6 +47,7 @@ from ferrum.structured_output import (
     BatchBitmaskFiller,
     StructuredOutputMatcher,
     allocate_token_bitmask,
+    forbid_tokens_unless_only_ones,
 )
 
 if TYPE_CHECKING:
@@ -353,19 +354,26 @@ class ModelRunner:
         return self.cuda_graphs.replay(graph_shape, num_tokens)
 
     def _grammar_bitmask(
-        self, sampled_req_ids: list[str], matchers: dict[str, StructuredOutputMatcher]
+        self, states: list[CachedRequestState], matchers: dict[str, StructuredOutputMatcher]
     ) -> torch.Tensor | None:
-        """[len(sampled_req_ids), vocab/32] int32 on the device: each constrained row's allowed
-        next tokens, all ones elsewhere; None when no sampled row is constrained."""
-        rows = [(i, matchers[r]) for i, r in enumerate(sampled_req_ids) if r in matchers]
+        """[len(states), vocab/32] int32 on the device: each constrained row's allowed next
+        tokens, all ones elsewhere; None when no row is constrained. Below min_tokens a row's
+        stop tokens are cleared, unless the grammar allows nothing else (it can only end: the
+        request then stops there, with a valid output)."""
+        rows = [(i, matchers[s.req_id]) for i, s in enumerate(states) if s.req_id in matchers]
         if not rows:
             return None
-        num_rows = len(sampled_req_ids)
+        num_rows = len(states)
         host = self._bitmask_host[self._num_bitmask_launches % 2][:num_rows]
         self._num_bitmask_launches += 1
         if len(rows) < num_rows:
             host.fill_(-1)
         self._bitmask_filler.fill(host, rows)
+        for i, _ in rows:
+            state = states[i]
+            num_outputs = len(state.output_token_ids) + state.num_output_placeholders
+            if num_outputs < state.params.min_tokens:
+                forbid_tokens_unless_only_ones(host, i, state.params.all_stop_token_ids)
         if self._bitmask_device is None:
             return host
         return self._bitmask_device[:num_rows].copy_(host, non_blocking=True)
@@ -375,12 +383,17 @@ class ModelRunner:
         self,
         scheduler_output: SchedulerOutput,
         matchers: dict[str, StructuredOutputMatcher] | None = None,
+        defer_sampling: bool = False,
     ) -> LaunchedStep:
         """Queues one step's forward and sampling on the device and the copy of its tokens to
         the host, without waiting for any of it. Steps complete (`complete`) in launch order;
         between the two, the next step may be launched: a decode whose input is this step's
-        token reads it on the device. `matchers`: the grammars of the constrained requests,
-        each having accepted all of its request's output tokens."""
+        token reads it on the device. `matchers`: the grammars of the constrained requests.
+
+        With `defer_sampling`, a step that samples a constrained row queues only its forward
+        (`awaits_sampling`): the caller brings every matcher up to date (completes the previous
+        step) while the device runs it, then calls `sample`. Otherwise the matchers must have
+        accepted all of their requests' output tokens already."""
         self._update_states(scheduler_output)
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None)
@@ -405,6 +418,20 @@ class ModelRunner:
             hidden_states = hidden_states[inputs.logits_indices]
         logits = self.model.compute_logits(hidden_states)
         states = [self.requests[r] for r in inputs.sampled_req_ids]
+        step = LaunchedStep(inputs.sampled_req_ids, states, None, None, prompt_chunks)
+        constrained = bool(matchers) and any(r in matchers for r in step.req_ids)
+        step.pending = _PendingSample(logits, matchers if constrained else None)
+        if not (defer_sampling and constrained):
+            self.sample(step)
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep) -> None:
+        """Queues the sampling of a launched step that `awaits_sampling` and the copy of its
+        tokens to the host; its constrained rows' bitmask is filled from the matchers now."""
+        pending, step.pending = step.pending, None
+        assert pending is not None, "the step was sampled already"
+        states = step.states
         rows = [
             SamplingRow(
                 params=s.params,
@@ -417,19 +444,17 @@ class ModelRunner:
             for s in states
         ]
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, self.sampling_staging)
-        if matchers:
-            metadata.grammar_bitmask = self._grammar_bitmask(inputs.sampled_req_ids, matchers)
-        sampler_output = self.sampler(logits, metadata, self.generator)
+        if pending.matchers:
+            metadata.grammar_bitmask = self._grammar_bitmask(states, pending.matchers)
+        sampler_output = self.sampler(pending.logits, metadata, self.generator)
         self._last_sampled = sampler_output.sampled_token_ids
-        self._last_sampled_rows = {r: i for i, r in enumerate(inputs.sampled_req_ids)}
+        self._last_sampled_rows = {r: i for i, r in enumerate(step.req_ids)}
         for state in states:
             state.num_output_placeholders += 1
-        host_output = sampler_output.start_copy_to_host()
-        done = None
+        step.output = sampler_output.start_copy_to_host()
         if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return LaunchedStep(inputs.sampled_req_ids, states, host_output, done, prompt_chunks)
+            step.done = torch.cuda.Event()
+            step.done.record()
 
     def _prompt_views(
         self, num_scheduled: dict[str, int]
@@ -444,6 +469,7 @@ class ModelRunner:
 
     def complete(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Waits for a launched step's tokens and hands them to the host."""
+        assert step.pending is None, "a step awaiting its sampling cannot complete"
         prompt_logprobs = (
             {c.req_id: c.to_host() for c in step.prompt_logprobs} if step.prompt_logprobs else None
         )
@@ -472,3 +498,16 @@ class LaunchedStep:
     done: torch.cuda.Event | None
     # prompt_logprobs of the requests whose prompt positions ran in this step.
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
+    # The forward's logits while the step awaits `ModelRunner.sample`.
+    pending: _PendingSample | None = None
+
+    @property
+    def awaits_sampling(self) -> bool:
+        return self.pending is not None
+
+
+@dataclass(slots=True)
+class _PendingSample:
+    logits: torch.Tensor  # [num sampled rows, vocab]
+    # The grammars of the step's constrained requests (None when no sampled row has one).
+    matchers: dict[str, StructuredOutputMatcher] | None

@@ -219,7 +219,8 @@ class SamplingMetadata:
         for i, row in enumerate(rows):
             banned: set[int] = set()
             num_outputs = len(row.output_token_ids) + row.num_output_placeholders
-            if num_outputs < row.params.min_tokens:
+            # A grammar's row gets min_tokens from its bitmask (see ModelRunner._grammar_bitmask).
+            if num_outputs < row.params.min_tokens and row.params.structured_outputs is None:
                 banned.update(row.stop_token_ids)
             if row.params.bad_words_token_ids:
                 # The engine waits for every output token before a row with bad words samples.

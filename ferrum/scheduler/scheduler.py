@@ -244,12 +244,10 @@ class Scheduler:
 
     def needs_host_history(self) -> bool:
         """True when a running request samples from its exact output history on the host
-        (penalties, bad words, a grammar's matcher): the previous step's tokens must arrive
-        before the next step is scheduled."""
+        (penalties, bad words): the previous step's tokens must arrive before the next step is
+        scheduled. (A grammar's matcher catches up while the next forward runs: see core.py.)"""
         return any(
-            r.grammar is not None
-            or r.sampling_params.uses_penalties
-            or r.sampling_params.bad_words is not None
+            r.sampling_params.uses_penalties or r.sampling_params.bad_words is not None
             for r in self.running
         )
 

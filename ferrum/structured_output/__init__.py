@@ -8,6 +8,7 @@ from ferrum.structured_output.bitmask import (
     apply_token_bitmask_,
     apply_token_bitmask_reference,
     bitmask_width,
+    forbid_tokens_unless_only_ones,
 )
 from ferrum.structured_output.compiler import (
     CompiledGrammar,
@@ -34,4 +35,5 @@ __all__ = [
     "apply_token_bitmask_reference",
     "bitmask_width",
     "build_tokenizer_info",
+    "forbid_tokens_unless_only_ones",
 ]

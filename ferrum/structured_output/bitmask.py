@@ -8,6 +8,8 @@ shapes, no host sync.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import xgrammar as xgr
 
@@ -31,6 +33,34 @@ def allocate_token_bitmask(
 def allow_all_tokens(bitmask: torch.Tensor, row: int) -> None:
     """Marks `row` unconstrained."""
     bitmask[row].fill_(ALL_ALLOWED)
+
+
+def forbid_tokens_unless_only_ones(
+    bitmask: torch.Tensor, row: int, token_ids: Iterable[int]
+) -> bool:
+    """Clears the bits of `token_ids` in host row `row`, unless no other token is allowed there
+    (then the row is left as it was). Returns whether they were cleared."""
+    num_tokens = bitmask.shape[1] * 32
+    cleared: dict[int, int] = {}
+    for token_id in token_ids:
+        if 0 <= token_id < num_tokens:
+            word = token_id // 32
+            cleared[word] = cleared.get(word, 0) | int32_bit(token_id % 32)
+    if not cleared:
+        return True
+    saved = {word: int(bitmask[row, word]) for word in cleared}
+    for word, bits in cleared.items():
+        bitmask[row, word] = saved[word] & ~bits
+    if bool(bitmask[row].any()):
+        return True
+    for word, value in saved.items():
+        bitmask[row, word] = value
+    return False
+
+
+def int32_bit(position: int) -> int:
+    """The int32 value with only bit `position` set."""
+    return (1 << position) - (1 << 32 if position == 31 else 0)
 
 
 def _check(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
+from ferrum.structured_output.bitmask import int32_bit
+
 
 class StructuredOutputMatcher:
     __slots__ = ("_matcher", "_stop_token_ids", "num_accepted_tokens")
@@ -58,7 +60,7 @@ class StructuredOutputMatcher:
         if self._matcher.is_terminated():
             bitmask[row].zero_()
             for token_id in self._stop_token_ids:
-                bitmask[row, token_id // 32] |= _bit(token_id % 32)
+                bitmask[row, token_id // 32] |= int32_bit(token_id % 32)
             return
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
@@ -87,8 +89,3 @@ class BatchBitmaskFiller:
             self._batch.batch_fill_next_token_bitmask(
                 [m._matcher for _, m in live], bitmask, [i for i, _ in live]
             )
-
-
-def _bit(position: int) -> int:
-    """The int32 value with only bit `position` set."""
-    return (1 << position) - (1 << 32 if position == 31 else 0)

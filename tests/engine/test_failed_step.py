@@ -47,7 +47,7 @@ def test_a_launch_failing_before_the_runner_reads_the_step_loses_no_cleanup(
     assert "done" in runner.requests  # forgotten at the next step
     real_launch = runner.launch
 
-    def failing_launch(scheduler_output, matchers=None):
+    def failing_launch(scheduler_output, matchers=None, defer_sampling=False):
         raise RuntimeError("injected fault")
 
     monkeypatch.setattr(runner, "launch", failing_launch)

@@ -1,7 +1,8 @@
 """Structured outputs through `LLM.generate` on the shipped model: every kind, sampled with several
 seeds and temperatures and n > 1, always yields output its grammar accepts, with async scheduling
 off and on; a grammar that does not compile in time fails its request alone; unconstrained
-requests keep their greedy output beside constrained ones; preemption keeps matchers in step."""
+requests keep their greedy output beside constrained ones; async scheduling and preemption keep
+matchers in step; min_tokens holds a grammar open while it can go on."""
 
 from __future__ import annotations
 
@@ -143,12 +144,6 @@ def test_invalid_grammars_are_value_errors_naming_the_field(llm: LLM) -> None:
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a(b"))
     with pytest.raises(ValueError, match=r"prompts\[1\]: structured_outputs\.regex: invalid regex"):
         llm.generate(PROMPTS, [SamplingParams(max_tokens=2), bad], use_tqdm=False)
-    with pytest.raises(ValueError, match="min_tokens: must be 0 with structured_outputs"):
-        llm.generate(
-            PROMPTS[0],
-            SamplingParams(min_tokens=2, structured_outputs=KINDS["regex"]),
-            use_tqdm=False,
-        )
     assert not llm.llm_engine.has_unfinished_requests()
 
 
@@ -195,17 +190,68 @@ def test_a_compile_past_the_timeout_fails_its_request_alone(llm: LLM, blocked_co
     assert finished == {"free": "length", "slow-core": "abort"}
 
 
-def test_preemption_keeps_the_matchers_in_step() -> None:
+def test_async_scheduling_and_preemption_give_the_synchronous_tokens() -> None:
+    """Async scheduling fills each constrained step's mask while its forward runs (the sampling
+    waits for the previous step's tokens): greedy and seeded outputs, preempted and recomputed
+    or not, are token for token those of synchronous scheduling."""
+    kinds = ("json", "structural_tag", "json", "structural_tag")
     params = [
-        SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=KINDS[kind])
-        for kind in ("json", "structural_tag", "json", "structural_tag")
+        SamplingParams(
+            temperature=0.9 if seeded else 0.0,
+            seed=5 + i if seeded else None,
+            max_tokens=100,
+            structured_outputs=KINDS[kind],
+        )
+        for i, (kind, seeded) in enumerate(zip(kinds, (False, True, True, False)))
     ]
-    roomy = make_llm(max_num_seqs=4).generate(PROMPTS * 2, params, use_tqdm=False)
+    prompts = PROMPTS * 2
+    roomy = make_llm(max_num_seqs=4, async_scheduling=False)
+    expected = roomy.generate(prompts, params, use_tqdm=False)
     # 10 blocks of 16 tokens: the four requests cannot all keep their KV.
-    tight = make_llm(max_num_seqs=4, num_kv_blocks=10, max_model_len=128)
-    squeezed = tight.generate(PROMPTS * 2, params, use_tqdm=False)
+    tight = make_llm(max_num_seqs=4, num_kv_blocks=10, max_model_len=128, async_scheduling=True)
+    runner = tight.llm_engine.core.runner
+    num_deferred = 0
+    sample = runner.sample
+
+    def counting_sample(step) -> None:
+        nonlocal num_deferred
+        num_deferred += 1
+        sample(step)
+
+    runner.sample = counting_sample
+    squeezed = tight.generate(prompts, params, use_tqdm=False)
     assert tight.llm_engine.stats().num_preemptions > 0
-    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in roomy]
-    for kind, output in zip(("json", "structural_tag") * 2, squeezed):
+    # Launched while the previous step ran, then sampled once its tokens were accepted (the
+    # runner samples every other step itself, through its own method).
+    assert num_deferred > 10
+    assert [o.outputs[0].token_ids for o in squeezed] == [o.outputs[0].token_ids for o in expected]
+    for kind, output in zip(kinds, squeezed):
         assert output.outputs[0].finish_reason == "stop"
         check_output(kind, output.outputs[0].text)
+
+
+def test_min_tokens_keeps_a_grammar_open_until_it_can_only_end(llm: LLM) -> None:
+    """Below min_tokens the grammar's end (EOS) and stop tokens are masked while the grammar
+    allows anything else; a grammar that can only end still ends there (finish "stop"), so
+    the output always matches it."""
+    regex = StructuredOutputsParams(regex="(ok|fine)!*")
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    greedy = dict(temperature=0.0, max_tokens=20)
+    plain, held, ended = llm.generate(
+        [PROMPTS[0]] * 3,
+        [
+            SamplingParams(**greedy, structured_outputs=regex),
+            SamplingParams(**greedy, min_tokens=6, structured_outputs=regex),
+            SamplingParams(**greedy, min_tokens=10, structured_outputs=choice),
+        ],
+        use_tqdm=False,
+    )
+    # Without min_tokens this prompt ends after a few tokens; with it, the 7th token at the
+    # earliest is the EOS.
+    assert len(plain.outputs[0].token_ids) < 6
+    completion = held.outputs[0]
+    assert completion.finish_reason == "stop" and len(completion.token_ids) == 7
+    assert re.fullmatch("(ok|fine)!*", completion.text), completion.text
+    completion = ended.outputs[0]
+    assert completion.finish_reason == "stop" and completion.text in ("yes", "no")
+    assert len(completion.token_ids) < 10

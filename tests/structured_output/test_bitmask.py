@@ -1,4 +1,5 @@
-"""apply_token_bitmask_ equals its torch definition; unconstrained rows stay untouched."""
+"""apply_token_bitmask_ equals its torch definition; unconstrained rows stay untouched; tokens
+are forbidden in a row unless they are all it allows."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from ferrum.structured_output import (
     apply_token_bitmask_,
     apply_token_bitmask_reference,
     bitmask_width,
+    forbid_tokens_unless_only_ones,
 )
 
 
@@ -77,3 +79,23 @@ def test_cuda_kernel_matches_reference():
     logits_gpu, bitmask_gpu = logits.cuda(), bitmask.cuda()
     apply_token_bitmask_(logits_gpu, bitmask_gpu)
     assert torch.equal(logits_gpu.cpu(), expected)
+
+
+def _allowed(bitmask: torch.Tensor, row: int, vocab_size: int) -> list[int]:
+    logits = torch.zeros(1, vocab_size)
+    masked = apply_token_bitmask_reference(logits, bitmask[row : row + 1])
+    return torch.nonzero(masked[0] == 0).flatten().tolist()
+
+
+def test_forbidding_tokens_keeps_a_row_that_allows_nothing_else():
+    vocab_size = 70
+    bitmask = allocate_token_bitmask(2, vocab_size)
+    bitmask.zero_()
+    for token_id in (3, 31, 64):  # bit 31: the sign bit of its word
+        bitmask[0, token_id // 32] |= torch.tensor(1, dtype=torch.int32) << (token_id % 32)
+    bitmask[1] = bitmask[0]
+    assert forbid_tokens_unless_only_ones(bitmask, 0, [31, 64, 999])
+    assert _allowed(bitmask, 0, vocab_size) == [3]
+    # The row would be empty without them: it is left as it was.
+    assert not forbid_tokens_unless_only_ones(bitmask, 1, [3, 31, 64])
+    assert _allowed(bitmask, 1, vocab_size) == [3, 31, 64]
