@@ -4,10 +4,10 @@ The runner keeps its own copy of each scheduled request's tokens and block table
 arrive once in full, running ones as diffs) and never touches the block pool.
 
 Structured outputs: `launch` gets the matchers of the constrained requests; the rows that sample
-this step get their next-token bitmask filled on the host (other rows allow everything), copied to
-a device buffer sized once (max_num_seqs rows) and applied to the logits by the sampler. The two
-host buffers alternate between launches: the one being filled was last read by the step before
-the previous one, which has completed (at most one step is in flight while the next launches).
+this step get their next-token bitmask filled on the host (other rows allow everything; see
+`grammar_bitmask.py`) and applied to the logits by the sampler. With `defer_sampling` the fill
+and the sampling wait for `sample`, so the caller can bring the matchers up to date while the
+forward runs.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ferrum.config import EngineConfig
 from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.logger import init_logger
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
+from ferrum.model_executor.grammar_bitmask import GrammarBitmaskBuffers
 from ferrum.model_executor.input_batch import InputBuffers, StepInputs, profile_batch
 from ferrum.model_executor.kernel_backend import resolve_kernel_backend
 from ferrum.model_executor.kv_cache_sizing import (
@@ -43,12 +44,7 @@ from ferrum.model_executor.sampling_metadata import (
 )
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from ferrum.structured_output import (
-    BatchBitmaskFiller,
-    StructuredOutputMatcher,
-    allocate_token_bitmask,
-    forbid_tokens_unless_only_ones,
-)
+from ferrum.structured_output import StructuredOutputMatcher
 
 if TYPE_CHECKING:
     from ferrum.kernels.paged_attention import SplitKVWorkspace
@@ -125,16 +121,9 @@ class ModelRunner:
         # The latest launched step's sampled tokens (on the device) and each request's row there.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
         self._last_sampled_rows: dict[str, int] = {}
-        max_num_seqs = config.scheduler_config.max_num_seqs
-        pin = device.type == "cuda"
-        self._bitmask_host = [
-            allocate_token_bitmask(max_num_seqs, self.vocab_size, pin_memory=pin) for _ in range(2)
-        ]
-        self._bitmask_device = (
-            allocate_token_bitmask(max_num_seqs, self.vocab_size).to(device) if pin else None
+        self.grammar_bitmasks = GrammarBitmaskBuffers(
+            config.scheduler_config.max_num_seqs, self.vocab_size, device
         )
-        self._num_bitmask_launches = 0
-        self._bitmask_filler = BatchBitmaskFiller()
 
     def _allocate_split_kv_workspace(self) -> SplitKVWorkspace | None:
         """Scratch for the split-KV decode kernel on CUDA, sized once for the whole run."""
@@ -360,23 +349,14 @@ class ModelRunner:
         tokens, all ones elsewhere; None when no row is constrained. Below min_tokens a row's
         stop tokens are cleared, unless the grammar allows nothing else (it can only end: the
         request then stops there, with a valid output)."""
-        rows = [(i, matchers[s.req_id]) for i, s in enumerate(states) if s.req_id in matchers]
-        if not rows:
-            return None
-        num_rows = len(states)
-        host = self._bitmask_host[self._num_bitmask_launches % 2][:num_rows]
-        self._num_bitmask_launches += 1
-        if len(rows) < num_rows:
-            host.fill_(-1)
-        self._bitmask_filler.fill(host, rows)
-        for i, _ in rows:
-            state = states[i]
-            num_outputs = len(state.output_token_ids) + state.num_output_placeholders
-            if num_outputs < state.params.min_tokens:
-                forbid_tokens_unless_only_ones(host, i, state.params.all_stop_token_ids)
-        if self._bitmask_device is None:
-            return host
-        return self._bitmask_device[:num_rows].copy_(host, non_blocking=True)
+        rows = []
+        for i, state in enumerate(states):
+            matcher = matchers.get(state.req_id)
+            if matcher is not None:
+                num_outputs = len(state.output_token_ids) + state.num_output_placeholders
+                below_min = num_outputs < state.params.min_tokens
+                rows.append((i, matcher, state.params.all_stop_token_ids if below_min else ()))
+        return self.grammar_bitmasks.fill(len(states), rows) if rows else None
 
     @torch.inference_mode()
     def launch(

@@ -255,3 +255,36 @@ def test_min_tokens_keeps_a_grammar_open_until_it_can_only_end(llm: LLM) -> None
     completion = ended.outputs[0]
     assert completion.finish_reason == "stop" and completion.text in ("yes", "no")
     assert len(completion.token_ids) < 10
+
+
+def test_a_failed_deferred_sampling_loses_no_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step whose sampling fails after the previous step completed: its requests are
+    recomputed with the tokens (and matcher states) they had, and finish as without the fault."""
+    llm = make_llm(async_scheduling=True)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=KINDS["json"])
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    runner = engine.core.runner
+    real_sample = runner.sample
+    calls = [0]
+
+    def failing_sample(step) -> None:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected fault")
+        real_sample(step)
+
+    monkeypatch.setattr(runner, "sample", failing_sample)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[output.request_id] = output.outputs[0]
+    assert [outputs["0"].token_ids, outputs["1"].token_ids] == expected
+    for completion in outputs.values():
+        assert completion.finish_reason == "stop"
+        check_output("json", completion.text)
