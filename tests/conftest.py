@@ -45,3 +45,14 @@ def shipped_llm() -> Any:
     return LLM(
         DEFAULT_MODEL_DIR, dtype="float32", device="cpu", num_kv_blocks=256, max_model_len=512
     )
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Any:
+    """torch on one intra-op thread for a module, restored afterwards: the tiny models' small
+    ops gain nothing from more, and on a loaded 2-core machine spinning OpenMP workers make
+    every decode step many times slower (~10x measured on the structured-output tests)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -33,6 +33,7 @@ def test_async_llm_compiles_in_the_front_end_and_the_core_applies() -> None:
         dtype="float32",
         num_kv_blocks=64,
         max_model_len=256,
+        num_cpu_threads=1,  # the core's own process (see the one_torch_thread fixture)
         structured_outputs_config=StructuredOutputsConfig(disable_any_whitespace=True),
     )
     asyncio.run(_run(AsyncLLM.from_engine_args(args)))

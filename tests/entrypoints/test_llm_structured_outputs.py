@@ -61,6 +61,7 @@ KINDS = {
     ),
 }
 PROMPTS = ["Once upon a time", "The answer is"]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def check_output(kind: str, text: str) -> None:

@@ -15,6 +15,7 @@ from tests.utils.tiny_checkpoints import hf_logits, load_hf_model
 from tests.utils.tiny_llm import make_llm, random_prompts
 
 K = 3
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _check_against_hf(model: torch.nn.Module, output: RequestOutput) -> None:
