@@ -368,9 +368,14 @@ class EngineRecoveryConfig:
                 raise _fail(name, f"must be a number of seconds > 0, got {value!r}")
 
 
+# Engine cores one front end drives (one node's GPUs, or CPU processes in tests).
+MAX_DATA_PARALLEL_SIZE = 64
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How one model is spread over the devices of one host. Construction resolves
+    """How one model is spread over the devices of one host: data_parallel_size replicas of
+    tensor_parallel_size ranks each (replica i on devices i * tp ... i * tp + tp - 1). Construction resolves
     distributed_executor_backend None: "uni" (in process) for one rank, "mp" (one process per
     rank) for more."""
 
@@ -382,6 +387,13 @@ class ParallelConfig:
         metadata=_help(
             "MoE models: give each rank whole experts (num_experts / tensor_parallel_size of "
             "them) instead of a slice of every expert"
+        ),
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=_help(
+            "engine cores (replicas) behind one front end, each with its own "
+            "tensor_parallel_size GPUs; requests go to the least loaded"
         ),
     )
     distributed_executor_backend: str | None = field(
@@ -397,6 +409,12 @@ class ParallelConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise _fail("tensor_parallel_size", f"must be an integer >= 1, got {tp!r}")
+        dp = self.data_parallel_size
+        if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= MAX_DATA_PARALLEL_SIZE:
+            raise _fail(
+                "data_parallel_size",
+                f"must be an integer in [1, {MAX_DATA_PARALLEL_SIZE}], got {dp!r}",
+            )
         backend = self.distributed_executor_backend
         if backend is None:
             backend = "uni" if tp == 1 else "mp"

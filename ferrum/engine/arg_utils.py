@@ -20,6 +20,7 @@ from ferrum.config import (
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
 )
@@ -33,7 +34,6 @@ logger = init_logger(__name__)
 NOT_SUPPORTED_YET: dict[str, Any] = {
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
-    "data_parallel_size": 1,
     "distributed_executor_backend": None,
     "quantization": None,
     "kv_cache_dtype": "auto",
@@ -72,9 +72,12 @@ def check_not_supported_yet(kwargs: dict[str, Any]) -> None:
 
 _Config = TypeVar("_Config")
 
+# vLLM's short forms of some flags.
+_SHORT_FLAGS = {"data_parallel_size": ("-dp",)}
+
 _CONFIG_FIELDS = {
     f.name: f
-    for config_class in (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig)
+    for config_class in (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
     for f in fields(config_class)
     if "help" in f.metadata
 }
@@ -101,6 +104,7 @@ class EngineArgs:
     enforce_eager: bool = DeviceConfig.enforce_eager
     num_cpu_threads: int | None = DeviceConfig.num_cpu_threads
     async_scheduling: bool | None = None
+    data_parallel_size: int = ParallelConfig.data_parallel_size
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -108,7 +112,8 @@ class EngineArgs:
         when available), async_scheduling None (on with CUDA) and dtype "auto" (float32 where
         bfloat16 cannot run: Triton's CPU interpreter), then builds the validated configs."""
         device = self.device or _default_device()
-        _check_device_exists(device)
+        parallel_config = ParallelConfig(data_parallel_size=self.data_parallel_size)
+        _check_device_exists(device, parallel_config)
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = device.startswith("cuda")
@@ -132,6 +137,7 @@ class EngineArgs:
             cache_config=CacheConfig(**_init_args(CacheConfig, values)),
             scheduler_config=SchedulerConfig(**_init_args(SchedulerConfig, values)),
             device_config=DeviceConfig(**_init_args(DeviceConfig, values)),
+            parallel_config=parallel_config,
             structured_outputs_config=_structured_outputs_config(self.structured_outputs_config),
         )
 
@@ -166,7 +172,8 @@ class EngineArgs:
                 kwargs["type"] = _parse_type(f.type)
             if "choices" in metadata:
                 kwargs["choices"] = metadata["choices"]
-            parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+            flags = ["--" + f.name.replace("_", "-"), *_SHORT_FLAGS.get(f.name, ())]
+            parser.add_argument(*flags, **kwargs)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, default_model: str) -> EngineArgs:
@@ -239,8 +246,9 @@ def _runs_triton_interpreter(device: str, kernel_backend: str) -> bool:
     return kernel_backend == "triton" and not device.startswith("cuda")
 
 
-def _check_device_exists(device: str) -> None:
-    """A CUDA device asked for must exist (else one clear error, before anything loads)."""
+def _check_device_exists(device: str, parallel_config: ParallelConfig) -> None:
+    """The CUDA devices asked for must exist (else one clear error, before anything loads):
+    from the given index, one per rank of every replica."""
     if not device.startswith("cuda"):
         return
     import torch
@@ -252,7 +260,14 @@ def _check_device_exists(device: str) -> None:
             f"{build}; use --device cpu (or leave the device unset)"
         )
     index = device.partition(":")[2] or "0"
-    if index.isdigit() and int(index) >= torch.cuda.device_count():
+    if not index.isdigit():
+        return
+    dp, tp = parallel_config.data_parallel_size, parallel_config.world_size
+    last = int(index) + dp * tp - 1
+    if last >= torch.cuda.device_count():
+        field = "device" if dp * tp == 1 else "data_parallel_size"
         raise ValueError(
-            f"device: {device!r} does not exist ({torch.cuda.device_count()} CUDA device(s))"
+            f"{field}: {dp} replica(s) x {tp} rank(s) from {device!r} need cuda:{index} to "
+            f"cuda:{last}; {device!r} does not exist or too few follow it "
+            f"({torch.cuda.device_count()} CUDA device(s))"
         )

@@ -1,5 +1,6 @@
 """Scheduler stats of a front end whose engine core may be replaced: counters add up over
-every core it ran; gauges are the current core's, or 0 while none is serving."""
+every core it ran; gauges are the current core's, or 0 while none is serving. Data-parallel
+replicas add up into one engine's stats (`sum_replica_stats`)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,23 @@ def _with_counters(gauges: SchedulerStats, a: SchedulerStats, b: SchedulerStats)
         iteration_tokens_counts=counts,
         iteration_tokens_sum=a.iteration_tokens_sum + b.iteration_tokens_sum,
     )
+
+
+def sum_replica_stats(
+    stats: list[SchedulerStats | None], num_kv_blocks: list[int]
+) -> SchedulerStats | None:
+    """Stats of data-parallel replicas as one engine: requests and counters add up; KV cache
+    usage is the used fraction of all their blocks (`num_kv_blocks[i]`: replica i's pool).
+    A replica with no stats yet counts as idle; None while none has any."""
+    known = [(s, n) for s, n in zip(stats, num_kv_blocks) if s is not None]
+    if not known:
+        return None
+    total = SchedulerStats(0, 0, 0.0, 0, 0, 0)
+    for replica_stats, _ in known:
+        total = _with_counters(total, total, replica_stats)
+        total.num_running += replica_stats.num_running
+        total.num_waiting += replica_stats.num_waiting
+    num_blocks = sum(num_kv_blocks)
+    if num_blocks > 0:
+        total.kv_cache_usage = sum(s.kv_cache_usage * n for s, n in known) / num_blocks
+    return total

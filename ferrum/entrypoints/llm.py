@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from ferrum.default_model import DEFAULT_MODEL_NAME
 from ferrum.engine.arg_utils import EngineArgs, check_not_supported_yet
+from ferrum.engine.dp_llm_engine import DataParallelLLMEngine
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.outputs import RequestOutput
@@ -27,14 +28,19 @@ class LLM:
     "ferrum-tiny-qwen3"), the small model shipped with ferrum. Keyword arguments are the fields
     of `EngineArgs` (`dtype`, `device`, `load_format`, `max_model_len`, `block_size`,
     `num_kv_blocks`, `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`, `seed`,
-    ...); vLLM arguments ferrum does not have yet raise a ValueError saying so.
+    `data_parallel_size`, ...); vLLM arguments ferrum does not have yet raise a ValueError saying so.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL_NAME, **kwargs: Any) -> None:
         check_not_supported_yet({k: v for k, v in kwargs.items() if k not in _ENGINE_ARG_NAMES})
         kwargs = {k: v for k, v in kwargs.items() if k in _ENGINE_ARG_NAMES}
         self.engine_args = EngineArgs(model=model, **kwargs)
-        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+        config = self.engine_args.create_engine_config()
+        self.llm_engine: LLMEngine | DataParallelLLMEngine
+        if config.parallel_config.data_parallel_size > 1:
+            self.llm_engine = DataParallelLLMEngine(config)
+        else:
+            self.llm_engine = LLMEngine(config)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -1,0 +1,118 @@
+"""Which engine core (replica) of a data-parallel front end gets a request.
+
+Invariant: every open request is assigned to exactly one replica, from `route` until `release`,
+with all its `n` completions; a replica's load is the number of open completions assigned to it.
+The front end counts that load itself, exactly: it is what the core's running + waiting will be
+once it has read every request sent to it (its stats lag the requests still in the pipe).
+
+A request goes to the least loaded replica that can serve now (ties: lower KV cache usage, then
+the one chosen least recently). Prefix affinity: a prompt longer than one KV block whose first
+block matches one routed recently goes where that one went (its blocks may be cached there),
+unless that replica is more than `PREFIX_AFFINITY_SLACK` completions above the least load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ferrum.config import EngineConfig
+
+# How many more open completions than the least loaded replica a replica may have and still
+# get a request whose first prompt block it saw recently.
+PREFIX_AFFINITY_SLACK = 4
+# First-block keys remembered (least recently routed dropped first).
+MAX_PREFIX_ENTRIES = 4096
+
+
+class ReplicaRouter:
+    def __init__(self, num_replicas: int, block_size: int) -> None:
+        if num_replicas < 1:
+            raise ValueError(f"num_replicas: must be >= 1, got {num_replicas}")
+        self.num_replicas = num_replicas
+        self.block_size = block_size
+        self._loads = [0] * num_replicas
+        # request id -> (replica, number of completions).
+        self._assigned: dict[str, tuple[int, int]] = {}
+        # first prompt block -> the replica that last got a prompt starting with it.
+        self._prefix_owner: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        # When each replica was last chosen (a counter), for round-robin among equals.
+        self._last_chosen = list(range(-num_replicas, 0))
+        self._num_routed = 0
+
+    def route(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        num_completions: int,
+        serving: Sequence[bool],
+        kv_cache_usage: Sequence[float] | None = None,
+    ) -> int:
+        """Assigns the request to a replica and returns it. `serving[i]`: replica i can take
+        requests now; when none can, every replica is a candidate (the request waits there).
+        `kv_cache_usage[i]`: replica i's latest usage (0 when unknown)."""
+        if request_id in self._assigned:
+            raise ValueError(f"request_id: {request_id!r} is already open")
+        candidates = [i for i in range(self.num_replicas) if serving[i]]
+        candidates = candidates or list(range(self.num_replicas))
+        usage = kv_cache_usage or [0.0] * self.num_replicas
+        least = min(candidates, key=lambda i: (self._loads[i], usage[i], self._last_chosen[i]))
+        replica = least
+        key = self._prefix_key(prompt_token_ids)
+        if key is not None:
+            owner = self._prefix_owner.get(key)
+            if (
+                owner is not None
+                and owner in candidates
+                and self._loads[owner] <= self._loads[least] + PREFIX_AFFINITY_SLACK
+            ):
+                replica = owner
+            self._prefix_owner[key] = replica
+            self._prefix_owner.move_to_end(key)
+            if len(self._prefix_owner) > MAX_PREFIX_ENTRIES:
+                self._prefix_owner.popitem(last=False)
+        self._assigned[request_id] = (replica, num_completions)
+        self._loads[replica] += num_completions
+        self._last_chosen[replica] = self._num_routed
+        self._num_routed += 1
+        return replica
+
+    def replica_of(self, request_id: str) -> int | None:
+        assigned = self._assigned.get(request_id)
+        return None if assigned is None else assigned[0]
+
+    def release(self, request_id: str) -> int | None:
+        """The request finished or was aborted: its load leaves its replica, which is returned
+        (None for an unknown or already released id)."""
+        assigned = self._assigned.pop(request_id, None)
+        if assigned is None:
+            return None
+        replica, num_completions = assigned
+        self._loads[replica] -= num_completions
+        return replica
+
+    def load(self, replica: int) -> int:
+        return self._loads[replica]
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._assigned)
+
+    def _prefix_key(self, prompt_token_ids: Sequence[int]) -> tuple[int, ...] | None:
+        # The prefix cache never serves a prompt's last token: one full block must precede it.
+        if len(prompt_token_ids) <= self.block_size:
+            return None
+        return tuple(prompt_token_ids[: self.block_size])
+
+
+def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
+    """The config of replica `replica`'s core: on CUDA its own devices (cuda:i * tp onward from
+    the configured index); on the CPU, the same CPU."""
+    device = config.device_config.device
+    if not device.startswith("cuda") or replica == 0:
+        return config
+    base = int(device.partition(":")[2] or "0")
+    first = base + replica * config.parallel_config.world_size
+    device_config = dataclasses.replace(config.device_config, device=f"cuda:{first}")
+    return dataclasses.replace(config, device_config=device_config)
