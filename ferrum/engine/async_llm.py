@@ -76,11 +76,18 @@ class RequestCrashedEngineError(RuntimeError):
 
 class AsyncLLM:
     def __init__(
-        self, config: EngineConfig, recovery_config: EngineRecoveryConfig | None = None
+        self,
+        config: EngineConfig,
+        recovery_config: EngineRecoveryConfig | None = None,
+        share_with: AsyncLLM | None = None,
     ) -> None:
+        """`share_with`: a data-parallel sibling whose tokenizer and grammar compiles this one
+        uses too (same model)."""
         self.config = config
         self.recovery_config = recovery_config or EngineRecoveryConfig()
-        self.tokenizer = load_tokenizer(config.model_config)
+        self.tokenizer = (
+            share_with.tokenizer if share_with is not None else load_tokenizer(config.model_config)
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None
         self.dead_reason: str | None = None
@@ -105,7 +112,11 @@ class AsyncLLM:
         # When the current core last finished a step, or last had no request to work on.
         self._last_progress = time.monotonic()
         self._client = self._new_client()
-        self.grammars = GrammarFrontend(config, self.tokenizer)
+        self.grammars = (
+            share_with.grammars
+            if share_with is not None
+            else GrammarFrontend(config, self.tokenizer)
+        )
 
     @classmethod
     def from_engine_args(
@@ -255,6 +266,16 @@ class AsyncLLM:
         current core's latest step, or 0 while no core is serving (restarting or dead). None
         before the first step."""
         return self._stats.current(serving=self._core_ready and self.dead_reason is None)
+
+    def replica_stats(self) -> list[SchedulerStats | None]:
+        """`[stats()]`: the stats of each engine core serving (one here)."""
+        return [self.stats()]
+
+    def fail(self, reason: str) -> None:
+        """Declares the engine dead for `reason` (a data-parallel sibling died): every open
+        stream fails and `wait_dead()` returns; `shutdown()` still stops the core."""
+        if self.dead_reason is None:
+            self._die(reason)
 
     def add_finished_listener(self, listener: Callable[[RequestOutput], None]) -> None:
         """`listener(output)` is called once per request when it finishes or is aborted."""

@@ -17,7 +17,8 @@ class RequestStream:
         self, request_id: str, on_close: Callable[[str], object], merge_deltas: bool
     ) -> None:
         self.request_id = request_id
-        self._on_close = on_close
+        # Called with the request id when the reader's iteration ends, however it ends.
+        self.on_close = on_close
         self._merge_deltas = merge_deltas
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -48,4 +49,4 @@ class RequestStream:
                     yield output
         finally:
             # Runs on normal end, on error, and when the reader is cancelled (client gone).
-            self._on_close(self.request_id)
+            self.on_close(self.request_id)

@@ -53,9 +53,13 @@ def test_same_greedy_text_as_one_core_and_both_replicas_serve(dp_llm, shipped_ll
 
 def test_n_completions_and_stop_strings_finish_on_their_replica(dp_llm, shipped_llm) -> None:
     prompt = "The history of the"
-    full = shipped_llm.generate(
-        prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False
-    )[0].outputs[0].text
+    full = (
+        shipped_llm.generate(
+            prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False
+        )[0]
+        .outputs[0]
+        .text
+    )
     stop = full[5:11]
     params = [
         SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),

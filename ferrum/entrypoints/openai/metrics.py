@@ -1,7 +1,8 @@
 """GET /metrics: Prometheus metrics of one server, in its own registry.
 
 vLLM's metric set under the `ferrum:` prefix. Scheduler gauges, the prefix-cache counters and the
-tokens-per-step histogram are read from the core's latest stats at scrape time; per-request
+tokens-per-step histogram are read from each core's latest stats at scrape time, one sample per
+core labelled `engine` (vLLM's label: the data-parallel replica, "0" with one core); per-request
 histograms and counters are updated once per request (all its `n` completions) as it finishes.
 Times are time.monotonic() of one machine: queue time runs from arrival in the API process to the
 core's first scheduling, prefill to the first token, decode from the first token to the last.
@@ -9,7 +10,7 @@ core's first scheduling, prefill to the first token, decode from the first token
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -21,8 +22,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ferrum.engine.async_llm import AsyncLLM
-from ferrum.engine.core_messages import ITERATION_TOKENS_BUCKETS
+from ferrum.engine.core_messages import ITERATION_TOKENS_BUCKETS, SchedulerStats
+from ferrum.engine.dp_async_llm import AsyncEngine
 from ferrum.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -74,68 +75,73 @@ _E2E_BUCKETS = (
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats()
-        labels = ["model_name"]
-        values = [self.model_name]
+        """One sample per engine core (label `engine`: the data-parallel replica index); the
+        engine's totals are their sum (KV usage: each core's own pool)."""
+        replicas = [(str(i), s) for i, s in enumerate(self.engine.replica_stats())]
+        labels = ["model_name", "engine"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
-            return family
+        def family(kind: type, name: str, doc: str, value: Callable[[SchedulerStats], float]):
+            metric = kind(name, doc, labels=labels)
+            for engine, stats in replicas:
+                metric.add_metric([self.model_name, engine], value(stats) if stats else 0)
+            return metric
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
-            return family
-
-        yield gauge(
+        yield family(
+            GaugeMetricFamily,
             "ferrum:num_requests_running",
             "Requests in the running batch",
-            stats.num_running if stats else 0,
+            lambda s: s.num_running,
         )
-        yield gauge(
+        yield family(
+            GaugeMetricFamily,
             "ferrum:num_requests_waiting",
             "Requests waiting to be scheduled",
-            stats.num_waiting if stats else 0,
+            lambda s: s.num_waiting,
         )
-        yield gauge(
+        yield family(
+            GaugeMetricFamily,
             "ferrum:kv_cache_usage_perc",
             "Fraction of KV cache blocks in use (1 = full)",
-            stats.kv_cache_usage if stats else 0.0,
+            lambda s: s.kv_cache_usage,
         )
-        yield counter(
+        yield family(
+            CounterMetricFamily,
             "ferrum:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
-            stats.prefix_cache_queries if stats else 0,
+            lambda s: s.prefix_cache_queries,
         )
-        yield counter(
+        yield family(
+            CounterMetricFamily,
             "ferrum:prefix_cache_hits",
             "Prompt tokens served from the prefix cache",
-            stats.prefix_cache_hits if stats else 0,
+            lambda s: s.prefix_cache_hits,
         )
-        yield counter(
+        yield family(
+            CounterMetricFamily,
             "ferrum:num_preemptions",
             "Requests preempted to free KV cache blocks",
-            stats.num_preemptions if stats else 0,
+            lambda s: s.num_preemptions,
         )
         iteration_tokens = HistogramMetricFamily(
             "ferrum:iteration_tokens_total",
             "Tokens (prompt and generated) per engine step",
             labels=labels,
         )
-        counts = stats.iteration_tokens_counts if stats else ()
-        counts = counts or (0,) * (len(ITERATION_TOKENS_BUCKETS) + 1)
-        cumulative, buckets = 0, []
         bounds = [str(float(b)) for b in ITERATION_TOKENS_BUCKETS] + ["+Inf"]
-        for bound, count in zip(bounds, counts):
-            cumulative += count
-            buckets.append((bound, cumulative))
-        iteration_tokens.add_metric(values, buckets, stats.iteration_tokens_sum if stats else 0)
+        for engine, stats in replicas:
+            counts = stats.iteration_tokens_counts if stats else ()
+            counts = counts or (0,) * len(bounds)
+            cumulative, buckets = 0, []
+            for bound, count in zip(bounds, counts):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            total = stats.iteration_tokens_sum if stats else 0
+            iteration_tokens.add_metric([self.model_name, engine], buckets, total)
         yield iteration_tokens
 
     def describe(self) -> Iterator[Metric]:
@@ -143,7 +149,7 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(_EngineStatsCollector(engine, model_name))

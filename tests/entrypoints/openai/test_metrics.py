@@ -13,11 +13,11 @@ from ferrum.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 class FakeEngine:
-    def __init__(self, stats: SchedulerStats | None) -> None:
-        self._stats = stats
+    def __init__(self, *replica_stats: SchedulerStats | None) -> None:
+        self._stats = list(replica_stats)
         self.listeners: list[Callable[[RequestOutput], None]] = []
 
-    def stats(self) -> SchedulerStats | None:
+    def replica_stats(self) -> list[SchedulerStats | None]:
         return self._stats
 
     def add_finished_listener(self, listener: Callable[[RequestOutput], None]) -> None:
@@ -77,8 +77,24 @@ def test_iteration_tokens_come_from_the_cores_counts() -> None:
     stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, tuple(counts), 5 + 50 + 20000)
     values = samples(ServerMetrics(FakeEngine(stats), "m"))  # type: ignore[arg-type]
     bucket = "ferrum:iteration_tokens_total_bucket"
-    assert values[(bucket, (("le", "1.0"),))] == 5
-    assert values[(bucket, (("le", "16.0"),))] == 5
-    assert values[(bucket, (("le", "32.0"),))] == 7
-    assert values[(bucket, (("le", "+Inf"),))] == 8
-    assert values[("ferrum:iteration_tokens_total_sum", ())] == 20055
+    assert values[(bucket, (("engine", "0"), ("le", "1.0")))] == 5
+    assert values[(bucket, (("engine", "0"), ("le", "16.0")))] == 5
+    assert values[(bucket, (("engine", "0"), ("le", "32.0")))] == 7
+    assert values[(bucket, (("engine", "0"), ("le", "+Inf")))] == 8
+    assert values[("ferrum:iteration_tokens_total_sum", (("engine", "0"),))] == 20055
+
+
+def test_each_data_parallel_replica_is_an_engine_label() -> None:
+    counts = (1,) + (0,) * len(ITERATION_TOKENS_BUCKETS)
+    first = SchedulerStats(2, 1, 0.5, 10, 4, 0, counts, 1)
+    second = SchedulerStats(0, 3, 0.25, 20, 8, 1, counts, 1)
+    values = samples(ServerMetrics(FakeEngine(first, second, None), "m"))  # type: ignore[arg-type]
+    for name, want in (
+        ("ferrum:num_requests_running", [2, 0, 0]),
+        ("ferrum:num_requests_waiting", [1, 3, 0]),
+        ("ferrum:kv_cache_usage_perc", [0.5, 0.25, 0]),
+        ("ferrum:prefix_cache_hits_total", [4, 8, 0]),
+        ("ferrum:num_preemptions_total", [0, 1, 0]),
+        ("ferrum:iteration_tokens_total_count", [1, 1, 0]),
+    ):
+        assert [values[(name, (("engine", str(i)),))] for i in range(3)] == want, name
