@@ -87,6 +87,10 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.device = device
+        if device.type == "cuda":
+            # Triton launches, CUDA graphs and memory profiling use the current device: this
+            # runner's (a data-parallel replica's core runs on cuda:i * tp).
+            torch.cuda.set_device(device)
         self.tp_group = TensorParallelGroup() if tp_group is None else tp_group
         tp_size = config.parallel_config.tensor_parallel_size
         if self.tp_group.world_size != tp_size:
