@@ -20,6 +20,7 @@ from pydantic import (
 from ferrum.entrypoints.openai.protocol import (
     NO_STREAMED_PROMPT_LOGPROBS,
     NOT_NULL,
+    ONE_CONSTRAINT,
     UNION_TAG,
     NumLogprobs,
     OpenAIModel,
@@ -153,6 +154,7 @@ class ChatCompletionRequest(SamplingRequest):
                 implies({"top_logprobs": NOT_NULL}, {"logprobs": True}),
                 implies({"continue_final_message": True}, {"add_generation_prompt": False}),
                 NO_STREAMED_PROMPT_LOGPROBS,
+                ONE_CONSTRAINT,
             ]
         }
     )

@@ -242,6 +242,7 @@ class StreamOptions(RequestModel):
 
 
 NO_STREAMED_PROMPT_LOGPROBS = excludes({"stream": True, "prompt_logprobs": NOT_NULL})
+ONE_CONSTRAINT = excludes({"response_format": NOT_NULL, "structured_outputs": NOT_NULL})
 
 
 class SamplingRequest(RequestModel):
@@ -344,7 +345,9 @@ class SamplingRequest(RequestModel):
 
 
 class CompletionRequest(SamplingRequest):
-    model_config = ConfigDict(json_schema_extra={"allOf": [NO_STREAMED_PROMPT_LOGPROBS]})
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [NO_STREAMED_PROMPT_LOGPROBS, ONE_CONSTRAINT]}
+    )
 
     prompt: (
         NonEmptyText
