@@ -437,6 +437,12 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
 
+def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each rank holds: an equal split, or one (replicated) when there are fewer KV
+    heads than ranks."""
+    return max(1, num_kv_heads // tensor_parallel_size)
+
+
 def check_parallel_fits_model(parallel: ParallelConfig, arch: ModelArchConfig) -> None:
     """Every split the parallel layers make must be exact: attention heads, KV heads (split,
     or replicated when tensor_parallel_size is a multiple of them), MLP widths and experts."""

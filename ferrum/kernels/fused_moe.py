@@ -103,22 +103,26 @@ def _moe_gemm_kernel(
 def _moe_combine_kernel(
     out_ptr,  # [num_tokens, H]
     pair_out_ptr,  # [num_tokens * top_k, H] float32
+    topk_ids_ptr,  # [num_tokens * top_k] int32/int64
     hidden_size,
     top_k,
+    num_experts,
     stride_om,
     stride_pm,
     BLOCK: tl.constexpr,
 ):
     """Program (t, c): out[t, c*BLOCK..] = sum over j = 0..k-1 in order, in fp32, of
-    pair_out[t * top_k + j], rounded to out's dtype."""
+    pair_out[t * top_k + j], rounded to out's dtype; pairs whose expert id lies outside
+    [0, num_experts) (no GEMM wrote their row) count as zero."""
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden_size
     total = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in range(0, top_k):
-        total += tl.load(
-            pair_out_ptr + (token * top_k + j) * stride_pm + offs, mask=mask, other=0.0
-        )
+        pair = token * top_k + j
+        expert = tl.load(topk_ids_ptr + pair)
+        routed = (expert >= 0) & (expert < num_experts)
+        total += tl.load(pair_out_ptr + pair * stride_pm + offs, mask=mask & routed, other=0.0)
     tl.store(out_ptr + token * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -246,8 +250,10 @@ def _grouped_moe(
     _moe_combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
         out,
         pair_out,
+        topk_ids.reshape(-1),
         hidden_size,
         top_k,
+        num_experts,
         out.stride(0),
         pair_out.stride(0),
         BLOCK=block,
@@ -273,7 +279,8 @@ def fused_moe(
     (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) is given: passing one asks for the grouped
     GEMM. Without one, tiles come from the tuned file for this shape and device, else the
     defaults (`fused_moe_config`); `small_config` overrides the small path's tiles.
-    Expert ids must lie in [0, num_experts).
+    A (token, choice) pair whose expert id lies outside [0, num_experts) contributes zero and
+    reads no expert weights (expert parallelism: another rank's expert).
     """
     _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
     num_tokens, hidden_size = hidden.shape

@@ -20,14 +20,18 @@ def fused_moe_ref(
 ) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u), where e = topk_ids[t, j] and
     (g, u) = split(w13[e] @ hidden[t]). Expert matmuls run in the input dtype; the weighted sum
-    accumulates in float32. Returns [num_tokens, hidden_size] in hidden's dtype.
+    accumulates in float32. Returns [num_tokens, hidden_size] in hidden's dtype. A pair whose
+    expert id lies outside [0, num_experts) contributes zero (another rank's expert).
     """
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.reshape(-1)
     # One host sync: which experts received any token.
     active_experts = torch.unique(flat_ids).tolist()
+    num_experts = w13.shape[0]
     for expert in active_experts:
+        if not 0 <= expert < num_experts:
+            continue
         flat_pos = torch.nonzero(flat_ids == expert).squeeze(1)
         token_idx = torch.div(flat_pos, top_k, rounding_mode="floor")
         x = hidden[token_idx]

@@ -44,6 +44,7 @@ def _moe_gate_up_gemv_kernel(
     inter,
     hidden_size,
     top_k,
+    num_experts,
     stride_hm,
     stride_we,
     stride_wn,
@@ -53,10 +54,13 @@ def _moe_gate_up_gemv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """Program (p, n): act[p, n*BLOCK_N..] = silu(g) * u, (g, u) = w13[e, (n | I + n)] @ x[t] for
-    t = p // top_k, e = topk_ids[p]. Products accumulate per lane in fp32, summed once at the end."""
+    t = p // top_k, e = topk_ids[p]. Products accumulate per lane in fp32, summed once at the end.
+    A pair whose e lies outside [0, num_experts) reads no weights (its act row is zero)."""
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    routed = (expert >= 0) & (expert < num_experts)
+    expert = tl.where(routed, expert, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
@@ -69,6 +73,7 @@ def _moe_gate_up_gemv_kernel(
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
         x, w_mask = _load_k_chunk(x_ptrs, offs_k, hidden_size - k0, n_mask, EVEN_K)
+        w_mask = w_mask & routed
         gate = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(tl.float32)
         acc_gate += gate * x[None, :]
@@ -93,6 +98,7 @@ def _moe_down_combine_gemv_kernel(
     hidden_size,
     inter,
     top_k,
+    num_experts,
     stride_am,
     stride_we,
     stride_wn,
@@ -102,7 +108,8 @@ def _moe_down_combine_gemv_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """Program (t, n): out[t, n*BLOCK_N..] = sum over j = 0..k-1 in order, in fp32, of
-    topk_weights[p] * round(w2[e] @ act[p]) for p = t * top_k + j, e = topk_ids[p]."""
+    topk_weights[p] * round(w2[e] @ act[p]) for p = t * top_k + j, e = topk_ids[p]; pairs
+    whose e lies outside [0, num_experts) read no weights and add zero."""
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,6 +120,8 @@ def _moe_down_combine_gemv_kernel(
     for j in range(0, top_k):
         pair = token * top_k + j
         expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+        routed = (expert >= 0) & (expert < num_experts)
+        expert = tl.where(routed, expert, 0)
         a_ptrs = act_ptr + pair * stride_am + offs_k
         w_ptrs = (
             w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
@@ -120,7 +129,7 @@ def _moe_down_combine_gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             a, w_mask = _load_k_chunk(a_ptrs, offs_k, inter - k0, n_mask, EVEN_K)
-            acc += tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32) * a[None, :]
+            acc += tl.load(w_ptrs, mask=w_mask & routed, other=0.0).to(tl.float32) * a[None, :]
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         y = tl.sum(acc, 1).to(dtype).to(tl.float32)
@@ -168,6 +177,7 @@ def small_batch_moe(
         inter,
         hidden_size,
         top_k,
+        w13.shape[0],
         hidden.stride(0),
         w13.stride(0),
         w13.stride(1),
@@ -187,6 +197,7 @@ def small_batch_moe(
         hidden_size,
         inter,
         top_k,
+        w2.shape[0],
         act.stride(0),
         w2.stride(0),
         w2.stride(1),

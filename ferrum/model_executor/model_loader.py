@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -34,29 +35,37 @@ def load_model(
     device: torch.device,
     kernel_backend: str = "torch",
     tp_group: TensorParallelGroup | None = None,
+    enable_expert_parallel: bool = False,
 ) -> nn.Module:
     """The model of `model_config.architecture` on `device` in `model_config.dtype`, built with
     the (resolved) kernel backend, with weights from the checkpoint's safetensors ("auto",
-    "safetensors") or random ("dummy"). With a tensor-parallel group, this rank's shard."""
-    if tp_group is not None and tp_group.world_size > 1:
-        raise ValueError(
-            "tensor_parallel_size: the tensor-parallel layers are not built yet (only 1)"
-        )
+    "safetensors") or random ("dummy"). With a tensor-parallel group, this rank's shard, reading only its part of each
+    checkpoint tensor (dummy weights: this rank's share of the same random draw is not
+    reproduced; each rank draws its own shard from the seed)."""
     model_class = get_model_class(model_config.architecture)
     kernels = load_kernels(kernel_backend)
     device = torch.device(device)
     with _default_dtype(getattr(torch, model_config.dtype)), torch.device(device):
-        model = model_class(model_config.arch, kernels)
+        model = model_class(
+            model_config.arch,
+            kernels,
+            tp_group=tp_group,
+            enable_expert_parallel=enable_expert_parallel,
+        )
     if model_config.load_format == "dummy":
-        initialize_dummy_weights(model, model_config.seed)
+        split = tp_group is not None and tp_group.world_size > 1
+        initialize_dummy_weights(model, model_config.seed, seed_per_parameter=split)
     else:
         load_checkpoint_weights(model, model_config.model)
     return model.eval()
 
 
-def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
+def initialize_dummy_weights(model: nn.Module, seed: int, seed_per_parameter: bool = False) -> None:
     """In place, on the parameters' device, deterministic from `seed`: normal(0, DUMMY_STD) for
-    matrices and stacked experts, ones for norm weights, zeros for biases."""
+    matrices and stacked experts, ones for norm weights, zeros for biases. `seed_per_parameter`
+    (a tensor-parallel rank's shard) draws each matrix from its own generator seeded by `seed`
+    and the parameter name, so the parameters every rank holds whole (the MoE router) are the
+    same on every rank."""
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -64,6 +73,10 @@ def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
                 param.zero_()
             elif param.dim() == 1:
                 param.fill_(1.0)
+            elif seed_per_parameter:
+                generator = torch.Generator(param.device)
+                generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                param.normal_(0.0, DUMMY_STD, generator=generator)
             else:
                 if param.device not in generators:
                     generators[param.device] = torch.Generator(param.device).manual_seed(seed)

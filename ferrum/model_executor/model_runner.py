@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferrum.config import EngineConfig
+from ferrum.config import EngineConfig, kv_heads_per_rank
 from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.logger import init_logger
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
@@ -92,7 +92,7 @@ class ModelRunner:
             # runner's (a data-parallel replica's core runs on cuda:i * tp).
             torch.cuda.set_device(device)
         self.tp_group = TensorParallelGroup() if tp_group is None else tp_group
-        tp_size = config.parallel_config.tensor_parallel_size
+        self.tp_size = tp_size = config.parallel_config.tensor_parallel_size
         if self.tp_group.world_size != tp_size:
             raise ValueError(
                 f"tp_group: {self.tp_group.world_size} ranks, but tensor_parallel_size={tp_size}"
@@ -101,7 +101,13 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.vocab_size
         self.kernel_backend = resolve_kernel_backend(config.device_config.kernel_backend, device)
-        self.model = load_model(config.model_config, device, self.kernel_backend, self.tp_group)
+        self.model = load_model(
+            config.model_config,
+            device,
+            self.kernel_backend,
+            self.tp_group,
+            config.parallel_config.enable_expert_parallel,
+        )
         self.split_kv_workspace = self._allocate_split_kv_workspace()
         sched = config.scheduler_config
         max_model_len = config.model_config.max_model_len
@@ -139,13 +145,14 @@ class ModelRunner:
         )
 
         model_config = self.config.model_config
+        num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, self.tp_size)
+        num_heads = model_config.num_attention_heads // self.tp_size
         # Batches of at least SPLIT_KV_MAX_PROGRAMS / num_kv_heads requests take one pass.
         max_num_seqs = min(
-            self.config.scheduler_config.max_num_seqs,
-            -(-SPLIT_KV_MAX_PROGRAMS // model_config.num_kv_heads),
+            self.config.scheduler_config.max_num_seqs, -(-SPLIT_KV_MAX_PROGRAMS // num_kv_heads)
         )
         return allocate_split_kv_workspace(
-            max_num_seqs, model_config.num_attention_heads, model_config.head_dim, self.device
+            max_num_seqs, num_heads, model_config.head_dim, self.device
         )
 
     def determine_num_kv_blocks(self) -> int:
@@ -153,7 +160,7 @@ class ModelRunner:
         cfg = self.config
         if self.device.type != "cuda":
             budget = cpu_kv_budget(
-                cfg.model_config, cfg.cache_config, cfg.scheduler_config, self.dtype
+                cfg.model_config, cfg.cache_config, cfg.scheduler_config, self.dtype, self.tp_size
             )
         elif cfg.cache_config.kv_cache_memory_bytes is not None:
             budget = cfg.cache_config.kv_cache_memory_bytes
@@ -168,6 +175,7 @@ class ModelRunner:
             # On the CPU an unused default budget would only cost memory; a GPU keeps every
             # block it can for the prefix cache.
             cap_to_need=self.device.type != "cuda",
+            tp_size=self.tp_size,
         )
 
     @torch.inference_mode()
@@ -234,7 +242,12 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(
-            self.config.model_config, num_blocks, self.block_size, self.dtype, self.device
+            self.config.model_config,
+            num_blocks,
+            self.block_size,
+            self.dtype,
+            self.device,
+            self.tp_size,
         )
         self.model.bind_kv_caches(self.kv_caches, self.split_kv_workspace)
 

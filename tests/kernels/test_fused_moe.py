@@ -68,6 +68,18 @@ def test_matches_reference(path, num_tokens, renormalize, dtype, device) -> None
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_pairs_of_experts_held_elsewhere_contribute_zero(path, dtype, device) -> None:
+    # Expert parallelism: ids of other ranks' experts arrive as -1 and add nothing.
+    x, w13, w2, logits = make_problem(6, 64, 32, 4, 2, dtype, device, seed=9)
+    weights, ids = select_experts(logits, 2, True)
+    ids[0, 0] = ids[3, 1] = ids[4, 0] = ids[4, 1] = -1
+    out = fused_moe(x, w13, w2, weights, ids, small_batch_max_tokens=PATHS[path])
+    expected = fused_moe_ref(x, w13, w2, weights.masked_fill(ids < 0, 0.0), ids.clamp(min=0))
+    torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[x.dtype])
+    assert torch.all(out[4] == 0)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_odd_dims_int32_ids_and_ragged_k(path, dtype, device) -> None:
     # H = 40 and I = 24 are not powers of two nor multiples of the 16-wide K tiles; 7 tokens
     # * 3 choices over 3 M-blocks in the grouped path.

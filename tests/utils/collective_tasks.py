@@ -25,3 +25,20 @@ def run_collectives(group: TensorParallelGroup) -> dict[str, object]:
         "gather": gathered,
         "broadcast": group.broadcast(broadcast, src=1),
     }
+
+
+def collectives_in_cuda_graph(group: TensorParallelGroup) -> dict[str, torch.Tensor]:
+    """all_reduce and all_gather captured in one CUDA graph, replayed on new input values."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffer = torch.zeros(2, 3, device=device)
+    group.all_reduce(buffer.clone())  # warm-up outside capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        gathered = group.all_gather(buffer * 1.0, dim=-1)
+        reduced = group.all_reduce(buffer)
+    buffer.copy_(rank_values(group).to(device))
+    graph.replay()
+    torch.cuda.synchronize()
+    return {"all_reduce": reduced.cpu(), "all_gather": gathered.cpu()}

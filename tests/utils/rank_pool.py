@@ -1,4 +1,5 @@
-"""A pool of worker processes joined into one gloo tensor-parallel group, shared by tests.
+"""A pool of worker processes joined into one tensor-parallel group (gloo; NCCL on GPUs), shared
+by tests.
 
 Starting torch processes costs seconds on the CI's two cores, so one pool serves a whole test
 module: `pool.run(fn, *args)` runs the module-level function `fn(group, *args)` on every rank at
@@ -26,10 +27,14 @@ START_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 180.0
 
 
-def _serve(rank: int, world_size: int, init_method: str, tasks: Any, results: Any) -> None:
+def _serve(
+    rank: int, world_size: int, init_method: str, backend: str, tasks: Any, results: Any
+) -> None:
     torch.set_num_threads(1)
     try:
-        group = init_distributed(world_size, rank, init_method, "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        group = init_distributed(world_size, rank, init_method, backend)
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         return
@@ -49,8 +54,11 @@ def _serve(rank: int, world_size: int, init_method: str, tasks: Any, results: An
 
 
 class RankPool:
-    def __init__(self, world_size: int = 2) -> None:
+    """`backend` "nccl": rank r runs on cuda:r (needs world_size GPUs)."""
+
+    def __init__(self, world_size: int = 2, backend: str = "gloo") -> None:
         self.world_size = world_size
+        self.backend = backend
         self._processes: list[multiprocessing.process.BaseProcess] = []
         self._tasks: list[Any] = []
         self._results: Any = None
@@ -65,7 +73,14 @@ class RankPool:
         self._processes = [
             ctx.Process(
                 target=_serve,
-                args=(rank, self.world_size, init_method, self._tasks[rank], self._results),
+                args=(
+                    rank,
+                    self.world_size,
+                    init_method,
+                    self.backend,
+                    self._tasks[rank],
+                    self._results,
+                ),
                 daemon=True,
             )
             for rank in range(self.world_size)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts layer: top-k router plus the fused expert op over stacked weights.
+"""Mixture-of-experts layer: top-k router plus the fused expert op over stacked weights,
+split over the ranks of a tensor-parallel group by intermediate rows or by whole experts.
 
 Experts are stored stacked: `w13 [E, 2I, H]` (each expert's gate rows, then its up rows) and
 `w2 [E, H, I]`. Checkpoints load either per expert (gate / up / down tensors of one expert, copied
@@ -12,9 +13,14 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import nn
 
+from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.kernels.fused_moe_ref import fused_moe_ref
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.linear import check_shape, new_parameter, set_weight_loader
+from ferrum.model_executor.layers.parallel_linear import split_evenly
+from ferrum.model_executor.weight_loader import CheckpointTensor, materialize
+
+Loaded = torch.Tensor | CheckpointTensor
 
 # Shard ids of the expert weights: (projection, expert_id) for one expert's tensor, or
 # (projection, None) for a tensor holding all experts stacked.
@@ -40,6 +46,15 @@ MoeRouter = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor
 
 
 class FusedMoE(nn.Module):
+    """The experts of one MoE block, this rank's share of them.
+
+    Tensor parallel (default): every rank holds every expert with intermediate rows
+    [r * I_r, (r + 1) * I_r), I_r = I / tp, and the partial outputs are all-reduced. Expert
+    parallel: rank r holds experts [r * E_r, (r + 1) * E_r), E_r = E / tp, whole; the router
+    still picks among all E, ids of other ranks' experts become -1 (they contribute zero here)
+    and the all-reduce adds every rank's experts. Loading reads only the rank's share.
+    """
+
     def __init__(
         self,
         num_experts: int,
@@ -49,6 +64,8 @@ class FusedMoE(nn.Module):
         renormalize: bool,
         hidden_act: str,
         kernels: TritonKernels | None,
+        tp_group: TensorParallelGroup | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
@@ -59,61 +76,106 @@ class FusedMoE(nn.Module):
             raise ValueError(
                 f"num_experts_per_tok: must be in [1, num_experts={num_experts}], got {top_k}"
             )
+        self.tp_group = tp_group or TensorParallelGroup()
+        tp, rank = self.tp_group.world_size, self.tp_group.rank
+        self.expert_parallel = expert_parallel and tp > 1
         self.num_experts = num_experts
         self.top_k = top_k
-        self.intermediate_size = intermediate_size
+        self.hidden_size = hidden_size
+        # The checkpoint's intermediate size and this rank's slice of it.
+        self.full_intermediate_size = intermediate_size
+        if self.expert_parallel:
+            self.num_local_experts = split_evenly(num_experts, tp, "num_experts")
+            self.intermediate_size = intermediate_size
+        else:
+            self.num_local_experts = num_experts
+            self.intermediate_size = split_evenly(intermediate_size, tp, "moe_intermediate_size")
+        self.expert_start = rank * self.num_local_experts if self.expert_parallel else 0
+        self.intermediate_start = 0 if self.expert_parallel else rank * self.intermediate_size
         self.renormalize = renormalize
         # The reference expert loop asks the host which experts got tokens (no CUDA graphs); the
         # Triton path sizes everything from the token count and is graph safe.
         self._router: MoeRouter = select_experts if kernels is None else kernels.moe_router
         self._kernel: MoeKernel = fused_moe_ref if kernels is None else kernels.fused_moe
-        self.w13 = new_parameter(num_experts, 2 * intermediate_size, hidden_size)
-        self.w2 = new_parameter(num_experts, hidden_size, intermediate_size)
-        experts = range(num_experts)
+        local, inter = self.num_local_experts, self.intermediate_size
+        self.w13 = new_parameter(local, 2 * inter, hidden_size)
+        self.w2 = new_parameter(local, hidden_size, inter)
+        experts = range(self.expert_start, self.expert_start + local)
         set_weight_loader(
             self.w13, self._load_w13, frozenset((p, e) for p in (GATE, UP) for e in experts)
         )
         set_weight_loader(self.w2, self._load_w2, frozenset((DOWN, e) for e in experts))
+        # Loaders narrow the checkpoint tensor to this rank's share before reading it.
+        self.w13.reads_slices = self.w2.reads_slices = True  # type: ignore[attr-defined]
 
-    def _expert_id(self, expert_id: int | None) -> int | None:
-        if expert_id is not None and not 0 <= expert_id < self.num_experts:
+    def _local_expert(self, expert_id: int | None) -> int | None:
+        """The local index of a global expert id; None when another rank holds it."""
+        if expert_id is None:
+            return None
+        if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert id {expert_id} out of range [0, {self.num_experts})")
-        return expert_id
+        local = expert_id - self.expert_start
+        return local if 0 <= local < self.num_local_experts else None
 
-    def _load_w13(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable
-    ) -> set[Hashable]:
+    def _local_experts(self, stacked: Loaded, what: str, shape: tuple[int, ...]) -> Loaded:
+        check_shape(torch.Size((self.num_experts, *shape)), stacked.shape, what)
+        return stacked.narrow(0, self.expert_start, self.num_local_experts)
+
+    def _gate_up_rows(self, loaded: Loaded, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's gate rows and up rows of a [.., 2I, H] tensor (gate rows, then up)."""
+        start, size = self.intermediate_start, self.intermediate_size
+        gate = materialize(loaded.narrow(dim, start, size))
+        up = materialize(loaded.narrow(dim, self.full_intermediate_size + start, size))
+        return gate, up
+
+    def _load_w13(self, param: nn.Parameter, loaded: Loaded, shard_id: Hashable) -> set[Hashable]:
         proj, expert_id = shard_id  # type: ignore[misc]
-        expert_id = self._expert_id(expert_id)
-        size = self.intermediate_size
+        full, size, hidden = self.full_intermediate_size, self.intermediate_size, self.hidden_size
         if proj == GATE_UP and expert_id is None:
-            check_shape(param.shape, loaded.shape, "stacked gate_up_proj")
-            param.data.copy_(loaded)
-            return {(p, e) for p in (GATE, UP) for e in range(self.num_experts)}
+            stacked = self._local_experts(loaded, "stacked gate_up_proj", (2 * full, hidden))
+            gate, up = self._gate_up_rows(stacked, 1)
+            param.data[:, :size].copy_(gate)
+            param.data[:, size:].copy_(up)
+            return set(param.shard_ids)  # type: ignore[attr-defined]
         if proj in (GATE, UP) and expert_id is not None:
-            target = param.data[expert_id].narrow(0, 0 if proj == GATE else size, size)
-            check_shape(target.shape, loaded.shape, f"expert {expert_id} {proj}_proj")
-            target.copy_(loaded)
+            check_shape(torch.Size((full, hidden)), loaded.shape, f"expert {expert_id} {proj}_proj")
+            local = self._local_expert(expert_id)
+            if local is None:
+                return set()
+            rows = materialize(loaded.narrow(0, self.intermediate_start, size))
+            param.data[local].narrow(0, 0 if proj == GATE else size, size).copy_(rows)
             return {(proj, expert_id)}
         raise ValueError(f"unknown expert shard {shard_id!r} for w13")
 
-    def _load_w2(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable
-    ) -> set[Hashable]:
+    def _load_w2(self, param: nn.Parameter, loaded: Loaded, shard_id: Hashable) -> set[Hashable]:
         proj, expert_id = shard_id  # type: ignore[misc]
-        expert_id = self._expert_id(expert_id)
+        full, start, size = (
+            self.full_intermediate_size,
+            self.intermediate_start,
+            self.intermediate_size,
+        )
         if proj != DOWN:
             raise ValueError(f"unknown expert shard {shard_id!r} for w2")
         if expert_id is None:
-            check_shape(param.shape, loaded.shape, "stacked down_proj")
-            param.data.copy_(loaded)
-            return {(DOWN, e) for e in range(self.num_experts)}
-        target = param.data[expert_id]
-        check_shape(target.shape, loaded.shape, f"expert {expert_id} down_proj")
-        target.copy_(loaded)
+            stacked = self._local_experts(loaded, "stacked down_proj", (self.hidden_size, full))
+            param.data.copy_(materialize(stacked.narrow(2, start, size)))
+            return set(param.shard_ids)  # type: ignore[attr-defined]
+        check_shape(
+            torch.Size((self.hidden_size, full)), loaded.shape, f"expert {expert_id} down_proj"
+        )
+        local = self._local_expert(expert_id)
+        if local is None:
+            return set()
+        param.data[local].copy_(materialize(loaded.narrow(1, start, size)))
         return {(DOWN, expert_id)}
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """hidden: [T, H], router_logits: [T, E] -> [T, H]."""
+        """hidden: [T, H], router_logits: [T, E] -> [T, H] (summed over the ranks)."""
         topk_weights, topk_ids = self._router(router_logits, self.top_k, self.renormalize)
-        return self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        if self.expert_parallel:
+            local_ids = topk_ids - self.expert_start
+            topk_ids = local_ids.masked_fill(
+                (local_ids < 0) | (local_ids >= self.num_local_experts), -1
+            )
+        out = self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        return self.tp_group.all_reduce(out)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.model_arch import SLIDING_ATTENTION, ModelArchConfig
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.embed_head import VocabEmbedding
@@ -49,7 +50,11 @@ class ScaledVocabEmbedding(VocabEmbedding):
 
 class Gemma3Attention(LlamaAttention):
     def __init__(
-        self, arch: ModelArchConfig, kernels: TritonKernels | None, layer_idx: int
+        self,
+        arch: ModelArchConfig,
+        kernels: TritonKernels | None,
+        layer_idx: int,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
         scalar = arch.query_pre_attn_scalar
         super().__init__(
@@ -59,6 +64,7 @@ class Gemma3Attention(LlamaAttention):
             o_bias=arch.attention_bias,
             sliding_window=arch.layer_sliding_window(layer_idx),
             scale=None if scalar is None else scalar**-0.5,
+            tp_group=tp_group,
         )
         self.q_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, kernels)
         self.k_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, kernels)
@@ -66,12 +72,16 @@ class Gemma3Attention(LlamaAttention):
 
 class Gemma3DecoderLayer(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, kernels: TritonKernels | None, layer_idx: int
+        self,
+        arch: ModelArchConfig,
+        kernels: TritonKernels | None,
+        layer_idx: int,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
         self.is_sliding = arch.layer_types[layer_idx] == SLIDING_ATTENTION
-        self.self_attn = Gemma3Attention(arch, kernels, layer_idx)
-        self.mlp = LlamaMLP(arch, kernels, bias=False)
+        self.self_attn = Gemma3Attention(arch, kernels, layer_idx, tp_group)
+        self.mlp = LlamaMLP(arch, kernels, bias=False, tp_group=tp_group)
         size, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps, kernels)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps, kernels)
@@ -99,9 +109,14 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        kernels: TritonKernels | None,
+        tp_group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = ScaledVocabEmbedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = ScaledVocabEmbedding(arch.vocab_size, arch.hidden_size, tp_group)
         max_position = arch.max_position_embeddings
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling
@@ -110,7 +125,7 @@ class Gemma3Model(nn.Module):
             arch.head_dim, max_position, arch.local_rope_theta, arch.local_rope_scaling
         )
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(arch, kernels, i) for i in range(arch.num_hidden_layers)
+            Gemma3DecoderLayer(arch, kernels, i, tp_group) for i in range(arch.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
@@ -132,7 +147,7 @@ class Gemma3Model(nn.Module):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def make_model(self) -> nn.Module:
-        return Gemma3Model(self.arch, self.kernels)
+        return Gemma3Model(self.arch, self.kernels, self.tp_group)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32, soft-capped when the config says so."""

@@ -12,13 +12,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.model_arch import ModelArchConfig
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.activation import get_act_and_mul
 from ferrum.model_executor.layers.attention import Attention
 from ferrum.model_executor.layers.embed_head import LMHead, VocabEmbedding
 from ferrum.model_executor.layers.layernorm import RMSNorm
-from ferrum.model_executor.layers.linear import Linear, MergedLinear
+from ferrum.model_executor.layers.parallel_linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from ferrum.model_executor.layers.rotary import RotaryEmbedding
 from ferrum.model_executor.weight_loader import load_named_weights
 
@@ -37,11 +42,21 @@ STACKED_PARAMS = (
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None, bias: bool) -> None:
+    """gate/up column-parallel, down row-parallel: one all-reduce per MLP."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        kernels: TritonKernels | None,
+        bias: bool,
+        tp_group: TensorParallelGroup | None = None,
+    ) -> None:
         super().__init__()
         size = arch.intermediate_size
-        self.gate_up_proj = MergedLinear(arch.hidden_size, {"gate": size, "up": size}, bias)
-        self.down_proj = Linear(size, arch.hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, {"gate": size, "up": size}, bias, tp_group
+        )
+        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias, tp_group)
         self.act_fn = get_act_and_mul(arch.hidden_act, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,6 +64,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
+    """This rank's heads (num_heads / tp, KV heads split or replicated): qkv column-parallel by
+    heads, o row-parallel (one all-reduce per attention)."""
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -57,17 +75,25 @@ class LlamaAttention(nn.Module):
         o_bias: bool,
         sliding_window: int | None = None,
         scale: float | None = None,
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            arch.hidden_size,
+            self.head_dim,
+            arch.num_attention_heads,
+            arch.num_kv_heads,
+            qkv_bias,
+            tp_group,
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            arch.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, qkv_bias
+        self.o_proj = RowParallelLinear(
+            arch.num_attention_heads * self.head_dim, arch.hidden_size, o_bias, tp_group
         )
-        self.o_proj = Linear(self.q_size, arch.hidden_size, o_bias)
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
@@ -141,9 +167,10 @@ class LlamaModel(nn.Module):
         arch: ModelArchConfig,
         kernels: TritonKernels | None,
         make_layer: Callable[[int], nn.Module],
+        tp_group: TensorParallelGroup | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, tp_group)
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
@@ -165,24 +192,36 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        kernels: TritonKernels | None,
+        *,
+        tp_group: TensorParallelGroup | None = None,
+        enable_expert_parallel: bool = False,
+    ) -> None:
+        """With a tensor-parallel group of several ranks: this rank's shard (every rank's
+        `compute_logits` returns the same full logits). `enable_expert_parallel` applies to the
+        MoE models' experts."""
         super().__init__()
         self.arch = arch
         self.kernels = kernels
+        self.tp_group = tp_group or TensorParallelGroup()
+        self.enable_expert_parallel = enable_expert_parallel
         self.model = self.make_model()
         tied_to = self.model.embed_tokens if arch.tie_word_embeddings else None
-        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tied_to)
+        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tied_to, self.tp_group)
 
     def make_model(self) -> nn.Module:
         """The decoder stack; it must have `embed_tokens` and `layers` (each with
         `self_attn.attn`)."""
-        return LlamaModel(self.arch, self.kernels, self.make_decoder_layer)
+        return LlamaModel(self.arch, self.kernels, self.make_decoder_layer, self.tp_group)
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
         arch, kernels, bias = self.arch, self.kernels, self.arch.attention_bias
         return LlamaDecoderLayer(
-            LlamaAttention(arch, kernels, qkv_bias=bias, o_bias=bias),
-            LlamaMLP(arch, kernels, arch.mlp_bias),
+            LlamaAttention(arch, kernels, qkv_bias=bias, o_bias=bias, tp_group=self.tp_group),
+            LlamaMLP(arch, kernels, arch.mlp_bias, self.tp_group),
             arch,
             kernels,
         )
@@ -194,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> [n, vocab_size] float32."""
+        """[n, hidden_size] -> [n, vocab_size] float32 (the full vocabulary on every rank)."""
         return self.lm_head(hidden_states)
 
     def bind_kv_caches(

@@ -17,8 +17,15 @@ class MistralForCausalLM(LlamaForCausalLM):
         arch, kernels = self.arch, self.kernels
         window = arch.layer_sliding_window(layer_idx)
         return LlamaDecoderLayer(
-            LlamaAttention(arch, kernels, qkv_bias=False, o_bias=False, sliding_window=window),
-            LlamaMLP(arch, kernels, bias=False),
+            LlamaAttention(
+                arch,
+                kernels,
+                qkv_bias=False,
+                o_bias=False,
+                sliding_window=window,
+                tp_group=self.tp_group,
+            ),
+            LlamaMLP(arch, kernels, bias=False, tp_group=self.tp_group),
             arch,
             kernels,
         )

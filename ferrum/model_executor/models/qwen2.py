@@ -16,8 +16,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
         arch, kernels = self.arch, self.kernels
         return LlamaDecoderLayer(
-            LlamaAttention(arch, kernels, qkv_bias=True, o_bias=False),
-            LlamaMLP(arch, kernels, bias=False),
+            LlamaAttention(arch, kernels, qkv_bias=True, o_bias=False, tp_group=self.tp_group),
+            LlamaMLP(arch, kernels, bias=False, tp_group=self.tp_group),
             arch,
             kernels,
         )

@@ -9,6 +9,7 @@ from collections.abc import Hashable
 import torch
 from torch import nn
 
+from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.model_arch import ModelArchConfig
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.fused_moe import DOWN, GATE_UP, FusedMoE
@@ -23,7 +24,15 @@ _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj(\.weight)?$")
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
+    """The router is replicated on every rank; the experts are split (see FusedMoE)."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        kernels: TritonKernels | None,
+        tp_group: TensorParallelGroup | None = None,
+        expert_parallel: bool = False,
+    ) -> None:
         super().__init__()
         self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
         self.experts = FusedMoE(
@@ -34,6 +43,8 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             renormalize=arch.norm_topk_prob,
             hidden_act=arch.hidden_act,
             kernels=kernels,
+            tp_group=tp_group,
+            expert_parallel=expert_parallel,
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -41,19 +52,31 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
-    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        kernels: TritonKernels | None,
+        *,
+        tp_group: TensorParallelGroup | None = None,
+        enable_expert_parallel: bool = False,
+    ) -> None:
         if arch.num_experts < 1:
             raise ValueError(f"num_experts: missing from config.json ({arch.architecture})")
-        super().__init__(arch, kernels)
+        super().__init__(
+            arch, kernels, tp_group=tp_group, enable_expert_parallel=enable_expert_parallel
+        )
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
         arch, kernels = self.arch, self.kernels
         sparse = (layer_idx + 1) % arch.decoder_sparse_step == 0
+        group = self.tp_group
         if sparse and layer_idx not in arch.mlp_only_layers:
-            mlp: nn.Module = Qwen3MoeSparseMoeBlock(arch, kernels)
+            mlp: nn.Module = Qwen3MoeSparseMoeBlock(
+                arch, kernels, group, self.enable_expert_parallel
+            )
         else:
-            mlp = LlamaMLP(arch, kernels, bias=False)
-        return LlamaDecoderLayer(Qwen3Attention(arch, kernels), mlp, arch, kernels)
+            mlp = LlamaMLP(arch, kernels, bias=False, tp_group=group)
+        return LlamaDecoderLayer(Qwen3Attention(arch, kernels, group), mlp, arch, kernels)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Hashable] | None:
         match = _PER_EXPERT.match(name)

@@ -1,0 +1,193 @@
+"""Tensor-parallel linear layers: one class per way of splitting a weight over the ranks.
+
+- Column parallel: each rank holds a block of output rows and produces its slice of the output
+  (no communication). The merged variants (gate/up, q/k/v) split each projection on its own, so
+  every rank's local matrix is again [gate_r; up_r] or [q_r; k_r; v_r].
+- Row parallel: each rank holds a block of input columns, multiplies its slice of the input and
+  the partial outputs are summed over the ranks (all-reduce); the bias is added once, after.
+
+With a group of one rank these are exactly `Linear` / `MergedLinear` (same parameters, loaders
+and forward). With more, each parameter's loader `reads_slices`: it narrows the checkpoint
+tensor to this rank's block before anything is read from the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.model_executor.layers.linear import (
+    Linear,
+    MergedLinear,
+    default_weight_loader,
+    set_weight_loader,
+)
+from ferrum.model_executor.weight_loader import CheckpointTensor, materialize
+
+_SINGLE = TensorParallelGroup()
+
+
+def split_evenly(size: int, world_size: int, what: str) -> int:
+    """size / world_size, or a ValueError naming `what` when it does not divide."""
+    if size % world_size:
+        raise ValueError(f"{what}: {size} is not divisible by tensor_parallel_size={world_size}")
+    return size // world_size
+
+
+def _reads_slices(param: nn.Parameter | None) -> None:
+    if param is not None:
+        param.reads_slices = True  # type: ignore[attr-defined]
+
+
+def _rows(
+    loaded: torch.Tensor | CheckpointTensor, dim: int, start: int, length: int
+) -> torch.Tensor:
+    """Rows [start, start + length) of `loaded` along `dim`, read (only those) from the file."""
+    return materialize(loaded.narrow(dim, start, length))
+
+
+class ColumnParallelLinear(Linear):
+    """y_r = x W_r^T + b_r: rank r holds output rows [r * n, (r + 1) * n), n = output / tp."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_group: TensorParallelGroup | None = None,
+        **linear_kwargs: Any,
+    ) -> None:
+        group = tp_group or _SINGLE
+        local = split_evenly(output_size, group.world_size, "output size")
+        super().__init__(input_size, local, bias, **linear_kwargs)
+        self.tp_group = group
+        if group.world_size > 1:
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    set_weight_loader(param, self._load_rank_rows)
+                    _reads_slices(param)
+
+    def _load_rank_rows(
+        self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard_id: Hashable
+    ) -> set[Hashable]:
+        n = param.shape[0]
+        return default_weight_loader(param, _rows(loaded, 0, self.tp_group.rank * n, n), shard_id)
+
+
+class MergedColumnParallelLinear(MergedLinear):
+    """Several column-parallel projections of the same input in one matrix (e.g. gate, up):
+    rank r holds block r of each projection, stacked in `shard_sizes` order."""
+
+    def __init__(
+        self,
+        input_size: int,
+        shard_sizes: dict[str, int],
+        bias: bool = False,
+        tp_group: TensorParallelGroup | None = None,
+        **linear_kwargs: Any,
+    ) -> None:
+        group = tp_group or _SINGLE
+        local_sizes = {
+            name: split_evenly(size, group.world_size, f"{name} size")
+            for name, size in shard_sizes.items()
+        }
+        # shard id -> (start, length) of this rank's rows in the checkpoint tensor.
+        self.checkpoint_rows = {
+            name: (group.rank * size, size) for name, size in local_sizes.items()
+        }
+        super().__init__(input_size, local_sizes, bias, **linear_kwargs)
+        self.tp_group = group
+        if group.world_size > 1:
+            for param in (self.weight, self.bias):
+                _reads_slices(param)
+
+    def _load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard_id: Hashable
+    ) -> set[Hashable]:
+        if self.tp_group.world_size > 1 and shard_id in self.checkpoint_rows:
+            start, length = self.checkpoint_rows[shard_id]  # type: ignore[index]
+            loaded = _rows(loaded, 0, start, length)
+        return super()._load_shard(param, loaded, shard_id)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """The fused q, k, v projection split by heads: each rank gets num_heads / tp query heads
+    and num_kv_heads / tp KV heads, or, when tp > num_kv_heads, one KV head (head
+    r * num_kv_heads // tp, shared by the tp / num_kv_heads ranks whose query heads use it)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        tp_group: TensorParallelGroup | None = None,
+        **linear_kwargs: Any,
+    ) -> None:
+        group = tp_group or _SINGLE
+        tp = group.world_size
+        self.num_heads = split_evenly(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = split_evenly(num_kv_heads, tp, "num_key_value_heads")
+            first_kv_head = group.rank * self.num_kv_heads
+        elif tp % num_kv_heads == 0:
+            self.num_kv_heads = 1
+            first_kv_head = group.rank * num_kv_heads // tp
+        else:
+            raise ValueError(
+                f"num_key_value_heads: tensor_parallel_size={tp} must divide {num_kv_heads} or "
+                "be a multiple of it"
+            )
+        q_size = self.num_heads * head_dim
+        kv_size = self.num_kv_heads * head_dim
+        # Built as if unsplit (tp 1) with the local sizes, then pointed at the rank's rows.
+        sizes = {"q": q_size, "k": kv_size, "v": kv_size}
+        super().__init__(hidden_size, sizes, bias, **linear_kwargs)
+        self.tp_group = group
+        self.checkpoint_rows = {
+            "q": (group.rank * q_size, q_size),
+            "k": (first_kv_head * head_dim, kv_size),
+            "v": (first_kv_head * head_dim, kv_size),
+        }
+        if tp > 1:
+            for param in (self.weight, self.bias):
+                _reads_slices(param)
+
+
+class RowParallelLinear(Linear):
+    """y = sum over ranks of x_r W_r^T, + b: rank r holds input columns [r * n, (r + 1) * n),
+    n = input / tp, and gets x_r, its slice of the input (a column-parallel layer's output).
+    The bias is held whole by every rank and added after the all-reduce."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        tp_group: TensorParallelGroup | None = None,
+        **linear_kwargs: Any,
+    ) -> None:
+        group = tp_group or _SINGLE
+        local = split_evenly(input_size, group.world_size, "input size")
+        super().__init__(local, output_size, bias, **linear_kwargs)
+        self.tp_group = group
+        if group.world_size > 1:
+            set_weight_loader(self.weight, self._load_rank_columns)
+            _reads_slices(self.weight)
+
+    def _load_rank_columns(
+        self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard_id: Hashable
+    ) -> set[Hashable]:
+        n = param.shape[1]
+        return default_weight_loader(param, _rows(loaded, 1, self.tp_group.rank * n, n), shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group.world_size == 1:
+            return super().forward(x)
+        out = self.tp_group.all_reduce(torch.nn.functional.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
