@@ -36,10 +36,6 @@ class TensorParallelGroup:
         self.world_size = world_size
         self._group = group
 
-    @property
-    def is_first_rank(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place; returns `tensor`."""
         if self.world_size > 1:
@@ -80,10 +76,6 @@ class TensorParallelGroup:
         if self.world_size > 1:
             dist.broadcast(tensor, src=dist.get_global_rank(self._group, src), group=self._group)
         return tensor
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier(group=self._group)
 
 
 def _concat_ranks(gathered: torch.Tensor, dim: int) -> torch.Tensor:

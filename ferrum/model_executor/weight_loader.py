@@ -25,8 +25,8 @@ PROGRESS_MIN_BYTES = 256 << 20
 
 # Maps a checkpoint tensor name to (parameter name, shard id); None skips the tensor.
 NameMapper = Callable[[str], "tuple[str, Hashable] | None"]
+# Bytes per element of safetensors dtypes (any other is one byte: 8-bit types).
 _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2}
-_DTYPE_BYTES |= {"I16": 2, "U16": 2}
 
 
 class CheckpointTensor:
@@ -81,13 +81,6 @@ class CheckpointTensor:
             raise WeightFileError(
                 f"weight file {self._path}: cannot read tensor {self.name!r}: {e}"
             ) from e
-
-
-def narrow_loaded(
-    loaded: torch.Tensor | CheckpointTensor, dim: int, start: int, length: int
-) -> torch.Tensor | CheckpointTensor:
-    """`loaded` narrowed along `dim` without reading anything yet (for a CheckpointTensor)."""
-    return loaded.narrow(dim, start, length)
 
 
 def materialize(loaded: torch.Tensor | CheckpointTensor) -> torch.Tensor:
@@ -192,6 +185,8 @@ def load_named_weights(
             tensor = materialize(tensor)
         try:
             keys = param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+        except WeightFileError:
+            raise
         except ValueError as e:
             raise ValueError(
                 f"checkpoint tensor {ckpt_name!r} -> parameter {param_name!r}: {e}"

@@ -32,6 +32,14 @@ def test_bytes_per_block_count_keys_and_values_of_every_layer(model_config) -> N
     assert kv_bytes_per_block(model_config, 16, torch.float16) == 4096
 
 
+def test_a_tensor_parallel_rank_holds_its_kv_heads(model_config) -> None:
+    # 2 KV heads: one per rank at tp 2, one replicated on every rank at tp 4.
+    for tp in (2, 4):
+        assert kv_bytes_per_block(model_config, 4, torch.float32, tp) == FP32_BLOCK_OF_4 // 2
+        caches = allocate_kv_caches(model_config, 5, 4, torch.float32, torch.device("cpu"), tp)
+        assert caches[0].shape == (2, 5, 4, 1, 16)
+
+
 def test_blocks_worth_keeping_cover_every_sequence_slot_at_full_length() -> None:
     # ceil(100 / 16) = 7 blocks per sequence, 3 sequences, + the padding block.
     assert blocks_worth_keeping(SchedulerConfig(max_model_len=100, max_num_seqs=3), 16) == 22
