@@ -73,7 +73,11 @@ class EngineCore:
         self.runner.warm_up(num_blocks)
         self.runner.capture_cuda_graphs()
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.cache_config.block_size, config.cache_config.enable_prefix_caching
+            num_blocks,
+            config.cache_config.block_size,
+            config.cache_config.enable_prefix_caching,
+            groups=self.runner.kv_cache_groups,
+            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.async_scheduling = config.scheduler_config.async_scheduling

@@ -125,6 +125,15 @@ class BlockPool:
             return None
         return block_id
 
+    def find(self, block_hash: int, token_ids: Sequence[int]) -> int | None:
+        """The cached block with this hash and exactly these tokens, whatever its parent."""
+        block_id = self._cached.get(block_hash)
+        if block_id is None:
+            return None
+        entry = self._entries[block_id]
+        assert entry is not None
+        return block_id if entry.token_ids == tuple(token_ids) else None
+
     def cache_block(
         self, block_id: int, block_hash: int, parent_entry_id: int, token_ids: Sequence[int]
     ) -> int:

@@ -1,228 +1,187 @@
-"""Per-request block tables over one block pool, with prefix caching.
+"""The KV cache of every layer group behind one small API: the scheduler sees one request.
 
-A request owns a list of block ids (its block table); block `i` holds the KV of tokens
-`[i * block_size, (i + 1) * block_size)`. Blocks are taken on demand as tokens are scheduled and
-released, tail first, when the request finishes or is preempted.
+Each group (`KVCacheGroupSpec`: full attention or a sliding window) has its own block pool and a
+block table per request. `allocate_slots` grows every group's table for the same tokens, or none
+of them; a prefix hit is the longest prefix that every group can serve, so the KV of a hit in
+every layer is exactly what a cold run would compute. Block ids travel per group: a tuple with
+one list per group, in group order.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 from ferrum.kv import block_hash
-from ferrum.kv.block_pool import ROOT_ENTRY_ID, BlockPool
+from ferrum.kv.kv_cache_spec import KVCacheGroupSpec
+from ferrum.kv.single_type_manager import FullAttentionManager, SlidingWindowManager
 from ferrum.request import Request
 
-
-@dataclass(slots=True)
-class _RequestBlocks:
-    block_ids: list[int] = field(default_factory=list)
-    # Cache entry id of the content of each leading full block handled by the prefix cache so far;
-    # `len(entry_ids) <= len(block_ids)`.
-    entry_ids: list[int] = field(default_factory=list)
+# Block ids per layer group.
+GroupBlockIds = tuple[list[int], ...]
+_FULL_ATTENTION = (KVCacheGroupSpec(()),)
 
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int | Sequence[int],
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        groups: Sequence[KVCacheGroupSpec] = _FULL_ATTENTION,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        self.block_pool = BlockPool(num_blocks)
+        """`num_blocks`: each group's pool size (one number for all, or one per group).
+        `max_num_batched_tokens` (the largest chunk a step computes) is needed with a sliding
+        window: the window before a chunk and the chunk are held together."""
+        if not groups:
+            raise ValueError("groups: the KV cache needs at least one layer group")
+        counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else list(num_blocks)
+        if len(counts) != len(groups):
+            raise ValueError(
+                f"num_blocks: expected one pool size per layer group ({len(groups)}), "
+                f"got {len(counts)}"
+            )
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._requests: dict[str, _RequestBlocks] = {}
+        self.specs = tuple(groups)
+        self.groups: list[FullAttentionManager] = []
+        for spec, count in zip(groups, counts):
+            if spec.sliding_window is None:
+                group = FullAttentionManager(count, block_size, enable_prefix_caching)
+            else:
+                if max_num_batched_tokens is None:
+                    raise ValueError("max_num_batched_tokens: needed by a sliding-window group")
+                group = SlidingWindowManager(
+                    count,
+                    block_size,
+                    spec.sliding_window,
+                    max_num_batched_tokens,
+                    enable_prefix_caching,
+                )
+            self.groups.append(group)
+        self._single = self.groups[0] if len(self.groups) == 1 else None
         # Tokens looked up in / served from the prefix cache (first lookup per admission).
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        # Blocks registered in the prefix cache by each step begun and not yet ended, oldest
-        # first: their KV is only written by that step's forward, so a failed step must take them
-        # back out. With async scheduling two steps can be unfinished at once.
-        self._unfinished_steps: deque[list[int]] = deque()
 
     def begin_step(self) -> None:
-        self._unfinished_steps.append([])
+        for group in self.groups:
+            group.begin_step()
 
     def end_step(self) -> None:
         """The oldest unfinished step's forward completed: its cache entries hold real KV."""
-        if self._unfinished_steps:
-            self._unfinished_steps.popleft()
+        for group in self.groups:
+            group.end_step()
 
     def discard_step_cache(self) -> None:
         """Uncaches the blocks registered by every unfinished step (their forward failed)."""
-        for block_ids in self._unfinished_steps:
-            for block_id in block_ids:
-                self.block_pool.uncache(block_id)
-        self._unfinished_steps.clear()
+        for group in self.groups:
+            group.discard_step_cache()
 
     @property
     def num_usable_blocks(self) -> int:
-        return self.block_pool.num_usable_blocks
+        return sum(group.num_usable_blocks for group in self.groups)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
+        return sum(group.num_free_blocks for group in self.groups)
 
     @property
     def usage(self) -> float:
-        """Fraction of usable blocks held by at least one request."""
-        return 1.0 - self.block_pool.num_free_blocks / self.block_pool.num_usable_blocks
+        """Fraction of usable blocks (all groups together) held by at least one request."""
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def max_tokens_in_pool(self) -> int:
         """The most tokens one request can ever hold; a longer one can never be scheduled."""
-        return self.num_usable_blocks * self.block_size
+        return min(group.max_tokens_in_pool() for group in self.groups)
 
-    def get_block_ids(self, req_id: str) -> list[int]:
-        state = self._requests.get(req_id)
-        return [] if state is None else list(state.block_ids)
+    def get_block_ids(self, req_id: str) -> GroupBlockIds:
+        return tuple(group.get_block_ids(req_id) for group in self.groups)
 
     def get_computed_blocks(
         self, request: Request, record_stats: bool = True
-    ) -> tuple[list[int], int]:
-        """The longest verified cached prefix of full blocks, short of the last token.
-
-        Returns `(block_ids, num_computed_tokens)`; takes no references, so the blocks must be
-        passed to `allocate_slots` before any other allocation. `([], 0)` with caching off.
-        """
-        if not self.enable_prefix_caching:
-            return [], 0
-        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
-        # At least the last token is always computed: it yields the logits of the next one.
-        block_ids = self._cached_prefix(request, (request.num_tokens - 1) // self.block_size)
-        num_computed_tokens = len(block_ids) * self.block_size
-        if record_stats:
+    ) -> tuple[GroupBlockIds, int]:
+        """The longest cached prefix of full blocks, short of the last token, that every group
+        holds: `(block ids per group, num_computed_tokens)`. Takes no references, so the blocks
+        must be passed to `allocate_slots` before any other allocation."""
+        if self._single is not None:
+            block_ids, num_computed = self._single.get_computed_blocks(request)
+            hits: GroupBlockIds = (block_ids,)
+        else:
+            hits, num_computed = self._find_common_prefix(request)
+        if record_stats and self.enable_prefix_caching:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_computed_tokens
-        return block_ids, num_computed_tokens
+            self.prefix_cache_hits += num_computed
+        return hits, num_computed
+
+    def _find_common_prefix(self, request: Request) -> tuple[GroupBlockIds, int]:
+        if not self.enable_prefix_caching:
+            return tuple([] for _ in self.groups), 0
+        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        # Each group serves at most num_blocks; shrinking it may change a window group's answer,
+        # so go round until every group serves the same length (it only ever shrinks).
+        hits: list[list[int]] = [[] for _ in self.groups]
+        settled = 0
+        while settled < len(self.groups):
+            settled = 0
+            for g, group in enumerate(self.groups):
+                hits[g] = group.find_cached_prefix(request, num_blocks)
+                if len(hits[g]) == num_blocks:
+                    settled += 1
+                else:
+                    num_blocks = len(hits[g])
+        return tuple(hits), num_blocks * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
-    ) -> list[int] | None:
-        """Grows the request's block table to cover its computed, cached and new tokens.
-
-        Covers `num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens`
-        tokens. `new_computed_blocks` (from `get_computed_blocks`, at admission only) gain a
-        reference and come first. Returns the block ids appended, or None, changing nothing, when
-        the pool is short. Every block full once these tokens are computed is then cached.
-        """
-        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
-        computed_blocks = new_computed_blocks or []
-        state = self._requests.get(request.req_id)
-        if state is not None and not computed_blocks:
-            # The decode fast path: the held blocks already cover the new tokens and no block
-            # became full, so there is nothing to allocate or cache.
-            num_tokens = request.num_computed_tokens + num_new_tokens
-            if num_tokens <= len(state.block_ids) * self.block_size and (
-                not self.enable_prefix_caching
-                or min(num_tokens, request.num_tokens) // self.block_size <= len(state.entry_ids)
-            ):
-                return []
-        num_held_blocks = 0 if state is None else len(state.block_ids)
-        if computed_blocks:
-            self._check_computed_blocks(request, num_held_blocks, computed_blocks)
-
-        size = self.block_size
-        num_tokens = request.num_computed_tokens + len(computed_blocks) * size + num_new_tokens
-        num_needed_blocks = -(-num_tokens // size) - num_held_blocks - len(computed_blocks)
-        num_fresh_blocks = max(num_needed_blocks, 0)
-        # Touching a free cached block takes it out of the free queue, so it cannot be evicted.
-        num_free_touched = sum(1 for b in computed_blocks if self.block_pool.ref_count(b) == 0)
-        if num_fresh_blocks > self.block_pool.num_free_blocks - num_free_touched:
-            return None
-
-        if state is None:
-            state = self._requests[request.req_id] = _RequestBlocks()
-        self.block_pool.touch(computed_blocks)
-        for block_id in computed_blocks:
-            entry = self.block_pool.entry(block_id)
-            assert entry is not None
-            state.entry_ids.append(entry.entry_id)
-        new_block_ids = computed_blocks + self.block_pool.allocate(num_fresh_blocks)
-        state.block_ids.extend(new_block_ids)
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, state, min(num_tokens, request.num_tokens))
-        return new_block_ids
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: GroupBlockIds | None = None,
+    ) -> GroupBlockIds | None:
+        """Grows every group's block table to cover the request's computed, cached and new
+        tokens (see `FullAttentionManager.allocate_slots`). Returns the block ids appended per
+        group, or None, allocating nothing, when any group's pool is short."""
+        if self._single is not None:
+            computed = new_computed_blocks[0] if new_computed_blocks else None
+            new_block_ids = self._single.allocate_slots(request, num_new_tokens, computed)
+            return None if new_block_ids is None else (new_block_ids,)
+        if new_computed_blocks is None and all(
+            group.covers(request, num_new_tokens) for group in self.groups
+        ):
+            return tuple([] for _ in self.groups)
+        computed_per_group = new_computed_blocks or tuple([] for _ in self.groups)
+        if len(computed_per_group) != len(self.groups):
+            raise ValueError(
+                f"new_computed_blocks: expected one list per layer group ({len(self.groups)}), "
+                f"got {len(computed_per_group)}"
+            )
+        lengths = {len(blocks) for blocks in computed_per_group}
+        if len(lengths) != 1:
+            raise ValueError(
+                "new_computed_blocks: every layer group must hit the same number of blocks, "
+                f"got {sorted(lengths)}; pass the result of get_computed_blocks unchanged"
+            )
+        for group, computed in zip(self.groups, computed_per_group):
+            if not group.can_allocate(request, num_new_tokens, computed):
+                return None
+        return tuple(
+            group.allocate_slots(request, num_new_tokens, computed) or []
+            for group, computed in zip(self.groups, computed_per_group)
+        )
 
     def cache_computed_blocks(self, request: Request) -> None:
-        """Caches the full blocks whose tokens are all known and computed (or being computed by
-        a launched step). For a request that ends: with async scheduling, a block whose last
-        token was still being sampled when it was scheduled is cached only now."""
-        state = self._requests.get(request.req_id)
-        if self.enable_prefix_caching and state is not None:
-            num_tokens = min(request.num_computed_tokens, request.num_tokens)
-            self._cache_full_blocks(request, state, num_tokens)
+        """Caches every group's full blocks whose tokens are all known and computed."""
+        for group in self.groups:
+            group.cache_computed_blocks(request)
 
     def free(self, request: Request) -> None:
-        """Releases the request's blocks, tail first, and forgets it. A no-op for unknown ids."""
-        state = self._requests.pop(request.req_id, None)
-        if state is not None:
-            self.block_pool.free(reversed(state.block_ids))
+        """Releases the request's blocks in every group and forgets it; a no-op for unknown ids."""
+        for group in self.groups:
+            group.free(request)
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block; False (and no change) while any block is in use."""
-        return self.block_pool.reset_prefix_cache()
-
-    def _check_computed_blocks(
-        self, request: Request, num_held_blocks: int, computed_blocks: list[int]
-    ) -> None:
-        if num_held_blocks or request.num_computed_tokens:
-            raise ValueError(
-                f"new_computed_blocks are only for a request being admitted; {request.req_id!r} "
-                f"holds {num_held_blocks} blocks and {request.num_computed_tokens} computed tokens"
-            )
-        if len(computed_blocks) > len(request.block_hashes):
-            raise ValueError(
-                f"new_computed_blocks has {len(computed_blocks)} blocks but request "
-                f"{request.req_id!r} has only {len(request.block_hashes)} full blocks"
-            )
-        found = self._cached_prefix(request, len(computed_blocks))
-        for i, block_id in enumerate(computed_blocks):
-            if i == len(found) or found[i] != block_id:
-                raise ValueError(
-                    f"new_computed_blocks[{i}]={block_id} does not cache block {i} of "
-                    f"{request.req_id!r}; pass the result of get_computed_blocks unchanged"
-                )
-
-    def _cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
-        """The cached blocks verified, each after its parent, against the request's first full
-        blocks, up to `max_blocks` (block hashes must cover them)."""
-        size = self.block_size
-        parent_entry_id = ROOT_ENTRY_ID
-        block_ids: list[int] = []
-        for i in range(max_blocks):
-            block_id = self.block_pool.lookup(
-                request.block_hashes[i],
-                parent_entry_id,
-                request.all_token_ids[i * size : (i + 1) * size],
-            )
-            if block_id is None:
-                break
-            entry = self.block_pool.entry(block_id)
-            assert entry is not None
-            parent_entry_id = entry.entry_id
-            block_ids.append(block_id)
-        return block_ids
-
-    def _cache_full_blocks(self, request: Request, state: _RequestBlocks, num_tokens: int) -> None:
-        """Caches the blocks of the first `num_tokens` tokens that are full and not yet handled."""
-        num_full_blocks = num_tokens // self.block_size
-        start = len(state.entry_ids)
-        if num_full_blocks <= start:
-            return
-        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
-        token_ids = request.all_token_ids
-        size = self.block_size
-        parent_entry_id = state.entry_ids[-1] if state.entry_ids else ROOT_ENTRY_ID
-        for i in range(start, num_full_blocks):
-            block_id = state.block_ids[i]
-            parent_entry_id = self.block_pool.cache_block(
-                block_id,
-                request.block_hashes[i],
-                parent_entry_id,
-                token_ids[i * size : (i + 1) * size],
-            )
-            state.entry_ids.append(parent_entry_id)
-            if self._unfinished_steps and self.block_pool.entry(block_id) is not None:
-                self._unfinished_steps[-1].append(block_id)
+        if any(group.usage > 0.0 for group in self.groups):
+            return False
+        return all([group.reset_prefix_cache() for group in self.groups])

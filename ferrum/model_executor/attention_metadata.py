@@ -13,8 +13,9 @@ class AttentionMetadata:
 
     Request i owns query tokens `query_start_loc[i] : query_start_loc[i + 1]`; they are the last
     `query_len_i` tokens of its `seq_lens[i]`-token context, so attention is causal within the
-    chunk and sees the whole cached prefix. KV for token t is written to slot `slot_mapping[t]`
-    (block_id * block_size + offset) of every layer's cache before attention reads it.
+    chunk and sees the whole cached prefix (or its window). Each KV cache group g has its own
+    block tables; KV for token t is written to slot `slot_mapping[g][t]` (block_id * block_size +
+    offset) of every cache of group g before attention reads it.
     `max_query_len` and `max_seq_len` may be upper bounds (CUDA-graph padding).
     """
 
@@ -24,8 +25,10 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the model's device
     seq_lens: torch.Tensor  # [num_reqs] int32, on the model's device
-    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on the model's device
-    slot_mapping: torch.Tensor  # [num_tokens] int64, on the model's device
+    # Per KV cache group: [num_reqs, max_blocks_per_req] int32, on the model's device.
+    block_tables: tuple[torch.Tensor, ...]
+    # Per KV cache group: [num_tokens] int64, on the model's device.
+    slot_mapping: tuple[torch.Tensor, ...]
     # Host copies for the torch reference path, so it never syncs on the device tensors.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]

@@ -1,8 +1,8 @@
 """Flattening one step's scheduled tokens into model inputs, in buffers sized once at start-up.
 
-Per step, one host->device copy carries input_ids, positions and slot_mapping (one entry per
-token), query_start_loc, seq_lens and block_tables (one row per request), then the indices of the
-sampled tokens and of the placeholders. A CUDA-graph batch is padded to the graph's shape, and
+Per step, one host->device copy carries input_ids, positions and each KV cache group's
+slot_mapping (one entry per token), query_start_loc, seq_lens and each group's block_tables (one
+row per request), then the indices of the sampled tokens and of the placeholders. A CUDA-graph batch is padded to the graph's shape, and
 its block tables are `max_blocks_per_req` wide: equal shapes give equal offsets, so a replay reads
 the same addresses its capture did. An eager batch's block tables are as wide as its longest.
 """
@@ -22,7 +22,8 @@ from ferrum.model_executor.staging_buffer import StagingBuffer, staging_bytes
 
 class RequestTokens(Protocol):
     token_ids: list[int]
-    block_ids: list[int]
+    # One block table per KV cache group, all of the same length.
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     # Sampled by launched steps, not yet in token_ids: they follow it, in launch order.
     num_output_placeholders: int
@@ -48,22 +49,23 @@ class StepInputs:
 @dataclass(slots=True)
 class _ProfileRequest:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0
 
 
 def profile_batch(
-    seq_lens: list[int], block_size: int
+    seq_lens: list[int], block_size: int, num_kv_groups: int = 1
 ) -> tuple[dict[str, RequestTokens], dict[str, int]]:
-    """Whole prompts of the given lengths on consecutive blocks from block 1, all token id 0:
-    the requests and their scheduled tokens."""
+    """Whole prompts of the given lengths on consecutive blocks from block 1 (the same in every
+    KV cache group), all token id 0: the requests and their scheduled tokens."""
     requests: dict[str, RequestTokens] = {}
     next_block = 1
     for i, n in enumerate(seq_lens):
         num_blocks = -(-n // block_size)
+        block_ids = list(range(next_block, next_block + num_blocks))
         requests[str(i)] = _ProfileRequest(
-            [0] * n, list(range(next_block, next_block + num_blocks))
+            [0] * n, tuple(list(block_ids) for _ in range(num_kv_groups))
         )
         next_block += num_blocks
     return requests, {req_id: len(r.token_ids) for req_id, r in requests.items()}
@@ -77,15 +79,17 @@ class InputBuffers:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        num_kv_groups: int = 1,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_req = -(-max_model_len // block_size)
+        self.num_kv_groups = num_kv_groups
         num_bytes = staging_bytes(
-            *[(max_num_tokens, torch.int64)] * 3,
+            *[(max_num_tokens, torch.int64)] * (2 + num_kv_groups),
             (max_num_reqs + 1, torch.int32),
             (max_num_reqs, torch.int32),
-            (max_num_reqs * self.max_blocks_per_req, torch.int32),
+            *[(max_num_reqs * self.max_blocks_per_req, torch.int32)] * num_kv_groups,
             (max_num_reqs, torch.int64),
             (2 * max_num_reqs, torch.int64),
         )
@@ -112,18 +116,19 @@ class InputBuffers:
         num_reqs = len(req_ids)
         if pad_to is None:
             num_padded, num_rows = num_tokens, num_reqs
-            width = max(len(requests[r].block_ids) for r in req_ids)
+            width = max(len(requests[r].block_ids[0]) for r in req_ids)
         else:
             (num_padded, num_rows), width = pad_to, self.max_blocks_per_req
         take = self._staging.take
         self._staging.begin()
         input_ids_np, input_ids = take(num_padded, torch.int64)
         positions_np, positions = take(num_padded, torch.int64)
-        slot_mapping_np, slot_mapping = take(num_padded, torch.int64)
+        groups = range(self.num_kv_groups)
+        slot_mappings = [take(num_padded, torch.int64) for _ in groups]
         query_start_loc_np, query_start_loc = take(num_rows + 1, torch.int32)
         seq_lens_np, seq_lens = take(num_rows, torch.int32)
-        block_tables_np, block_tables = take(num_rows * width, torch.int32)
-        block_tables_np = block_tables_np.reshape(num_rows, width)
+        block_tables = [take(num_rows * width, torch.int32) for _ in groups]
+        tables_np = [table_np.reshape(num_rows, width) for table_np, _ in block_tables]
         query_start_loc_list = [0] * (num_reqs + 1)
         seq_lens_list = [0] * num_reqs
         logits_indices: list[int] = []
@@ -136,9 +141,10 @@ class InputBuffers:
             n = num_scheduled_tokens[req_id]
             start = state.num_computed_tokens
             end = start + n
-            block_ids = state.block_ids
+            group_block_ids = state.block_ids
             # Entries past a row's context are never read, so stale ones need no clearing.
-            block_tables_np[i, : len(block_ids)] = block_ids
+            for table_np, block_ids in zip(tables_np, group_block_ids):
+                table_np[i, : len(block_ids)] = block_ids
             num_known = len(state.token_ids)
             if n == 1:  # the decode fast path: plain ints, no temporary arrays
                 if start < num_known:
@@ -149,18 +155,20 @@ class InputBuffers:
                     placeholder_indices.append(offset)
                     placeholder_rows.append(last_sampled_rows[req_id])
                 positions_np[offset] = start
-                slot_mapping_np[offset] = (
-                    block_ids[start // block_size] * block_size + start % block_size
-                )
+                block_index, block_offset = divmod(start, block_size)
+                for (slot_mapping_np, _), block_ids in zip(slot_mappings, group_block_ids):
+                    slot_mapping_np[offset] = block_ids[block_index] * block_size + block_offset
             else:
                 assert end <= num_known, (req_id, end, num_known)
                 input_ids_np[offset : offset + n] = state.token_ids[start:end]
                 pos = np.arange(start, end, dtype=np.int64)
                 positions_np[offset : offset + n] = pos
-                blocks = np.asarray(block_ids, dtype=np.int64)
-                slot_mapping_np[offset : offset + n] = blocks[pos // block_size] * block_size + (
-                    pos % block_size
-                )
+                block_index, block_offset = pos // block_size, pos % block_size
+                for (slot_mapping_np, _), block_ids in zip(slot_mappings, group_block_ids):
+                    blocks = np.asarray(block_ids, dtype=np.int64)
+                    slot_mapping_np[offset : offset + n] = (
+                        blocks[block_index] * block_size + block_offset
+                    )
             offset += n
             query_start_loc_list[i + 1] = offset
             seq_lens_list[i] = end
@@ -170,13 +178,14 @@ class InputBuffers:
         query_start_loc_np[: num_reqs + 1] = query_start_loc_list
         seq_lens_np[:num_reqs] = seq_lens_list
         if pad_to is not None:
-            for array in (input_ids_np, positions_np, slot_mapping_np):
+            for array in (input_ids_np, positions_np, *(m for m, _ in slot_mappings)):
                 array[num_tokens:] = 0
             query_start_loc_np[num_reqs + 1 :] = np.arange(
                 num_tokens + 1, num_tokens + 1 + num_rows - num_reqs
             )
             seq_lens_np[num_reqs:] = 1
-            block_tables_np[num_reqs:, 0] = 0
+            for table_np in tables_np:
+                table_np[num_reqs:, 0] = 0
         logits_index = None
         if len(logits_indices) < num_tokens:
             logits_np, logits_index = take(len(logits_indices), torch.int64)
@@ -205,8 +214,8 @@ class InputBuffers:
             max_seq_len=max_seq_len,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=block_tables.view(num_rows, width),
-            slot_mapping=slot_mapping,
+            block_tables=tuple(table.view(num_rows, width) for _, table in block_tables),
+            slot_mapping=tuple(mapping for _, mapping in slot_mappings),
             query_start_loc_cpu=query_start_loc_list,
             seq_lens_cpu=seq_lens_list,
         )

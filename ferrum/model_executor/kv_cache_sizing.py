@@ -1,8 +1,9 @@
-"""How many KV blocks fit, and the per-layer cache tensors.
+"""How many KV blocks fit, per layer group, and the per-layer cache tensors.
 
 Per layer the cache is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, with this rank's
-KV heads under tensor parallelism (`tp_size`); block 0 is the padding block that the KV manager
-never hands out.
+KV heads under tensor parallelism (`tp_size`) and num_blocks the pool size of the layer's group (`KVCacheGroupSpec`); block 0 of every pool is the padding
+block that the KV manager never hands out. A budget is split between the groups in proportion to
+what one sequence of max_model_len holds in each (a sliding-window group holds its window only).
 """
 
 from __future__ import annotations
@@ -10,30 +11,61 @@ from __future__ import annotations
 import torch
 
 from ferrum.config import CacheConfig, ModelConfig, SchedulerConfig, kv_heads_per_rank
+from ferrum.kv.kv_cache_spec import KVCacheGroupSpec, kv_cache_groups, layer_group_ids
 
 # The CPU pool's default cap: memory for development runs, not for throughput.
 CPU_DEFAULT_KV_BYTES = 512 << 20
 _GIB = float(1 << 30)
 
 
+def kv_cache_group_specs(model_config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
+    """The model's layer groups: full attention first, then one per sliding window."""
+    arch = model_config.arch
+    return kv_cache_groups([arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)])
+
+
+def group_bytes_per_block(
+    model_config: ModelConfig,
+    group: KVCacheGroupSpec,
+    block_size: int,
+    dtype: torch.dtype,
+    tp_size: int = 1,
+) -> int:
+    """Bytes of one block of a group: keys and values of each of its layers (this rank's heads)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
+    per_layer = 2 * block_size * num_kv_heads * model_config.head_dim * element_size
+    return len(group.layer_ids) * per_layer
+
+
 def kv_bytes_per_block(
     model_config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
 ) -> int:
-    element_size = torch.empty((), dtype=dtype).element_size()
-    return (
-        2
-        * model_config.num_hidden_layers
-        * block_size
-        * kv_heads_per_rank(model_config.num_kv_heads, tp_size)
-        * model_config.head_dim
-        * element_size
+    """Bytes of one block in every layer (one block of each group)."""
+    return sum(
+        group_bytes_per_block(model_config, group, block_size, dtype, tp_size)
+        for group in kv_cache_group_specs(model_config)
     )
 
 
-def blocks_worth_keeping(scheduler_config: SchedulerConfig, block_size: int) -> int:
-    """Enough blocks for every sequence slot at full length (+ the padding block): more is waste."""
-    blocks_per_seq = -(-scheduler_config.max_model_len // block_size)
-    return scheduler_config.max_num_seqs * blocks_per_seq + 1
+def blocks_per_sequence(
+    group: KVCacheGroupSpec, scheduler_config: SchedulerConfig, block_size: int
+) -> int:
+    """The most blocks of a group one sequence of max_model_len holds at once."""
+    return group.max_blocks_per_request(
+        scheduler_config.max_model_len, scheduler_config.max_num_batched_tokens, block_size
+    )
+
+
+def blocks_worth_keeping(
+    scheduler_config: SchedulerConfig, block_size: int, group: KVCacheGroupSpec | None = None
+) -> int:
+    """Enough blocks for every sequence slot at full length (+ the padding block): more is waste.
+    `group` defaults to full attention."""
+    group = group or KVCacheGroupSpec(())
+    return (
+        scheduler_config.max_num_seqs * blocks_per_sequence(group, scheduler_config, block_size) + 1
+    )
 
 
 def num_blocks_from_budget(
@@ -44,23 +76,33 @@ def num_blocks_from_budget(
     dtype: torch.dtype,
     cap_to_need: bool = False,
     tp_size: int = 1,
-) -> int:
-    """Blocks that fit in `budget_bytes` (at most what every sequence slot at full length needs,
-    with `cap_to_need`); fails with the numbers to change if one sequence can't fit."""
+) -> list[int]:
+    """Blocks per layer group that fit in `budget_bytes` (at most what every sequence slot at full
+    length needs, with `cap_to_need`); fails with the numbers to change if one sequence can't fit."""
     block_size = cache_config.block_size
-    per_block = kv_bytes_per_block(model_config, block_size, dtype, tp_size)
-    num_blocks = budget_bytes // per_block
-    if cap_to_need:
-        num_blocks = min(num_blocks, blocks_worth_keeping(scheduler_config, block_size))
-    needed = -(-scheduler_config.max_model_len // block_size) + 1
-    if num_blocks < needed:
-        raise ValueError(
-            f"the KV cache budget of {budget_bytes / _GIB:.2f} GiB holds {num_blocks} blocks of "
-            f"{block_size} tokens, but one sequence of max_model_len={scheduler_config.max_model_len} "
-            f"needs {needed} ({needed * per_block / _GIB:.2f} GiB): lower max_model_len, or raise "
-            f"gpu_memory_utilization / kv_cache_memory_bytes"
+    groups = kv_cache_group_specs(model_config)
+    sizes = [group_bytes_per_block(model_config, g, block_size, dtype, tp_size) for g in groups]
+    needs = [blocks_per_sequence(g, scheduler_config, block_size) for g in groups]
+    per_sequence = sum(need * size for need, size in zip(needs, sizes))
+    counts = []
+    for group, size, need in zip(groups, sizes, needs):
+        # The group's share of the budget is need * size / per_sequence of it.
+        num_blocks = (
+            budget_bytes * need // per_sequence if len(groups) > 1 else budget_bytes // size
         )
-    return int(num_blocks)
+        if cap_to_need:
+            num_blocks = min(num_blocks, blocks_worth_keeping(scheduler_config, block_size, group))
+        if num_blocks < need + 1:
+            which = "" if len(groups) == 1 else f" in its {len(group.layer_ids)}-layer group"
+            raise ValueError(
+                f"the KV cache budget of {budget_bytes / _GIB:.2f} GiB holds {num_blocks} blocks "
+                f"of {block_size} tokens{which}, but one sequence of max_model_len="
+                f"{scheduler_config.max_model_len} needs {need + 1} "
+                f"({(need + 1) * size / _GIB:.2f} GiB): lower max_model_len, or raise "
+                "gpu_memory_utilization / kv_cache_memory_bytes"
+            )
+        counts.append(int(num_blocks))
+    return counts
 
 
 def cpu_kv_budget(
@@ -75,23 +117,29 @@ def cpu_kv_budget(
     if cache_config.kv_cache_memory_bytes is not None:
         return cache_config.kv_cache_memory_bytes
     block_size = cache_config.block_size
-    per_block = kv_bytes_per_block(model_config, block_size, dtype, tp_size)
-    one_sequence = (-(-scheduler_config.max_model_len // block_size) + 1) * per_block
-    every_slot = blocks_worth_keeping(scheduler_config, block_size) * per_block
+    one_sequence = every_slot = 0
+    for group in kv_cache_group_specs(model_config):
+        size = group_bytes_per_block(model_config, group, block_size, dtype, tp_size)
+        one_sequence += (blocks_per_sequence(group, scheduler_config, block_size) + 1) * size
+        every_slot += blocks_worth_keeping(scheduler_config, block_size, group) * size
     return max(min(every_slot, CPU_DEFAULT_KV_BYTES), one_sequence)
 
 
 def allocate_kv_caches(
     model_config: ModelConfig,
-    num_blocks: int,
+    num_blocks: int | list[int],
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
     tp_size: int = 1,
 ) -> list[torch.Tensor]:
-    num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
-    shape = (2, num_blocks, block_size, num_kv_heads, model_config.head_dim)
+    """One zeroed cache per layer, sized by its group's pool (`num_blocks` per group, or one
+    count for all)."""
+    groups = kv_cache_group_specs(model_config)
+    counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else num_blocks
+    heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
+    head_dim = model_config.head_dim
     return [
-        torch.zeros(shape, dtype=dtype, device=device)
-        for _ in range(model_config.num_hidden_layers)
+        torch.zeros((2, counts[g], block_size, heads, head_dim), dtype=dtype, device=device)
+        for g in layer_group_ids(groups)
     ]

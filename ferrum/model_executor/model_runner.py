@@ -20,6 +20,7 @@ import torch
 
 from ferrum.config import EngineConfig, kv_heads_per_rank
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.kv.kv_cache_spec import layer_group_ids
 from ferrum.logger import init_logger
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
 from ferrum.model_executor.grammar_bitmask import GrammarBitmaskBuffers
@@ -28,6 +29,7 @@ from ferrum.model_executor.kernel_backend import resolve_kernel_backend
 from ferrum.model_executor.kv_cache_sizing import (
     allocate_kv_caches,
     cpu_kv_budget,
+    kv_cache_group_specs,
     num_blocks_from_budget,
 )
 from ferrum.model_executor.model_loader import load_model
@@ -66,7 +68,8 @@ class CachedRequestState:
     # prompt + output tokens; positions [num_computed_tokens, len) still need a forward.
     token_ids: list[int]
     params: SamplingParams
-    block_ids: list[int]
+    # One block table per KV cache group.
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
     generator: torch.Generator | None
     # Sampled by launched steps and not yet completed (appended to token_ids on completion).
@@ -109,6 +112,8 @@ class ModelRunner:
             config.parallel_config.enable_expert_parallel,
         )
         self.split_kv_workspace = self._allocate_split_kv_workspace()
+        # Layer groups of the KV cache (full attention, each sliding window): a block table each.
+        self.kv_cache_groups = kv_cache_group_specs(config.model_config)
         sched = config.scheduler_config
         max_model_len = config.model_config.max_model_len
         # Buffers for the largest step: a batch, a padded CUDA-graph batch or the memory profile.
@@ -118,6 +123,7 @@ class ModelRunner:
             max_model_len=max_model_len,
             block_size=self.block_size,
             device=device,
+            num_kv_groups=len(self.kv_cache_groups),
         )
         self.sampling_staging = sampling_staging(sched.max_num_seqs, device)
         self.sampler = Sampler()
@@ -155,8 +161,8 @@ class ModelRunner:
             max_num_seqs, num_heads, model_config.head_dim, self.device
         )
 
-    def determine_num_kv_blocks(self) -> int:
-        """KV blocks for the pool: the CPU budget, or what a profiled peak leaves on the GPU."""
+    def determine_num_kv_blocks(self) -> list[int]:
+        """KV blocks per layer group: the CPU budget, or what a profiled peak leaves on the GPU."""
         cfg = self.config
         if self.device.type != "cuda":
             budget = cpu_kv_budget(
@@ -197,7 +203,9 @@ class ModelRunner:
         self.initialize_kv_cache(num_blocks)
         temp_kv_bytes = torch.cuda.memory_allocated(self.device) - weights
         torch.cuda.reset_peak_memory_stats(self.device)
-        requests, num_scheduled = profile_batch(seq_lens, self.block_size)
+        requests, num_scheduled = profile_batch(
+            seq_lens, self.block_size, len(self.kv_cache_groups)
+        )
         batch = self.inputs.prepare(requests, num_scheduled, num_tokens, {})
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
         num_sampled = min(sched.max_num_seqs, num_tokens)
@@ -240,7 +248,8 @@ class ModelRunner:
             )
         return budget
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int | list[int]) -> None:
+        """Allocates every layer's cache (`num_blocks` per layer group, or one count for all)."""
         self.kv_caches = allocate_kv_caches(
             self.config.model_config,
             num_blocks,
@@ -249,23 +258,28 @@ class ModelRunner:
             self.device,
             self.tp_size,
         )
-        self.model.bind_kv_caches(self.kv_caches, self.split_kv_workspace)
+        self.model.bind_kv_caches(
+            self.kv_caches, self.split_kv_workspace, layer_group_ids(self.kv_cache_groups)
+        )
 
     @torch.inference_mode()
-    def warm_up(self, num_blocks: int) -> None:
+    def warm_up(self, num_blocks: int | list[int]) -> None:
         """Compiles the Triton kernel variants (attention tiles by chunk length) that a first
         request would otherwise wait for. Writes KV only into blocks that no request holds yet."""
         if self.kernel_backend != "triton" or self.device.type != "cuda":
             return
         start = time.perf_counter()
         sched = self.config.scheduler_config
+        num_blocks = num_blocks if isinstance(num_blocks, int) else min(num_blocks)
         for query_len in (1, 2, 4, 8, 16, 32, 64, 128):
             blocks_needed = -(-query_len // self.block_size) + 1
             if query_len > min(sched.max_num_batched_tokens, sched.max_model_len) or (
                 blocks_needed > num_blocks
             ):
                 break
-            requests, num_scheduled = profile_batch([query_len], self.block_size)
+            requests, num_scheduled = profile_batch(
+                [query_len], self.block_size, len(self.kv_cache_groups)
+            )
             batch = self.inputs.prepare(requests, num_scheduled, query_len, {})
             self.model(batch.input_ids, batch.positions, batch.attn_metadata)
         torch.cuda.synchronize(self.device)
@@ -309,7 +323,7 @@ class ModelRunner:
                 output_token_ids=list(new.output_token_ids),
                 token_ids=new.prompt_token_ids + new.output_token_ids,
                 params=new.sampling_params,
-                block_ids=list(new.block_ids),
+                block_ids=tuple(list(ids) for ids in new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=self._generator_for(
                     new.req_id, new.sampling_params, len(new.output_token_ids)
@@ -317,7 +331,8 @@ class ModelRunner:
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for block_ids, new_block_ids in zip(state.block_ids, cached.new_block_ids):
+                block_ids.extend(new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _generator_for(

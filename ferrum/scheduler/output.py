@@ -22,7 +22,8 @@ class NewRequestData:
     # Tokens generated before a preemption; they are recomputed like the prompt.
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    # One block table per KV cache layer group.
+    block_ids: tuple[list[int], ...]
     num_computed_tokens: int
 
 
@@ -31,7 +32,8 @@ class CachedRequestData:
     """A request the runner already holds: only what changed since the previous step."""
 
     req_id: str
-    new_block_ids: list[int]
+    # Block ids appended to each KV cache layer group's table.
+    new_block_ids: tuple[list[int], ...]
     num_computed_tokens: int
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ferrum.config import SchedulerConfig
-from ferrum.kv.kv_cache_manager import KVCacheManager
+from ferrum.kv.kv_cache_manager import GroupBlockIds, KVCacheManager
 from ferrum.logger import init_logger
 from ferrum.request import Request, RequestStatus, check_request_fits
 from ferrum.scheduler.output import (
@@ -173,6 +173,7 @@ class Scheduler:
                     continue  # _grammar_ready took it out of the queue
                 compiling.append(self.waiting.popleft())
                 continue
+            computed_blocks: GroupBlockIds | None
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(
                 request,
                 record_stats=request.req_id not in self._looked_up
@@ -181,7 +182,7 @@ class Scheduler:
             self._looked_up.add(request.req_id)
             if request.prompt_logprobs is not None:
                 # Prompt logprobs come from the forward: the whole prompt is computed.
-                computed_blocks, num_computed = [], 0
+                computed_blocks, num_computed = None, 0
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 break
@@ -201,7 +202,7 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=list(request.output_token_ids),
                     sampling_params=request.sampling_params,
-                    block_ids=list(self.kv_cache_manager.get_block_ids(request.req_id)),
+                    block_ids=self.kv_cache_manager.get_block_ids(request.req_id),
                     num_computed_tokens=num_computed,
                 )
             )

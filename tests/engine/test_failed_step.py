@@ -22,7 +22,7 @@ def test_failed_forward_is_recovered(tiny_checkpoint, monkeypatch: pytest.Monkey
     with pytest.raises(RuntimeError, match="injected fault"):
         engine.step()
     # The blocks registered for the failed step are not in the prefix cache.
-    assert engine.core.kv_cache_manager.block_pool.num_cached_blocks == 0
+    assert engine.core.kv_cache_manager.groups[0].block_pool.num_cached_blocks == 0
     # The same engine goes on: the requests are recomputed and come out right.
     outputs = {}
     while engine.has_unfinished_requests():

@@ -49,10 +49,11 @@ def test_chunked_prefill_and_preemption_match_hf(
 ) -> None:
     path = tiny_checkpoint(arch)
     prompts = random_prompts([23, 9, 14, 3, 11], seed=3)
-    # 16 usable blocks of 4 tokens: each request fits alone (<= 9 blocks), not all at once.
+    # 16 usable blocks of 4 tokens: each request fits alone (<= 9 blocks), not all at once. A
+    # sliding-window-only model holds at most 4 blocks per request (window 6, chunks of 7): 8.
     llm = make_llm(
         path,
-        num_kv_blocks=17,
+        num_kv_blocks=9 if arch == "mistral_sw" else 17,
         max_num_batched_tokens=7,
         enable_prefix_caching=False,
         async_scheduling=async_scheduling,
@@ -60,6 +61,28 @@ def test_chunked_prefill_and_preemption_match_hf(
     assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
     assert llm.llm_engine.core.kv_cache_manager.usage == 0.0
+
+
+def test_sliding_window_requests_outgrow_the_pool_and_hit_inside_the_window(
+    tiny_checkpoint,
+) -> None:
+    """A sliding-window group releases the blocks that left the window: a request longer than
+    the whole pool runs, and a prefix hit whose early blocks were evicted (only the window's
+    blocks are cached) gives the tokens of a cold run."""
+    path = tiny_checkpoint("mistral_sw")
+    # 12 usable blocks = 48 tokens; the long request reaches 69, but a sliding group holds at
+    # most 4 blocks of it (window 6, chunks of 7).
+    llm = make_llm(path, num_kv_blocks=13, max_num_batched_tokens=7, max_model_len=80)
+    kv = llm.llm_engine.core.kv_cache_manager
+    prompts = random_prompts([13, 21, 59], seed=4)
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    assert greedy(llm, prompts) == expected
+    # The long prompt again: 14 of its blocks hit though the pool holds 12 (the first ones,
+    # released first, were evicted first).
+    hits_before = kv.prefix_cache_hits
+    assert greedy(llm, prompts[2:]) == expected[2:]
+    assert kv.prefix_cache_hits - hits_before == 56
+    assert kv.usage == 0.0
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen3_moe", "gemma3"])

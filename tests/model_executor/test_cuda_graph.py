@@ -20,9 +20,13 @@ BLOCK_SIZE = 16
 @dataclass
 class Req:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[int] | tuple[list[int], ...]
     num_computed_tokens: int
     num_output_placeholders: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_ids, list):  # one KV cache group
+            self.block_ids = (self.block_ids,)
 
 
 class FakeGraph:
@@ -61,10 +65,10 @@ def read(inputs: StepInputs) -> dict:
     return {
         "input_ids": inputs.input_ids.tolist(),
         "positions": inputs.positions.tolist(),
-        "slot_mapping": meta.slot_mapping.tolist(),
+        "slot_mapping": meta.slot_mapping[0].tolist(),
         "query_start_loc": meta.query_start_loc.tolist(),
         "seq_lens": meta.seq_lens.tolist(),
-        "first_blocks": meta.block_tables[:, 0].tolist(),
+        "first_blocks": meta.block_tables[0][:, 0].tolist(),
     }
 
 
@@ -110,7 +114,11 @@ def test_a_decode_batch_is_padded_with_one_token_requests_on_slot_zero(
         "first_blocks": [6, 7, 8, 0],
     }
     meta = inputs.attn_metadata
-    assert meta.block_tables.shape == (4, 8) and meta.block_tables[:3, 1].tolist() == [56, 57, 58]
+    assert meta.block_tables[0].shape == (4, 8) and meta.block_tables[0][:3, 1].tolist() == [
+        56,
+        57,
+        58,
+    ]
     assert (meta.max_query_len, meta.max_seq_len) == (1, 8 * BLOCK_SIZE)
     # Every real token is sampled: the replay's hidden states need no gather.
     assert inputs.logits_indices is None and inputs.sampled_req_ids == ["6", "7", "8"]
@@ -131,7 +139,7 @@ def test_a_chunk_is_padded_with_tokens_of_no_request(runner: CUDAGraphRunner) ->
         "first_blocks": [7],
     }
     meta = inputs.attn_metadata
-    assert meta.block_tables[0, :3].tolist() == [7, 8, 9]
+    assert meta.block_tables[0][0, :3].tolist() == [7, 8, 9]
     assert (meta.max_query_len, meta.max_seq_len) == (16, 8 * BLOCK_SIZE)
 
 
@@ -142,9 +150,12 @@ def test_a_padded_shape_always_gets_the_same_addresses(runner: CUDAGraphRunner) 
     assert real.input_ids.data_ptr() != empty.input_ids.data_ptr()  # on the CPU, the other host set
     again = prepare_decode(runner, [4, 5, 6])
     assert again.input_ids.data_ptr() == empty.input_ids.data_ptr()
-    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+    for name in ("query_start_loc", "seq_lens"):
         ptr = getattr(again.attn_metadata, name).data_ptr()
         assert ptr == getattr(empty.attn_metadata, name).data_ptr(), name
+    for name in ("block_tables", "slot_mapping"):
+        ptrs = [t.data_ptr() for t in getattr(again.attn_metadata, name)]
+        assert ptrs == [t.data_ptr() for t in getattr(empty.attn_metadata, name)], name
 
 
 def test_capture_inputs_are_padding_only(runner: CUDAGraphRunner) -> None:

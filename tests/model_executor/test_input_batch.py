@@ -17,9 +17,13 @@ MAX_MODEL_LEN = 64  # 16 blocks per request
 @dataclass
 class Req:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[int] | tuple[list[int], ...]
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_ids, list):  # one KV cache group
+            self.block_ids = (self.block_ids,)
 
 
 def make_buffers() -> InputBuffers:
@@ -47,12 +51,13 @@ def test_a_mixed_batch_flattens_in_scheduling_order() -> None:
     assert inputs.positions.tolist() == [4, 5, 6, 7, 8, 5, 4]
     meta = inputs.attn_metadata
     # Position p of a request goes to slot block_ids[p // 4] * 4 + p % 4.
-    assert meta.slot_mapping.tolist() == [12, 13, 14, 15, 36, 25, 32]
+    assert meta.slot_mapping[0].tolist() == [12, 13, 14, 15, 36, 25, 32]
     assert meta.query_start_loc.tolist() == meta.query_start_loc_cpu == [0, 5, 6, 7]
     assert meta.seq_lens.tolist() == meta.seq_lens_cpu == [9, 6, 5]
-    assert meta.block_tables.shape == (3, 3)  # as wide as the longest table
+    assert meta.block_tables[0].shape == (3, 3)  # as wide as the longest table
     assert [
-        row[: len(r.block_ids)] for row, r in zip(meta.block_tables.tolist(), requests.values())
+        row[: len(r.block_ids[0])]
+        for row, r in zip(meta.block_tables[0].tolist(), requests.values())
     ] == [
         [7, 3, 9],
         [5, 6],
@@ -77,7 +82,7 @@ def test_the_steady_decode_batch_needs_no_index() -> None:
     )
     assert inputs.input_ids.tolist() == [0, 0, 0]
     assert inputs.positions.tolist() == [4, 4, 4]
-    assert inputs.attn_metadata.slot_mapping.tolist() == [20, 24, 28]
+    assert inputs.attn_metadata.slot_mapping[0].tolist() == [20, 24, 28]
     assert inputs.sampled_req_ids == ["0", "1", "2"]
     assert inputs.logits_indices is None  # every token is sampled
     assert (inputs.num_placeholders, inputs.placeholder_index) == (3, None)
@@ -92,10 +97,38 @@ def test_profile_batch_lays_whole_prompts_on_consecutive_blocks() -> None:
     requests, scheduled = profile_batch([5, 3, 8], BLOCK)
     assert scheduled == {"0": 5, "1": 3, "2": 8}
     assert [(r.block_ids, r.token_ids, r.num_computed_tokens) for r in requests.values()] == [
-        ([1, 2], [0] * 5, 0),
-        ([3], [0] * 3, 0),
-        ([4, 5], [0] * 8, 0),
+        (([1, 2],), [0] * 5, 0),
+        (([3],), [0] * 3, 0),
+        (([4, 5],), [0] * 8, 0),
     ]
     inputs = make_buffers().prepare(requests, scheduled, 16, {})
-    assert inputs.attn_metadata.slot_mapping.tolist() == [4, 5, 6, 7, 8, 12, 13, 14, *range(16, 24)]
+    assert inputs.attn_metadata.slot_mapping[0].tolist() == [
+        4,
+        5,
+        6,
+        7,
+        8,
+        12,
+        13,
+        14,
+        *range(16, 24),
+    ]
     assert inputs.logits_indices.tolist() == [4, 7, 15]
+
+
+def test_each_kv_cache_group_gets_its_own_tables_and_slots() -> None:
+    """Two groups (e.g. full attention and a sliding window whose first block was released)."""
+    buffers = InputBuffers(32, 4, MAX_MODEL_LEN, BLOCK, torch.device("cpu"), num_kv_groups=2)
+    requests = {
+        "chunk": Req(list(range(10)), ([7, 3, 9], [0, 4, 6]), num_computed_tokens=5),
+        "decode": Req(list(range(6)), ([5, 6], [1, 2]), num_computed_tokens=5),
+    }
+    inputs = buffers.prepare(requests, {"chunk": 4, "decode": 1}, 5, {})
+    meta = inputs.attn_metadata
+    assert [m.tolist() for m in meta.slot_mapping] == [[13, 14, 15, 36, 25], [17, 18, 19, 24, 9]]
+    tables = [t.tolist() for t in meta.block_tables]
+    assert [tables[0][0], tables[0][1][:2]] == [[7, 3, 9], [5, 6]]
+    assert [tables[1][0], tables[1][1][:2]] == [[0, 4, 6], [1, 2]]
+
+    requests, scheduled = profile_batch([5], BLOCK, num_kv_groups=2)
+    assert requests["0"].block_ids == ([1, 2], [1, 2])

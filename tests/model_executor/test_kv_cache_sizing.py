@@ -14,6 +14,7 @@ from ferrum.model_executor.kv_cache_sizing import (
     blocks_worth_keeping,
     cpu_kv_budget,
     kv_bytes_per_block,
+    kv_cache_group_specs,
     num_blocks_from_budget,
 )
 from tests.utils.tiny_llm import make_llm
@@ -51,7 +52,8 @@ def test_blocks_from_budget_round_down_and_cap_to_need(model_config) -> None:
     sched = SchedulerConfig(max_model_len=128, max_num_seqs=2)
 
     def blocks(budget: int, cap: bool = False) -> int:
-        return num_blocks_from_budget(budget, model_config, cache, sched, torch.float32, cap)
+        (count,) = num_blocks_from_budget(budget, model_config, cache, sched, torch.float32, cap)
+        return count
 
     assert blocks(100 * FP32_BLOCK_OF_4 + FP32_BLOCK_OF_4 - 1) == 100
     # Two sequences of 32 blocks + the padding block: more would never be used.
@@ -64,7 +66,7 @@ def test_a_budget_short_of_one_full_length_sequence_is_refused(model_config) -> 
     cache = CacheConfig(block_size=4)
     sched = SchedulerConfig(max_model_len=128)
     # One sequence of 128 tokens needs 32 blocks + the padding block.
-    assert num_blocks_from_budget(33 * 2048, model_config, cache, sched, torch.float32) == 33
+    assert num_blocks_from_budget(33 * 2048, model_config, cache, sched, torch.float32) == [33]
     message = (
         r"holds 32 blocks of 4 tokens, but one sequence of max_model_len=128 needs 33 .*lower "
         r"max_model_len, or raise gpu_memory_utilization / kv_cache_memory_bytes"
@@ -94,6 +96,30 @@ def test_allocated_caches_are_one_zeroed_tensor_per_layer(model_config) -> None:
     for cache in caches:
         assert cache.shape == (2, 5, 4, 2, 16) and cache.dtype == torch.float16
         assert not cache.any()
+
+
+def test_layer_groups_split_the_budget_by_what_a_sequence_holds(tiny_checkpoint) -> None:
+    # gemma3: layers sliding (window 6), global, sliding; 1024 bytes per layer per fp32 block.
+    config = ModelConfig(tiny_checkpoint("gemma3"))
+    assert [g.layer_ids for g in kv_cache_group_specs(config)] == [(1,), (0, 2)]
+    assert kv_bytes_per_block(config, 4, torch.float32) == 3 * 1024
+    cache = CacheConfig(block_size=4)
+    sched = SchedulerConfig(max_model_len=128, max_num_batched_tokens=8, max_num_seqs=2)
+    # A sequence holds 32 global blocks and ceil((5 + 8) / 4) + 1 = 5 sliding ones: 43008 bytes.
+    per_sequence = 32 * 1024 + 5 * 2048
+    assert num_blocks_from_budget(10 * per_sequence, config, cache, sched, torch.float32) == [
+        320,
+        50,
+    ]
+    capped = num_blocks_from_budget(10 * per_sequence, config, cache, sched, torch.float32, True)
+    assert capped == [65, 11]
+    assert cpu_kv_budget(config, cache, sched, torch.float32) == 65 * 1024 + 11 * 2048
+    with pytest.raises(
+        ValueError, match="holds 32 blocks of 4 tokens in its 1-layer group, .* needs 33"
+    ):
+        num_blocks_from_budget(per_sequence, config, cache, sched, torch.float32)
+    caches = allocate_kv_caches(config, [7, 3], 4, torch.float32, torch.device("cpu"))
+    assert [c.shape[1] for c in caches] == [3, 7, 3]
 
 
 def test_the_cpu_engine_sizes_its_pool_from_the_budget(tiny_checkpoint) -> None:

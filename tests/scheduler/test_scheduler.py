@@ -14,19 +14,19 @@ def test_chunked_prefill_and_decodes_share_one_budget() -> None:
         s.add_request(make_request(req_id, n, start=start))
     out, updates = run_step(s)
     assert out.num_scheduled_tokens == {"a": 10, "b": 6}
-    assert [r.block_ids for r in out.scheduled_new_reqs] == [[1, 2, 3], [4, 5]]
+    assert [r.block_ids[0] for r in out.scheduled_new_reqs] == [[1, 2, 3], [4, 5]]
     assert [u.request.req_id for u in updates] == ["a"]  # b is mid-prompt: no token yet
 
     out, updates = run_step(s)
     # a decodes 1 token, b continues its prompt with 14, c gets the last token of budget.
     assert out.num_scheduled_tokens == {"a": 1, "b": 14, "c": 1}
     assert [
-        (c.req_id, c.new_block_ids, c.num_computed_tokens) for c in out.scheduled_cached_reqs
+        (c.req_id, c.new_block_ids[0], c.num_computed_tokens) for c in out.scheduled_cached_reqs
     ] == [
         ("a", [], 10),
         ("b", [6, 7, 8], 6),
     ]
-    assert out.scheduled_new_reqs[0].block_ids == [9]
+    assert out.scheduled_new_reqs[0].block_ids[0] == [9]
     assert out.total_num_scheduled_tokens == 16
     assert {u.request.req_id for u in updates} == {"a", "b"}
 
@@ -44,12 +44,12 @@ def test_prefix_cache_hit_skips_cached_blocks_but_never_the_last_token() -> None
     s = make_scheduler()
     s.add_request(make_request("a", 9, max_tokens=1))  # blocks: [0-3] [4-7] [8]
     out, _ = run_step(s)
-    assert out.scheduled_new_reqs[0].block_ids == [1, 2, 3]
+    assert out.scheduled_new_reqs[0].block_ids[0] == [1, 2, 3]
     # A request with the same first 8 tokens reuses blocks 1 and 2 (a finished, blocks cached).
     s.add_request(make_request("b", 12, max_tokens=1))
     out, _ = run_step(s)
     new = out.scheduled_new_reqs[0]
-    assert (new.block_ids[:2], new.num_computed_tokens) == ([1, 2], 8)
+    assert (new.block_ids[0][:2], new.num_computed_tokens) == ([1, 2], 8)
     assert out.num_scheduled_tokens == {"b": 4}
     assert s.requests == {}
     # A prompt of exactly 2 cached blocks hits only the first: its last token must be computed.
@@ -66,15 +66,15 @@ def test_pool_exhaustion_preempts_the_newest_request_and_resumes_it() -> None:
     s.add_request(make_request("old", 8, max_tokens=8))
     s.add_request(make_request("new", 8, max_tokens=8, start=50))
     out, _ = run_step(s)
-    assert [r.block_ids for r in out.scheduled_new_reqs] == [[1, 2], [3, 4]]
+    assert [r.block_ids[0] for r in out.scheduled_new_reqs] == [[1, 2], [3, 4]]
     out, _ = run_step(s)  # both decode into a third block: only one is left
     assert out.num_scheduled_tokens == {"old": 1}
     assert out.preempted_req_ids == {"new"}
-    assert out.scheduled_cached_reqs[0].new_block_ids == [5]
+    assert out.scheduled_cached_reqs[0].new_block_ids[0] == [5]
     preempted = next(iter(s.waiting))
     assert preempted.req_id == "new" and preempted.status == RequestStatus.PREEMPTED
     assert preempted.num_computed_tokens == 0 and preempted.num_preemptions == 1
-    assert s.kv_cache_manager.get_block_ids("new") == []
+    assert s.kv_cache_manager.get_block_ids("new") == ([],)
     # "old" runs to its end; then "new" is recomputed with its generated token.
     while "old" in s.requests:
         out, _ = run_step(s)

@@ -21,7 +21,7 @@ def test_a_decode_is_scheduled_over_its_placeholder_but_not_past_max_tokens() ->
     # Step 2 decodes the token step 1 is still sampling: its input is read on the device.
     out2, sampled = launch(s)
     assert (out2.step_id, out2.num_scheduled_tokens, sampled) == (2, {"a": 1}, ["a"])
-    assert [(c.new_block_ids, c.num_computed_tokens) for c in out2.scheduled_cached_reqs] == [
+    assert [(c.new_block_ids[0], c.num_computed_tokens) for c in out2.scheduled_cached_reqs] == [
         ([], 6)
     ]
     assert (a.num_computed_tokens, a.num_output_placeholders) == (7, 2)
@@ -34,7 +34,7 @@ def test_a_decode_is_scheduled_over_its_placeholder_but_not_past_max_tokens() ->
     complete(s, out2, ["a"], [101])
     out4, _ = launch(s)
     assert out3.num_scheduled_tokens == out4.num_scheduled_tokens == {"a": 1}
-    assert out4.scheduled_cached_reqs[0].new_block_ids == [3]  # token 8 opens the third block
+    assert out4.scheduled_cached_reqs[0].new_block_ids[0] == [3]  # token 8 opens the third block
     complete(s, out3, ["a"], [102])
     # 3 tokens known + 1 in flight = max_tokens: nothing more to compute.
     assert (a.num_computed_tokens, a.num_output_tokens, a.num_output_placeholders) == (9, 3, 1)
@@ -54,7 +54,7 @@ def test_preempted_with_a_token_in_flight_the_request_keeps_that_token() -> None
     s.add_request(make_request("new", 8, max_tokens=8, start=50))
     new = s.requests["new"]
     out1, sampled = launch(s)
-    assert [r.block_ids for r in out1.scheduled_new_reqs] == [[1, 2], [3, 4]]
+    assert [r.block_ids[0] for r in out1.scheduled_new_reqs] == [[1, 2], [3, 4]]
     assert sampled == ["old", "new"]
     out2, sampled = launch(s)
     assert (out2.num_scheduled_tokens, out2.preempted_req_ids, sampled) == (
@@ -62,7 +62,7 @@ def test_preempted_with_a_token_in_flight_the_request_keeps_that_token() -> None
         {"new"},
         ["old"],
     )
-    assert out2.scheduled_cached_reqs[0].new_block_ids == [5]
+    assert out2.scheduled_cached_reqs[0].new_block_ids[0] == [5]
     assert new.status == RequestStatus.PREEMPTED and list(s.waiting) == [new]
     assert (new.num_computed_tokens, new.num_output_placeholders) == (0, 0)
 
@@ -84,7 +84,7 @@ def test_preempted_with_a_token_in_flight_the_request_keeps_that_token() -> None
         [200],
         0,
     )
-    assert out.num_scheduled_tokens == {"new": 9} and len(resumed.block_ids) == 3
+    assert out.num_scheduled_tokens == {"new": 9} and len(resumed.block_ids[0]) == 3
     assert new.output_token_ids == [200, 201] and new.num_preemptions == 1
 
 
@@ -133,7 +133,7 @@ def test_a_failed_step_requeues_its_requests_in_order_and_tells_the_runner() -> 
     a, b = s.requests["a"], s.requests["b"]
     out1, _ = launch(s)
     assert out1.num_scheduled_tokens == {"a": 6, "b": 6} and out1.finished_req_ids == {"d"}
-    assert s.kv_cache_manager.block_pool.num_cached_blocks == 2  # block 1 of each prompt
+    assert s.kv_cache_manager.groups[0].block_pool.num_cached_blocks == 2  # block 1 of each prompt
 
     s.recover_from_failed_step(out1)
     assert s.running == [] and [r.req_id for r in s.waiting] == ["a", "b", "c"]
@@ -142,7 +142,7 @@ def test_a_failed_step_requeues_its_requests_in_order_and_tells_the_runner() -> 
         assert (request.num_computed_tokens, request.num_output_placeholders) == (0, 0)
     assert s.num_preemptions == 2 and s.kv_cache_manager.usage == 0.0
     # No KV of the failed step exists: its prefix-cache entries are gone.
-    assert s.kv_cache_manager.block_pool.num_cached_blocks == 0
+    assert s.kv_cache_manager.groups[0].block_pool.num_cached_blocks == 0
 
     out2, sampled = launch(s)
     assert out2.preempted_req_ids == {"a", "b"} and out2.finished_req_ids == {"d"}
@@ -160,7 +160,7 @@ def test_a_failed_step_keeps_the_cache_entries_of_the_step_before_it() -> None:
     s.add_request(make_request("a", 8))
     a = s.requests["a"]
     run_step(s, token=100)
-    pool = s.kv_cache_manager.block_pool
+    pool = s.kv_cache_manager.groups[0].block_pool
     assert pool.num_cached_blocks == 2
     s.add_request(make_request("b", 8, start=50))
     out2, _ = launch(s)
@@ -174,7 +174,7 @@ def test_a_failed_step_keeps_the_cache_entries_of_the_step_before_it() -> None:
         ("a", 8),
         ("b", 0),
     ]
-    assert out3.scheduled_new_reqs[0].block_ids[:2] == [1, 2]
+    assert out3.scheduled_new_reqs[0].block_ids[0][:2] == [1, 2]
     assert out3.num_scheduled_tokens == {"a": 1, "b": 8}
 
 
@@ -190,7 +190,7 @@ def test_a_device_failure_with_two_steps_in_flight_loses_both() -> None:
     s.recover_from_failed_step(out2)
     assert [r.req_id for r in s.waiting] == ["a"] and a.num_preemptions == 1
     assert (a.num_computed_tokens, a.num_output_placeholders, a.output_token_ids) == (0, 0, [])
-    assert s.kv_cache_manager.block_pool.num_cached_blocks == 0
+    assert s.kv_cache_manager.groups[0].block_pool.num_cached_blocks == 0
     out3, sampled = launch(s)
     assert out3.num_scheduled_tokens == {"a": 8} and out3.preempted_req_ids == {"a"}
     assert out3.scheduled_new_reqs[0].num_computed_tokens == 0 and sampled == ["a"]

@@ -52,8 +52,8 @@ def build_step(seqs: list[Seq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMe
         max_seq_len=max(seq_lens),
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(block_tables, dtype=torch.int32),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        block_tables=(torch.tensor(block_tables, dtype=torch.int32),),
+        slot_mapping=(torch.tensor(slots, dtype=torch.int64),),
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
     )

@@ -48,13 +48,18 @@ class Attention(nn.Module):
         # Each query attends to its last `sliding_window` positions (None: all of them).
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None
+        # The KV cache group whose block tables and slots this layer's cache is addressed by.
+        self.kv_cache_group = 0
         # Scratch of the Triton split-KV decode path, owned by the runner and shared by every
         # layer (they run one after another); None disables that path.
         self.split_kv_workspace: SplitKVWorkspace | None = None
         self.kernels = kernels
 
     def bind_kv_cache(
-        self, kv_cache: torch.Tensor, split_kv_workspace: SplitKVWorkspace | None = None
+        self,
+        kv_cache: torch.Tensor,
+        split_kv_workspace: SplitKVWorkspace | None = None,
+        kv_cache_group: int = 0,
     ) -> None:
         expected = (2, self.num_kv_heads, self.head_dim)
         found = (kv_cache.shape[0], *kv_cache.shape[3:]) if kv_cache.dim() == 5 else None
@@ -65,6 +70,7 @@ class Attention(nn.Module):
             )
         self.kv_cache = kv_cache
         self.split_kv_workspace = split_kv_workspace
+        self.kv_cache_group = kv_cache_group
 
     def forward(
         self,
@@ -85,13 +91,14 @@ class Attention(nn.Module):
         q_norm_weight = None if q_norm is None else q_norm.weight
         k_norm_weight = None if k_norm is None else k_norm.weight
         eps = 1e-6 if q_norm is None else q_norm.eps
+        group = self.kv_cache_group
         if self.kernels is None:
             query, key = qk_norm_rope_ref(query, key, cos, sin, q_norm_weight, k_norm_weight, eps)
-            write_kv_cache_ref(key, value, kv_cache, attn_metadata.slot_mapping)
+            write_kv_cache_ref(key, value, kv_cache, attn_metadata.slot_mapping[group])
             return paged_attention_ref(
                 query,
                 kv_cache,
-                attn_metadata.block_tables,
+                attn_metadata.block_tables[group],
                 attn_metadata.query_start_loc_cpu,
                 attn_metadata.seq_lens_cpu,
                 self.scale,
@@ -104,7 +111,7 @@ class Attention(nn.Module):
             cos,
             sin,
             kv_cache,
-            attn_metadata.slot_mapping,
+            attn_metadata.slot_mapping[group],
             q_norm_weight=q_norm_weight,
             k_norm_weight=k_norm_weight,
             eps=eps,
@@ -113,7 +120,7 @@ class Attention(nn.Module):
         return self.kernels.paged_attention(
             query,
             kv_cache,
-            attn_metadata.block_tables,
+            attn_metadata.block_tables[group],
             attn_metadata.query_start_loc,
             attn_metadata.seq_lens,
             attn_metadata.max_query_len,

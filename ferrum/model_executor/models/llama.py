@@ -6,7 +6,7 @@ Qwen models, which subclass `LlamaForCausalLM` and override `make_decoder_layer`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -237,10 +237,13 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden_states)
 
     def bind_kv_caches(
-        self, kv_caches: list[torch.Tensor], split_kv_workspace: SplitKVWorkspace | None = None
+        self,
+        kv_caches: list[torch.Tensor],
+        split_kv_workspace: SplitKVWorkspace | None = None,
+        kv_cache_groups: Sequence[int] | None = None,
     ) -> None:
-        """One cache per decoder layer, in layer order, and the split-KV scratch they share; an
-        empty list unbinds them all."""
+        """One cache per decoder layer, in layer order, the KV cache group of each (default: all
+        0) and the split-KV scratch they share; an empty list unbinds them all."""
         layers = self.model.layers
         if kv_caches and len(kv_caches) != len(layers):
             raise ValueError(
@@ -250,7 +253,8 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             attn = layer.self_attn.attn
             if kv_caches:
-                attn.bind_kv_cache(kv_caches[i], split_kv_workspace)
+                group = 0 if kv_cache_groups is None else kv_cache_groups[i]
+                attn.bind_kv_cache(kv_caches[i], split_kv_workspace, group)
             else:
                 attn.kv_cache = attn.split_kv_workspace = None
 

@@ -1,0 +1,48 @@
+"""Layer groups of the KV cache: which layers share block tables, and how they use them.
+
+Layers of one group have the same attention kind and share one block pool and one block table per
+request; each layer keeps its own cache tensor over that pool. Full-attention layers keep every
+block of a request; sliding-window layers (window W: position p reads keys p - W < k <= p) release
+the blocks that slid out of every future query's window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroupSpec:
+    # Decoder layer indices of the group, increasing.
+    layer_ids: tuple[int, ...]
+    # None: full attention; else each query reads its last `sliding_window` positions.
+    sliding_window: int | None = None
+
+    def max_blocks_per_request(self, num_tokens: int, max_chunk: int, block_size: int) -> int:
+        """The most blocks a request of up to `num_tokens` tokens holds at once, computing at most
+        `max_chunk` tokens per step: all of them with full attention; the window before the
+        chunk, the chunk and one partial block with a sliding window."""
+        all_blocks = -(-num_tokens // block_size)
+        if self.sliding_window is None:
+            return all_blocks
+        window_blocks = -(-(self.sliding_window - 1 + min(max_chunk, num_tokens)) // block_size)
+        return min(all_blocks, window_blocks + 1)
+
+
+def kv_cache_groups(layer_windows: Sequence[int | None]) -> tuple[KVCacheGroupSpec, ...]:
+    """One group per distinct window (None = full attention), full attention first, then by
+    increasing window. `layer_windows[i]` is layer i's sliding window or None."""
+    if not layer_windows:
+        raise ValueError("layer_windows: a model needs at least one attention layer")
+    windows = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
+    return tuple(
+        KVCacheGroupSpec(tuple(i for i, w in enumerate(layer_windows) if w == window), window)
+        for window in windows
+    )
+
+
+def layer_group_ids(groups: Sequence[KVCacheGroupSpec]) -> list[int]:
+    """The group index of each decoder layer."""
+    ids = {layer: g for g, group in enumerate(groups) for layer in group.layer_ids}
+    return [ids[layer] for layer in range(len(ids))]

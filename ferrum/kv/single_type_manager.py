@@ -1,0 +1,370 @@
+"""Per-request block tables of one layer group over its own block pool, with prefix caching.
+
+A request owns a list of block ids (its block table); block `i` holds the KV of tokens
+`[i * block_size, (i + 1) * block_size)` in every layer of the group. Blocks are taken on demand
+as tokens are scheduled and released, tail first, when the request finishes or is preempted.
+`FullAttentionManager` keeps every block; `SlidingWindowManager` also releases the blocks that
+slid out of the window, leaving the null block 0 in their table entries (never read).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ferrum.kv import block_hash
+from ferrum.kv.block_pool import NULL_BLOCK_ID, ROOT_ENTRY_ID, BlockPool
+from ferrum.request import Request
+
+# max_tokens_in_pool of a group that releases old blocks: no request length is too long for it.
+UNBOUNDED_TOKENS = 1 << 62
+# The entry id recorded for a released (or never held) leading block of a sliding-window table.
+_NO_ENTRY = -1
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    block_ids: list[int] = field(default_factory=list)
+    # Cache entry id of the content of each leading full block handled by the prefix cache so far;
+    # `len(entry_ids) <= len(block_ids)`.
+    entry_ids: list[int] = field(default_factory=list)
+    # Leading table entries released to the pool (sliding window): block_ids[:num_released] are 0.
+    num_released: int = 0
+
+
+class FullAttentionManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        self.block_pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._requests: dict[str, _RequestBlocks] = {}
+        # Blocks registered in the prefix cache by each step begun and not yet ended, oldest
+        # first: their KV is only written by that step's forward, so a failed step must take them
+        # back out. With async scheduling two steps can be unfinished at once.
+        self._unfinished_steps: deque[list[int]] = deque()
+
+    def begin_step(self) -> None:
+        self._unfinished_steps.append([])
+
+    def end_step(self) -> None:
+        """The oldest unfinished step's forward completed: its cache entries hold real KV."""
+        if self._unfinished_steps:
+            self._unfinished_steps.popleft()
+
+    def discard_step_cache(self) -> None:
+        """Uncaches the blocks registered by every unfinished step (their forward failed)."""
+        for block_ids in self._unfinished_steps:
+            for block_id in block_ids:
+                self.block_pool.uncache(block_id)
+        self._unfinished_steps.clear()
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.block_pool.num_usable_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks held by at least one request."""
+        return 1.0 - self.block_pool.num_free_blocks / self.block_pool.num_usable_blocks
+
+    def max_tokens_in_pool(self) -> int:
+        """The most tokens one request can ever hold; a longer one can never be scheduled."""
+        return self.num_usable_blocks * self.block_size
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        state = self._requests.get(req_id)
+        return [] if state is None else list(state.block_ids)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest verified cached prefix of full blocks, short of the last token.
+
+        Returns `(block_ids, num_computed_tokens)`; takes no references, so the blocks must be
+        passed to `allocate_slots` before any other allocation. `([], 0)` with caching off.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        # At least the last token is always computed: it yields the logits of the next one.
+        block_ids = self.find_cached_prefix(request, (request.num_tokens - 1) // self.block_size)
+        return block_ids, len(block_ids) * self.block_size
+
+    def find_cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
+        """The cached blocks verified, each after its parent, against the request's first full
+        blocks, up to `max_blocks` (block hashes must cover them)."""
+        size = self.block_size
+        parent_entry_id = ROOT_ENTRY_ID
+        block_ids: list[int] = []
+        for i in range(max_blocks):
+            block_id = self.block_pool.lookup(
+                request.block_hashes[i],
+                parent_entry_id,
+                request.all_token_ids[i * size : (i + 1) * size],
+            )
+            if block_id is None:
+                break
+            entry = self.block_pool.entry(block_id)
+            assert entry is not None
+            parent_entry_id = entry.entry_id
+            block_ids.append(block_id)
+        return block_ids
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Grows the request's block table to cover its computed, cached and new tokens.
+
+        Covers `num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens`
+        tokens. `new_computed_blocks` (from `get_computed_blocks`, at admission only) gain a
+        reference and come first. Returns the block ids appended, or None, changing nothing, when
+        the pool is short. Every block full once these tokens are computed is then cached.
+        """
+        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
+        computed_blocks = new_computed_blocks or []
+        state = self._requests.get(request.req_id)
+        if (
+            state is not None
+            and not computed_blocks
+            and self._nothing_to_do(request, state, num_new_tokens)
+        ):
+            return []
+        if not self.can_allocate(request, num_new_tokens, computed_blocks):
+            return None
+        return self._allocate(request, num_new_tokens, computed_blocks)
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int]
+    ) -> bool:
+        """Whether `allocate_slots` with these arguments would find enough free blocks."""
+        state = self._requests.get(request.req_id)
+        num_held_blocks = 0 if state is None else len(state.block_ids)
+        if computed_blocks:
+            self._check_computed_blocks(request, num_held_blocks, computed_blocks)
+        num_tokens = (
+            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        )
+        num_needed = -(-num_tokens // self.block_size) - num_held_blocks - len(computed_blocks)
+        # Touching a free cached block takes it out of the free queue, so it cannot be evicted.
+        pool = self.block_pool
+        num_free_touched = sum(
+            1 for b in computed_blocks if b != NULL_BLOCK_ID and pool.ref_count(b) == 0
+        )
+        return max(num_needed, 0) <= pool.num_free_blocks - num_free_touched
+
+    def covers(self, request: Request, num_new_tokens: int) -> bool:
+        """True when the request's held blocks already cover its next `num_new_tokens` tokens and
+        nothing is to be cached or released: `allocate_slots` would return [] at once."""
+        state = self._requests.get(request.req_id)
+        return state is not None and self._nothing_to_do(request, state, num_new_tokens)
+
+    def _nothing_to_do(self, request: Request, state: _RequestBlocks, num_new_tokens: int) -> bool:
+        """The decode fast path: the held blocks already cover the new tokens and no block
+        becomes full, so there is nothing to allocate or cache."""
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        return num_tokens <= len(state.block_ids) * self.block_size and (
+            not self.enable_prefix_caching
+            or min(num_tokens, request.num_tokens) // self.block_size <= len(state.entry_ids)
+        )
+
+    def _allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int]
+    ) -> list[int]:
+        state = self._requests.get(request.req_id)
+        if state is None:
+            state = self._requests[request.req_id] = _RequestBlocks()
+        size = self.block_size
+        num_tokens = request.num_computed_tokens + len(computed_blocks) * size + num_new_tokens
+        num_fresh = max(-(-num_tokens // size) - len(state.block_ids) - len(computed_blocks), 0)
+        held = [b for b in computed_blocks if b != NULL_BLOCK_ID]
+        self.block_pool.touch(held)
+        for block_id in computed_blocks:
+            if block_id == NULL_BLOCK_ID:
+                state.entry_ids.append(_NO_ENTRY)
+                state.num_released += 1
+                continue
+            entry = self.block_pool.entry(block_id)
+            assert entry is not None
+            state.entry_ids.append(entry.entry_id)
+        new_block_ids = computed_blocks + self.block_pool.allocate(num_fresh)
+        state.block_ids.extend(new_block_ids)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, state, min(num_tokens, request.num_tokens))
+        return new_block_ids
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Caches the full blocks whose tokens are all known and computed (or being computed by
+        a launched step). For a request that ends: with async scheduling, a block whose last
+        token was still being sampled when it was scheduled is cached only now."""
+        state = self._requests.get(request.req_id)
+        if self.enable_prefix_caching and state is not None:
+            num_tokens = min(request.num_computed_tokens, request.num_tokens)
+            self._cache_full_blocks(request, state, num_tokens)
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, tail first, and forgets it. A no-op for unknown ids."""
+        state = self._requests.pop(request.req_id, None)
+        if state is not None:
+            self.block_pool.free(reversed(state.block_ids[state.num_released :]))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False (and no change) while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def _check_computed_blocks(
+        self, request: Request, num_held_blocks: int, computed_blocks: list[int]
+    ) -> None:
+        if num_held_blocks or request.num_computed_tokens:
+            raise ValueError(
+                f"new_computed_blocks are only for a request being admitted; {request.req_id!r} "
+                f"holds {num_held_blocks} blocks and {request.num_computed_tokens} computed tokens"
+            )
+        if len(computed_blocks) > len(request.block_hashes):
+            raise ValueError(
+                f"new_computed_blocks has {len(computed_blocks)} blocks but request "
+                f"{request.req_id!r} has only {len(request.block_hashes)} full blocks"
+            )
+        found = self.find_cached_prefix(request, len(computed_blocks))
+        for i, block_id in enumerate(computed_blocks):
+            if i == len(found) or found[i] != block_id:
+                raise ValueError(
+                    f"new_computed_blocks[{i}]={block_id} does not cache block {i} of "
+                    f"{request.req_id!r}; pass the result of get_computed_blocks unchanged"
+                )
+
+    def _cache_full_blocks(self, request: Request, state: _RequestBlocks, num_tokens: int) -> None:
+        """Caches the blocks of the first `num_tokens` tokens that are full and not yet handled."""
+        num_full_blocks = num_tokens // self.block_size
+        start = len(state.entry_ids)
+        if num_full_blocks <= start:
+            return
+        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        token_ids = request.all_token_ids
+        size = self.block_size
+        parent_entry_id = state.entry_ids[-1] if state.entry_ids else ROOT_ENTRY_ID
+        for i in range(start, num_full_blocks):
+            block_id = state.block_ids[i]
+            parent_entry_id = self.block_pool.cache_block(
+                block_id,
+                request.block_hashes[i],
+                parent_entry_id,
+                token_ids[i * size : (i + 1) * size],
+            )
+            state.entry_ids.append(parent_entry_id)
+            if self._unfinished_steps and self.block_pool.entry(block_id) is not None:
+                self._unfinished_steps[-1].append(block_id)
+
+
+class SlidingWindowManager(FullAttentionManager):
+    """Block tables of sliding-window layers: query position p reads keys p - W < k <= p.
+
+    Before a request's next tokens (from position c) are allocated, every block wholly below
+    c - W + 1 is released (cached ones stay hittable until evicted), so a decoding request holds
+    at most ceil((W - 1) / block_size) + 2 blocks.
+
+    A prefix hit of n blocks needs only the blocks of the window before position n * block_size,
+    each verified by its tokens and chained to the one before it; the tokens before the window
+    are pinned by the chained block hash of its first block (whose parent may be evicted).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        sliding_window: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        if not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window must be an integer >= 1, got {sliding_window!r}")
+        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}"
+            )
+        self.sliding_window = sliding_window
+        self.max_num_batched_tokens = max_num_batched_tokens
+
+    def max_tokens_in_pool(self) -> int:
+        """Unbounded once the pool holds the window before the largest chunk, the chunk and a
+        partial block (older blocks are released); else what the pool holds outright."""
+        size = self.block_size
+        window_and_chunk = -(-(self.sliding_window - 1 + self.max_num_batched_tokens) // size) + 1
+        if self.num_usable_blocks >= window_and_chunk:
+            return UNBOUNDED_TOKENS
+        return self.num_usable_blocks * size
+
+    def _first_needed_block(self, first_position: int) -> int:
+        """The first block a query at `first_position` (or later) reads."""
+        return max(first_position - self.sliding_window + 1, 0) // self.block_size
+
+    def find_cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
+        """The longest n <= max_blocks whose window blocks (those a query at n * block_size
+        reads) are all cached: [0] * (first window block) + the window's block ids."""
+        size, pool = self.block_size, self.block_pool
+        best: list[int] = []
+        run_start = 0  # first block of the current run of cached, chained blocks
+        run: list[int] = []
+        parent_entry_id = ROOT_ENTRY_ID
+        for i in range(max_blocks):
+            tokens = request.all_token_ids[i * size : (i + 1) * size]
+            block_id = pool.find(request.block_hashes[i], tokens)
+            entry = None if block_id is None else pool.entry(block_id)
+            if entry is None or (i == 0 and entry.parent_entry_id != ROOT_ENTRY_ID):
+                run, run_start = [], i + 1
+                continue
+            if not run or entry.parent_entry_id != parent_entry_id:
+                run, run_start = [], i  # a new run: its first block's parent is not verified
+            run.append(block_id)
+            parent_entry_id = entry.entry_id
+            first = self._first_needed_block((i + 1) * size)
+            if first >= run_start:
+                best = [NULL_BLOCK_ID] * first + run[first - run_start :]
+        return best
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int]
+    ) -> bool:
+        state = self._requests.get(request.req_id)
+        if state is not None:
+            self._release_out_of_window(state, request.num_computed_tokens)
+        return super().can_allocate(request, num_new_tokens, computed_blocks)
+
+    def _nothing_to_do(self, request: Request, state: _RequestBlocks, num_new_tokens: int) -> bool:
+        return self._first_needed_block(request.num_computed_tokens) <= state.num_released and (
+            super()._nothing_to_do(request, state, num_new_tokens)
+        )
+
+    def _release_out_of_window(self, state: _RequestBlocks, first_position: int) -> None:
+        """Releases the held blocks no query from `first_position` on reads, newest first."""
+        first = min(self._first_needed_block(first_position), len(state.block_ids))
+        if first <= state.num_released:
+            return
+        released = state.block_ids[state.num_released : first]
+        self.block_pool.free(reversed(released))
+        state.block_ids[state.num_released : first] = [NULL_BLOCK_ID] * len(released)
+        state.num_released = first
+
+    def _check_computed_blocks(
+        self, request: Request, num_held_blocks: int, computed_blocks: list[int]
+    ) -> None:
+        if num_held_blocks or request.num_computed_tokens:
+            raise ValueError(
+                f"new_computed_blocks are only for a request being admitted; {request.req_id!r} "
+                f"holds {num_held_blocks} blocks and {request.num_computed_tokens} computed tokens"
+            )
+        if len(computed_blocks) > len(request.block_hashes) or computed_blocks != (
+            self.find_cached_prefix(request, len(computed_blocks))
+        ):
+            raise ValueError(
+                f"new_computed_blocks {computed_blocks} do not cache the window of the first "
+                f"{len(computed_blocks)} blocks of {request.req_id!r}; pass the result of "
+                "get_computed_blocks unchanged"
+            )
