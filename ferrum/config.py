@@ -192,7 +192,10 @@ class CacheConfig:
     block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
     # Block 0 of the pool is reserved as the padding block.
     num_kv_blocks: int | None = field(
-        default=None, metadata=_help("fix the KV pool size in blocks (default: sized from memory)")
+        default=None,
+        metadata=_help(
+            "fix the KV pool size in blocks, of each layer group (default: sized from memory)"
+        ),
     )
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("reuse KV blocks of shared prompt prefixes")
