@@ -8,6 +8,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -44,7 +45,20 @@ class TextContentPart(RequestModel):
     text: str
 
 
-Content = str | list[TextContentPart]
+def _text_parts_only(value: Any) -> Any:
+    """Image, audio and file parts get one clear error instead of a union's mismatch list."""
+    if isinstance(value, list):
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(
+                    f"content part type {kind!r} is not supported: ferrum takes text input only "
+                    "(multimodal checkpoints serve their language model)"
+                )
+    return value
+
+
+Content = Annotated[str | list[TextContentPart], BeforeValidator(_text_parts_only)]
 
 
 def content_text(content: Content | None) -> str:

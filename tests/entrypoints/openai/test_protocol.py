@@ -153,6 +153,16 @@ def test_cross_field_errors_name_their_field() -> None:
     assert accepts(CompletionRequest, {"prompt": "x", "n": 2, "best_of": 2})
 
 
+def test_image_content_parts_get_one_clear_error() -> None:
+    image = {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"}, image]}]
+    with pytest.raises(ValidationError) as info:
+        ChatCompletionRequest.model_validate({"messages": messages})
+    errors = info.value.errors()
+    assert len(errors) == 1 and errors[0]["loc"] == ("messages", 0, "user", "content")
+    assert "content part type 'image_url' is not supported" in errors[0]["msg"]
+
+
 def test_no_effect_fields_are_accepted_by_chat() -> None:
     fields = ChatCompletionRequest.model_fields
     assert set(NO_EFFECT_FIELDS) <= set(fields)
