@@ -129,6 +129,10 @@ class InputBuffers:
         seq_lens_np, seq_lens = take(num_rows, torch.int32)
         block_tables = [take(num_rows * width, torch.int32) for _ in groups]
         tables_np = [table_np.reshape(num_rows, width) for table_np, _ in block_tables]
+        slot_nps = [slot_np for slot_np, _ in slot_mappings]
+        # The common single-group case fills its one table and slot array without a loop.
+        single_group = len(tables_np) == 1
+        table_np0, slot_np0 = tables_np[0], slot_nps[0]
         query_start_loc_list = [0] * (num_reqs + 1)
         seq_lens_list = [0] * num_reqs
         logits_indices: list[int] = []
@@ -143,8 +147,11 @@ class InputBuffers:
             end = start + n
             group_block_ids = state.block_ids
             # Entries past a row's context are never read, so stale ones need no clearing.
-            for table_np, block_ids in zip(tables_np, group_block_ids):
-                table_np[i, : len(block_ids)] = block_ids
+            if single_group:
+                table_np0[i, : len(group_block_ids[0])] = group_block_ids[0]
+            else:
+                for table_np, block_ids in zip(tables_np, group_block_ids):
+                    table_np[i, : len(block_ids)] = block_ids
             num_known = len(state.token_ids)
             if n == 1:  # the decode fast path: plain ints, no temporary arrays
                 if start < num_known:
@@ -156,19 +163,20 @@ class InputBuffers:
                     placeholder_rows.append(last_sampled_rows[req_id])
                 positions_np[offset] = start
                 block_index, block_offset = divmod(start, block_size)
-                for (slot_mapping_np, _), block_ids in zip(slot_mappings, group_block_ids):
-                    slot_mapping_np[offset] = block_ids[block_index] * block_size + block_offset
+                if single_group:
+                    slot_np0[offset] = group_block_ids[0][block_index] * block_size + block_offset
+                else:
+                    for slot_np, block_ids in zip(slot_nps, group_block_ids):
+                        slot_np[offset] = block_ids[block_index] * block_size + block_offset
             else:
                 assert end <= num_known, (req_id, end, num_known)
                 input_ids_np[offset : offset + n] = state.token_ids[start:end]
                 pos = np.arange(start, end, dtype=np.int64)
                 positions_np[offset : offset + n] = pos
                 block_index, block_offset = pos // block_size, pos % block_size
-                for (slot_mapping_np, _), block_ids in zip(slot_mappings, group_block_ids):
+                for slot_np, block_ids in zip(slot_nps, group_block_ids):
                     blocks = np.asarray(block_ids, dtype=np.int64)
-                    slot_mapping_np[offset : offset + n] = (
-                        blocks[block_index] * block_size + block_offset
-                    )
+                    slot_np[offset : offset + n] = blocks[block_index] * block_size + block_offset
             offset += n
             query_start_loc_list[i + 1] = offset
             seq_lens_list[i] = end
@@ -178,7 +186,7 @@ class InputBuffers:
         query_start_loc_np[: num_reqs + 1] = query_start_loc_list
         seq_lens_np[:num_reqs] = seq_lens_list
         if pad_to is not None:
-            for array in (input_ids_np, positions_np, *(m for m, _ in slot_mappings)):
+            for array in (input_ids_np, positions_np, *slot_nps):
                 array[num_tokens:] = 0
             query_start_loc_np[num_reqs + 1 :] = np.arange(
                 num_tokens + 1, num_tokens + 1 + num_rows - num_reqs
