@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from ferrum.kv import block_hash
 from ferrum.kv.kv_cache_spec import KVCacheGroupSpec
-from ferrum.kv.single_type_manager import FullAttentionManager, SlidingWindowManager
+from ferrum.kv.single_type_manager import FullAttentionManager
+from ferrum.kv.sliding_window_manager import SlidingWindowManager
 from ferrum.request import Request
 
 # Block ids per layer group.

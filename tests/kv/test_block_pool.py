@@ -60,6 +60,9 @@ def test_lookup_verifies_tokens_and_parent() -> None:
     assert pool.lookup(10, ROOT_ENTRY_ID, [1, 9]) is None
     assert pool.lookup(20, ROOT_ENTRY_ID, [3, 4]) is None
     assert pool.lookup(30, first_entry, [3, 4]) is None
+    # find: whatever the parent (a sliding window's first block), the tokens still count.
+    assert pool.find(20, [3, 4]) == second
+    assert pool.find(20, [3, 5]) is None and pool.find(30, [3, 4]) is None
 
 
 def test_same_content_registers_once_and_collisions_get_a_fresh_entry() -> None:
