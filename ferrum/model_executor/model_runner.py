@@ -317,6 +317,11 @@ class ModelRunner:
         for req_id in scheduler_output.preempted_req_ids:
             self.requests.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
+            if len(new.block_ids) != len(self.kv_cache_groups):
+                raise ValueError(
+                    f"block_ids of {new.req_id!r}: expected one table per KV cache group "
+                    f"({len(self.kv_cache_groups)}), got {len(new.block_ids)}"
+                )
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,

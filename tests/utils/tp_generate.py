@@ -32,6 +32,8 @@ BLOCK_SIZE = 4
 # A pool and a token budget small enough that the prompts below are chunked, hit each other's
 # cached prefixes and force preemptions.
 NUM_KV_BLOCKS = 28
+# A sliding-window group (window 6) holds at most 7 blocks per request, so its pool is smaller.
+NUM_SLIDING_KV_BLOCKS = 12
 MAX_NUM_BATCHED_TOKENS = 16
 MAX_TOKENS = 8
 
@@ -71,9 +73,19 @@ def generate(
     config = engine_config(path, tp, cuda, **parallel)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     runner = ModelRunner(config, device, group)
-    runner.initialize_kv_cache(NUM_KV_BLOCKS)
+    num_blocks = [
+        NUM_KV_BLOCKS if group.sliding_window is None else NUM_SLIDING_KV_BLOCKS
+        for group in runner.kv_cache_groups
+    ]
+    runner.initialize_kv_cache(num_blocks)
     runner.capture_cuda_graphs()
-    kv = KVCacheManager(NUM_KV_BLOCKS, BLOCK_SIZE, enable_prefix_caching=True)
+    kv = KVCacheManager(
+        num_blocks,
+        BLOCK_SIZE,
+        enable_prefix_caching=True,
+        groups=runner.kv_cache_groups,
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+    )
     scheduler = Scheduler(config.scheduler_config, kv)
     requests = [
         Request(f"r{i}", prompt, params)
