@@ -21,7 +21,7 @@ from pydantic import (
 from ferrum.entrypoints.openai.protocol import (
     NO_STREAMED_PROMPT_LOGPROBS,
     NOT_NULL,
-    ONE_CONSTRAINT,
+    ONE_OUTPUT_CONSTRAINT,
     UNION_TAG,
     NumLogprobs,
     OpenAIModel,
@@ -70,7 +70,15 @@ def content_text(content: Content | None) -> str:
 
 
 class SystemMessage(RequestModel):
-    role: Literal["system", "developer"]
+    role: Literal["system"]
+    content: Content
+    name: str | None = None
+
+
+class DeveloperMessage(RequestModel):
+    """OpenAI's newer name for a system message (rendered with role "developer")."""
+
+    role: Literal["developer"]
     content: Content
     name: str | None = None
 
@@ -107,12 +115,12 @@ class ToolMessage(RequestModel):
     tool_call_id: str
 
 
-ChatMessage = Annotated[
-    SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")
-]
+# One class per role: a discriminator maps each role to one schema.
+AnyMessage = SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage
+ChatMessage = Annotated[AnyMessage, Field(discriminator="role")]
 
 
-def message_dict(message: SystemMessage | UserMessage | AssistantMessage | ToolMessage) -> dict:
+def message_dict(message: AnyMessage) -> dict:
     """A message as chat templates read it: content as text ("" when absent), tool calls as
     OpenAI sends them (their JSON arguments are decoded before rendering)."""
     result = message.model_dump(exclude_none=True)
@@ -168,7 +176,7 @@ class ChatCompletionRequest(SamplingRequest):
                 implies({"top_logprobs": NOT_NULL}, {"logprobs": True}),
                 implies({"continue_final_message": True}, {"add_generation_prompt": False}),
                 NO_STREAMED_PROMPT_LOGPROBS,
-                ONE_CONSTRAINT,
+                ONE_OUTPUT_CONSTRAINT,
             ]
         }
     )

@@ -242,7 +242,19 @@ class StreamOptions(RequestModel):
 
 
 NO_STREAMED_PROMPT_LOGPROBS = excludes({"stream": True, "prompt_logprobs": NOT_NULL})
-ONE_CONSTRAINT = excludes({"response_format": NOT_NULL, "structured_outputs": NOT_NULL})
+# response_format (other than "text") and structured_outputs are two ways to ask for one thing.
+ONE_OUTPUT_CONSTRAINT = {
+    "not": {
+        "required": ["response_format", "structured_outputs"],
+        "properties": {
+            "structured_outputs": {"not": {"type": "null"}},
+            "response_format": {
+                "not": {"type": "null"},
+                "properties": {"type": {"not": {"const": "text"}}},
+            },
+        },
+    }
+}
 
 
 class SamplingRequest(RequestModel):
@@ -332,6 +344,16 @@ class SamplingRequest(RequestModel):
             prompt_logprobs=self.prompt_logprobs,
         )
 
+    @field_validator("structured_outputs")
+    @classmethod
+    def _one_output_constraint(
+        cls, value: StructuredOutputsRequest | None, info: ValidationInfo
+    ) -> StructuredOutputsRequest | None:
+        response_format = info.data.get("response_format")
+        if value is not None and not isinstance(response_format, TextResponseFormat | None):
+            raise ValueError("give response_format or structured_outputs, not both")
+        return value
+
     @field_validator("prompt_logprobs")
     @classmethod
     def _no_prompt_logprobs_in_streams(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -346,7 +368,7 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     model_config = ConfigDict(
-        json_schema_extra={"allOf": [NO_STREAMED_PROMPT_LOGPROBS, ONE_CONSTRAINT]}
+        json_schema_extra={"allOf": [NO_STREAMED_PROMPT_LOGPROBS, ONE_OUTPUT_CONSTRAINT]}
     )
 
     prompt: (

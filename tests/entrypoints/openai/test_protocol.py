@@ -18,6 +18,7 @@ from ferrum.entrypoints.openai.protocol import (
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
+JSON, TEXT, SO = {"type": "json_object"}, {"type": "text"}, {"json_object": True}
 CASES: list[tuple[type[BaseModel], dict[str, Any], bool]] = [
     # Booleans are not integers, numbers are not strings (issue 17).
     (CompletionRequest, {"prompt": "x", "max_tokens": True}, False),
@@ -38,6 +39,13 @@ CASES: list[tuple[type[BaseModel], dict[str, Any], bool]] = [
     (CompletionRequest, {"prompt": "x", "stream": True, "prompt_logprobs": 1}, False),
     (CompletionRequest, {"prompt": "x", "stream": False, "prompt_logprobs": 1}, True),
     (ChatCompletionRequest, {"messages": USER, "stream": True, "prompt_logprobs": 0}, False),
+    (CompletionRequest, {"prompt": "x", "response_format": JSON, "structured_outputs": SO}, False),
+    (CompletionRequest, {"prompt": "x", "response_format": TEXT, "structured_outputs": SO}, True),
+    (
+        ChatCompletionRequest,
+        {"messages": USER, "response_format": JSON, "structured_outputs": SO},
+        False,
+    ),
     (CompletionRequest, {"prompt": "x", "echo": False, "logprobs": 1}, True),
     (CompletionRequest, {"prompt": "x", "suffix": ""}, True),
     (CompletionRequest, {"prompt": "x", "suffix": "end"}, False),
