@@ -2,7 +2,8 @@
 
 Each row is one linear x [M, K] bf16 -> [M, N] bf16 including its activation quantization:
   bf16_mm            torch.nn.functional.linear on a bf16 weight
-  block_triton       ferrum fp8_block_linear, default buckets (fused or separate quantization)
+  block_linear       ferrum fp8_block_linear, default buckets (cuBLASLt where it takes the shape)
+  block_triton       ferrum fp8_block_linear with every bucket on Triton
   block_scaled_mm    group quantization + F.scaled_mm BlockWise1x128 x BlockWise128x128 (cuBLASLt;
                      recorded as unsupported where this torch/CUDA build refuses it)
   channel_scaled_mm  per-token quantization + torch._scaled_mm row-wise (cuBLASLt)
@@ -11,8 +12,8 @@ Each timing replays a CUDA graph of --iters calls (the engine runs decode in gra
 overhead is left out) over enough weight copies to exceed the L2 cache; prints microseconds,
 TFLOP/s (2MNK) and GB/s (weight + activation + output bytes).
 --sweep times a grid of Triton tiles per shape, M and format and prints the best; --save writes
-those as ferrum/kernels/fp8_gemm_configs/*.json for this device (channel buckets take scaled_mm
-where it was faster).
+those as ferrum/kernels/fp8_gemm_configs/*.json for this device (buckets take cuBLASLt, backend
+scaled_mm, where it was faster).
 Usage: python benchmarks/bench_fp8_gemm.py [--m 1,8,64,256,2048,8192] [--sweep [--save]]
        [--out file.json]
 """
@@ -111,9 +112,11 @@ def channel_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 
 def row_fns(x: torch.Tensor, w: Weights) -> dict:
     triton_channel = {b: dataclasses.replace(c, backend="triton") for b, c in DEFAULT_BUCKETS["channel"].items()}  # fmt: skip
+    triton_block = {b: dataclasses.replace(c, backend="triton") for b, c in DEFAULT_BUCKETS["block"].items()}  # fmt: skip
     return {
         "bf16_mm": lambda i: F.linear(x, w.bf16[i]),
-        "block_triton": lambda i: fp8_block_linear(x, *w.block[i]),
+        "block_linear": lambda i: fp8_block_linear(x, *w.block[i]),
+        "block_triton": lambda i: fp8_block_linear(x, *w.block[i], buckets=triton_block),
         "block_scaled_mm": lambda i: block_scaled_mm(x, *w.block[i]),
         "channel_scaled_mm": lambda i: channel_scaled_mm(x, *w.channel[i]),
         "channel_triton": lambda i: fp8_channel_linear(x, *w.channel[i], buckets=triton_channel),
@@ -240,8 +243,8 @@ def main() -> int:
                         continue
                     config = Fp8GemmConfig(**best["config"])
                     row = next(r for r in results if r["shape"] == name and r["M"] == m)
-                    scaled = row["rows"].get("channel_scaled_mm", {}).get("us")
-                    if fmt == "channel" and scaled is not None and scaled < best["us"]:
+                    scaled = row["rows"].get(f"{fmt}_scaled_mm", {}).get("us")
+                    if scaled is not None and scaled < best["us"]:
                         config = dataclasses.replace(config, backend="scaled_mm")
                     buckets[m] = config
                 if buckets:

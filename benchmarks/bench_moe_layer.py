@@ -7,8 +7,10 @@ the median replay time divided by the number of layers is the per-layer time. GB
 distinct active expert's weights (w13 + w2) once per layer.
 Path `grouped_mm` is the same layer on torch._grouped_mm (sort by expert, two grouped GEMMs,
 weighted index_add): the comparison the Triton kernels are kept against.
+--fp8: FP8 experts (128x128 block scales, dequantized in the kernels; GB/s counts one byte per
+weight); grouped_mm then is not run.
 Usage: python benchmarks/bench_moe_layer.py [--tokens 1,2,4,8] [--path small|grouped|auto|
-       grouped_mm] [--sweep [--save DIR]] [--out results.json]
+       grouped_mm] [--fp8] [--sweep [--save DIR]] [--out results.json]
 """
 
 # ruff: noqa: E402
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from ferrum.kernels.fp8_weight import quantize_weight_block
 from ferrum.kernels.fused_moe import fused_moe
 from ferrum.kernels.fused_moe_config import save_section
 from ferrum.kernels.fused_moe_small_batch import get_small_batch_config
@@ -42,6 +45,13 @@ class Layer:
     w13: torch.Tensor  # [E, 2I, H]
     w2: torch.Tensor  # [E, H, I]
     logits: torch.Tensor  # [max_tokens, E]
+    w13_scale: torch.Tensor | None = None  # [E, 2I / 128, H / 128] with FP8 experts
+    w2_scale: torch.Tensor | None = None  # [E, H / 128, I / 128]
+
+
+def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    pairs = [quantize_weight_block(w[e]) for e in range(w.shape[0])]
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
 
 
 @dataclass
@@ -62,7 +72,11 @@ def make_layers(args: argparse.Namespace, max_tokens: int) -> list[Layer]:
         w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DTYPE, generator=gen) * 0.02
         w2 = torch.randn(e, h, i, device="cuda", dtype=DTYPE, generator=gen) * 0.02
         logits = torch.randn(max_tokens, e, device="cuda", dtype=DTYPE, generator=gen)
-        layers.append(Layer(w13, w2, logits))
+        if args.fp8:
+            (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
+            layers.append(Layer(w13, w2, logits, s13, s2))
+        else:
+            layers.append(Layer(w13, w2, logits))
     return layers
 
 
@@ -101,6 +115,8 @@ def time_layer_us(
                     ids,
                     small_config=small_config,
                     small_batch_max_tokens=limit,
+                    w13_scale=layer.w13_scale,
+                    w2_scale=layer.w2_scale,
                 )
             )
         return outs
@@ -172,10 +188,14 @@ def sweep_configs() -> list[dict[str, int]]:
     ]
 
 
-def paths_for(tokens: int, requested: str | None) -> list[str]:
+def paths_for(tokens: int, requested: str | None, fp8: bool) -> list[str]:
     if requested is not None:
         return [requested]
-    return [p for p in PATHS if p != "small" or tokens <= SMALL_PATH_MAX_TOKENS]
+    return [
+        p
+        for p in PATHS
+        if (p != "small" or tokens <= SMALL_PATH_MAX_TOKENS) and not (fp8 and p == "grouped_mm")
+    ]
 
 
 def main() -> int:
@@ -188,6 +208,7 @@ def main() -> int:
     parser.add_argument("--intermediate", type=int, default=768)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts (128x128 block scales)")
     parser.add_argument("--sweep", action="store_true", help="grid of small-path tile configs")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     parser.add_argument(
@@ -203,7 +224,12 @@ def main() -> int:
         return 1
     token_counts = [int(t) for t in args.tokens.split(",")]
     layers = make_layers(args, max(token_counts))
-    expert_bytes = 3 * args.hidden * args.intermediate * DTYPE.itemsize  # w13 + w2 of one expert
+    if args.fp8 and args.path == "grouped_mm":
+        parser.error("--fp8 runs the Triton paths only (small, grouped, auto)")
+    if args.fp8 and args.save is not None:
+        parser.error("--save with --fp8 would overwrite the bf16 tiles (files have no dtype key)")
+    # w13 + w2 of one expert
+    expert_bytes = 3 * args.hidden * args.intermediate * (1 if args.fp8 else DTYPE.itemsize)
     gen = torch.Generator(device="cuda").manual_seed(1)
     results: list[Result] = []
     best_small: dict[int, dict[str, int]] = {}
@@ -218,7 +244,7 @@ def main() -> int:
     for tokens in token_counts:
         hidden = torch.randn(tokens, args.hidden, device="cuda", dtype=DTYPE, generator=gen)
         active = active_experts(layers, tokens, args.top_k)
-        for path in paths_for(tokens, args.path):
+        for path in paths_for(tokens, args.path, args.fp8):
             limit, config = (
                 (None, GROUPED_MM) if path == "grouped_mm" else (PATH_LIMITS[path], None)
             )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ferrum.model_arch import ModelArchConfig
+from ferrum.quant_config import QUANTIZATION_METHODS, QuantConfig, resolve_quant_config
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {
@@ -92,8 +93,18 @@ class ModelConfig:
         default=0,
         metadata=_help("seed of the engine's random generator (unseeded requests draw from it)"),
     )
+    quantization: str | None = field(
+        default=None,
+        metadata=_help(
+            "weight quantization: fp8 quantizes a bf16/fp16 checkpoint per 128x128 block while "
+            "loading (default: the checkpoint's quantization_config, FP8 or none)",
+            choices=QUANTIZATION_METHODS,
+        ),
+    )
     hf_config: dict[str, Any] = field(init=False, repr=False, compare=False)
     arch: ModelArchConfig = field(init=False, repr=False, compare=False)
+    # None: unquantized; else how the linear layers are quantized.
+    quant_config: QuantConfig | None = field(init=False, repr=False, compare=False)
     generation_config: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -112,9 +123,22 @@ class ModelConfig:
                 f"{max_model_len} exceeds the model's "
                 f"max_position_embeddings={arch.max_position_embeddings}",
             )
+        quant_config = resolve_quant_config(self.quantization, hf_config)
+        if (
+            quant_config is not None
+            and arch.num_experts > 0
+            and quant_config.weight_scales != "block"
+        ):
+            raise _fail(
+                "quantization",
+                f"FP8 mixture-of-experts models ({arch.architecture}) with "
+                f"{quant_config.weight_scales} weight scales are not supported yet; supported: "
+                "128x128 block scales (Qwen's FP8 checkpoints, or quantization='fp8')",
+            )
         resolved = {
             "hf_config": hf_config,
             "arch": arch,
+            "quant_config": quant_config,
             "generation_config": _read_generation_config(self.model),
             "dtype": resolve_dtype(self.dtype, hf_config),
             "max_model_len": max_model_len,

@@ -18,6 +18,7 @@ LAYERS = [
         "request",
         "config",
         "model_arch",
+        "quant_config",
         "envs",
         "logger",
         "sampling_params",

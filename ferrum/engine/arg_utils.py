@@ -35,7 +35,6 @@ NOT_SUPPORTED_YET: dict[str, Any] = {
     "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
     "distributed_executor_backend": None,
-    "quantization": None,
     "kv_cache_dtype": "auto",
     "enable_lora": False,
     "max_lora_rank": None,
@@ -100,6 +99,7 @@ class EngineArgs:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     seed: int = ModelConfig.seed
+    quantization: str | None = ModelConfig.quantization
     kernel_backend: str = DeviceConfig.kernel_backend
     enforce_eager: bool = DeviceConfig.enforce_eager
     num_cpu_threads: int | None = DeviceConfig.num_cpu_threads

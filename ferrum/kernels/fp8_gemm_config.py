@@ -23,9 +23,10 @@ QUANT_MODES = ("fused", "separate")
 
 @dataclass(frozen=True, slots=True)
 class Fp8GemmConfig:
-    """One launch choice. backend "scaled_mm" (torch._scaled_mm, cuBLASLt; per-channel format and
-    bf16 output only, else the Triton tile below runs). quant "fused": the Triton GEMM quantizes
-    its activation tiles itself; "separate": a quantization pass writes fp8 activations first."""
+    """One launch choice. backend "scaled_mm" (cuBLASLt: row-wise for per-channel weights,
+    block-wise on Hopper for block weights; bf16 output only, else the Triton tile below runs).
+    quant "fused": the Triton GEMM quantizes its activation tiles itself; "separate": a
+    quantization pass writes fp8 activations first."""
 
     backend: str = "triton"
     quant: str = "separate"
@@ -55,21 +56,22 @@ class Fp8GemmConfig:
 
 Buckets = dict[int, Fp8GemmConfig]
 
-# Decode batches take narrow N tiles (more programs streaming the weight) and quantize their few
-# activation rows inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
+# cuBLASLt wherever it takes the operands: on the H100 at Qwen3-8B shapes it beat these untuned
+# Triton tiles at every M (3-10x at M <= 64; benchmarks/RESULTS.md, issue 13). The Triton tiles
+# run where it does not: decode batches take narrow N tiles and quantize their few activation
+# rows inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
+_FUSED = ("scaled_mm", "fused")
 DEFAULT_BUCKETS: dict[str, Buckets] = {
     "block": {
-        16: Fp8GemmConfig(quant="fused", BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=4),
-        64: Fp8GemmConfig(quant="fused", BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_stages=4),
-        256: Fp8GemmConfig(BLOCK_M=64, BLOCK_N=128, num_stages=3),
-        1 << 62: Fp8GemmConfig(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
+        16: Fp8GemmConfig(*_FUSED, BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=4),
+        64: Fp8GemmConfig(*_FUSED, BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_stages=4),
+        256: Fp8GemmConfig("scaled_mm", BLOCK_M=64, BLOCK_N=128, num_stages=3),
+        1 << 62: Fp8GemmConfig("scaled_mm", BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     },
     "channel": {
-        16: Fp8GemmConfig(quant="fused", BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=4),
-        64: Fp8GemmConfig(quant="fused", BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_stages=4),
-        1 << 62: Fp8GemmConfig(
-            backend="scaled_mm", BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3
-        ),
+        16: Fp8GemmConfig(*_FUSED, BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=4),
+        64: Fp8GemmConfig(*_FUSED, BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_stages=4),
+        1 << 62: Fp8GemmConfig("scaled_mm", BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     },
 }
 

@@ -3,20 +3,35 @@
 x [..., K] fp16/bf16 is quantized dynamically (per token-group of 128 for block-scaled weights,
 per token for per-channel weights) and the output has x's dtype. The buckets (fp8_gemm_config)
 choose, per number of rows M: the fused Triton GEMM (quantizes its own activation tiles), a
-quantization pass then the Triton GEMM, or (per-channel only) a quantization pass then
-torch._scaled_mm. scaled_mm runs only where cuBLASLt's row-wise scaling takes the operands (bf16
-output, N and K multiples of 16); elsewhere that bucket's Triton tile runs instead.
+quantization pass then the Triton GEMM, or a quantization pass then cuBLASLt ("scaled_mm"):
+torch._scaled_mm row-wise for per-channel weights, F.scaled_mm BlockWise1x128 x BlockWise128x128
+for block weights. cuBLASLt runs only where it takes the operands (bf16 output; N and K multiples
+of 16 row-wise; of 128 block-wise, on Hopper); elsewhere that bucket's Triton tile runs instead.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
-from ferrum.kernels.fp8_gemm_config import DEFAULT_BUCKETS, Buckets, pick
+from ferrum.kernels.fp8_gemm_config import Buckets, get_fp8_gemm_buckets, pick
 from ferrum.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@functools.cache
+def _device_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+def _buckets(scale_format: str, x: torch.Tensor, n: int, k: int) -> Buckets:
+    """The tuned buckets of this shape on x's GPU (fp8_gemm_configs/), else the defaults."""
+    name = _device_name(x.device.index or 0) if x.is_cuda else None
+    return get_fp8_gemm_buckets(scale_format, n, k, name)
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -35,8 +50,12 @@ def fp8_block_linear(
     """Returns [..., N] in x's dtype: x quantized per token-group of 128, block-scaled GEMM."""
     n, k = weight.shape
     x2 = _rows(x, k)
-    config = pick(DEFAULT_BUCKETS["block"] if buckets is None else buckets, x2.shape[0])
-    if config.quant == "fused":
+    config = pick(_buckets("block", x, n, k) if buckets is None else buckets, x2.shape[0])
+    if config.backend == "scaled_mm" and block_scaled_mm_takes(x2, n, k):
+        out = _block_scaled_mm(x2, weight, weight_scale_inv)
+        if bias is not None:
+            out += bias
+    elif config.quant == "fused":
         out = w8a8_block_fp8_matmul(x2, weight, weight_scale_inv, x.dtype, config, bias=bias)
     else:
         q, scales = per_token_group_quant_fp8(x2)
@@ -44,6 +63,49 @@ def fp8_block_linear(
             q, weight, weight_scale_inv, x.dtype, config, a_scale=scales, bias=bias
         )
     return out.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def block_scaled_mm_takes(x: torch.Tensor, n: int, k: int) -> bool:
+    """Whether cuBLASLt's 1x128 x 128x128 block-scaled GEMM serves x [M, K] @ W[N, K]^T."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and n % 128 == 0
+        and k % 128 == 0
+        and hasattr(F, "scaled_mm")
+        and _is_hopper(x.device.index or 0)
+    )
+
+
+def _block_scaled_mm(
+    x: torch.Tensor,  # [M, K] bf16
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale_inv: torch.Tensor,  # [N / 128, K / 128] fp32
+) -> torch.Tensor:
+    """[M, N] bf16. cuBLASLt wants M padded to 4 and both scales outer-dim-major (column-major
+    activation scales [M, K / 128], weight scales given transposed), K blocks padded to 4."""
+    m = x.shape[0]
+    padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+    q, scales = per_token_group_quant_fp8(padded)
+    num_k_blocks = scales.shape[1]
+    w_scale = weight_scale_inv
+    if num_k_blocks % 4:
+        w_scale = F.pad(w_scale, (0, -num_k_blocks % 4))
+    out = F.scaled_mm(
+        q,
+        weight.t(),
+        scales.t().contiguous().t(),
+        F.ScalingType.BlockWise1x128,
+        w_scale.t(),
+        F.ScalingType.BlockWise128x128,
+        output_dtype=x.dtype,
+    )
+    return out[:m]
 
 
 def scaled_mm_takes(out_dtype: torch.dtype, n: int, k: int) -> bool:
@@ -61,7 +123,7 @@ def fp8_channel_linear(
     """Returns [..., N] in x's dtype: x quantized per token, per-channel scaled GEMM."""
     n, k = weight.shape
     x2 = _rows(x, k)
-    config = pick(DEFAULT_BUCKETS["channel"] if buckets is None else buckets, x2.shape[0])
+    config = pick(_buckets("channel", x, n, k) if buckets is None else buckets, x2.shape[0])
     if weight_scale.shape != (n, 1) or weight_scale.dtype != torch.float32:
         raise ValueError(
             f"weight_scale must be [{n}, 1] float32, got {list(weight_scale.shape)} "

@@ -11,6 +11,11 @@ rounded to the input dtype; the weighted sum over j is fp32, in order j = 0..k-1
   the routing weight -> [T*k, H] fp32), and a combine kernel sums the k rows of each token.
 
 Every size is a function of (T, k, E, H, I): no host sync, safe in a CUDA graph.
+
+FP8 experts (`w13_scale` / `w2_scale` given): w13 and w2 are float8_e4m3fn with fp32 scales per
+128x128 block ([E, 2I / 128, H / 128] and [E, H / 128, I / 128]); each weight tile is dequantized
+in the kernel (code * scale, rounded to the input dtype, as `fused_moe_fp8_ref` does) before the
+product, so the weights stream at one byte each and the activations stay in the input dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS, small_b
 from ferrum.kernels.moe_align import moe_align_block_size
 
 _COMBINE_BLOCK = 1024
+# Rows and columns of weight covered by one FP8 scale.
+FP8_BLOCK = 128
 
 
 @triton.jit
@@ -34,6 +41,7 @@ def _moe_gemm_kernel(
     out_ptr,  # [num_pairs, N]
     a_ptr,  # [num_pairs // A_ROW_DIV, K]
     w_ptr,  # [E, N or 2N (GATED), K]
+    w_scale_ptr,  # [E, (N or 2N) / 128, K / 128] float32, read when W_FP8
     topk_weights_ptr,  # [num_pairs] float32, read when MUL_WEIGHT
     sorted_pair_ids_ptr,  # [max_blocks * BLOCK_M] int32
     expert_ids_ptr,  # [max_blocks] int32
@@ -45,9 +53,12 @@ def _moe_gemm_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_se,
+    stride_sn,
     A_ROW_DIV: tl.constexpr,
     GATED: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    W_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -55,7 +66,8 @@ def _moe_gemm_kernel(
 ):
     """Program (n, m): rows = pairs of M-block m (all of one expert e), columns n*BLOCK_N.. of
     out[pair] = a[pair // A_ROW_DIV] @ w[e]^T. GATED: out = silu(a @ w[e, :N]^T) * (a @ w[e, N:]^T).
-    MUL_WEIGHT: out = round(a @ w[e]^T) * topk_weight[pair] in fp32. Padding rows are not stored."""
+    MUL_WEIGHT: out = round(a @ w[e]^T) * topk_weight[pair] in fp32. Padding rows are not stored.
+    W_FP8: BLOCK_K divides 128, so each K step reads one scale column of the 128x128 blocks."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_post_padded_ptr):
@@ -71,6 +83,8 @@ def _moe_gemm_kernel(
 
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_ptrs = w_scale_ptr + expert * stride_se + (offs_n // 128) * stride_sn
+    dtype = a_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -78,14 +92,19 @@ def _moe_gemm_kernel(
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if W_FP8:
+            scale = tl.load(s_ptrs + k0 // 128, mask=n_mask, other=0.0)
+            w = (w.to(tl.float32) * scale[None, :]).to(dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            if W_FP8:
+                scale = tl.load(s_ptrs + (N // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
+                w_up = (w_up.to(tl.float32) * scale[None, :]).to(dtype)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    dtype = a_ptr.dtype.element_ty
     result = acc.to(dtype).to(tl.float32)
     if GATED:
         up = acc_up.to(dtype).to(tl.float32)
@@ -145,6 +164,7 @@ def _launch_gemm(
     out: torch.Tensor,
     a: torch.Tensor,
     w: torch.Tensor,
+    w_scale: torch.Tensor | None,
     topk_weights: torch.Tensor,
     align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     n: int,
@@ -155,11 +175,15 @@ def _launch_gemm(
     sorted_pair_ids, expert_ids, num_post_padded = align
     k = a.shape[1]
     block_n, block_k = _tile(config["BLOCK_N"], n), _tile(config["BLOCK_K"], k)
+    if w_scale is not None:
+        block_k = min(block_k, FP8_BLOCK)
+    scales = w if w_scale is None else w_scale
     grid = (triton.cdiv(n, block_n), expert_ids.numel())
     _moe_gemm_kernel[grid](
         out,
         a,
         w,
+        scales,
         topk_weights,
         sorted_pair_ids,
         expert_ids,
@@ -171,9 +195,12 @@ def _launch_gemm(
         w.stride(0),
         w.stride(1),
         out.stride(0),
+        scales.stride(0),
+        scales.stride(1),
         A_ROW_DIV=a_row_div,
         GATED=gated,
         MUL_WEIGHT=not gated,
+        W_FP8=w_scale is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=config["BLOCK_M"],
         BLOCK_N=block_n,
@@ -189,6 +216,8 @@ def _check_inputs(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_scale: torch.Tensor | None,
+    w2_scale: torch.Tensor | None,
 ) -> None:
     if hidden.dim() != 2 or hidden.dtype not in FLOAT_DTYPES or hidden.stride(1) != 1:
         raise ValueError(
@@ -199,15 +228,37 @@ def _check_inputs(
     if w2.dim() != 3 or w2.shape[1] != hidden_size:
         raise ValueError(f"w2 must be [E, {hidden_size}, I], got {tuple(w2.shape)}")
     num_experts, _, inter = w2.shape
+    fp8 = w13_scale is not None
+    if fp8 != (w2_scale is not None):
+        raise ValueError(
+            "w13_scale and w2_scale must be given together (FP8 experts) or not at all"
+        )
+    if fp8 and (inter % FP8_BLOCK or hidden_size % FP8_BLOCK):
+        raise ValueError(
+            f"FP8 experts need hidden_size and intermediate_size multiples of {FP8_BLOCK}, got "
+            f"{hidden_size} and {inter}"
+        )
+    weight_dtype = torch.float8_e4m3fn if fp8 else hidden.dtype
     for name, w, shape in (
         ("w13", w13, (num_experts, 2 * inter, hidden_size)),
         ("w2", w2, (num_experts, hidden_size, inter)),
     ):
-        if tuple(w.shape) != shape or w.dtype != hidden.dtype or not w.is_contiguous():
+        if tuple(w.shape) != shape or w.dtype != weight_dtype or not w.is_contiguous():
             raise ValueError(
-                f"{name} must be contiguous {list(shape)} {hidden.dtype}, got "
+                f"{name} must be contiguous {list(shape)} {weight_dtype}, got "
                 f"{tuple(w.shape)} {w.dtype} contiguous={w.is_contiguous()}"
             )
+        scale = w13_scale if name == "w13" else w2_scale
+        if scale is None:
+            continue
+        scale_shape = (num_experts, shape[1] // FP8_BLOCK, shape[2] // FP8_BLOCK)
+        if tuple(scale.shape) != scale_shape or scale.dtype != torch.float32:
+            raise ValueError(
+                f"{name}_scale must be {list(scale_shape)} float32, got "
+                f"{tuple(scale.shape)} {scale.dtype}"
+            )
+        if scale.stride(2) != 1 or scale.device != hidden.device:
+            raise ValueError(f"{name}_scale must be on {hidden.device} with stride(2) == 1")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
         raise ValueError(f"topk_ids must be [{num_tokens}, top_k], got {tuple(topk_ids.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
@@ -235,6 +286,8 @@ def _grouped_moe(
     flat_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     config: dict[str, int],
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> None:
     """Align, two grouped GEMMs ([T*k, H] fp32 weighted rows), then the combine over k."""
     num_tokens, hidden_size = hidden.shape
@@ -243,9 +296,9 @@ def _grouped_moe(
     num_pairs = num_tokens * top_k
     align = moe_align_block_size(topk_ids, num_experts, config["BLOCK_M"])
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    _launch_gemm(act, hidden, w13, flat_weights, align, inter, top_k, True, config)
+    _launch_gemm(act, hidden, w13, w13_scale, flat_weights, align, inter, top_k, True, config)
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
-    _launch_gemm(pair_out, act, w2, flat_weights, align, hidden_size, 1, False, config)
+    _launch_gemm(pair_out, act, w2, w2_scale, flat_weights, align, hidden_size, 1, False, config)
     block = min(_COMBINE_BLOCK, triton.next_power_of_2(hidden_size))
     _moe_combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
         out,
@@ -271,6 +324,8 @@ def fused_moe(
     *,
     small_config: dict[str, int] | None = None,
     small_batch_max_tokens: int | None = None,
+    w13_scale: torch.Tensor | None = None,  # [num_experts, 2I / 128, H / 128] float32 (FP8)
+    w2_scale: torch.Tensor | None = None,  # [num_experts, H / 128, I / 128] float32 (FP8)
 ) -> torch.Tensor:
     """The mixture of `fused_moe_ref`, [num_tokens, hidden_size] in hidden's dtype.
 
@@ -281,8 +336,10 @@ def fused_moe(
     defaults (`fused_moe_config`); `small_config` overrides the small path's tiles.
     A (token, choice) pair whose expert id lies outside [0, num_experts) contributes zero and
     reads no expert weights (expert parallelism: another rank's expert).
+    With the scales, w13 and w2 are FP8 experts (see the module docstring) and the result is
+    that of `fused_moe_fp8_ref`.
     """
-    _check_inputs(hidden, w13, w2, topk_weights, topk_ids)
+    _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape
     num_experts, _, inter = w2.shape
     top_k = topk_ids.shape[1]
@@ -298,8 +355,10 @@ def fused_moe(
     if num_tokens <= small_batch_max_tokens:
         flat_ids = topk_ids.reshape(-1)
         small_config = small_config if small_config is not None else tuned_small
-        small_batch_moe(out, hidden, w13, w2, flat_weights, flat_ids, top_k, small_config)
+        small_batch_moe(
+            out, hidden, w13, w2, flat_weights, flat_ids, top_k, small_config, w13_scale, w2_scale
+        )
     else:
         config = config if config is not None else tuned_grouped
-        _grouped_moe(out, hidden, w13, w2, flat_weights, topk_ids, config)
+        _grouped_moe(out, hidden, w13, w2, flat_weights, topk_ids, config, w13_scale, w2_scale)
     return out

@@ -41,3 +41,34 @@ def fused_moe_ref(
         weights = topk_weights.reshape(-1)[flat_pos].float()
         out.index_add_(0, token_idx, y.float() * weights[:, None])
     return out.to(hidden.dtype)
+
+
+def dequantize_experts(
+    w: torch.Tensor,  # [num_experts, N, K] float8_e4m3fn
+    scale: torch.Tensor,  # [num_experts, N / 128, K / 128] float32
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """(w * scale of its 128x128 block).to(dtype), computed in fp32: [num_experts, N, K]."""
+    full = scale.float().repeat_interleave(128, 1).repeat_interleave(128, 2)
+    return (w.float() * full).to(dtype)
+
+
+def fused_moe_fp8_ref(
+    hidden: torch.Tensor,  # [num_tokens, hidden_size]
+    w13: torch.Tensor,  # [num_experts, 2 * intermediate_size, hidden_size] float8_e4m3fn
+    w2: torch.Tensor,  # [num_experts, hidden_size, intermediate_size] float8_e4m3fn
+    topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
+    topk_ids: torch.Tensor,  # [num_tokens, top_k] integer expert ids
+    w13_scale: torch.Tensor,  # [num_experts, 2 * intermediate_size / 128, hidden_size / 128]
+    w2_scale: torch.Tensor,  # [num_experts, hidden_size / 128, intermediate_size / 128]
+) -> torch.Tensor:
+    """`fused_moe_ref` over the FP8 experts dequantized per 128x128 block to hidden's dtype (the
+    activations are not quantized: the experts are weight-only FP8)."""
+    dtype = hidden.dtype
+    return fused_moe_ref(
+        hidden,
+        dequantize_experts(w13, w13_scale, dtype),
+        dequantize_experts(w2, w2_scale, dtype),
+        topk_weights,
+        topk_ids,
+    )

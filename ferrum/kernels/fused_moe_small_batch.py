@@ -7,6 +7,8 @@ act [T*k, I]; kernel 2, grid (num_tokens, cdiv(H, BLOCK_N)), GEMVs each of token
 against its expert's down projection and sums them weighted, in order j = 0..k-1 in fp32, into
 out [T, H] (the combine is fused). Each routed expert's weights are read once per (token, choice).
 Roundings follow `fused_moe_ref`. Sizes depend only on (T, k, E, H, I): CUDA-graph safe.
+FP8 experts (scales given, see fused_moe.py): each weight chunk is dequantized in the kernel,
+BLOCK_K <= 128 so that a chunk reads one scale column.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from ferrum.kernels.fused_moe_config import DEFAULT_SMALL, pick
 
 # Batches of at most this many tokens take the small-batch GEMV path (no align).
 SMALL_BATCH_MAX_TOKENS = 8
+# Rows and columns of weight covered by one FP8 scale.
+FP8_BLOCK = 128
 
 
 @triton.jit
@@ -36,10 +40,19 @@ def _load_k_chunk(vec_ptrs, offs_k, k_left, n_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _dequantize_chunk(w, s_ptrs, k0, n_mask, dtype):
+    """fp32 w [BLOCK_N, BLOCK_K] of FP8 codes times its rows' scales of K block k0 // 128,
+    rounded to dtype as the reference's dequantized weights are."""
+    scale = tl.load(s_ptrs + k0 // 128, mask=n_mask, other=0.0)
+    return (w * scale[:, None]).to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _moe_gate_up_gemv_kernel(
     act_ptr,  # [num_pairs, I]
     hidden_ptr,  # [num_tokens, H]
     w13_ptr,  # [E, 2I, H]
+    w13_scale_ptr,  # [E, 2I / 128, H / 128] float32, read when W_FP8
     topk_ids_ptr,  # [num_pairs] int32/int64
     inter,
     hidden_size,
@@ -49,6 +62,9 @@ def _moe_gate_up_gemv_kernel(
     stride_we,
     stride_wn,
     stride_am,
+    stride_se,
+    stride_sn,
+    W_FP8: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -69,6 +85,9 @@ def _moe_gate_up_gemv_kernel(
         w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     )
     up_offset = inter * stride_wn
+    s_ptrs = w13_scale_ptr + expert * stride_se + (offs_n // 128) * stride_sn
+    s_up_ptrs = s_ptrs + (inter // 128) * stride_sn
+    dtype = hidden_ptr.dtype.element_ty
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, hidden_size, BLOCK_K):
@@ -76,12 +95,14 @@ def _moe_gate_up_gemv_kernel(
         w_mask = w_mask & routed
         gate = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(tl.float32)
+        if W_FP8:
+            gate = _dequantize_chunk(gate, s_ptrs, k0, n_mask, dtype)
+            up = _dequantize_chunk(up, s_up_ptrs, k0, n_mask, dtype)
         acc_gate += gate * x[None, :]
         acc_up += up * x[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
-    dtype = hidden_ptr.dtype.element_ty
     gate = tl.sum(acc_gate, 1).to(dtype).to(tl.float32)
     up = tl.sum(acc_up, 1).to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -93,6 +114,7 @@ def _moe_down_combine_gemv_kernel(
     out_ptr,  # [num_tokens, H]
     act_ptr,  # [num_pairs, I]
     w2_ptr,  # [E, H, I]
+    w2_scale_ptr,  # [E, H / 128, I / 128] float32, read when W_FP8
     topk_weights_ptr,  # [num_pairs] float32
     topk_ids_ptr,  # [num_pairs] int32/int64
     hidden_size,
@@ -103,6 +125,9 @@ def _moe_down_combine_gemv_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_se,
+    stride_sn,
+    W_FP8: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -126,10 +151,14 @@ def _moe_down_combine_gemv_kernel(
         w_ptrs = (
             w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         )
+        s_ptrs = w2_scale_ptr + expert * stride_se + (offs_n // 128) * stride_sn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             a, w_mask = _load_k_chunk(a_ptrs, offs_k, inter - k0, n_mask, EVEN_K)
-            acc += tl.load(w_ptrs, mask=w_mask & routed, other=0.0).to(tl.float32) * a[None, :]
+            w = tl.load(w_ptrs, mask=w_mask & routed, other=0.0).to(tl.float32)
+            if W_FP8:
+                w = _dequantize_chunk(w, s_ptrs, k0, n_mask, dtype)
+            acc += w * a[None, :]
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         y = tl.sum(acc, 1).to(dtype).to(tl.float32)
@@ -142,10 +171,15 @@ def get_small_batch_config(num_tokens: int = 1) -> dict[str, int]:
     return pick(DEFAULT_SMALL, num_tokens)
 
 
-def _gemv_tiles(config: dict[str, int], prefix: str, n: int, k: int) -> tuple[int, int, bool]:
-    """(BLOCK_N, BLOCK_K, EVEN_K) of one GEMV: blocks shrunk to the (power-of-two padded) dims."""
+def _gemv_tiles(
+    config: dict[str, int], prefix: str, n: int, k: int, fp8: bool
+) -> tuple[int, int, bool]:
+    """(BLOCK_N, BLOCK_K, EVEN_K) of one GEMV: blocks shrunk to the (power-of-two padded) dims,
+    BLOCK_K to one scale block for FP8 weights."""
     block_n = min(config[f"{prefix}_BLOCK_N"], triton.next_power_of_2(n))
     block_k = min(config[f"{prefix}_BLOCK_K"], triton.next_power_of_2(k))
+    if fp8:
+        block_k = min(block_k, FP8_BLOCK)
     return block_n, block_k, k % block_k == 0
 
 
@@ -158,21 +192,28 @@ def small_batch_moe(
     flat_ids: torch.Tensor,
     top_k: int,
     config: dict[str, int],
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> None:
-    """Two GEMV launches: gate/up + SiLU-and-mul per pair, then down + weighted sum per token."""
+    """Two GEMV launches: gate/up + SiLU-and-mul per pair, then down + weighted sum per token.
+    With the scales, w13 and w2 are FP8 (see the module docstring)."""
     num_tokens, hidden_size = hidden.shape
     num_pairs = flat_ids.numel()
     inter = w2.shape[2]
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    fp8 = w13_scale is not None
+    s13 = w13 if w13_scale is None else w13_scale
+    s2 = w2 if w2_scale is None else w2_scale
 
     # Pairs (tokens in the down GEMV) vary fastest across programs, so pairs sharing an expert
     # read the same weight rows close together in time and hit L2.
-    block_n, block_k, even_k = _gemv_tiles(config, "GATE_UP", inter, hidden_size)
+    block_n, block_k, even_k = _gemv_tiles(config, "GATE_UP", inter, hidden_size, fp8)
     _moe_gate_up_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
         act,
         hidden,
         w13,
+        s13,
         flat_ids,
         inter,
         hidden_size,
@@ -182,16 +223,20 @@ def small_batch_moe(
         w13.stride(0),
         w13.stride(1),
         act.stride(0),
+        s13.stride(0),
+        s13.stride(1),
+        W_FP8=fp8,
         EVEN_K=even_k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         **launch,
     )
-    block_n, block_k, even_k = _gemv_tiles(config, "DOWN", hidden_size, inter)
+    block_n, block_k, even_k = _gemv_tiles(config, "DOWN", hidden_size, inter, fp8)
     _moe_down_combine_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
         out,
         act,
         w2,
+        s2,
         flat_weights,
         flat_ids,
         hidden_size,
@@ -202,6 +247,9 @@ def small_batch_moe(
         w2.stride(0),
         w2.stride(1),
         out.stride(0),
+        s2.stride(0),
+        s2.stride(1),
+        W_FP8=fp8,
         EVEN_K=even_k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

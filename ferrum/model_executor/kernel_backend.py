@@ -31,6 +31,8 @@ class TritonKernels:
     paged_attention: Callable[..., torch.Tensor]
     moe_router: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
+    fp8_block_linear: Callable[..., torch.Tensor]
+    fp8_channel_linear: Callable[..., torch.Tensor]
 
 
 def resolve_kernel_backend(kernel_backend: str, device: torch.device) -> str:
@@ -64,6 +66,7 @@ def load_kernels(kernel_backend: str) -> TritonKernels | None:
     if kernel_backend != "triton":
         raise ValueError(f"kernel_backend: must be 'torch' or 'triton', got {kernel_backend!r}")
     from ferrum.kernels import activation, fused_moe, moe_router, paged_attention, rms_norm
+    from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
     from ferrum.kernels.rotary_kv import rotary_kv
 
     return TritonKernels(
@@ -74,4 +77,6 @@ def load_kernels(kernel_backend: str) -> TritonKernels | None:
         paged_attention=paged_attention.paged_attention,
         moe_router=moe_router.moe_router,
         fused_moe=fused_moe.fused_moe,
+        fp8_block_linear=fp8_block_linear,
+        fp8_channel_linear=fp8_channel_linear,
     )

@@ -51,12 +51,17 @@ def load_model(
             kernels,
             tp_group=tp_group,
             enable_expert_parallel=enable_expert_parallel,
+            quant_config=model_config.quant_config,
         )
     if model_config.load_format == "dummy":
         split = tp_group is not None and tp_group.world_size > 1
         initialize_dummy_weights(model, model_config.seed, seed_per_parameter=split)
     else:
         load_checkpoint_weights(model, model_config.model)
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "quant_method", None) is not None:
+                module.quant_method.process_weights_after_loading(module)
     return model.eval()
 
 
@@ -65,22 +70,32 @@ def initialize_dummy_weights(model: nn.Module, seed: int, seed_per_parameter: bo
     matrices and stacked experts, ones for norm weights, zeros for biases. `seed_per_parameter`
     (a tensor-parallel rank's shard) draws each matrix from its own generator seeded by `seed`
     and the parameter name, so the parameters every rank holds whole (the MoE router) are the
-    same on every rank."""
+    same on every rank. Quantized layers quantize normal(0, DUMMY_STD) values into their own
+    format."""
     generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(device: torch.device) -> torch.Generator:
+        if device not in generators:
+            generators[device] = torch.Generator(device).manual_seed(seed)
+        return generators[device]
+
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if getattr(param, "dummy_by_layer", False):
+                continue
             if name.endswith("bias"):
                 param.zero_()
             elif param.dim() == 1:
                 param.fill_(1.0)
             elif seed_per_parameter:
-                generator = torch.Generator(param.device)
-                generator.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                param.normal_(0.0, DUMMY_STD, generator=generator)
+                own = torch.Generator(param.device)
+                own.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                param.normal_(0.0, DUMMY_STD, generator=own)
             else:
-                if param.device not in generators:
-                    generators[param.device] = torch.Generator(param.device).manual_seed(seed)
-                param.normal_(0.0, DUMMY_STD, generator=generators[param.device])
+                param.normal_(0.0, DUMMY_STD, generator=generator(param.device))
+        for module in model.modules():
+            if getattr(module, "quant_method", None) is not None:
+                module.quant_method.fill_dummy_weights(module, DUMMY_STD, generator)
 
 
 def load_checkpoint_weights(model: nn.Module, model_dir: str) -> None:

@@ -287,8 +287,11 @@ def test_fold_to_vocab() -> None:
     assert workloads.fold_to_vocab(prompts, 151936) is prompts
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "gemma3-12b"])
+@pytest.mark.parametrize(
+    "name", ["qwen3-0.6b", "qwen3-8b", "qwen3-8b-fp8", "qwen3-30b-a3b", "gemma3-12b"]
+)
 def test_benchmark_model_configs_load(name: str) -> None:
     config = ModelConfig(str(REPO_ROOT / "benchmarks" / "models" / name))
     assert config.architecture.startswith(("Qwen3", "Gemma3")) and config.vocab_size > 10000
     assert config.dtype == "bfloat16"
+    assert (config.quant_config is not None) == name.endswith("-fp8")

@@ -5,7 +5,12 @@ import torch
 
 from ferrum.kernels.fp8_gemm_config import Fp8GemmConfig
 from ferrum.kernels.fp8_gemm_ref import w8a8_block_fp8_matmul_ref, w8a8_channel_fp8_matmul_ref
-from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear, scaled_mm_takes
+from ferrum.kernels.fp8_linear import (
+    block_scaled_mm_takes,
+    fp8_block_linear,
+    fp8_channel_linear,
+    scaled_mm_takes,
+)
 from ferrum.kernels.fp8_weight import quantize_weight_block, quantize_weight_per_channel
 from tests.utils.fp8_inputs import representable
 
@@ -73,6 +78,28 @@ def test_default_buckets_run(device: torch.device) -> None:
         w8a8_block_fp8_matmul_ref(x, weight, scale_inv, torch.float16),
         4e-3,
     )
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="cuBLASLt block-scaled FP8 GEMMs need a Hopper GPU",
+)
+@pytest.mark.parametrize("m", [1, 3, 64, 300])
+def test_block_linear_cublas_matches_reference(m: int) -> None:
+    """Default buckets take cuBLASLt's block-scaled GEMM for bf16; M is padded to 4 inside and
+    K = 384 has 3 scale columns (padded to 4)."""
+    gen = torch.Generator().manual_seed(m)
+    weight, scale_inv = (
+        t.cuda() for t in quantize_weight_block(torch.randn(256, 384, generator=gen) * 0.05)
+    )
+    bias = torch.randn(256, generator=gen).cuda().bfloat16()
+    x = torch.randn(m, 384, generator=gen).cuda().bfloat16()
+    assert block_scaled_mm_takes(x, 256, 384)
+    assert not block_scaled_mm_takes(x.half(), 256, 384)
+    assert not block_scaled_mm_takes(x, 192, 384)
+    out = fp8_block_linear(x, weight, scale_inv, bias)
+    ref = w8a8_block_fp8_matmul_ref(x, weight, scale_inv, torch.bfloat16, bias=bias)
+    _close(out, ref, 2e-2)
 
 
 def test_validation_errors() -> None:

@@ -4,11 +4,15 @@ split over the ranks of a tensor-parallel group by intermediate rows or by whole
 Experts are stored stacked: `w13 [E, 2I, H]` (each expert's gate rows, then its up rows) and
 `w2 [E, H, I]`. Checkpoints load either per expert (gate / up / down tensors of one expert, copied
 into that expert's slice) or already stacked (HF `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`).
+A `quant_method` (layers/quantization/fp8_moe.py) makes the expert weights in its format, with
+scale parameters each of whose entries covers an `output_block` x `output_block` weight block,
+and runs the experts; every size and offset of such a parameter is in blocks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -16,9 +20,17 @@ from torch import nn
 from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.kernels.fused_moe_ref import fused_moe_ref
 from ferrum.model_executor.kernel_backend import TritonKernels
-from ferrum.model_executor.layers.linear import check_shape, new_parameter, set_weight_loader
+from ferrum.model_executor.layers.linear import (
+    check_dtype,
+    check_shape,
+    new_parameter,
+    set_weight_loader,
+)
 from ferrum.model_executor.layers.parallel_linear import split_evenly
 from ferrum.model_executor.weight_loader import CheckpointTensor, materialize
+
+if TYPE_CHECKING:
+    from ferrum.model_executor.layers.quantization.fp8_moe import Fp8MoEMethod
 
 Loaded = torch.Tensor | CheckpointTensor
 
@@ -66,6 +78,7 @@ class FusedMoE(nn.Module):
         kernels: TritonKernels | None,
         tp_group: TensorParallelGroup | None = None,
         expert_parallel: bool = False,
+        quant_method: Fp8MoEMethod | None = None,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
@@ -98,15 +111,22 @@ class FusedMoE(nn.Module):
         self._router: MoeRouter = select_experts if kernels is None else kernels.moe_router
         self._kernel: MoeKernel = fused_moe_ref if kernels is None else kernels.fused_moe
         local, inter = self.num_local_experts, self.intermediate_size
-        self.w13 = new_parameter(local, 2 * inter, hidden_size)
-        self.w2 = new_parameter(local, hidden_size, inter)
+        self.quant_method = quant_method
+        if quant_method is None:
+            self.w13 = new_parameter(local, 2 * inter, hidden_size)
+            self.w2 = new_parameter(local, hidden_size, inter)
+        else:
+            quant_method.create_weights(self, local, hidden_size, inter)
         experts = range(self.expert_start, self.expert_start + local)
-        set_weight_loader(
-            self.w13, self._load_w13, frozenset((p, e) for p in (GATE, UP) for e in experts)
-        )
-        set_weight_loader(self.w2, self._load_w2, frozenset((DOWN, e) for e in experts))
-        # Loaders narrow the checkpoint tensor to this rank's share before reading it.
-        self.w13.reads_slices = self.w2.reads_slices = True  # type: ignore[attr-defined]
+        w13_shards = frozenset((p, e) for p in (GATE, UP) for e in experts)
+        w2_shards = frozenset((DOWN, e) for e in experts)
+        for name, param in self.named_parameters(recurse=False):
+            if name.startswith("w13"):
+                set_weight_loader(param, self._load_w13, w13_shards)
+            else:
+                set_weight_loader(param, self._load_w2, w2_shards)
+            # Loaders narrow the checkpoint tensor to this rank's share before reading it.
+            param.reads_slices = True  # type: ignore[attr-defined]
 
     def _local_expert(self, expert_id: int | None) -> int | None:
         """The local index of a global expert id; None when another rank holds it."""
@@ -121,19 +141,39 @@ class FusedMoE(nn.Module):
         check_shape(torch.Size((self.num_experts, *shape)), stacked.shape, what)
         return stacked.narrow(0, self.expert_start, self.num_local_experts)
 
-    def _gate_up_rows(self, loaded: Loaded, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sizes(self, param: nn.Parameter) -> tuple[int, int, int, int]:
+        """(full intermediate, this rank's start and size in it, hidden) in `param`'s units:
+        weight rows, or blocks of `output_block` for a block-scale parameter."""
+        block = getattr(param, "output_block", 1)
+        sizes = (
+            self.full_intermediate_size,
+            self.intermediate_start,
+            self.intermediate_size,
+            self.hidden_size,
+        )
+        if any(size % block for size in sizes):
+            raise ValueError(
+                f"expert scales cover {block}-row blocks, but this rank's intermediate slice "
+                f"[{self.intermediate_start}, +{self.intermediate_size}) of "
+                f"{self.full_intermediate_size} (hidden {self.hidden_size}) is not block aligned"
+            )
+        return tuple(size // block for size in sizes)  # type: ignore[return-value]
+
+    def _gate_up_rows(
+        self, loaded: Loaded, dim: int, full: int, start: int, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's gate rows and up rows of a [.., 2I, H] tensor (gate rows, then up)."""
-        start, size = self.intermediate_start, self.intermediate_size
         gate = materialize(loaded.narrow(dim, start, size))
-        up = materialize(loaded.narrow(dim, self.full_intermediate_size + start, size))
+        up = materialize(loaded.narrow(dim, full + start, size))
         return gate, up
 
     def _load_w13(self, param: nn.Parameter, loaded: Loaded, shard_id: Hashable) -> set[Hashable]:
         proj, expert_id = shard_id  # type: ignore[misc]
-        full, size, hidden = self.full_intermediate_size, self.intermediate_size, self.hidden_size
+        check_dtype(param, loaded)
+        full, start, size, hidden = self._sizes(param)
         if proj == GATE_UP and expert_id is None:
             stacked = self._local_experts(loaded, "stacked gate_up_proj", (2 * full, hidden))
-            gate, up = self._gate_up_rows(stacked, 1)
+            gate, up = self._gate_up_rows(stacked, 1, full, start, size)
             param.data[:, :size].copy_(gate)
             param.data[:, size:].copy_(up)
             return set(param.shard_ids)  # type: ignore[attr-defined]
@@ -142,27 +182,22 @@ class FusedMoE(nn.Module):
             local = self._local_expert(expert_id)
             if local is None:
                 return set()
-            rows = materialize(loaded.narrow(0, self.intermediate_start, size))
+            rows = materialize(loaded.narrow(0, start, size))
             param.data[local].narrow(0, 0 if proj == GATE else size, size).copy_(rows)
             return {(proj, expert_id)}
         raise ValueError(f"unknown expert shard {shard_id!r} for w13")
 
     def _load_w2(self, param: nn.Parameter, loaded: Loaded, shard_id: Hashable) -> set[Hashable]:
         proj, expert_id = shard_id  # type: ignore[misc]
-        full, start, size = (
-            self.full_intermediate_size,
-            self.intermediate_start,
-            self.intermediate_size,
-        )
+        check_dtype(param, loaded)
+        full, start, size, hidden = self._sizes(param)
         if proj != DOWN:
             raise ValueError(f"unknown expert shard {shard_id!r} for w2")
         if expert_id is None:
-            stacked = self._local_experts(loaded, "stacked down_proj", (self.hidden_size, full))
+            stacked = self._local_experts(loaded, "stacked down_proj", (hidden, full))
             param.data.copy_(materialize(stacked.narrow(2, start, size)))
             return set(param.shard_ids)  # type: ignore[attr-defined]
-        check_shape(
-            torch.Size((self.hidden_size, full)), loaded.shape, f"expert {expert_id} down_proj"
-        )
+        check_shape(torch.Size((hidden, full)), loaded.shape, f"expert {expert_id} down_proj")
         local = self._local_expert(expert_id)
         if local is None:
             return set()
@@ -177,5 +212,8 @@ class FusedMoE(nn.Module):
             topk_ids = local_ids.masked_fill(
                 (local_ids < 0) | (local_ids >= self.num_local_experts), -1
             )
-        out = self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        else:
+            out = self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids)
         return self.tp_group.all_reduce(out)

@@ -2,15 +2,22 @@
 
 Every parameter made here carries `weight_loader(param, tensor, shard_id) -> covered shard keys`
 and `shard_ids` (the keys that must all be covered before the parameter counts as loaded).
+A layer built with a `quant_method` (layers/quantization) holds the weights that method makes
+(e.g. FP8 codes and their scales) and runs its GEMM; a parameter whose rows each cover
+`output_block` output rows (block scales: 128) loads a merged shard into rows offset // block.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ferrum.model_executor.layers.quantization.base import LinearMethod
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Hashable], set[Hashable]]
 
@@ -28,6 +35,24 @@ def check_shape(expected: torch.Size, found: torch.Size, what: str = "") -> None
         raise ValueError(f"expected shape {tuple(expected)}{where}, found {tuple(found)}")
 
 
+def _dtype_name(t: object) -> str:
+    """float8_e4m3fn, bfloat16, ...; a lazy checkpoint tensor's safetensors name (F8_E4M3)."""
+    dtype = getattr(t, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else str(t.dtype_name)  # type: ignore[attr-defined]
+
+
+def check_dtype(param: nn.Parameter, loaded: object) -> None:
+    """FP8 codes load only into FP8 parameters and vice versa: casting between them without the
+    scales would load wrong values silently. `loaded`: a tensor or a lazy checkpoint tensor."""
+    fp8_names = ("float8_e4m3fn", "F8_E4M3")
+    if (param.dtype == torch.float8_e4m3fn) != (_dtype_name(loaded) in fp8_names):
+        found, wanted = _dtype_name(loaded), _dtype_name(param)
+        raise ValueError(
+            f"checkpoint dtype {found} for a {wanted} parameter: the checkpoint's "
+            "quantized modules differ from what its quantization_config (and ignore list) says"
+        )
+
+
 def default_weight_loader(
     param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None
 ) -> set[Hashable]:
@@ -35,6 +60,7 @@ def default_weight_loader(
     if shard_id is not None:
         raise ValueError(f"parameter takes no shard, got shard {shard_id!r}")
     check_shape(param.shape, loaded.shape)
+    check_dtype(param, loaded)
     param.data.copy_(loaded)
     return {None}
 
@@ -48,16 +74,29 @@ def new_parameter(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """y = x W^T + b with W: [output_size, input_size]."""
+    """y = x W^T + b with W: [output_size, input_size], in the model dtype or in the format of
+    `quant_method` (which then creates the weight parameters and runs the product)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = new_parameter(output_size, input_size)
+        self.quant_method = quant_method
+        if quant_method is None:
+            self.weight = new_parameter(output_size, input_size)
+        else:
+            quant_method.create_weights(self, input_size, output_size)
         self.bias = new_parameter(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 
@@ -66,14 +105,19 @@ class MergedLinear(Linear):
     order (e.g. q, k, v or gate, up). The checkpoint's separate tensors load into their block.
     """
 
-    def __init__(self, input_size: int, shard_sizes: dict[str, int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(shard_sizes.values()), bias)
+    def __init__(
+        self,
+        input_size: int,
+        shard_sizes: dict[str, int],
+        bias: bool = False,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
+        super().__init__(input_size, sum(shard_sizes.values()), bias, quant_method)
         self.shard_sizes = dict(shard_sizes)
         self.shard_offsets = dict(zip(shard_sizes, accumulate(shard_sizes.values(), initial=0)))
         shard_ids = frozenset(shard_sizes)
-        set_weight_loader(self.weight, self._load_shard, shard_ids)
-        if self.bias is not None:
-            set_weight_loader(self.bias, self._load_shard, shard_ids)
+        for param in self.parameters(recurse=False):
+            set_weight_loader(param, self._load_shard, shard_ids)
 
     def _load_shard(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable
@@ -82,8 +126,15 @@ class MergedLinear(Linear):
             raise ValueError(
                 f"unknown shard {shard_id!r}; expected one of {list(self.shard_sizes)}"
             )
-        size = self.shard_sizes[shard_id]
-        target = param.data.narrow(0, self.shard_offsets[shard_id], size)
+        size, offset = self.shard_sizes[shard_id], self.shard_offsets[shard_id]
+        block = getattr(param, "output_block", 1)
+        if offset % block:
+            raise ValueError(
+                f"shard {shard_id!r} starts at output row {offset}, inside a {block}-row scale "
+                f"block: merged shards must start on {block}-row boundaries"
+            )
+        target = param.data.narrow(0, offset // block, -(-size // block))
         check_shape(target.shape, loaded.shape, f"shard {shard_id!r}")
+        check_dtype(param, loaded)
         target.copy_(loaded)
         return {shard_id}

@@ -20,7 +20,13 @@ from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.embed_head import VocabEmbedding
 from ferrum.model_executor.layers.layernorm import GemmaRMSNorm
 from ferrum.model_executor.layers.rotary import RotaryEmbedding
-from ferrum.model_executor.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from ferrum.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    layer_prefix,
+)
+from ferrum.quant_config import QuantConfig
 
 if TYPE_CHECKING:
     from ferrum.model_executor.attention_metadata import AttentionMetadata
@@ -55,6 +61,7 @@ class Gemma3Attention(LlamaAttention):
         kernels: TritonKernels | None,
         layer_idx: int,
         tp_group: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         scalar = arch.query_pre_attn_scalar
         super().__init__(
@@ -65,6 +72,8 @@ class Gemma3Attention(LlamaAttention):
             sliding_window=arch.layer_sliding_window(layer_idx),
             scale=None if scalar is None else scalar**-0.5,
             tp_group=tp_group,
+            quant_config=quant_config,
+            prefix=f"{layer_prefix(layer_idx)}.self_attn",
         )
         self.q_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, kernels)
         self.k_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps, kernels)
@@ -77,11 +86,13 @@ class Gemma3DecoderLayer(nn.Module):
         kernels: TritonKernels | None,
         layer_idx: int,
         tp_group: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         self.is_sliding = arch.layer_types[layer_idx] == SLIDING_ATTENTION
-        self.self_attn = Gemma3Attention(arch, kernels, layer_idx, tp_group)
-        self.mlp = LlamaMLP(arch, kernels, bias=False, tp_group=tp_group)
+        self.self_attn = Gemma3Attention(arch, kernels, layer_idx, tp_group, quant_config)
+        mlp_prefix = f"{layer_prefix(layer_idx)}.mlp"
+        self.mlp = LlamaMLP(arch, kernels, False, tp_group, quant_config, mlp_prefix)
         size, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(size, eps, kernels)
         self.post_attention_layernorm = GemmaRMSNorm(size, eps, kernels)
@@ -114,6 +125,7 @@ class Gemma3Model(nn.Module):
         arch: ModelArchConfig,
         kernels: TritonKernels | None,
         tp_group: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = ScaledVocabEmbedding(arch.vocab_size, arch.hidden_size, tp_group)
@@ -125,7 +137,8 @@ class Gemma3Model(nn.Module):
             arch.head_dim, max_position, arch.local_rope_theta, arch.local_rope_scaling
         )
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(arch, kernels, i, tp_group) for i in range(arch.num_hidden_layers)
+            Gemma3DecoderLayer(arch, kernels, i, tp_group, quant_config)
+            for i in range(arch.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
@@ -147,7 +160,7 @@ class Gemma3Model(nn.Module):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def make_model(self) -> nn.Module:
-        return Gemma3Model(self.arch, self.kernels, self.tp_group)
+        return Gemma3Model(self.arch, self.kernels, self.tp_group, self.quant_config)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32, soft-capped when the config says so."""

@@ -24,8 +24,10 @@ from ferrum.model_executor.layers.parallel_linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from ferrum.model_executor.layers.quantization import get_linear_method
 from ferrum.model_executor.layers.rotary import RotaryEmbedding
 from ferrum.model_executor.weight_loader import load_named_weights
+from ferrum.quant_config import QuantConfig
 
 if TYPE_CHECKING:
     from ferrum.kernels.paged_attention import SplitKVWorkspace
@@ -41,6 +43,11 @@ STACKED_PARAMS = (
 )
 
 
+def layer_prefix(layer_idx: int) -> str:
+    """The checkpoint name prefix of decoder layer `layer_idx`."""
+    return f"model.layers.{layer_idx}"
+
+
 class LlamaMLP(nn.Module):
     """gate/up column-parallel, down row-parallel: one all-reduce per MLP."""
 
@@ -50,13 +57,22 @@ class LlamaMLP(nn.Module):
         kernels: TritonKernels | None,
         bias: bool,
         tp_group: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "mlp",
     ) -> None:
+        """`prefix`: this MLP's checkpoint module name (it picks the quantized layers)."""
         super().__init__()
         size = arch.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            arch.hidden_size, {"gate": size, "up": size}, bias, tp_group
+        gate_up = get_linear_method(
+            quant_config, kernels, [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
         )
-        self.down_proj = RowParallelLinear(size, arch.hidden_size, bias, tp_group)
+        down = get_linear_method(quant_config, kernels, [f"{prefix}.down_proj"])
+        self.gate_up_proj = MergedColumnParallelLinear(
+            arch.hidden_size, {"gate": size, "up": size}, bias, tp_group, quant_method=gate_up
+        )
+        self.down_proj = RowParallelLinear(
+            size, arch.hidden_size, bias, tp_group, quant_method=down
+        )
         self.act_fn = get_act_and_mul(arch.hidden_act, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +92,16 @@ class LlamaAttention(nn.Module):
         sliding_window: int | None = None,
         scale: float | None = None,
         tp_group: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "self_attn",
     ) -> None:
+        """`prefix`: this module's checkpoint name (it picks the quantized layers)."""
         super().__init__()
         self.head_dim = arch.head_dim
+        qkv = get_linear_method(
+            quant_config, kernels, [f"{prefix}.{name}_proj" for name in ("q", "k", "v")]
+        )
+        o = get_linear_method(quant_config, kernels, [f"{prefix}.o_proj"])
         self.qkv_proj = QKVParallelLinear(
             arch.hidden_size,
             self.head_dim,
@@ -86,13 +109,18 @@ class LlamaAttention(nn.Module):
             arch.num_kv_heads,
             qkv_bias,
             tp_group,
+            quant_method=qkv,
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
-            arch.num_attention_heads * self.head_dim, arch.hidden_size, o_bias, tp_group
+            arch.num_attention_heads * self.head_dim,
+            arch.hidden_size,
+            o_bias,
+            tp_group,
+            quant_method=o,
         )
         self.attn = Attention(
             self.num_heads,
@@ -199,15 +227,23 @@ class LlamaForCausalLM(nn.Module):
         *,
         tp_group: TensorParallelGroup | None = None,
         enable_expert_parallel: bool = False,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         """With a tensor-parallel group of several ranks: this rank's shard (every rank's
         `compute_logits` returns the same full logits). `enable_expert_parallel` applies to the
-        MoE models' experts."""
+        MoE models' experts. `quant_config` quantizes the decoder layers' linear layers (never
+        the embedding or the LM head)."""
         super().__init__()
         self.arch = arch
         self.kernels = kernels
         self.tp_group = tp_group or TensorParallelGroup()
         self.enable_expert_parallel = enable_expert_parallel
+        if quant_config is not None and self.tp_group.world_size > 1:
+            raise ValueError(
+                "quantization: FP8 with tensor_parallel_size > 1 is not supported yet (the "
+                "sharded layers do not split the scales); use tensor_parallel_size 1"
+            )
+        self.quant_config = quant_config
         self.model = self.make_model()
         tied_to = self.model.embed_tokens if arch.tie_word_embeddings else None
         self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tied_to, self.tp_group)
@@ -219,9 +255,18 @@ class LlamaForCausalLM(nn.Module):
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
         arch, kernels, bias = self.arch, self.kernels, self.arch.attention_bias
+        quant, prefix = self.quant_config, layer_prefix(layer_idx)
         return LlamaDecoderLayer(
-            LlamaAttention(arch, kernels, qkv_bias=bias, o_bias=bias, tp_group=self.tp_group),
-            LlamaMLP(arch, kernels, arch.mlp_bias, self.tp_group),
+            LlamaAttention(
+                arch,
+                kernels,
+                qkv_bias=bias,
+                o_bias=bias,
+                tp_group=self.tp_group,
+                quant_config=quant,
+                prefix=f"{prefix}.self_attn",
+            ),
+            LlamaMLP(arch, kernels, arch.mlp_bias, self.tp_group, quant, f"{prefix}.mlp"),
             arch,
             kernels,
         )

@@ -9,15 +9,25 @@ from ferrum.model_executor.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
+    layer_prefix,
 )
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
-        arch, kernels = self.arch, self.kernels
+        arch, kernels, tp = self.arch, self.kernels, self.tp_group
+        quant, prefix = self.quant_config, layer_prefix(layer_idx)
         return LlamaDecoderLayer(
-            LlamaAttention(arch, kernels, qkv_bias=True, o_bias=False, tp_group=self.tp_group),
-            LlamaMLP(arch, kernels, bias=False, tp_group=self.tp_group),
+            LlamaAttention(
+                arch,
+                kernels,
+                qkv_bias=True,
+                o_bias=False,
+                tp_group=tp,
+                quant_config=quant,
+                prefix=f"{prefix}.self_attn",
+            ),
+            LlamaMLP(arch, kernels, False, tp, quant, f"{prefix}.mlp"),
             arch,
             kernels,
         )

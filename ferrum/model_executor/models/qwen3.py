@@ -13,7 +13,9 @@ from ferrum.model_executor.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
+    layer_prefix,
 )
+from ferrum.quant_config import QuantConfig
 
 
 class Qwen3Attention(LlamaAttention):
@@ -24,19 +26,30 @@ class Qwen3Attention(LlamaAttention):
         arch: ModelArchConfig,
         kernels: TritonKernels | None,
         tp_group: TensorParallelGroup | None = None,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "self_attn",
     ) -> None:
         bias = arch.attention_bias
-        super().__init__(arch, kernels, qkv_bias=bias, o_bias=bias, tp_group=tp_group)
+        super().__init__(
+            arch,
+            kernels,
+            qkv_bias=bias,
+            o_bias=bias,
+            tp_group=tp_group,
+            quant_config=quant_config,
+            prefix=prefix,
+        )
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels)
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, kernels)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
-        arch, kernels = self.arch, self.kernels
+        arch, kernels, tp = self.arch, self.kernels, self.tp_group
+        quant, prefix = self.quant_config, layer_prefix(layer_idx)
         return LlamaDecoderLayer(
-            Qwen3Attention(arch, kernels, self.tp_group),
-            LlamaMLP(arch, kernels, bias=False, tp_group=self.tp_group),
+            Qwen3Attention(arch, kernels, tp, quant, f"{prefix}.self_attn"),
+            LlamaMLP(arch, kernels, False, tp, quant, f"{prefix}.mlp"),
             arch,
             kernels,
         )

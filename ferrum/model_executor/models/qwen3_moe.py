@@ -14,12 +14,17 @@ from ferrum.model_arch import ModelArchConfig
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.fused_moe import DOWN, GATE_UP, FusedMoE
 from ferrum.model_executor.layers.linear import Linear
-from ferrum.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP
+from ferrum.model_executor.layers.quantization import get_moe_method
+from ferrum.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP, layer_prefix
 from ferrum.model_executor.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
+from ferrum.quant_config import QuantConfig
 
-# Per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`) and the stacked HF layout
-# (`...mlp.experts.gate_up_proj` [E, 2I, H], `...mlp.experts.down_proj` [E, H, I]).
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+# Per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`, and `.weight_scale_inv` in FP8
+# checkpoints) and the stacked HF layout (`...mlp.experts.gate_up_proj` [E, 2I, H],
+# `...mlp.experts.down_proj` [E, H, I]).
+_PER_EXPERT = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$"
+)
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj(\.weight)?$")
 
 
@@ -32,8 +37,11 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         kernels: TritonKernels | None,
         tp_group: TensorParallelGroup | None = None,
         expert_parallel: bool = False,
+        quant_config: QuantConfig | None = None,
+        prefix: str = "mlp",
     ) -> None:
         super().__init__()
+        # The router stays in the model dtype (as in Qwen's FP8 checkpoints).
         self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
         self.experts = FusedMoE(
             num_experts=arch.num_experts,
@@ -45,6 +53,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             kernels=kernels,
             tp_group=tp_group,
             expert_parallel=expert_parallel,
+            quant_method=get_moe_method(quant_config, kernels, prefix, arch.num_experts),
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -59,30 +68,39 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         *,
         tp_group: TensorParallelGroup | None = None,
         enable_expert_parallel: bool = False,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         if arch.num_experts < 1:
             raise ValueError(f"num_experts: missing from config.json ({arch.architecture})")
         super().__init__(
-            arch, kernels, tp_group=tp_group, enable_expert_parallel=enable_expert_parallel
+            arch,
+            kernels,
+            tp_group=tp_group,
+            enable_expert_parallel=enable_expert_parallel,
+            quant_config=quant_config,
         )
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
         arch, kernels = self.arch, self.kernels
+        quant, prefix = self.quant_config, layer_prefix(layer_idx)
         sparse = (layer_idx + 1) % arch.decoder_sparse_step == 0
         group = self.tp_group
         if sparse and layer_idx not in arch.mlp_only_layers:
             mlp: nn.Module = Qwen3MoeSparseMoeBlock(
-                arch, kernels, group, self.enable_expert_parallel
+                arch, kernels, group, self.enable_expert_parallel, quant, f"{prefix}.mlp"
             )
         else:
-            mlp = LlamaMLP(arch, kernels, bias=False, tp_group=group)
-        return LlamaDecoderLayer(Qwen3Attention(arch, kernels, group), mlp, arch, kernels)
+            mlp = LlamaMLP(arch, kernels, False, group, quant, f"{prefix}.mlp")
+        attention = Qwen3Attention(arch, kernels, group, quant, f"{prefix}.self_attn")
+        return LlamaDecoderLayer(attention, mlp, arch, kernels)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Hashable] | None:
         match = _PER_EXPERT.match(name)
         if match:
             prefix, expert_id, proj = match.group(1), int(match.group(2)), match.group(3)
             param = f"{prefix}.w2" if proj == "down" else f"{prefix}.w13"
+            if match.group(4) == "weight_scale_inv":
+                param += "_scale"
             return param, (proj, expert_id)
         match = _STACKED.match(name)
         if match:

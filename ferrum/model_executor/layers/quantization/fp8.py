@@ -1,0 +1,104 @@
+"""W8A8 FP8 linear layers: float8_e4m3fn weights with fp32 scales, activations quantized
+dynamically (per token-group of 128 for block scales, per token for per-channel scales).
+
+Parameters (names as the checkpoints spell them; W[n, k] ~= weight[n, k] * scale):
+- block:   `weight` fp8 [N, K], `weight_scale_inv` (fp8 checkpoints) or `weight_scale`
+           (compressed-tensors) fp32 [ceil(N / 128), K / 128], each row covering 128 output rows;
+- channel: `weight` fp8 [N, K], `weight_scale` fp32 [N, 1].
+K must be a multiple of 128 (the activation group). Quantizing on load keeps `weight` in the model
+dtype until every shard is in, then replaces it by its 128x128-block quantization.
+On CUDA with the Triton kernel backend the product runs in kernels/fp8_linear.py; elsewhere the
+torch reference dequantizes both operands and multiplies in fp32 (same quantization math).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferrum.kernels.fp8_gemm_ref import w8a8_block_fp8_matmul_ref, w8a8_channel_fp8_matmul_ref
+from ferrum.kernels.fp8_quant import FP8_DTYPE, GROUP_SIZE
+from ferrum.kernels.fp8_weight import (
+    WEIGHT_BLOCK,
+    quantize_weight_block,
+    quantize_weight_per_channel,
+)
+from ferrum.model_executor.kernel_backend import TritonKernels
+from ferrum.model_executor.layers.linear import (
+    default_weight_loader,
+    new_parameter,
+    set_weight_loader,
+)
+from ferrum.model_executor.layers.quantization.base import GeneratorFor
+from ferrum.quant_config import QuantConfig
+
+
+def _parameter(data: torch.Tensor, output_block: int = 1) -> nn.Parameter:
+    param = nn.Parameter(data, requires_grad=False)
+    set_weight_loader(param, default_weight_loader)
+    param.output_block = output_block  # type: ignore[attr-defined]
+    return param
+
+
+class Fp8LinearMethod:
+    def __init__(
+        self, quant_config: QuantConfig, kernels: TritonKernels | None, layer_name: str
+    ) -> None:
+        """`layer_name` names the layer in errors."""
+        self.layer_name = layer_name
+        self.block = quant_config.weight_scales == "block"
+        self.scale_name = quant_config.scale_name
+        self.quantize_on_load = quant_config.quantize_on_load
+        self._gemm = None
+        if kernels is not None:
+            self._gemm = kernels.fp8_block_linear if self.block else kernels.fp8_channel_linear
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        if input_size % GROUP_SIZE:
+            raise ValueError(
+                f"quantization: FP8 layer {self.layer_name} needs an input size that is a "
+                f"multiple of {GROUP_SIZE} (the activation group), got {input_size}"
+            )
+        device, dtype = torch.get_default_device(), torch.get_default_dtype()
+        if self._gemm is not None and device.type == "cuda" and dtype == torch.float32:
+            raise ValueError(
+                "dtype: FP8 layers compute in bfloat16 or float16 on CUDA, got float32"
+            )
+        if self.quantize_on_load:
+            layer.weight = new_parameter(output_size, input_size)
+            return
+        layer.weight = _parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE))
+        if self.block:
+            rows, cols = -(-output_size // WEIGHT_BLOCK[0]), input_size // WEIGHT_BLOCK[1]
+            scale = _parameter(torch.empty(rows, cols, dtype=torch.float32), WEIGHT_BLOCK[0])
+        else:
+            scale = _parameter(torch.empty(output_size, 1, dtype=torch.float32))
+        setattr(layer, self.scale_name, scale)
+        for param in (layer.weight, scale):
+            param.dummy_by_layer = True  # type: ignore[attr-defined]
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not self.quantize_on_load or layer.weight.dtype == FP8_DTYPE:
+            return
+        weight, scale = quantize_weight_block(layer.weight.data)
+        layer.weight = _parameter(weight)
+        setattr(layer, self.scale_name, _parameter(scale, WEIGHT_BLOCK[0]))
+
+    def fill_dummy_weights(self, layer: nn.Module, std: float, generator: GeneratorFor) -> None:
+        if self.quantize_on_load:
+            return  # `weight` is a model-dtype parameter until process_weights_after_loading
+        weight = layer.weight
+        values = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
+        values.normal_(0.0, std, generator=generator(weight.device))
+        quantize = quantize_weight_block if self.block else quantize_weight_per_channel
+        codes, scale = quantize(values)
+        weight.data.copy_(codes)
+        getattr(layer, self.scale_name).data.copy_(scale)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        scale = getattr(layer, self.scale_name)
+        if self._gemm is not None and x.is_cuda:
+            return self._gemm(x, layer.weight, scale, bias)
+        reference = w8a8_block_fp8_matmul_ref if self.block else w8a8_channel_fp8_matmul_ref
+        out = reference(x.reshape(-1, x.shape[-1]), layer.weight, scale, x.dtype, bias=bias)
+        return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,0 +1,101 @@
+"""FP8 experts of a FusedMoE layer: float8_e4m3fn `w13` [E, 2I, H] and `w2` [E, H, I] with fp32
+scales per 128x128 block, `w13_scale` [E, 2I / 128, H / 128] and `w2_scale` [E, H / 128, I / 128]
+(from the experts' `weight_scale_inv`; gate rows then up rows, so I % 128 == 0).
+
+The experts are weight-only FP8: the kernel dequantizes each weight tile to the activations' dtype
+before the product (kernels/fused_moe.py), the torch reference dequantizes whole experts. Quantizing
+on load keeps the stacked experts in the model dtype until loaded, then quantizes each expert.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferrum.kernels.fp8_quant import FP8_DTYPE
+from ferrum.kernels.fp8_weight import WEIGHT_BLOCK, quantize_weight_block
+from ferrum.kernels.fused_moe_ref import fused_moe_fp8_ref
+from ferrum.model_executor.kernel_backend import TritonKernels
+from ferrum.model_executor.layers.linear import new_parameter
+from ferrum.model_executor.layers.quantization.base import GeneratorFor
+from ferrum.quant_config import QuantConfig
+
+_BLOCK = WEIGHT_BLOCK[0]
+
+
+def _parameter(data: torch.Tensor, output_block: int = 1) -> nn.Parameter:
+    param = nn.Parameter(data, requires_grad=False)
+    param.output_block = output_block  # type: ignore[attr-defined]
+    param.dummy_by_layer = True  # type: ignore[attr-defined]
+    return param
+
+
+class Fp8MoEMethod:
+    def __init__(
+        self, quant_config: QuantConfig, kernels: TritonKernels | None, layer_name: str
+    ) -> None:
+        if quant_config.weight_scales != "block":
+            raise ValueError(
+                f"quantization: FP8 experts with {quant_config.weight_scales} scales "
+                f"({layer_name}) are not supported yet; supported: 128x128 block scales"
+            )
+        self.layer_name = layer_name
+        self.quantize_on_load = quant_config.quantize_on_load
+        self._kernel = None if kernels is None else kernels.fused_moe
+
+    def create_weights(
+        self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int
+    ) -> None:
+        """Registers w13 and w2 (and their scales); FusedMoE sets their weight loaders."""
+        if hidden_size % _BLOCK or intermediate_size % _BLOCK:
+            raise ValueError(
+                f"quantization: FP8 experts {self.layer_name} need hidden_size and "
+                f"moe_intermediate_size multiples of {_BLOCK}, got {hidden_size} and "
+                f"{intermediate_size}"
+            )
+        shapes = {
+            "w13": (num_experts, 2 * intermediate_size, hidden_size),
+            "w2": (num_experts, hidden_size, intermediate_size),
+        }
+        for name, shape in shapes.items():
+            if self.quantize_on_load:
+                setattr(layer, name, new_parameter(*shape))
+                continue
+            setattr(layer, name, _parameter(torch.empty(shape, dtype=FP8_DTYPE)))
+            scale_shape = (shape[0], shape[1] // _BLOCK, shape[2] // _BLOCK)
+            setattr(layer, f"{name}_scale", _parameter(torch.empty(scale_shape), _BLOCK))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not self.quantize_on_load or layer.w13.dtype == FP8_DTYPE:
+            return
+        for name in ("w13", "w2"):
+            weight = getattr(layer, name).data
+            codes = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
+            scales = []
+            for expert in range(weight.shape[0]):
+                codes[expert], scale = quantize_weight_block(weight[expert])
+                scales.append(scale)
+            setattr(layer, name, _parameter(codes))
+            setattr(layer, f"{name}_scale", _parameter(torch.stack(scales), _BLOCK))
+
+    def fill_dummy_weights(self, layer: nn.Module, std: float, generator: GeneratorFor) -> None:
+        if self.quantize_on_load:
+            return  # model-dtype experts until process_weights_after_loading
+        for name in ("w13", "w2"):
+            weight, scale = getattr(layer, name), getattr(layer, f"{name}_scale")
+            values = torch.empty(weight.shape[1:], dtype=torch.float32, device=weight.device)
+            for expert in range(weight.shape[0]):
+                values.normal_(0.0, std, generator=generator(weight.device))
+                weight.data[expert], scale.data[expert] = quantize_weight_block(values)
+
+    def apply(
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,  # [T, H]
+        topk_weights: torch.Tensor,  # [T, k] float32
+        topk_ids: torch.Tensor,  # [T, k]
+    ) -> torch.Tensor:
+        w13, w2, s13, s2 = layer.w13, layer.w2, layer.w13_scale, layer.w2_scale
+        if self._kernel is not None and hidden.is_cuda:
+            return self._kernel(hidden, w13, w2, topk_weights, topk_ids, w13_scale=s13, w2_scale=s2)
+        return fused_moe_fp8_ref(hidden, w13, w2, topk_weights, topk_ids, s13, s2)
