@@ -525,12 +525,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_parallel_fits_model(self.parallel_config, self.model_config.arch)
-        if self.model_config.quant_config is not None and self.parallel_config.world_size > 1:
-            raise _fail(
-                "quantization",
-                "FP8 with tensor_parallel_size > 1 is not supported yet (the sharded layers do "
-                "not split the scales); use tensor_parallel_size 1 (data_parallel_size works)",
-            )
         device = self.device_config
         if (
             device.kernel_backend == "triton"

@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from ferrum.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from ferrum.config import ModelConfig
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.quant_config import QuantConfig, resolve_quant_config
 
@@ -200,14 +200,3 @@ def test_quantization_flag(tiny_checkpoint) -> None:
     assert config.quant_config is not None and config.quant_config.method == "fp8"
     with pytest.raises(SystemExit):
         parser.parse_args([path, "--quantization", "awq"])
-
-
-def test_fp8_with_tensor_parallel_is_refused(tiny_checkpoint) -> None:
-    model = ModelConfig(tiny_checkpoint("llama"), quantization="fp8")
-    with pytest.raises(ValueError, match="quantization: FP8 with tensor_parallel_size > 1"):
-        EngineConfig(
-            model_config=model,
-            cache_config=CacheConfig(),
-            scheduler_config=SchedulerConfig(max_model_len=model.max_model_len),
-            parallel_config=ParallelConfig(tensor_parallel_size=2),
-        )

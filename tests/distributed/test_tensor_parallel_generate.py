@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.utils.fp8_checkpoints import write_fp8_checkpoint
 from tests.utils.rank_pool import RankPool
 from tests.utils.tp_generate import generate, generate_on_rank
 
@@ -40,3 +41,29 @@ def test_two_ranks_generate_what_one_does(pool, tiny_checkpoint, case) -> None:
     assert rank0["tokens"][:-1] == expected["tokens"][:-1]
     assert rank0["num_preemptions"] == expected["num_preemptions"]
     assert rank0["prefix_cache_hits"] == expected["prefix_cache_hits"]
+
+
+FP8_SHAPES = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 64}
+FP8_CASES = {
+    "qwen3": ("qwen3", {"num_key_value_heads": 4}, {}),
+    "qwen3_moe": ("qwen3_moe", {"num_key_value_heads": 4, "moe_intermediate_size": 256}, {}),
+    "qwen3_moe-expert-parallel": (
+        "qwen3_moe",
+        {"num_key_value_heads": 4, "moe_intermediate_size": 128},
+        {"enable_expert_parallel": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_two_ranks_generate_what_one_does_with_fp8(pool, tiny_checkpoint, tmp_path, case) -> None:
+    """Qwen's block-FP8 format split over two ranks: every rank's share of each weight and of
+    its activation (input columns of o_proj and down_proj) is a whole number of 128-blocks, so
+    the scales split on block boundaries and the W8A8 arithmetic is that of one rank."""
+    arch, overrides, parallel = FP8_CASES[case]
+    source = tiny_checkpoint(arch, **FP8_SHAPES, **overrides)
+    path = write_fp8_checkpoint(source, str(tmp_path / "fp8"), "fp8")
+    expected = generate(path)
+    rank0, rank1 = pool.run(generate_on_rank, path, parallel)
+    assert rank0 == rank1
+    assert rank0["tokens"][:-1] == expected["tokens"][:-1]

@@ -8,7 +8,10 @@
 
 With a group of one rank these are exactly `Linear` / `MergedLinear` (same parameters, loaders
 and forward). With more, each parameter's loader `reads_slices`: it narrows the checkpoint
-tensor to this rank's block before anything is read from the file.
+tensor to this rank's block before anything is read from the file. A quantized layer's block
+scales (`output_block` = 128 weight rows and columns per entry) are narrowed in blocks, so each
+rank's share must start and end on block boundaries (else a ValueError names the sizes);
+per-channel scales ([N, 1]) split with the output rows and stay whole across input columns.
 """
 
 from __future__ import annotations
@@ -50,6 +53,17 @@ def _rows(
     return materialize(loaded.narrow(dim, start, length))
 
 
+def _in_blocks(param: nn.Parameter, start: int, length: int, what: str) -> tuple[int, int]:
+    """(start, length) of weight rows/columns in `param`'s entries (blocks for block scales)."""
+    block = getattr(param, "output_block", 1)
+    if block > 1 and start % block:
+        raise ValueError(
+            f"{what}: this rank's share starts at {start}, inside a {block}-wide scale block "
+            f"(FP8 tensor parallelism needs each rank's share on {block}-row boundaries)"
+        )
+    return start // block, -(-length // block)
+
+
 class ColumnParallelLinear(Linear):
     """y_r = x W_r^T + b_r: rank r holds output rows [r * n, (r + 1) * n), n = output / tp."""
 
@@ -66,16 +80,16 @@ class ColumnParallelLinear(Linear):
         super().__init__(input_size, local, bias, **linear_kwargs)
         self.tp_group = group
         if group.world_size > 1:
-            for param in (self.weight, self.bias):
-                if param is not None:
-                    set_weight_loader(param, self._load_rank_rows)
-                    _reads_slices(param)
+            for param in self.parameters(recurse=False):
+                set_weight_loader(param, self._load_rank_rows)
+                _reads_slices(param)
 
     def _load_rank_rows(
         self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard_id: Hashable
     ) -> set[Hashable]:
-        n = param.shape[0]
-        return default_weight_loader(param, _rows(loaded, 0, self.tp_group.rank * n, n), shard_id)
+        local = self.output_size
+        start, n = _in_blocks(param, self.tp_group.rank * local, local, "output rows")
+        return default_weight_loader(param, _rows(loaded, 0, start, n), shard_id)
 
 
 class MergedColumnParallelLinear(MergedLinear):
@@ -102,7 +116,7 @@ class MergedColumnParallelLinear(MergedLinear):
         super().__init__(input_size, local_sizes, bias, **linear_kwargs)
         self.tp_group = group
         if group.world_size > 1:
-            for param in (self.weight, self.bias):
+            for param in self.parameters(recurse=False):
                 _reads_slices(param)
 
     def _load_shard(
@@ -110,6 +124,7 @@ class MergedColumnParallelLinear(MergedLinear):
     ) -> set[Hashable]:
         if self.tp_group.world_size > 1 and shard_id in self.checkpoint_rows:
             start, length = self.checkpoint_rows[shard_id]  # type: ignore[index]
+            start, length = _in_blocks(param, start, length, f"shard {shard_id!r}")
             loaded = _rows(loaded, 0, start, length)
         return super()._load_shard(param, loaded, shard_id)
 
@@ -155,7 +170,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             "v": (first_kv_head * head_dim, kv_size),
         }
         if tp > 1:
-            for param in (self.weight, self.bias):
+            for param in self.parameters(recurse=False):
                 _reads_slices(param)
 
 
@@ -177,17 +192,26 @@ class RowParallelLinear(Linear):
         super().__init__(local, output_size, bias, **linear_kwargs)
         self.tp_group = group
         if group.world_size > 1:
-            set_weight_loader(self.weight, self._load_rank_columns)
-            _reads_slices(self.weight)
+            for param in self.parameters(recurse=False):
+                # The bias and per-channel scales [N, 1] cover every input column: whole on
+                # each rank; the weight and block scales split by columns.
+                if param is self.weight or getattr(param, "output_block", 1) > 1:
+                    set_weight_loader(param, self._load_rank_columns)
+                    _reads_slices(param)
 
     def _load_rank_columns(
         self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard_id: Hashable
     ) -> set[Hashable]:
-        n = param.shape[1]
-        return default_weight_loader(param, _rows(loaded, 1, self.tp_group.rank * n, n), shard_id)
+        local = self.input_size
+        start, n = _in_blocks(param, self.tp_group.rank * local, local, "input columns")
+        return default_weight_loader(param, _rows(loaded, 1, start, n), shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.world_size == 1:
             return super().forward(x)
-        out = self.tp_group.all_reduce(torch.nn.functional.linear(x, self.weight))
+        if self.quant_method is not None:
+            partial = self.quant_method.apply(self, x, None)
+        else:
+            partial = torch.nn.functional.linear(x, self.weight)
+        out = self.tp_group.all_reduce(partial)
         return out if self.bias is None else out + self.bias

@@ -238,11 +238,6 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = kernels
         self.tp_group = tp_group or TensorParallelGroup()
         self.enable_expert_parallel = enable_expert_parallel
-        if quant_config is not None and self.tp_group.world_size > 1:
-            raise ValueError(
-                "quantization: FP8 with tensor_parallel_size > 1 is not supported yet (the "
-                "sharded layers do not split the scales); use tensor_parallel_size 1"
-            )
         self.quant_config = quant_config
         self.model = self.make_model()
         tied_to = self.model.embed_tokens if arch.tie_word_embeddings else None
