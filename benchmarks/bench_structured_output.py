@@ -104,7 +104,7 @@ def time_decode(llm: LLM, batch: int, input_len: int, steps: int, schema: dict |
         engine.step()
     for _ in range(8):  # past the first masks of new grammar states
         engine.step()
-    runner = core.runner
+    runner = core.executor.runner
     fill_seconds = [0.0]
     real_fill: Callable = runner._grammar_bitmask
 

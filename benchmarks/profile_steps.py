@@ -57,7 +57,7 @@ def main() -> int:
         engine.step()
 
     phases: dict[str, float] = defaultdict(float)
-    runner = core.runner
+    runner = core.executor.runner
     core.scheduler.schedule = timed(phases, "schedule", core.scheduler.schedule)
     core.scheduler.update_from_output = timed(phases, "update", core.scheduler.update_from_output)
     runner.inputs.prepare = timed(phases, "inputs (build + copy)", runner.inputs.prepare)

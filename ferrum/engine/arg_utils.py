@@ -32,9 +32,7 @@ logger = init_logger(__name__)
 # vLLM engine arguments ferrum does not have yet -> the value that means "off" in vLLM (accepted:
 # it asks for what ferrum does). The issue that adds one removes its entry here.
 NOT_SUPPORTED_YET: dict[str, Any] = {
-    "tensor_parallel_size": 1,
     "pipeline_parallel_size": 1,
-    "distributed_executor_backend": None,
     "kv_cache_dtype": "auto",
     "enable_lora": False,
     "max_lora_rank": None,
@@ -72,7 +70,7 @@ def check_not_supported_yet(kwargs: dict[str, Any]) -> None:
 _Config = TypeVar("_Config")
 
 # vLLM's short forms of some flags.
-_SHORT_FLAGS = {"data_parallel_size": ("-dp",)}
+_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",)}
 
 _CONFIG_FIELDS = {
     f.name: f
@@ -104,7 +102,10 @@ class EngineArgs:
     enforce_eager: bool = DeviceConfig.enforce_eager
     num_cpu_threads: int | None = DeviceConfig.num_cpu_threads
     async_scheduling: bool | None = None
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
     data_parallel_size: int = ParallelConfig.data_parallel_size
+    distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -112,7 +113,12 @@ class EngineArgs:
         when available), async_scheduling None (on with CUDA) and dtype "auto" (float32 where
         bfloat16 cannot run: Triton's CPU interpreter), then builds the validated configs."""
         device = self.device or _default_device()
-        parallel_config = ParallelConfig(data_parallel_size=self.data_parallel_size)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
         _check_device_exists(device, parallel_config)
         async_scheduling = self.async_scheduling
         if async_scheduling is None:

@@ -1,4 +1,4 @@
-"""EngineCore: scheduler + model runner, token ids in and token ids out.
+"""EngineCore: scheduler + executor (the model runner of each rank), token ids in and out.
 
 It knows nothing of text: tokenization, detokenization, stop strings and `n` fan-out live in the
 front end (`LLMEngine`, the API server), so the core can run in its own process and keep the
@@ -10,7 +10,8 @@ Structured outputs and async scheduling: a step's bitmask needs every earlier ou
 accepted by the request's matcher. A step that samples a constrained request is launched as its
 forward alone while the previous step is still in flight; the host then completes the previous
 step (its tokens reach the matchers) and fills the bitmask while the device runs the forward,
-and only then queues the sampling (`ModelRunner.sample`), which applies the mask on the device.
+and only then queues the sampling (`Executor.sample`), which applies the mask on the device
+(with worker processes, the executor fills the mask here and sends it to the workers).
 Tokens are the same as with synchronous scheduling. (Penalties and bad words still make a step
 wait for the previous one's tokens before it is scheduled: `Scheduler.needs_host_history`.)
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -33,9 +35,9 @@ from ferrum.engine.core_messages import (
 from ferrum.engine.fault_injection import with_injected_faults
 from ferrum.engine.grammar_frontend import tokenizer_info_builder
 from ferrum.engine.input_processor import load_tokenizer
+from ferrum.executor import Executor, create_executor
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.logger import init_logger
-from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
 from ferrum.request import Logprobs, Request, RequestStatus
 from ferrum.scheduler.output import SchedulerOutput
 from ferrum.scheduler.scheduler import Scheduler
@@ -65,13 +67,20 @@ class EngineCore:
         if config.device_config.num_cpu_threads is not None:
             torch.set_num_threads(config.device_config.num_cpu_threads)
         device = torch.device(config.device_config.device)
-        self.runner = with_injected_faults(ModelRunner(config, device), core_index)
-        loaded = time.perf_counter()
-        num_blocks = config.cache_config.num_kv_blocks or self.runner.determine_num_kv_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
-        sized = time.perf_counter()
-        self.runner.warm_up(num_blocks)
-        self.runner.capture_cuda_graphs()
+        executor = create_executor(config)
+        try:
+            self.executor: Executor = with_injected_faults(executor, core_index)
+            loaded = time.perf_counter()
+            num_blocks = (
+                config.cache_config.num_kv_blocks or self.executor.determine_num_kv_blocks()
+            )
+            self.executor.initialize_kv_cache(num_blocks)
+            sized = time.perf_counter()
+            self.executor.warm_up(num_blocks)
+            self.executor.capture_cuda_graphs()
+        except BaseException:
+            executor.shutdown()
+            raise
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             config.cache_config.block_size,
@@ -82,7 +91,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Launched steps not completed yet, oldest first (at most one between calls of `step`).
-        self._in_flight: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()
+        self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         # Outputs of completed steps not yet returned by `step`.
         self._completed_outputs: list[EngineCoreOutput] = []
         # Non-empty steps per ITERATION_TOKENS_BUCKETS bucket (+ one for larger), their tokens.
@@ -93,7 +102,7 @@ class EngineCore:
         self.startup_seconds = time.perf_counter() - start
         logger.info(
             "engine core ready in %.2f s (model load %.2f s, KV cache sizing %.2f s, warm-up and "
-            "CUDA graphs %.2f s): %s on %s, %s, %s kernels, %d KV blocks of %d tokens, %s "
+            "CUDA graphs %.2f s): %s on %s x %d, %s, %s kernels, %d KV blocks of %d tokens, %s "
             "scheduling",
             self.startup_seconds,
             loaded - start,
@@ -101,8 +110,9 @@ class EngineCore:
             start + self.startup_seconds - sized,
             config.model_config.architecture,
             device,
+            config.parallel_config.tensor_parallel_size,
             config.model_config.dtype,
-            self.runner.kernel_backend,
+            self.executor.kernel_backend,
             self.kv_cache_manager.num_usable_blocks,
             config.cache_config.block_size,
             "async" if config.scheduler_config.async_scheduling else "synchronous",
@@ -156,7 +166,7 @@ class EngineCore:
         if scheduler_output.is_empty and not self._in_flight and self._waiting_on_grammars():
             time.sleep(_GRAMMAR_POLL_SECONDS)  # nothing to run until a compile ends
         try:
-            launched = self.runner.launch(
+            launched = self.executor.launch(
                 scheduler_output,
                 self._matchers(scheduler_output),
                 defer_sampling=bool(self._in_flight),
@@ -177,14 +187,12 @@ class EngineCore:
         outputs, self._completed_outputs = self._completed_outputs, []
         return outputs
 
-    def _sample_after_previous(
-        self, scheduler_output: SchedulerOutput, launched: LaunchedStep
-    ) -> None:
+    def _sample_after_previous(self, scheduler_output: SchedulerOutput, launched: Any) -> None:
         """While the device runs `launched`'s forward: completes the step before it (its tokens
         reach the matchers), then queues `launched`'s sampling with the masks they give."""
         self._complete_oldest()  # on a device failure, every step in flight is recovered
         try:
-            self.runner.sample(launched)
+            self.executor.sample(launched)
         except BaseException:
             self._record_failed_steps([scheduler_output])
             self._in_flight.pop()
@@ -219,7 +227,7 @@ class EngineCore:
         launched step's work is lost and their requests are requeued."""
         scheduler_output, launched = self._in_flight[0]
         try:
-            runner_output = self.runner.complete(launched)
+            runner_output = self.executor.complete(launched)
         except BaseException:
             self._record_failed_steps([step for step, _ in self._in_flight])
             for failed, _ in self._in_flight:
@@ -267,6 +275,14 @@ class EngineCore:
         for step in steps:
             req_ids.update(step.num_scheduled_tokens)
         self.failed_step_req_ids = sorted(req_ids)
+
+    def check_health(self) -> None:
+        """Raises if a worker of the executor has failed (never blocks)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the executor's workers (bounded); the core is unusable afterwards."""
+        self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

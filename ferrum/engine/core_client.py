@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+import os
 import queue
 import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from ferrum.config import EngineConfig
@@ -34,6 +35,7 @@ from ferrum.engine.core_messages import (
     Shutdown,
     ToCore,
 )
+from ferrum.executor import WorkerDiedError
 from ferrum.logger import init_logger
 from ferrum.request import RequestStatus
 
@@ -60,6 +62,8 @@ class EngineCoreClient:
         self._on_message = on_message
         self._outbox: queue.SimpleQueue[ToCore] = queue.SimpleQueue()
         self._process: multiprocessing.process.BaseProcess | None = None
+        # The core's worker processes, once its CoreInfo names them: killed with the core.
+        self._worker_pids: tuple[int, ...] = ()
         self._closed = False
 
     def start(self) -> None:
@@ -108,6 +112,7 @@ class EngineCoreClient:
         process.join(timeout)
         if process.is_alive():
             logger.warning("engine core did not exit in %.0f s; terminating it", timeout)
+            self._kill_workers()
             process.terminate()
             process.join(5.0)
         if process.is_alive():
@@ -123,8 +128,18 @@ class EngineCoreClient:
         if process is None:
             return
         if process.is_alive():
+            # A killed core cannot stop its workers, which may be stuck (or stopped)
+            # themselves; while the core lives, their pids cannot have been reused.
+            self._kill_workers()
             process.kill()
         threading.Thread(target=process.join, name="ferrum-core-reap", daemon=True).start()
+
+    def _kill_workers(self) -> None:
+        """SIGKILLs the core's workers (the core, their parent, must still be alive, so that
+        the pids are still theirs); the core or, once it is gone, init reaps them."""
+        for pid in self._worker_pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
     def _send_loop(self, conn: Connection) -> None:
         try:
@@ -147,6 +162,8 @@ class EngineCoreClient:
         try:
             while True:
                 for message in conn.recv():
+                    if isinstance(message, CoreInfo):
+                        self._worker_pids = message.worker_pids
                     self._on_message(message)
                     if isinstance(message, CoreFailed):
                         return
@@ -183,6 +200,7 @@ def run_engine_core(
             max_tokens_in_pool=core.kv_cache_manager.max_tokens_in_pool(),
             import_seconds=imported - started,
             engine_seconds=time.perf_counter() - imported,
+            worker_pids=tuple(core.executor.worker_pids),
         )
         outbox.send([info])
         _busy_loop(core, inbox, outbox)
@@ -191,18 +209,26 @@ def run_engine_core(
         return
     except BaseException as e:
         logger.error("engine core failed: %s", "".join(traceback.format_exception(e)).rstrip())
-        req_ids = (core.failed_step_req_ids or None) if core is not None else None
+        req_ids = None
+        # A lost worker process blames nobody, like a lost core process.
+        if core is not None and not isinstance(e, WorkerDiedError):
+            req_ids = core.failed_step_req_ids or None
         failed = CoreFailed(f"engine core failed: {type(e).__name__}: {e}", req_ids)
         with contextlib.suppress(OSError):
             outbox.send([failed])
         raise SystemExit(1) from None
+    finally:
+        if core is not None:
+            core.shutdown()
 
 
 def _busy_loop(core: Any, inbox: Connection, outbox: Connection) -> None:
     while True:
         messages: list[ToCore] = []
         if not core.has_unfinished_requests():
-            messages.extend(inbox.recv())
+            # Idle: wake for a message, or for a worker's failure (check_health raises).
+            wait([inbox, *core.executor.failure_sentinels])
+            core.check_health()
         while inbox.poll():
             messages.extend(inbox.recv())
         for message in messages:

@@ -85,6 +85,9 @@ class CoreInfo:
     # Seconds spent in the core process before it was ready: imports, then EngineCore(...).
     import_seconds: float
     engine_seconds: float
+    # The core's tensor-parallel worker processes (rank order); empty when the model runs in
+    # the core process.
+    worker_pids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

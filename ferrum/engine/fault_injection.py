@@ -1,4 +1,4 @@
-"""Test-only fault hooks around the model runner, driven by FERRUM_DEBUG_* knobs (`envs.py`):
+"""Test-only fault hooks around the executor, driven by FERRUM_DEBUG_* knobs (`envs.py`):
 a forward that raises once (`FERRUM_DEBUG_FAIL_FORWARD`, first core only) and poison requests
 that make every forward holding them raise (`FERRUM_DEBUG_FAIL_ON_TOKEN`, every core)."""
 
@@ -7,32 +7,32 @@ from __future__ import annotations
 from typing import Any
 
 from ferrum import envs
+from ferrum.executor import Executor
 from ferrum.logger import init_logger
-from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
 from ferrum.scheduler.output import SchedulerOutput
 
 logger = init_logger(__name__)
 
 
-def with_injected_faults(runner: ModelRunner, core_index: int) -> Any:
-    """`runner`, wrapped if a fault knob is set. `core_index`: 0 for the first core of a server
+def with_injected_faults(executor: Executor, core_index: int) -> Any:
+    """`executor`, wrapped if a fault knob is set. `core_index`: 0 for the first core of a server
     (or an in-process engine), n for its nth restart."""
     fail_at = envs.debug_fail_forward() if core_index == 0 else None
     poison_token_id = envs.debug_fail_on_token()
     if fail_at is None and poison_token_id is None:
-        return runner
-    return FaultInjectingRunner(runner, fail_at, poison_token_id)
+        return executor
+    return FaultInjectingExecutor(executor, fail_at, poison_token_id)
 
 
-class FaultInjectingRunner:
-    """The runner's `fail_at`th non-empty step launch raises, and so does every launch that
+class FaultInjectingExecutor:
+    """The executor's `fail_at`th non-empty step launch raises, and so does every launch that
     schedules a request whose prompt holds `poison_token_id`; everything else is the wrapped
-    runner's."""
+    executor's."""
 
     def __init__(
-        self, runner: ModelRunner, fail_at: int | None, poison_token_id: int | None
+        self, executor: Executor, fail_at: int | None, poison_token_id: int | None
     ) -> None:
-        self.runner = runner
+        self.executor = executor
         self.fail_at = fail_at
         self.poison_token_id = poison_token_id
         self.num_launches = 0
@@ -51,7 +51,7 @@ class FaultInjectingRunner:
         scheduler_output: SchedulerOutput,
         matchers: dict[str, Any] | None = None,
         defer_sampling: bool = False,
-    ) -> LaunchedStep:
+    ) -> Any:
         self._poisoned -= scheduler_output.finished_req_ids
         for new in scheduler_output.scheduled_new_reqs:
             if self.poison_token_id in new.prompt_token_ids:
@@ -68,7 +68,7 @@ class FaultInjectingRunner:
                     f"injected fault: token {self.poison_token_id} in the prompt of "
                     f"{poisoned} (FERRUM_DEBUG_FAIL_ON_TOKEN)"
                 )
-        return self.runner.launch(scheduler_output, matchers, defer_sampling)
+        return self.executor.launch(scheduler_output, matchers, defer_sampling)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.runner, name)
+        return getattr(self.executor, name)

@@ -16,13 +16,18 @@ from ferrum.structured_output.compiler import (
     GrammarCompileTimeoutError,
     PendingGrammar,
 )
-from ferrum.structured_output.matcher import BatchBitmaskFiller, StructuredOutputMatcher
+from ferrum.structured_output.matcher import (
+    BatchBitmaskFiller,
+    FilledBitmaskRow,
+    StructuredOutputMatcher,
+)
 from ferrum.structured_output.spec import GrammarKind, GrammarSpec
 from ferrum.structured_output.tokenizer_info import build_tokenizer_info
 
 __all__ = [
     "BatchBitmaskFiller",
     "CompiledGrammar",
+    "FilledBitmaskRow",
     "GrammarCompileTimeoutError",
     "GrammarCompilerService",
     "GrammarKind",

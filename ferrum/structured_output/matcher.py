@@ -65,6 +65,21 @@ class StructuredOutputMatcher:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
 
+class FilledBitmaskRow:
+    """A request's next-token bitmask row filled elsewhere, standing in for its matcher: the
+    engine core fills the rows from its matchers and sends them with the step to tensor-parallel
+    workers, which hold no matcher. `rows` is int32 [n, vocab words] on the host."""
+
+    __slots__ = ("rows", "index")
+
+    def __init__(self, rows: torch.Tensor, index: int) -> None:
+        self.rows = rows
+        self.index = index
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row].copy_(self.rows[self.index])
+
+
 class BatchBitmaskFiller:
     """Fills the bitmask rows of many matchers in one call, on xgrammar's own threads (the GIL
     released): what a decode step of a large constrained batch spends on the host."""
@@ -75,14 +90,18 @@ class BatchBitmaskFiller:
         self._batch = xgr.BatchGrammarMatcher(max_threads)
 
     def fill(
-        self, bitmask: torch.Tensor, rows: Sequence[tuple[int, StructuredOutputMatcher]]
+        self,
+        bitmask: torch.Tensor,
+        rows: Sequence[tuple[int, StructuredOutputMatcher | FilledBitmaskRow]],
     ) -> None:
         """Fills row `i` of the host `bitmask` for each `(i, matcher)`, as
         `matcher.fill_bitmask(bitmask, i)` would."""
-        live = [(i, m) for i, m in rows if not m.is_terminated()]
+        live = []
         for i, matcher in rows:
-            if matcher.is_terminated():
+            if isinstance(matcher, FilledBitmaskRow) or matcher.is_terminated():
                 matcher.fill_bitmask(bitmask, i)
+            else:
+                live.append((i, matcher))
         if len(live) == 1:
             live[0][1].fill_bitmask(bitmask, live[0][0])
         elif live:

@@ -75,12 +75,37 @@ def test_cuda_without_cuda_fails_before_loading() -> None:
 
 
 def test_vllm_arguments_not_supported_yet() -> None:
+<<<<<<< HEAD
     check_not_supported_yet({"tensor_parallel_size": 1, "kv_cache_dtype": "auto"})  # "off": fine
     with pytest.raises(ValueError, match="tensor_parallel_size=2: not supported yet by ferrum"):
         check_not_supported_yet({"tensor_parallel_size": 2})
+=======
+    check_not_supported_yet({"pipeline_parallel_size": 1, "quantization": None})  # "off": fine
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: not supported yet by ferrum"):
+        check_not_supported_yet({"pipeline_parallel_size": 2})
+>>>>>>> 12b03e7 (Executors (issue 14): EngineCore drives an Executor instead of a ModelRunner; UniProcExecutor is today's in-process runner, MultiprocExecutor runs one worker process per rank (python -m ferrum.executor.worker, pipes, a lifeline that ends a worker whose core is gone), broadcasts each step pickled once (SchedulerOutput pickles its running-request diffs as columns: 6-10x cheaper), takes rank 0's tokens, sizes the KV pool as the minimum over ranks, fills grammar bitmasks in the core and sends the rows with the step; a dead worker fails the step (no request blamed), kills the others, and the core/front end kill workers with the core; -tp / tensor_parallel_size / distributed_executor_backend flags on EngineArgs; tests with one worker process (tp 2 once the parallel layers land))
     with pytest.raises(TypeError, match="unexpected engine argument 'max_num_seq'.*max_num_seqs"):
         check_not_supported_yet({"max_num_seq": 4})
     assert not set(NOT_SUPPORTED_YET) & {f.name for f in fields(EngineArgs)}
+
+
+def test_parallel_flags_build_the_parallel_config() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args([DEFAULT_MODEL_DIR, "-tp", "2", "--device", "cpu"])
+    config = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR).create_engine_config()
+    assert config.parallel_config.tensor_parallel_size == 2
+    assert config.parallel_config.distributed_executor_backend == "mp"
+    args = parser.parse_args([DEFAULT_MODEL_DIR, "--distributed-executor-backend", "mp"])
+    config = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR).create_engine_config()
+    assert config.parallel_config.tensor_parallel_size == 1
+    assert config.parallel_config.distributed_executor_backend == "mp"
+    default = EngineArgs(model=DEFAULT_MODEL_DIR, device="cpu").create_engine_config()
+    assert default.parallel_config.distributed_executor_backend == "uni"
+    with pytest.raises(ValueError, match="distributed_executor_backend: 'ray' is not supported"):
+        EngineArgs(
+            model=DEFAULT_MODEL_DIR, device="cpu", distributed_executor_backend="ray"
+        ).create_engine_config()
 
 
 def test_engine_recovery_flags_build_a_validated_config() -> None:

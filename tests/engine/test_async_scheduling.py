@@ -98,7 +98,7 @@ def test_failed_launch_keeps_the_previous_steps_tokens(
     prompts = random_prompts([21, 13], seed=31)
     llm = make_llm(path, num_kv_blocks=64, async_scheduling=True)
     engine = llm.llm_engine
-    fail_forward(monkeypatch, engine.core.runner.model, at_call=4)
+    fail_forward(monkeypatch, engine.core.executor.runner.model, at_call=4)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)

@@ -17,7 +17,7 @@ def test_eager_equals_graphs_in_bf16(tiny_checkpoint) -> None:
     prompts = random_prompts([7, 12, 30], seed=23)
     graphs = cuda_llm(path, dtype="bfloat16", num_kv_blocks=64)
     eager = cuda_llm(path, dtype="bfloat16", num_kv_blocks=64, enforce_eager=True)
-    assert eager.llm_engine.core.runner.cuda_graphs is None
+    assert eager.llm_engine.core.executor.runner.cuda_graphs is None
     assert greedy(graphs, prompts) == greedy(eager, prompts)
 
 

@@ -15,7 +15,7 @@ def test_failed_forward_is_recovered(tiny_checkpoint, monkeypatch: pytest.Monkey
     llm = make_llm(path, num_kv_blocks=64)
     engine = llm.llm_engine
     prompts = random_prompts([21, 13], seed=31)
-    fail_forward(monkeypatch, engine.core.runner.model, at_call=1)
+    fail_forward(monkeypatch, engine.core.executor.runner.model, at_call=1)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
@@ -39,7 +39,7 @@ def test_a_launch_failing_before_the_runner_reads_the_step_loses_no_cleanup(
 ) -> None:
     llm = make_llm(tiny_checkpoint("qwen3"), num_kv_blocks=64)
     engine = llm.llm_engine
-    runner = engine.core.runner
+    runner = engine.core.executor.runner
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=2, ignore_eos=True)
     engine.add_request("done", {"prompt_token_ids": [1, 2, 3]}, seeded)
     while engine.has_unfinished_requests():

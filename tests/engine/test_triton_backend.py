@@ -8,7 +8,7 @@ from tests.utils.tiny_llm import make_llm
 
 def test_auto_backend_is_torch_on_cpu(tiny_checkpoint) -> None:
     llm = make_llm(tiny_checkpoint("qwen3"), num_kv_blocks=16)
-    assert llm.llm_engine.core.runner.kernel_backend == "torch"
+    assert llm.llm_engine.core.executor.runner.kernel_backend == "torch"
     out = llm.generate(
         {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2), use_tqdm=False
     )

@@ -92,7 +92,7 @@ def test_triton_kernels_match_hf(tiny_checkpoint, arch: str) -> None:
     prompts = random_prompts([6, 13, 2], seed=11)
     # Chunked prefill + prefix hits + decodes all go through the Triton kernels.
     llm = make_llm(path, kernel_backend="triton", num_kv_blocks=64, max_num_batched_tokens=9)
-    assert llm.llm_engine.core.runner.kernel_backend == "triton"
+    assert llm.llm_engine.core.executor.runner.kernel_backend == "triton"
     expected = hf_greedy(path, prompts, MAX_TOKENS)
     assert greedy(llm, prompts) == expected
     assert greedy(llm, prompts[:1]) == expected[:1]  # served from the prefix cache
@@ -103,7 +103,7 @@ def test_triton_kernels_match_hf(tiny_checkpoint, arch: str) -> None:
 def test_cuda_graphs_and_triton_match_hf(tiny_checkpoint, arch: str) -> None:
     path = tiny_checkpoint(arch)
     llm = cuda_llm(path, num_kv_blocks=64)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.core.executor.runner
     assert runner.kernel_backend == "triton" and runner.cuda_graphs is not None
     prompts = random_prompts([5, 40, 2, 19, 33], seed=21)
     assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
@@ -113,7 +113,7 @@ def test_cuda_graphs_and_triton_match_hf(tiny_checkpoint, arch: str) -> None:
 def test_cuda_single_request_prefill_graphs_match_hf(tiny_checkpoint) -> None:
     path = tiny_checkpoint("qwen3")
     llm = cuda_llm(path, num_kv_blocks=64)
-    assert llm.llm_engine.core.runner.cuda_graphs.prefill_sizes[0] == 16
+    assert llm.llm_engine.core.executor.runner.cuda_graphs.prefill_sizes[0] == 16
     prompts = random_prompts([3, 17, 40], seed=24)
     # Alone, each prompt is one request's chunk: it runs as a prefill graph.
     assert [greedy(llm, [p])[0] for p in prompts] == hf_greedy(path, prompts, MAX_TOKENS)

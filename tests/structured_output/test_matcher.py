@@ -16,6 +16,7 @@ from ferrum.sampling_params import StructuredOutputsParams
 from ferrum.structured_output import (
     BatchBitmaskFiller,
     CompiledGrammar,
+    FilledBitmaskRow,
     GrammarCompilerService,
     GrammarSpec,
     allocate_token_bitmask,
@@ -242,3 +243,21 @@ def test_batch_fill_matches_one_row_at_a_time(compiler: GrammarCompilerService) 
     BatchBitmaskFiller(max_threads=2).fill(batched, rows)
     assert torch.equal(batched, one_by_one)
     assert (batched[1] == -1).all()  # untouched
+
+
+def test_filled_rows_stand_in_for_their_matchers(compiler: GrammarCompilerService) -> None:
+    # What a tensor-parallel worker gets: rows the core filled, mixed here with a live matcher.
+    grammars = [
+        compiler.compile(GrammarSpec.from_params(StructuredOutputsParams(**kwargs)))
+        for kwargs in ({"regex": "[a-z]+@x"}, {"choice": ["ab", "c"]})
+    ]
+    filled = allocate_token_bitmask(2, MODEL_VOCAB_SIZE)
+    for i, grammar in enumerate(grammars):
+        grammar.new_matcher().fill_bitmask(filled, i)
+    live = grammars[0].new_matcher()
+    rows = [(0, FilledBitmaskRow(filled, 1)), (1, live), (3, FilledBitmaskRow(filled, 0))]
+    batched = allocate_token_bitmask(4, MODEL_VOCAB_SIZE)
+    BatchBitmaskFiller(max_threads=2).fill(batched, rows)
+    assert torch.equal(batched[0], filled[1])
+    assert torch.equal(batched[1], filled[0]) and torch.equal(batched[3], filled[0])
+    assert (batched[2] == -1).all()

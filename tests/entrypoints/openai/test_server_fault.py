@@ -4,16 +4,13 @@ a crash loop ends the server; with --engine-failure-policy exit the server exits
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,80 +20,15 @@ import torch
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from tests.utils.remote_server import REPO_ROOT, RemoteServer, free_port
+from tests.utils.streams import MAX_TOKENS, assert_intact, full_log, prompt_of, stream_all
 
 NUM_STREAMS = 32
-MAX_TOKENS = 24
 # The first core's 12th forward raises: the streams have started by then and none has finished.
 FAIL_AT_FORWARD = 12
 # A prompt holding this token id crashes every forward it is in (no text prompt tokenizes to it).
 POISON_TOKEN_ID = 8191
 # Room for all 32 streams without preemption.
 SERVER_ARGS = ["--max-model-len", "512", "--async-scheduling", "--num-kv-blocks", "256"]
-
-
-def prompt_of(i: int) -> str:
-    return f"Story {i}: a short tale about the sea and {i * 7} friends"
-
-
-@dataclass
-class StreamResult:
-    text: str
-    finish_reason: str | None
-    error: dict | None
-
-
-async def _stream(
-    client: httpx.AsyncClient, url: str, prompt: str | list[int], started: asyncio.Event
-) -> StreamResult:
-    """One greedy stream of MAX_TOKENS; sets `started` once it has received text."""
-    body = {
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    result = StreamResult("", None, None)
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        assert response.status_code == 200, await response.aread()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                result.error = chunk["error"]
-                continue
-            choice = chunk["choices"][0]
-            result.text += choice["text"]
-            result.finish_reason = choice["finish_reason"] or result.finish_reason
-            if result.text:
-                started.set()
-    started.set()
-    return result
-
-
-def stream_all(
-    server: RemoteServer,
-    prompts: list[str | list[int]],
-    once_all_started: Callable[[], None] | None = None,
-) -> list[StreamResult]:
-    """Streams every prompt concurrently until all end; calls `once_all_started()` as soon as
-    every stream has received text (or ended)."""
-
-    async def run() -> list[StreamResult]:
-        started = [asyncio.Event() for _ in prompts]
-        async with httpx.AsyncClient(timeout=120) as client:
-            tasks = [
-                asyncio.create_task(_stream(client, server.url, p, e))
-                for p, e in zip(prompts, started)
-            ]
-            if once_all_started is not None:
-                for event in started:
-                    await event.wait()
-                once_all_started()
-            return await asyncio.gather(*tasks)
-
-    return asyncio.run(run())
 
 
 @pytest.fixture(scope="module")
@@ -142,17 +74,6 @@ def core_pid(server: RemoteServer) -> int:
         if b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
             return int(child)
     raise AssertionError(f"no engine core process among {children}")
-
-
-def full_log(server: RemoteServer) -> str:
-    return server.log_path.read_text(errors="replace")
-
-
-def assert_intact(results: list[StreamResult], expected: list[str]) -> None:
-    for i, (result, text) in enumerate(zip(results, expected, strict=True)):
-        assert result.error is None, f"stream {i}: {result.error}"
-        assert result.finish_reason == "length", f"stream {i}"
-        assert result.text == text, f"stream {i}"
 
 
 def test_forward_fault_streams_continue(server: RemoteServer, expected_texts: list[str]) -> None:

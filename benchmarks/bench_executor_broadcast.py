@@ -1,0 +1,151 @@
+"""Per-step cost of sending a SchedulerOutput to tensor-parallel workers (issue 14's bar: < 5% of
+a decode step at batch 256).
+
+What the multiprocess executor does each step, timed on the host alone (no model, no GPU):
+the core pickles the step once and writes the bytes to every worker's pipe (`send`); each worker
+reads and unpickles it (`recv`). `round_trip` adds a tiny reply from rank 0 and subtracts an
+empty ping's round trip, giving the latency from "the core starts sending" to "the last worker
+holds the step". Steps are realistic: decode (every request a diff, one in 16 taking a new
+block) and mixed (a decode batch plus new requests with long prompts), with request ids like the
+server's (`cmpl-<32 hex>-0`).
+
+    python benchmarks/bench_executor_broadcast.py --batch 256 --workers 2 --steps 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import pickle
+import random
+import statistics
+import time
+import uuid
+from multiprocessing.connection import Connection
+
+from ferrum.executor.messages import LaunchStep
+from ferrum.sampling_params import SamplingParams
+from ferrum.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+
+def decode_step(req_ids: list[str], step: int, rng: random.Random) -> SchedulerOutput:
+    cached = [
+        CachedRequestData(r, [rng.randrange(100_000)] if (i + step) % 16 == 0 else [], 300 + step)
+        for i, r in enumerate(req_ids)
+    ]
+    return SchedulerOutput([], cached, dict.fromkeys(req_ids, 1), len(req_ids), step_id=step)
+
+
+def mixed_step(
+    req_ids: list[str], step: int, rng: random.Random, num_new: int, prompt_len: int
+) -> SchedulerOutput:
+    out = decode_step(req_ids, step, rng)
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=256)
+    for _ in range(num_new):
+        req_id = f"cmpl-{uuid.uuid4().hex}-0"
+        prompt = [rng.randrange(150_000) for _ in range(prompt_len)]
+        blocks = [rng.randrange(100_000) for _ in range(-(-prompt_len // 16))]
+        out.scheduled_new_reqs.append(NewRequestData(req_id, prompt, [], params, blocks, 0))
+        out.num_scheduled_tokens[req_id] = prompt_len
+        out.total_num_scheduled_tokens += prompt_len
+    return out
+
+
+def _worker(conn: Connection, reply: Connection, rank: int) -> None:
+    while True:
+        data = conn.recv_bytes()
+        if data == b"stop":
+            return
+        pickle.loads(data)
+        if rank == 0:
+            reply.send_bytes(b"k")
+
+
+def run(batch: int, num_workers: int, num_steps: int, kind: str) -> dict[str, float]:
+    ctx = multiprocessing.get_context("spawn")
+    sends, replies, procs = [], [], []
+    for rank in range(num_workers):
+        recv_end, send_end = ctx.Pipe(duplex=False)
+        reply_recv, reply_send = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_worker, args=(recv_end, reply_send, rank), daemon=True)
+        p.start()
+        sends.append(send_end)
+        replies.append(reply_recv)
+        procs.append(p)
+    rng = random.Random(0)
+    req_ids = [f"cmpl-{uuid.uuid4().hex}-0" for _ in range(batch)]
+    if kind == "decode":
+        steps = [decode_step(req_ids, s, rng) for s in range(64)]
+    else:
+        steps = [mixed_step(req_ids, s, rng, 2, 1024) for s in range(64)]
+    messages = [LaunchStep(s, None) for s in steps]
+    ping = pickle.dumps(None)
+    send_s, rtt_s, ping_s, sizes = [], [], [], []
+    for i in range(num_steps):
+        message = messages[i % len(messages)]
+        t0 = time.perf_counter()
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in sends:
+            conn.send_bytes(data)
+        t1 = time.perf_counter()
+        replies[0].recv_bytes()
+        t2 = time.perf_counter()
+        for conn in sends:
+            conn.send_bytes(ping)
+        replies[0].recv_bytes()
+        t3 = time.perf_counter()
+        send_s.append(t1 - t0)
+        rtt_s.append(t2 - t0)
+        ping_s.append(t3 - t2)
+        sizes.append(len(data))
+    for conn in sends:
+        conn.send_bytes(b"stop")
+    for p in procs:
+        p.join(10)
+
+    def ms(xs: list[float]) -> float:
+        return round(statistics.median(xs) * 1e3, 4)
+
+    return {
+        "kind": kind,
+        "batch": batch,
+        "workers": num_workers,
+        "bytes": int(statistics.median(sizes)),
+        "send_ms": ms(send_s),
+        "round_trip_ms": ms(rtt_s),
+        "ping_ms": ms(ping_s),
+        "delivery_ms": round(ms(rtt_s) - ms(ping_s), 4),
+        "pickle_ms": _pickle_ms(messages),
+        "unpickle_ms": _unpickle_ms(messages),
+    }
+
+
+def _pickle_ms(messages: list[LaunchStep]) -> float:
+    start = time.perf_counter()
+    for m in messages * 10:
+        pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)
+    return round((time.perf_counter() - start) / (len(messages) * 10) * 1e3, 4)
+
+
+def _unpickle_ms(messages: list[LaunchStep]) -> float:
+    blobs = [pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL) for m in messages] * 10
+    start = time.perf_counter()
+    for b in blobs:
+        pickle.loads(b)
+    return round((time.perf_counter() - start) / len(blobs) * 1e3, 4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--steps", type=int, default=2000)
+    args = parser.parse_args()
+    for kind in ("decode", "mixed"):
+        for n in args.workers:
+            print(json.dumps(run(args.batch, n, args.steps, kind)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

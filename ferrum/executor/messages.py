@@ -1,0 +1,114 @@
+"""Every message between the engine core and its worker processes (`ToWorker`, `FromWorker`):
+one slotted dataclass each, pickled once by the core and written to every worker's pipe.
+
+Order: the core sends the set-up messages one at a time and waits for every rank's reply
+(`NumKVBlocks` or `WorkerDone`). Steps flow without replies: `LaunchStep` queues a step (with
+`deferred_req_ids`, its forward only: `SampleStep` brings the bitmask rows of those requests and
+queues its sampling), and `CompleteStep` waits for the oldest launched one, for which rank 0 alone answers `StepOutput`
+(every rank samples the same tokens). A rank that raises answers `WorkerFailed` instead, at any
+point, and stops serving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True)
+class DetermineNumKVBlocks:
+    pass
+
+
+@dataclass(slots=True)
+class InitializeKVCache:
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class WarmUp:
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class CaptureCudaGraphs:
+    pass
+
+
+@dataclass(slots=True)
+class GrammarBitmaskRows:
+    """Next-token bitmask rows the core filled from its matchers: row `i` of `data` (int32,
+    [len(req_ids), vocab words], C order, as bytes) belongs to `req_ids[i]`."""
+
+    req_ids: list[str]
+    data: bytes
+
+
+@dataclass(slots=True)
+class LaunchStep:
+    scheduler_output: SchedulerOutput
+    grammar_bitmask: GrammarBitmaskRows | None = None
+    # The constrained requests of a step whose sampling waits for SampleStep (their rows).
+    deferred_req_ids: list[str] | None = None
+
+
+@dataclass(slots=True)
+class SampleStep:
+    """The rows of the latest LaunchStep's `deferred_req_ids`, in that order."""
+
+    grammar_bitmask: GrammarBitmaskRows
+
+
+@dataclass(slots=True)
+class CompleteStep:
+    pass
+
+
+@dataclass(slots=True)
+class ShutdownWorker:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    """The rank built its model runner."""
+
+    rank: int
+    kernel_backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class NumKVBlocks:
+    rank: int
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerDone:
+    rank: int
+
+
+@dataclass(slots=True)
+class StepOutput:
+    output: ModelRunnerOutput
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailed:
+    rank: int
+    # The exception, formatted with its traceback.
+    error: str
+
+
+ToWorker = (
+    DetermineNumKVBlocks
+    | InitializeKVCache
+    | WarmUp
+    | CaptureCudaGraphs
+    | LaunchStep
+    | SampleStep
+    | CompleteStep
+    | ShutdownWorker
+)
+FromWorker = WorkerReady | NumKVBlocks | WorkerDone | StepOutput | WorkerFailed

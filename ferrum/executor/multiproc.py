@@ -1,0 +1,333 @@
+"""Tensor parallelism over one worker process per rank (`worker.py`), all on this host.
+
+Every call goes to every rank: the message is pickled once and its bytes written to each
+worker's pipe (`benchmarks/bench_executor_broadcast.py` measures it per step). Set-up calls wait
+for every rank's reply; `launch` returns once the step is written (async scheduling keeps the
+device busy while the core schedules the next step), and `complete` waits for rank 0's tokens
+(every rank samples the same ones). Structured outputs: the matchers stay in the core process,
+which fills the constrained rows of the next-token bitmask itself and sends them with the step.
+
+Failures: a worker that exits (its pipe reads end-of-file) or raises (it says so, then exits)
+fails the current call with WorkerDiedError / WorkerStepError; every worker is then killed at
+once (the survivors may be stuck in a collective waiting for the lost rank) and every later call
+raises. A worker that hangs blocks `complete`: the API server's stall watchdog
+(`engine_stall_timeout`) counts that as a crashed core and kills the core and its workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ferrum
+from ferrum.config import EngineConfig
+from ferrum.executor.abstract import Executor, WorkerDiedError, WorkerStepError
+from ferrum.executor.messages import (
+    CaptureCudaGraphs,
+    CompleteStep,
+    DetermineNumKVBlocks,
+    FromWorker,
+    GrammarBitmaskRows,
+    InitializeKVCache,
+    LaunchStep,
+    NumKVBlocks,
+    ShutdownWorker,
+    StepOutput,
+    ToWorker,
+    WarmUp,
+    WorkerDone,
+    WorkerFailed,
+    WorkerReady,
+)
+from ferrum.executor.worker import WorkerArgs
+from ferrum.logger import init_logger
+from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from ferrum.structured_output import StructuredOutputMatcher, allocate_token_bitmask
+
+logger = init_logger(__name__)
+
+# Seconds the workers get to exit after ShutdownWorker before they are killed.
+SHUTDOWN_TIMEOUT = 10.0
+# Bytes a step may queue in a worker's pipe before the core's write waits for the worker.
+_PIPE_BYTES = 1 << 20
+_PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+@dataclass(slots=True)
+class _Worker:
+    rank: int
+    process: subprocess.Popen[bytes]
+    inbox: Connection  # the core writes
+    outbox: Connection  # the core reads
+    # Never written: the worker exits when its read end sees this end closed.
+    lifeline_fd: int
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        world_size = config.parallel_config.world_size
+        device = torch.device(config.device_config.device)
+        if device.type == "cuda" and torch.cuda.device_count() < world_size:
+            raise ValueError(
+                f"tensor_parallel_size={world_size} needs {world_size} CUDA devices, "
+                f"{torch.cuda.device_count()} visible"
+            )
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        self._workers: list[_Worker] = []
+        self._processes: list[subprocess.Popen[bytes]] = []
+        # Why the workers were lost (every call raises it), or None.
+        self._failure: RuntimeError | None = None
+        self._shut_down = False
+        # Kills the workers if this executor is dropped (or the interpreter exits) unstopped.
+        self._finalizer = weakref.finalize(self, _kill, self._processes)
+        self._complete_message = pickle.dumps(CompleteStep(), protocol=_PROTOCOL)
+        self._bitmask_host: torch.Tensor | None = None
+        self._bitmask_filler: Any = None
+        try:
+            for rank in range(world_size):
+                self._workers.append(self._start_worker(rank, init_method, backend))
+            ready = self._call_all(None)
+        except BaseException:
+            self.shutdown()
+            raise
+        assert all(isinstance(r, WorkerReady) for r in ready)
+        self.kernel_backend = ready[0].kernel_backend
+        logger.info(
+            "%d tensor-parallel workers ready (%s): pids %s",
+            world_size,
+            backend,
+            self.worker_pids,
+        )
+
+    def _start_worker(self, rank: int, init_method: str, backend: str) -> _Worker:
+        inbox_r, inbox_w = os.pipe()
+        outbox_r, outbox_w = os.pipe()
+        lifeline_r, lifeline_w = os.pipe()
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(inbox_w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+        env = dict(os.environ)
+        # The worker imports the same ferrum as this process.
+        package_root = str(Path(ferrum.__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        args = WorkerArgs(
+            self.config,
+            rank,
+            self.config.parallel_config.world_size,
+            init_method,
+            backend,
+            inbox_fd=inbox_r,
+            outbox_fd=outbox_w,
+            lifeline_fd=lifeline_r,
+        )
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "ferrum.executor.worker"],
+                stdin=subprocess.PIPE,
+                pass_fds=(inbox_r, outbox_w, lifeline_r),
+                env=env,
+            )
+        except BaseException:
+            for fd in (inbox_r, inbox_w, outbox_r, outbox_w, lifeline_r, lifeline_w):
+                os.close(fd)
+            raise
+        self._processes.append(process)
+        # Only the worker holds these ends now: its death reads as end-of-file here.
+        for fd in (inbox_r, outbox_w, lifeline_r):
+            os.close(fd)
+        assert process.stdin is not None
+        with process.stdin:
+            process.stdin.write(pickle.dumps(args, protocol=_PROTOCOL))
+        return _Worker(
+            rank,
+            process,
+            Connection(inbox_w, readable=False),
+            Connection(outbox_r, writable=False),
+            lifeline_w,
+        )
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def determine_num_kv_blocks(self) -> int:
+        replies = self._call_all(DetermineNumKVBlocks())
+        sizes = [r.num_blocks for r in replies if isinstance(r, NumKVBlocks)]
+        assert len(sizes) == len(self._workers)
+        if len(set(sizes)) > 1:
+            logger.info("KV blocks per rank %s: every rank uses %d", sizes, min(sizes))
+        return min(sizes)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call_all(InitializeKVCache(num_blocks))
+
+    def warm_up(self, num_blocks: int) -> None:
+        self._call_all(WarmUp(num_blocks))
+
+    def capture_cuda_graphs(self) -> None:
+        self._call_all(CaptureCudaGraphs())
+
+    def _call_all(self, message: ToWorker | None) -> list[FromWorker]:
+        """Sends `message` (None: nothing, wait for WorkerReady) and returns every rank's
+        reply, rank order."""
+        if message is not None:
+            self._broadcast(pickle.dumps(message, protocol=_PROTOCOL))
+        replies: dict[int, FromWorker] = {}
+        while len(replies) < len(self._workers):
+            pending = {w.outbox: w for w in self._workers if w.rank not in replies}
+            for conn in wait(list(pending)):
+                worker = pending[conn]  # type: ignore[index]
+                reply = self._receive(worker)
+                if not isinstance(reply, (WorkerReady, NumKVBlocks, WorkerDone)):
+                    raise self._fail(WorkerStepError(f"worker {worker.rank}: unexpected {reply}"))
+                replies[worker.rank] = reply
+        return [replies[rank] for rank in range(len(self._workers))]
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def launch(
+        self,
+        scheduler_output: SchedulerOutput,
+        matchers: dict[str, StructuredOutputMatcher] | None = None,
+    ) -> None:
+        bitmask = self._fill_bitmask(matchers) if matchers else None
+        self._broadcast(pickle.dumps(LaunchStep(scheduler_output, bitmask), protocol=_PROTOCOL))
+
+    def complete(self, launched: None) -> ModelRunnerOutput:
+        self._broadcast(self._complete_message)
+        first = self._workers[0]
+        conns = {w.outbox: w for w in self._workers}
+        while True:
+            ready = wait(list(conns))
+            if first.outbox in ready:
+                reply = self._receive(first)
+                if isinstance(reply, StepOutput):
+                    return reply.output
+                raise self._fail(WorkerStepError(f"worker 0: unexpected {reply}"))
+            for conn in ready:
+                self._receive_failure(conns[conn])  # type: ignore[index]
+
+    def _fill_bitmask(self, matchers: dict[str, StructuredOutputMatcher]) -> GrammarBitmaskRows:
+        from ferrum.structured_output import BatchBitmaskFiller
+
+        if self._bitmask_host is None:
+            model_config = self.config.model_config
+            max_num_seqs = self.config.scheduler_config.max_num_seqs
+            self._bitmask_host = allocate_token_bitmask(max_num_seqs, model_config.vocab_size)
+            self._bitmask_filler = BatchBitmaskFiller()
+        req_ids = list(matchers)
+        host = self._bitmask_host[: len(req_ids)]
+        self._bitmask_filler.fill(host, [(i, matchers[r]) for i, r in enumerate(req_ids)])
+        return GrammarBitmaskRows(req_ids, host.numpy().tobytes())
+
+    # -- health and failures ---------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        conns = {w.outbox: w for w in self._workers}
+        for conn in wait(list(conns), timeout=0):
+            self._receive_failure(conns[conn])  # type: ignore[index]
+
+    @property
+    def failure_sentinels(self) -> list[Any]:
+        return [w.outbox for w in self._workers]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    def _broadcast(self, data: bytes) -> None:
+        if self._failure is not None:
+            raise self._failure
+        for worker in self._workers:
+            try:
+                worker.inbox.send_bytes(data)
+            except OSError:
+                raise self._fail(self._died(worker)) from None
+
+    def _receive(self, worker: _Worker) -> FromWorker:
+        """The worker's next message; raises (after killing every worker) if it exited or
+        failed."""
+        try:
+            reply = pickle.loads(worker.outbox.recv_bytes())
+        except (EOFError, OSError):
+            raise self._fail(self._died(worker)) from None
+        if isinstance(reply, WorkerFailed):
+            raise self._fail(
+                WorkerStepError(f"tensor-parallel worker {reply.rank} failed: {reply.error}")
+            )
+        return reply
+
+    def _receive_failure(self, worker: _Worker) -> None:
+        """Reads a message that can only be a failure: outside a step, or from a rank > 0."""
+        reply = self._receive(worker)
+        raise self._fail(WorkerStepError(f"worker {worker.rank}: unexpected {reply}"))
+
+    def _died(self, worker: _Worker) -> WorkerDiedError:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            worker.process.wait(1.0)
+        code = worker.process.returncode
+        how = "is gone" if code is None else f"exited with code {code}"
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        return WorkerDiedError(
+            f"tensor-parallel worker {worker.rank} (pid {worker.process.pid}) {how}"
+        )
+
+    def _fail(self, error: RuntimeError) -> RuntimeError:
+        """Records the first failure and kills every worker; returns the error to raise."""
+        if self._failure is None:
+            self._failure = error
+            logger.error("%s; killing the tensor-parallel workers", error)
+            _kill(self._processes)
+        return self._failure
+
+    def shutdown(self) -> None:
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if self._failure is None:
+            with contextlib.suppress(OSError, RuntimeError):
+                self._broadcast(pickle.dumps(ShutdownWorker(), protocol=_PROTOCOL))
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT
+        for process in self._processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(max(deadline - time.monotonic(), 0.0))
+        _kill(self._processes)
+        for worker in self._workers:
+            worker.inbox.close()
+            worker.outbox.close()
+            with contextlib.suppress(OSError):
+                os.close(worker.lifeline_fd)
+        self._finalizer.detach()
+
+
+def _kill(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGKILLs (a stopped process too) and reaps every process still running; bounded."""
+    for process in processes:
+        if process.poll() is None:
+            with contextlib.suppress(OSError):
+                process.kill()
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(5.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
