@@ -7,7 +7,8 @@ reads and unpickles it (`recv`). `round_trip` adds a tiny reply from rank 0 and 
 empty ping's round trip, giving the latency from "the core starts sending" to "the last worker
 holds the step". Steps are realistic: decode (every request a diff, one in 16 taking a new
 block) and mixed (a decode batch plus new requests with long prompts), with request ids like the
-server's (`cmpl-<32 hex>-0`).
+server's (`cmpl-<32 hex>-0`), and constrained (a decode whose first N requests have a grammar: the
+core sends their bitmask rows, Qwen3's vocabulary, with the step).
 
     python benchmarks/bench_executor_broadcast.py --batch 256 --workers 2 --steps 2000
 """
@@ -24,7 +25,7 @@ import time
 import uuid
 from multiprocessing.connection import Connection
 
-from ferrum.executor.messages import LaunchStep
+from ferrum.executor.messages import GrammarBitmaskRows, LaunchStep
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -75,11 +76,17 @@ def run(batch: int, num_workers: int, num_steps: int, kind: str) -> dict[str, fl
         procs.append(p)
     rng = random.Random(0)
     req_ids = [f"cmpl-{uuid.uuid4().hex}-0" for _ in range(batch)]
-    if kind == "decode":
-        steps = [decode_step(req_ids, s, rng) for s in range(64)]
-    else:
+    bitmask = None
+    if kind == "mixed":
         steps = [mixed_step(req_ids, s, rng, 2, 1024) for s in range(64)]
-    messages = [LaunchStep(s, None) for s in steps]
+    else:
+        steps = [decode_step(req_ids, s, rng) for s in range(64)]
+    if kind.startswith("constrained"):
+        # Rows of Qwen3's vocabulary (151936 tokens: 4748 int32 words each).
+        num_rows = int(kind.partition("-")[2])
+        data = bytes(rng.getrandbits(8) for _ in range(num_rows * 4748 * 4))
+        bitmask = GrammarBitmaskRows(req_ids[:num_rows], data)
+    messages = [LaunchStep(s, bitmask) for s in steps]
     ping = pickle.dumps(None)
     send_s, rtt_s, ping_s, sizes = [], [], [], []
     for i in range(num_steps):
@@ -142,7 +149,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
-    for kind in ("decode", "mixed"):
+    for kind in ("decode", "mixed", "constrained-16", "constrained-256"):
         for n in args.workers:
             print(json.dumps(run(args.batch, n, args.steps, kind)), flush=True)
 
