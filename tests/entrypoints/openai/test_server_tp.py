@@ -104,7 +104,7 @@ def test_sigterm_stops_every_process(server: RemoteServer) -> None:
 
 def test_hung_worker_with_exit_policy_fails_streams_and_exits(tmp_path: Path) -> None:
     server = RemoteServer(
-        [*SERVER_ARGS, "--engine-failure-policy", "exit", "--engine-stall-timeout", "3"],
+        [*SERVER_ARGS, "--engine-failure-policy", "exit", "--engine-stall-timeout", "10"],
         tmp_path / "server.log",
     )
     try:
