@@ -5,7 +5,8 @@ worker's pipe (`benchmarks/bench_executor_broadcast.py` measures it per step). S
 for every rank's reply; `launch` returns once the step is written (async scheduling keeps the
 device busy while the core schedules the next step), and `complete` waits for rank 0's tokens
 (every rank samples the same ones). Structured outputs: the matchers stay in the core process,
-which fills the constrained rows of the next-token bitmask itself and sends them with the step.
+which fills the constrained rows of the next-token bitmask itself and sends them with the step,
+or, for a step launched with deferred sampling, in `sample`, while the workers run its forward.
 
 Failures: a worker that exits (its pipe reads end-of-file) or raises (it says so, then exits)
 fails the current call with WorkerDiedError / WorkerStepError; every worker is then killed at
@@ -45,6 +46,7 @@ from ferrum.executor.messages import (
     InitializeKVCache,
     LaunchStep,
     NumKVBlocks,
+    SampleStep,
     ShutdownWorker,
     StepOutput,
     ToWorker,
@@ -65,6 +67,16 @@ SHUTDOWN_TIMEOUT = 10.0
 # Bytes a step may queue in a worker's pipe before the core's write waits for the worker.
 _PIPE_BYTES = 1 << 20
 _PROTOCOL = pickle.HIGHEST_PROTOCOL
+
+
+@dataclass(slots=True)
+class _LaunchedStep:
+    # The matchers of a step launched with deferred sampling (filled by `sample`), else None.
+    deferred_matchers: dict[str, StructuredOutputMatcher] | None = None
+
+    @property
+    def awaits_sampling(self) -> bool:
+        return self.deferred_matchers is not None
 
 
 @dataclass(slots=True)
@@ -202,11 +214,25 @@ class MultiprocExecutor(Executor):
         self,
         scheduler_output: SchedulerOutput,
         matchers: dict[str, StructuredOutputMatcher] | None = None,
-    ) -> None:
+        defer_sampling: bool = False,
+    ) -> _LaunchedStep:
+        """A deferred step with constrained requests always `awaits_sampling` here: a worker
+        whose runner sampled it already (no constrained row samples) ignores the rows."""
+        if matchers and defer_sampling:
+            message = LaunchStep(scheduler_output, None, list(matchers))
+            self._broadcast(pickle.dumps(message, protocol=_PROTOCOL))
+            return _LaunchedStep(matchers)
         bitmask = self._fill_bitmask(matchers) if matchers else None
         self._broadcast(pickle.dumps(LaunchStep(scheduler_output, bitmask), protocol=_PROTOCOL))
+        return _LaunchedStep()
 
-    def complete(self, launched: None) -> ModelRunnerOutput:
+    def sample(self, launched: _LaunchedStep) -> None:
+        matchers, launched.deferred_matchers = launched.deferred_matchers, None
+        assert matchers is not None, "the step was sampled already"
+        message = SampleStep(self._fill_bitmask(matchers))
+        self._broadcast(pickle.dumps(message, protocol=_PROTOCOL))
+
+    def complete(self, launched: _LaunchedStep) -> ModelRunnerOutput:
         self._broadcast(self._complete_message)
         first = self._workers[0]
         conns = {w.outbox: w for w in self._workers}
