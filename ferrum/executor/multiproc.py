@@ -94,10 +94,11 @@ class MultiprocExecutor(Executor):
         self.config = config
         world_size = config.parallel_config.world_size
         device = torch.device(config.device_config.device)
-        if device.type == "cuda" and torch.cuda.device_count() < world_size:
+        last = (device.index or 0) + world_size - 1
+        if device.type == "cuda" and torch.cuda.device_count() <= last:
             raise ValueError(
-                f"tensor_parallel_size={world_size} needs {world_size} CUDA devices, "
-                f"{torch.cuda.device_count()} visible"
+                f"tensor_parallel_size={world_size} from {device} needs cuda:{last}; "
+                f"{torch.cuda.device_count()} CUDA device(s) visible"
             )
         backend = "nccl" if device.type == "cuda" else "gloo"
         init_method = f"tcp://127.0.0.1:{_free_port()}"

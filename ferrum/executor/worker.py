@@ -64,9 +64,12 @@ class WorkerArgs:
 
 
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r runs on CUDA device r (of those visible), or on the CPU."""
+    """Rank r runs on the r-th CUDA device from the configured one (cuda:0 unless told), or on
+    the CPU."""
     device = torch.device(config.device_config.device)
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
 
 
 def main() -> None:

@@ -210,7 +210,7 @@ def test_async_scheduling_and_preemption_give_the_synchronous_tokens() -> None:
     expected = roomy.generate(prompts, params, use_tqdm=False)
     # 10 blocks of 16 tokens: the four requests cannot all keep their KV.
     tight = make_llm(max_num_seqs=4, num_kv_blocks=10, max_model_len=128, async_scheduling=True)
-    runner = tight.llm_engine.core.runner
+    runner = tight.llm_engine.core.executor.runner
     num_deferred = 0
     sample = runner.sample
 
@@ -265,7 +265,7 @@ def test_a_failed_deferred_sampling_loses_no_request(monkeypatch: pytest.MonkeyP
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=KINDS["json"])
     expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    runner = engine.core.runner
+    runner = engine.core.executor.runner
     real_sample = runner.sample
     calls = [0]
 

@@ -24,7 +24,7 @@ from tests.utils.tiny_llm import greedy, make_llm, random_prompts
 # A 96-token KV pool, 16-token steps and 4 requests at a time: the prompts below are chunked,
 # and preempt each other.
 # Ranks of the tested engines (one worker process each), beside a one-process engine.
-WORLD_SIZE = 1
+WORLD_SIZE = 2
 ENGINE = dict(num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4, num_cpu_threads=1)
 PROMPT_LENGTHS = [9, 23, 30, 14, 27, 5]
 

@@ -24,9 +24,9 @@ from tests.utils.streams import MAX_TOKENS, assert_intact, full_log, prompt_of, 
 
 NUM_STREAMS = 6
 # Ranks of the tested servers, one worker process each.
-WORLD_SIZE = 1
+WORLD_SIZE = 2
 SERVER_ARGS = [
-    *("-tp", str(WORLD_SIZE), "--distributed-executor-backend", "mp"),
+    *("-tp", str(WORLD_SIZE)),
     *("--max-model-len", "512", "--async-scheduling"),
 ]
 SCHEMA = {
