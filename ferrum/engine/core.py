@@ -38,6 +38,7 @@ from ferrum.engine.input_processor import load_tokenizer
 from ferrum.executor import Executor, create_executor
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.logger import init_logger
+from ferrum.model_executor.kv_cache_sizing import kv_cache_group_specs
 from ferrum.request import Logprobs, Request, RequestStatus
 from ferrum.scheduler.output import SchedulerOutput
 from ferrum.scheduler.scheduler import Scheduler
@@ -85,7 +86,7 @@ class EngineCore:
             num_blocks,
             config.cache_config.block_size,
             config.cache_config.enable_prefix_caching,
-            groups=self.runner.kv_cache_groups,
+            groups=kv_cache_group_specs(config.model_config),
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)

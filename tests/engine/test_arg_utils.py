@@ -75,15 +75,9 @@ def test_cuda_without_cuda_fails_before_loading() -> None:
 
 
 def test_vllm_arguments_not_supported_yet() -> None:
-<<<<<<< HEAD
-    check_not_supported_yet({"tensor_parallel_size": 1, "kv_cache_dtype": "auto"})  # "off": fine
-    with pytest.raises(ValueError, match="tensor_parallel_size=2: not supported yet by ferrum"):
-        check_not_supported_yet({"tensor_parallel_size": 2})
-=======
-    check_not_supported_yet({"pipeline_parallel_size": 1, "quantization": None})  # "off": fine
+    check_not_supported_yet({"pipeline_parallel_size": 1, "kv_cache_dtype": "auto"})  # "off": fine
     with pytest.raises(ValueError, match="pipeline_parallel_size=2: not supported yet by ferrum"):
         check_not_supported_yet({"pipeline_parallel_size": 2})
->>>>>>> 12b03e7 (Executors (issue 14): EngineCore drives an Executor instead of a ModelRunner; UniProcExecutor is today's in-process runner, MultiprocExecutor runs one worker process per rank (python -m ferrum.executor.worker, pipes, a lifeline that ends a worker whose core is gone), broadcasts each step pickled once (SchedulerOutput pickles its running-request diffs as columns: 6-10x cheaper), takes rank 0's tokens, sizes the KV pool as the minimum over ranks, fills grammar bitmasks in the core and sends the rows with the step; a dead worker fails the step (no request blamed), kills the others, and the core/front end kill workers with the core; -tp / tensor_parallel_size / distributed_executor_backend flags on EngineArgs; tests with one worker process (tp 2 once the parallel layers land))
     with pytest.raises(TypeError, match="unexpected engine argument 'max_num_seq'.*max_num_seqs"):
         check_not_supported_yet({"max_num_seq": 4})
     assert not set(NOT_SUPPORTED_YET) & {f.name for f in fields(EngineArgs)}
