@@ -89,11 +89,14 @@ class ModelRunner:
         tp_group: TensorParallelGroup | None = None,
     ) -> None:
         self.config = config
-        self.device = device
         if device.type == "cuda":
             # Triton launches, CUDA graphs and memory profiling use the current device: this
-            # runner's (a data-parallel replica's core runs on cuda:i * tp).
+            # runner's (a data-parallel replica's core runs on cuda:i * tp). "cuda" alone is
+            # the current one.
+            index = torch.cuda.current_device() if device.index is None else device.index
+            device = torch.device("cuda", index)
             torch.cuda.set_device(device)
+        self.device = device
         self.tp_group = TensorParallelGroup() if tp_group is None else tp_group
         self.tp_size = tp_size = config.parallel_config.tensor_parallel_size
         if self.tp_group.world_size != tp_size:
