@@ -194,8 +194,9 @@ class ModelArchConfig:
         sliding_window = (
             get("sliding_window", int, None) if SLIDING_ATTENTION in layer_types else None
         )
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window: must be >= 1, got {sliding_window} ({arch})")
+        # A window of 1 (each token sees only itself) releases a block before it is cached.
+        if sliding_window is not None and sliding_window < 2:
+            raise ValueError(f"sliding_window: must be >= 2, got {sliding_window} ({arch})")
         local_rope_theta, local_rope_scaling = rope_parameters(hf, SLIDING_ATTENTION)
         hidden_act = get("hidden_act", str, None) or get("hidden_activation", str, "silu")
         num_heads = get("num_attention_heads", int)

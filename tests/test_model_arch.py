@@ -62,7 +62,7 @@ def test_moe_fields() -> None:
         (GEMMA | {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: .*not supported"),
         (GEMMA | {"use_bidirectional_attention": True}, "use_bidirectional_attention: "),
         (GEMMA | {"layer_types": ["full_attention"]}, "layer_types: must list 2 of"),
-        (MISTRAL | {"sliding_window": 0}, r"sliding_window: must be >= 1, got 0"),
+        (MISTRAL | {"sliding_window": 1}, r"sliding_window: must be >= 2, got 1"),
         (
             {"architectures": ["Gemma3ForConditionalGeneration"]},
             "text_config: Gemma3ForConditionalGeneration needs a text_config",

@@ -33,14 +33,14 @@ class Executor(ABC):
     kernel_backend: str
 
     @abstractmethod
-    def determine_num_kv_blocks(self) -> int:
-        """KV blocks every rank can hold: the smallest of the ranks' own sizings."""
+    def determine_num_kv_blocks(self) -> list[int]:
+        """KV blocks per layer group that every rank can hold: the smallest of the ranks' sizings."""
 
     @abstractmethod
-    def initialize_kv_cache(self, num_blocks: int) -> None: ...
+    def initialize_kv_cache(self, num_blocks: int | list[int]) -> None: ...
 
     @abstractmethod
-    def warm_up(self, num_blocks: int) -> None: ...
+    def warm_up(self, num_blocks: int | list[int]) -> None: ...
 
     @abstractmethod
     def capture_cuda_graphs(self) -> None: ...

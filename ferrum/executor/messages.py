@@ -23,12 +23,12 @@ class DetermineNumKVBlocks:
 
 @dataclass(slots=True)
 class InitializeKVCache:
-    num_blocks: int
+    num_blocks: int | list[int]
 
 
 @dataclass(slots=True)
 class WarmUp:
-    num_blocks: int
+    num_blocks: int | list[int]
 
 
 @dataclass(slots=True)
@@ -81,7 +81,7 @@ class WorkerReady:
 @dataclass(frozen=True, slots=True)
 class NumKVBlocks:
     rank: int
-    num_blocks: int
+    num_blocks: list[int]  # per KV cache layer group
 
 
 @dataclass(frozen=True, slots=True)

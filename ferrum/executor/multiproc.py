@@ -176,18 +176,20 @@ class MultiprocExecutor(Executor):
 
     # -- set-up ----------------------------------------------------------------------------------
 
-    def determine_num_kv_blocks(self) -> int:
+    def determine_num_kv_blocks(self) -> list[int]:
+        """Per layer group, the fewest blocks any rank can hold."""
         replies = self._call_all(DetermineNumKVBlocks())
-        sizes = [r.num_blocks for r in replies if isinstance(r, NumKVBlocks)]
+        sizes = [list(r.num_blocks) for r in replies if isinstance(r, NumKVBlocks)]
         assert len(sizes) == len(self._workers)
-        if len(set(sizes)) > 1:
-            logger.info("KV blocks per rank %s: every rank uses %d", sizes, min(sizes))
-        return min(sizes)
+        counts = [min(group) for group in zip(*sizes, strict=True)]
+        if any(size != counts for size in sizes):
+            logger.info("KV blocks per rank %s: every rank uses %s", sizes, counts)
+        return counts
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int | list[int]) -> None:
         self._call_all(InitializeKVCache(num_blocks))
 
-    def warm_up(self, num_blocks: int) -> None:
+    def warm_up(self, num_blocks: int | list[int]) -> None:
         self._call_all(WarmUp(num_blocks))
 
     def capture_cuda_graphs(self) -> None:
@@ -230,7 +232,12 @@ class MultiprocExecutor(Executor):
     def sample(self, launched: _LaunchedStep) -> None:
         matchers, launched.deferred_matchers = launched.deferred_matchers, None
         assert matchers is not None, "the step was sampled already"
-        message = SampleStep(self._fill_bitmask(matchers))
+        try:
+            message = SampleStep(self._fill_bitmask(matchers))
+        except BaseException as e:
+            # The workers hold the step's forward, waiting for its rows: nothing can end it.
+            error = WorkerStepError(f"filling a deferred step's bitmask failed: {e!r}")
+            raise self._fail(error) from e
         self._broadcast(pickle.dumps(message, protocol=_PROTOCOL))
 
     def complete(self, launched: _LaunchedStep) -> ModelRunnerOutput:

@@ -20,13 +20,13 @@ class UniProcExecutor(Executor):
         self.runner = ModelRunner(config, torch.device(config.device_config.device))
         self.kernel_backend = self.runner.kernel_backend
 
-    def determine_num_kv_blocks(self) -> int:
+    def determine_num_kv_blocks(self) -> list[int]:
         return self.runner.determine_num_kv_blocks()
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int | list[int]) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
-    def warm_up(self, num_blocks: int) -> None:
+    def warm_up(self, num_blocks: int | list[int]) -> None:
         self.runner.warm_up(num_blocks)
 
     def capture_cuda_graphs(self) -> None:

@@ -89,8 +89,7 @@ def test_constrained_requests_with_async_scheduling_match_one_process() -> None:
             DEFAULT_MODEL_DIR,
             dtype="float32",
             device="cpu",
-            num_kv_blocks=64,
-            max_model_len=256,
+            max_model_len=256,  # the KV pool sized by each rank (per layer group)
             num_cpu_threads=1,
             async_scheduling=True,
             structured_outputs_config={"disable_any_whitespace": True},

@@ -50,8 +50,9 @@ class ScaledVocabEmbedding(VocabEmbedding):
     """Embeddings times sqrt(hidden_size), the factor rounded to the weights' dtype as in HF."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.weight.shape[1] ** 0.5, dtype=self.weight.dtype)
-        return super().forward(input_ids) * scale.to(self.weight.device)
+        # A host float (no tensor copy, so CUDA graphs can capture it) equal to the rounded factor.
+        scale = torch.tensor(self.weight.shape[1] ** 0.5, dtype=self.weight.dtype).item()
+        return super().forward(input_ids) * scale
 
 
 class Gemma3Attention(LlamaAttention):
