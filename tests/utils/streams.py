@@ -9,7 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+import torch
 
+from ferrum import LLM, SamplingParams
 from tests.utils.remote_server import RemoteServer
 
 MAX_TOKENS = 24
@@ -89,3 +91,18 @@ def assert_intact(results: list[StreamResult], expected: list[str]) -> None:
         assert result.error is None, f"stream {i}: {result.error}"
         assert result.finish_reason == "length", f"stream {i}"
         assert result.text == text, f"stream {i}"
+
+
+def expected_stream_texts(llm: LLM, num_streams: int) -> list[str]:
+    """One process's greedy outputs of the first `num_streams` streams' prompts, on one torch
+    thread as a server's core runs (spinning OpenMP workers on a busy machine slow the tiny
+    model down by orders of magnitude)."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [prompt_of(i) for i in range(num_streams)]
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch.set_num_threads(num_threads)
+    return [o.outputs[0].text for o in outputs]

@@ -15,12 +15,17 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
-from ferrum import LLM, SamplingParams
+from ferrum import LLM
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from tests.utils.remote_server import REPO_ROOT, RemoteServer, free_port
-from tests.utils.streams import MAX_TOKENS, assert_intact, full_log, prompt_of, stream_all
+from tests.utils.streams import (
+    assert_intact,
+    expected_stream_texts,
+    full_log,
+    prompt_of,
+    stream_all,
+)
 
 NUM_STREAMS = 32
 # The first core's 12th forward raises: the streams have started by then and none has finished.
@@ -34,17 +39,7 @@ SERVER_ARGS = ["--max-model-len", "512", "--async-scheduling", "--num-kv-blocks"
 @pytest.fixture(scope="module")
 def expected_texts(shipped_llm: LLM) -> list[str]:
     """The uninterrupted greedy outputs of the streams' prompts."""
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = [prompt_of(i) for i in range(NUM_STREAMS)]
-    # One thread, as the server's core: the tiny model gains nothing from more, and spinning
-    # OpenMP workers on a busy machine slow it down by orders of magnitude.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        outputs = shipped_llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        torch.set_num_threads(num_threads)
-    return [o.outputs[0].text for o in outputs]
+    return expected_stream_texts(shipped_llm, NUM_STREAMS)
 
 
 @pytest.fixture(scope="module")

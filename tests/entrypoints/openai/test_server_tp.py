@@ -14,13 +14,19 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
-import torch
 
-from ferrum import LLM, SamplingParams
+from ferrum import LLM
 from ferrum.default_model import DEFAULT_MODEL_NAME
 from tests.utils.processes import descendant_pids, wait_gone, worker_pids
 from tests.utils.remote_server import RemoteServer
-from tests.utils.streams import MAX_TOKENS, assert_intact, full_log, prompt_of, stream_all
+from tests.utils.streams import (
+    MAX_TOKENS,
+    assert_intact,
+    expected_stream_texts,
+    full_log,
+    prompt_of,
+    stream_all,
+)
 
 NUM_STREAMS = 6
 # Ranks of the tested servers, one worker process each.
@@ -49,15 +55,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
 @pytest.fixture(scope="module")
 def expected_texts(shipped_llm: LLM) -> list[str]:
     """One process's greedy outputs of the streams' prompts."""
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    prompts = [prompt_of(i) for i in range(NUM_STREAMS)]
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        outputs = shipped_llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        torch.set_num_threads(num_threads)
-    return [o.outputs[0].text for o in outputs]
+    return expected_stream_texts(shipped_llm, NUM_STREAMS)
 
 
 def test_official_client_gets_the_text_of_one_process(
