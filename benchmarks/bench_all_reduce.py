@@ -17,6 +17,7 @@ import socket
 import statistics
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ferrum.distributed.parallel_state import destroy_distributed, init_distributed
@@ -38,6 +39,67 @@ def _time_us(fn, iters: int) -> float:
     return statistics.median(samples)
 
 
+def _graph_us(fn, iters: int) -> float:
+    """Microseconds per call of `fn` replayed CALLS_PER_GRAPH times in one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+    graph.replay()
+    result = _time_us(graph.replay, iters) / CALLS_PER_GRAPH
+    torch.cuda.synchronize()
+    del graph
+    return result
+
+
+def _row(impl: str, dtype: torch.dtype, tokens: int, nbytes: int, fn, args) -> dict:
+    for _ in range(args.warmup):
+        fn()
+    return {
+        "impl": impl,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokens": tokens,
+        "bytes": nbytes,
+        "eager_us": round(_time_us(fn, args.iters), 2),
+        "cuda_graph_us": round(_graph_us(fn, args.iters), 2),
+    }
+
+
+def _symm_mem_rows(args: argparse.Namespace) -> list[dict]:
+    """torch symmetric memory's one-shot and two-shot all-reduce (peer loads over NVLink, no
+    multicast), each including the copy of the layer's output into the symmetric buffer."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group_name = dist.group.WORLD.group_name
+    dtype = torch.bfloat16
+    symm = symm_mem.empty(max(TOKENS) * args.hidden, dtype=dtype, device="cuda")
+    symm_mem.rendezvous(symm, group_name)
+    rows = []
+    for tokens in TOKENS:
+        source = torch.randn(tokens, args.hidden, dtype=dtype, device="cuda")
+        out = torch.empty_like(source)
+        view = symm[: source.numel()]
+
+        def one_shot(src=source, view=view, out=out) -> None:
+            view.copy_(src.view(-1))
+            torch.ops.symm_mem.one_shot_all_reduce_out(view, "sum", group_name, out.view(-1))
+
+        def two_shot(src=source, view=view, out=out) -> None:
+            view.copy_(src.view(-1))
+            torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group_name)
+            out.view(-1).copy_(view)
+
+        nbytes = source.numel() * source.element_size()
+        for impl, fn in (("symm_mem_one_shot", one_shot), ("symm_mem_two_shot", two_shot)):
+            try:
+                rows.append(_row(impl, dtype, tokens, nbytes, fn, args))
+            except Exception as e:  # report why, keep the NCCL rows
+                rows.append({"impl": impl, "tokens": tokens, "error": repr(e)[:300]})
+    return rows
+
+
 def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.cuda.set_device(rank)
     group = init_distributed(args.world_size, rank, f"tcp://127.0.0.1:{port}", "nccl")
@@ -45,34 +107,25 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         for tokens in TOKENS:
             buffer = torch.randn(tokens, args.hidden, dtype=dtype, device="cuda")
-            for _ in range(args.warmup):
-                group.all_reduce(buffer)
-            eager = _time_us(lambda b=buffer: group.all_reduce(b), args.iters)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(CALLS_PER_GRAPH):
-                    group.all_reduce(buffer)
-            graph.replay()
-            graphed = _time_us(graph.replay, args.iters) / CALLS_PER_GRAPH
+            nbytes = buffer.numel() * buffer.element_size()
             results.append(
-                {
-                    "dtype": str(dtype).removeprefix("torch."),
-                    "tokens": tokens,
-                    "bytes": buffer.numel() * buffer.element_size(),
-                    "eager_us": round(eager, 2),
-                    "cuda_graph_us": round(graphed, 2),
-                }
+                _row("nccl", dtype, tokens, nbytes, lambda b=buffer: group.all_reduce(b), args)
             )
+    if args.symm_mem:
+        try:
+            results.extend(_symm_mem_rows(args))
+        except Exception as e:
+            results.append({"impl": "symm_mem", "error": repr(e)[:300]})
     if rank == 0:
         lines = [
             json.dumps({"world_size": args.world_size, "hidden": args.hidden, **r}) for r in results
         ]
-        print("\n".join(lines))
+        print("\n".join(lines), flush=True)
         if args.out:
             with open(args.out, "w", encoding="utf-8") as f:
                 f.write("\n".join(lines) + "\n")
+    torch.cuda.synchronize()
+    dist.barrier()
     destroy_distributed()
 
 
@@ -83,6 +136,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--symm-mem",
+        action="store_true",
+        help="also time torch symmetric memory's one-shot / two-shot all-reduce (bf16)",
+    )
     args = parser.parse_args()
     if torch.cuda.device_count() < args.world_size:
         raise SystemExit(

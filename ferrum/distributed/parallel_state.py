@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ferrum.distributed.symm_mem_all_reduce import SymmMemAllReduce, try_symm_mem_all_reduce
+
 BACKENDS = ("nccl", "gloo")
 # torch >= 2.10 names it all_gather_single (all_gather_into_tensor is deprecated there).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -20,10 +22,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class TensorParallelGroup:
     """One rank's view of its tensor-parallel group: `rank` in [0, world_size)."""
 
-    __slots__ = ("rank", "world_size", "_group")
+    __slots__ = ("rank", "world_size", "_group", "_small_all_reduce")
 
     def __init__(
-        self, rank: int = 0, world_size: int = 1, group: dist.ProcessGroup | None = None
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+        small_all_reduce: SymmMemAllReduce | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank: must be in [0, world_size={world_size}), got {rank}")
@@ -35,11 +41,16 @@ class TensorParallelGroup:
         self.rank = rank
         self.world_size = world_size
         self._group = group
+        self._small_all_reduce = small_all_reduce
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks, in place; returns `tensor`."""
-        if self.world_size > 1:
-            dist.all_reduce(tensor, group=self._group)
+        """The sum over the ranks. It may be computed in place (`tensor` is returned) or into a
+        new tensor: callers use the return value and do not read `tensor` afterwards."""
+        if self.world_size == 1:
+            return tensor
+        if self._small_all_reduce is not None and self._small_all_reduce.applies(tensor):
+            return self._small_all_reduce(tensor)
+        dist.all_reduce(tensor, group=self._group)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -88,11 +99,17 @@ def _concat_ranks(gathered: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def init_distributed(
-    world_size: int, rank: int, init_method: str, backend: str
+    world_size: int,
+    rank: int,
+    init_method: str,
+    backend: str,
+    custom_all_reduce: bool = True,
 ) -> TensorParallelGroup:
     """Joins this process to the default process group (every rank of the tensor-parallel
     group) and returns its TensorParallelGroup. world_size 1 initialises nothing. On CUDA the
-    caller sets this process's device (torch.cuda.set_device) first."""
+    caller sets this process's device (torch.cuda.set_device) first. With NCCL and
+    `custom_all_reduce`, small bf16 all-reduces go through symmetric memory (faster than NCCL
+    there, symm_mem_all_reduce.py); every rank must pass the same value."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(world_size, int) or world_size < 1:
@@ -115,7 +132,11 @@ def init_distributed(
     )
     group = dist.group.WORLD
     assert group is not None
-    return TensorParallelGroup(rank, world_size, group)
+    small_all_reduce = None
+    if backend == "nccl" and custom_all_reduce:
+        assert device_id is not None
+        small_all_reduce = try_symm_mem_all_reduce(group, device_id)
+    return TensorParallelGroup(rank, world_size, group, small_all_reduce)
 
 
 def destroy_distributed() -> None:

@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.utils.collective_tasks import collectives_in_cuda_graph, rank_values
+from tests.utils.collective_tasks import (
+    bf16_all_reduce_sums,
+    collectives_in_cuda_graph,
+    rank_values,
+)
 from tests.utils.rank_pool import RankPool
 from tests.utils.tp_generate import generate, generate_on_rank
 
@@ -33,6 +37,12 @@ def test_collectives_replay_in_a_cuda_graph(pool) -> None:
     for result in pool.run(collectives_in_cuda_graph):
         assert torch.equal(result["all_reduce"], r0 + r1)
         assert torch.equal(result["all_gather"], torch.cat([r0, r1], dim=-1))
+
+
+def test_small_bf16_all_reduces_sum_exactly_eager_and_in_graphs(pool) -> None:
+    for result in pool.run(bf16_all_reduce_sums):
+        assert result["symm_mem"], "the symmetric-memory all-reduce did not initialise"
+        assert all(result["matches"].values()), result["matches"]
 
 
 @pytest.mark.parametrize(

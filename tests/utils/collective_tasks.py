@@ -42,3 +42,40 @@ def collectives_in_cuda_graph(group: TensorParallelGroup) -> dict[str, torch.Ten
     graph.replay()
     torch.cuda.synchronize()
     return {"all_reduce": reduced.cpu(), "all_gather": gathered.cpu()}
+
+
+# [tokens, 4096] bf16 all-reduces: one-shot, two-shot and past the symmetric buffer (NCCL).
+SMALL_ALL_REDUCE_TOKENS = (1, 64, 128, 512, 600)
+
+
+def _bf16_values(rank: int, tokens: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * rank + tokens)
+    values = torch.randn(tokens, 4096, generator=generator)
+    return values.to(device=device, dtype=torch.bfloat16)
+
+
+def bf16_all_reduce_sums(group: TensorParallelGroup) -> dict[str, object]:
+    """Every size of SMALL_ALL_REDUCE_TOKENS, eager and replayed in a CUDA graph: whether each
+    result equals the sum of every rank's values (rounded once to bf16, as NCCL does)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    matches: dict[str, bool] = {}
+    for tokens in SMALL_ALL_REDUCE_TOKENS:
+        parts = [_bf16_values(r, tokens, device).float() for r in range(group.world_size)]
+        expected = torch.stack(parts).sum(0).to(torch.bfloat16)
+        mine = _bf16_values(group.rank, tokens, device)
+        matches[f"eager_{tokens}"] = torch.equal(group.all_reduce(mine.clone()), expected)
+        source = torch.zeros_like(mine)
+        group.all_reduce(source.clone())  # warm-up outside capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            reduced = group.all_reduce(source)
+            reduced_twice = group.all_reduce(reduced * 1.0)
+        source.copy_(mine)
+        graph.replay()
+        torch.cuda.synchronize()
+        matches[f"graph_{tokens}"] = torch.equal(reduced, expected)
+        twice = (expected.float() * group.world_size).to(torch.bfloat16)
+        matches[f"graph_twice_{tokens}"] = torch.equal(reduced_twice, twice)
+    return {"symm_mem": group._small_all_reduce is not None, "matches": matches}
