@@ -48,3 +48,18 @@ def _positive_int(name: str) -> int | None:
     except ValueError:
         return None
     return n if n > 0 else None
+
+
+def debug_profile_steps() -> tuple[int, int, str] | None:
+    """FERRUM_DEBUG_PROFILE_STEPS=FIRST:COUNT:DIR: every tensor-parallel worker records a torch
+    profile of steps FIRST .. FIRST+COUNT-1 (1-based, counted as the worker completes them) and
+    writes its kernel table and a JSON summary to DIR/rank<r>.*. Unset or malformed disables it."""
+    first, _, rest = _get("FERRUM_DEBUG_PROFILE_STEPS", "").partition(":")
+    count, _, directory = rest.partition(":")
+    try:
+        window = (int(first), int(count))
+    except ValueError:
+        return None
+    if window[0] < 1 or window[1] < 1 or not directory:
+        return None
+    return window[0], window[1], directory

@@ -43,6 +43,7 @@ from ferrum.executor.messages import (
     WorkerFailed,
     WorkerReady,
 )
+from ferrum.executor.step_profiler import StepProfiler
 from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
 from ferrum.structured_output import FilledBitmaskRow, bitmask_width
 
@@ -110,6 +111,7 @@ def _serve(runner: ModelRunner, rank: int, inbox: Connection, outbox: Connection
     in_flight: deque[LaunchedStep] = deque()
     # Rows still to come for the latest step, launched with deferred sampling.
     deferred_rows: list[FilledBitmaskRow] = []
+    profiler = StepProfiler(rank)
     while True:
         message = pickle.loads(inbox.recv_bytes())
         match message:
@@ -130,7 +132,9 @@ def _serve(runner: ModelRunner, rank: int, inbox: Connection, outbox: Connection
                 if step.awaits_sampling:  # else no constrained row sampled: it is sampled
                     runner.sample(step)
             case CompleteStep():
+                profiler.before_step()
                 output = runner.complete(in_flight.popleft())
+                profiler.after_step()
                 if rank == 0:
                     _send(outbox, StepOutput(output))
             case DetermineNumKVBlocks():
