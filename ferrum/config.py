@@ -431,6 +431,13 @@ class ParallelConfig:
             choices=EXECUTOR_BACKENDS,
         ),
     )
+    disable_custom_all_reduce: bool = field(
+        default=False,
+        metadata=_help(
+            "send every all-reduce through NCCL instead of sending small bf16 ones through "
+            "torch symmetric memory (faster on NVLink)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size

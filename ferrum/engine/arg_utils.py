@@ -106,6 +106,7 @@ class EngineArgs:
     enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
     data_parallel_size: int = ParallelConfig.data_parallel_size
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
+    disable_custom_all_reduce: bool = ParallelConfig.disable_custom_all_reduce
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -118,6 +119,7 @@ class EngineArgs:
             enable_expert_parallel=self.enable_expert_parallel,
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
+            disable_custom_all_reduce=self.disable_custom_all_reduce,
         )
         _check_device_exists(device, parallel_config)
         async_scheduling = self.async_scheduling

@@ -92,7 +92,13 @@ def run_worker(args: WorkerArgs) -> None:
             torch.cuda.set_device(device)
         if config.device_config.num_cpu_threads is not None:
             torch.set_num_threads(config.device_config.num_cpu_threads)
-        group = init_distributed(args.world_size, args.rank, args.init_method, args.backend)
+        group = init_distributed(
+            args.world_size,
+            args.rank,
+            args.init_method,
+            args.backend,
+            custom_all_reduce=not config.parallel_config.disable_custom_all_reduce,
+        )
         runner = ModelRunner(config, device, group)
         _send(outbox, WorkerReady(args.rank, runner.kernel_backend))
         _serve(runner, args.rank, inbox, outbox)

@@ -90,6 +90,10 @@ def test_parallel_flags_build_the_parallel_config() -> None:
     config = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR).create_engine_config()
     assert config.parallel_config.tensor_parallel_size == 2
     assert config.parallel_config.distributed_executor_backend == "mp"
+    assert not config.parallel_config.disable_custom_all_reduce
+    args = parser.parse_args([DEFAULT_MODEL_DIR, "-tp", "2", "--disable-custom-all-reduce"])
+    config = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR).create_engine_config()
+    assert config.parallel_config.disable_custom_all_reduce
     args = parser.parse_args([DEFAULT_MODEL_DIR, "--distributed-executor-backend", "mp"])
     config = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR).create_engine_config()
     assert config.parallel_config.tensor_parallel_size == 1
