@@ -431,6 +431,13 @@ class ParallelConfig:
             choices=EXECUTOR_BACKENDS,
         ),
     )
+    worker_step_timeout: float = field(
+        default=300.0,
+        metadata=_help(
+            "seconds the engine core waits for a step's result from its worker processes; past "
+            "it a worker counts as hung, every worker is killed and the step fails"
+        ),
+    )
     disable_custom_all_reduce: bool = field(
         default=False,
         metadata=_help(
@@ -449,6 +456,9 @@ class ParallelConfig:
                 "data_parallel_size",
                 f"must be an integer in [1, {MAX_DATA_PARALLEL_SIZE}], got {dp!r}",
             )
+        timeout = self.worker_step_timeout
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise _fail("worker_step_timeout", f"must be a number of seconds > 0, got {timeout!r}")
         backend = self.distributed_executor_backend
         if backend is None:
             backend = "uni" if tp == 1 else "mp"

@@ -107,6 +107,7 @@ class EngineArgs:
     data_parallel_size: int = ParallelConfig.data_parallel_size
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     disable_custom_all_reduce: bool = ParallelConfig.disable_custom_all_reduce
+    worker_step_timeout: float = ParallelConfig.worker_step_timeout
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None
 
     def create_engine_config(self) -> EngineConfig:
@@ -120,6 +121,7 @@ class EngineArgs:
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             disable_custom_all_reduce=self.disable_custom_all_reduce,
+            worker_step_timeout=self.worker_step_timeout,
         )
         _check_device_exists(device, parallel_config)
         async_scheduling = self.async_scheduling

@@ -11,8 +11,9 @@ or, for a step launched with deferred sampling, in `sample`, while the workers r
 Failures: a worker that exits (its pipe reads end-of-file) or raises (it says so, then exits)
 fails the current call with WorkerDiedError / WorkerStepError; every worker is then killed at
 once (the survivors may be stuck in a collective waiting for the lost rank) and every later call
-raises. A worker that hangs blocks `complete`: the API server's stall watchdog
-(`engine_stall_timeout`) counts that as a crashed core and kills the core and its workers.
+raises. A worker that hangs delays `complete`: after `worker_step_timeout` seconds without rank 0's
+tokens the workers count as hung and fail the same way (the API server's stall watchdog,
+`engine_stall_timeout`, usually fires first and restarts the core).
 """
 
 from __future__ import annotations
@@ -244,8 +245,17 @@ class MultiprocExecutor(Executor):
         self._broadcast(self._complete_message)
         first = self._workers[0]
         conns = {w.outbox: w for w in self._workers}
+        timeout = self.config.parallel_config.worker_step_timeout
+        deadline = time.monotonic() + timeout
         while True:
-            ready = wait(list(conns))
+            ready = wait(list(conns), timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                raise self._fail(
+                    WorkerStepError(
+                        f"no step result from the tensor-parallel workers within "
+                        f"worker_step_timeout={timeout:g} s: a worker hangs"
+                    )
+                )
             if first.outbox in ready:
                 reply = self._receive(first)
                 if isinstance(reply, StepOutput):

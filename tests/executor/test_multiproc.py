@@ -6,6 +6,7 @@ tests/entrypoints/openai/test_server_tp.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +17,7 @@ import pytest
 
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
-from ferrum.executor import WorkerDiedError
+from ferrum.executor import WorkerDiedError, WorkerStepError
 from ferrum.sampling_params import StructuredOutputsParams
 from tests.utils.processes import is_running, wait_gone, wait_until
 from tests.utils.tiny_llm import greedy, make_llm, random_prompts
@@ -135,3 +136,29 @@ def test_killed_worker_fails_the_step_and_no_worker_survives(mp_llm: LLM) -> Non
     with pytest.raises(WorkerDiedError):  # the executor stays failed
         engine.step()
     engine.core.shutdown()  # after a failure too
+
+
+def test_hung_worker_fails_the_step_within_the_timeout(checkpoint: str) -> None:
+    llm = make_llm(
+        checkpoint,
+        tensor_parallel_size=WORLD_SIZE,
+        distributed_executor_backend="mp",
+        worker_step_timeout=3.0,
+        **ENGINE,
+    )
+    engine = llm.llm_engine
+    pids = engine.core.executor.worker_pids
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+    engine.step()
+    os.kill(pids[1], signal.SIGSTOP)  # alive, holds its pipes, never answers
+    try:
+        with pytest.raises(WorkerStepError, match=r"worker_step_timeout=3 s: a worker hangs"):
+            for _ in range(100):
+                engine.step()
+        wait_gone(pids)  # killed, the stopped one too
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        engine.core.shutdown()
