@@ -3,12 +3,13 @@ a decode step at batch 256).
 
 What the multiprocess executor does each step, timed on the host alone (no model, no GPU):
 the core pickles the step once and writes the bytes to every worker's pipe (`send`); each worker
-reads and unpickles it (`recv`). `round_trip` adds a tiny reply from rank 0 and subtracts an
+reads and unpickles it (`recv`). `round_trip` adds a tiny reply from every worker and subtracts an
 empty ping's round trip, giving the latency from "the core starts sending" to "the last worker
 holds the step". Steps are realistic: decode (every request a diff, one in 16 taking a new
 block) and mixed (a decode batch plus new requests with long prompts), with request ids like the
 server's (`cmpl-<32 hex>-0`), and constrained (a decode whose first N requests have a grammar: the
-core sends their bitmask rows, Qwen3's vocabulary, with the step).
+core publishes their bitmask rows, Qwen3's vocabulary, in the shared-memory slots of
+`bitmask_channel.py` and the step names the slot; each worker copies the rows out).
 
     python benchmarks/bench_executor_broadcast.py --batch 256 --workers 2 --steps 2000
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import pickle
 import random
 import statistics
@@ -25,9 +27,13 @@ import time
 import uuid
 from multiprocessing.connection import Connection
 
+from ferrum.executor.bitmask_channel import BitmaskLayout, BitmaskReader, BitmaskWriter
 from ferrum.executor.messages import GrammarBitmaskRows, LaunchStep
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+# Qwen3's vocabulary (151,936 tokens: 4,748 int32 words a row), rows for a batch of 256.
+LAYOUT = BitmaskLayout(max_rows=256, vocab_size=151_936)
 
 
 def decode_step(req_ids: list[str], step: int, rng: random.Random) -> SchedulerOutput:
@@ -53,54 +59,67 @@ def mixed_step(
     return out
 
 
-def _worker(conn: Connection, reply: Connection, rank: int) -> None:
+def _worker(conn: Connection, reply: Connection, rank: int, bitmask_path: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # two cores here: intra-op threads of two workers fight
+    reader = BitmaskReader(os.open(bitmask_path, os.O_RDWR), LAYOUT)
     while True:
         data = conn.recv_bytes()
         if data == b"stop":
             return
-        pickle.loads(data)
-        if rank == 0:
-            reply.send_bytes(b"k")
+        message = pickle.loads(data)
+        if message is not None and message.grammar_bitmask is not None:
+            reader.read(message.grammar_bitmask.slot)
+        reply.send_bytes(b"k")
 
 
 def run(batch: int, num_workers: int, num_steps: int, kind: str) -> dict[str, float]:
     ctx = multiprocessing.get_context("spawn")
+    writer = BitmaskWriter(LAYOUT)
     sends, replies, procs = [], [], []
     for rank in range(num_workers):
         recv_end, send_end = ctx.Pipe(duplex=False)
         reply_recv, reply_send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(recv_end, reply_send, rank), daemon=True)
+        bitmask_path = f"/proc/{os.getpid()}/fd/{writer.fd}"
+        p = ctx.Process(
+            target=_worker, args=(recv_end, reply_send, rank, bitmask_path), daemon=True
+        )
         p.start()
         sends.append(send_end)
         replies.append(reply_recv)
         procs.append(p)
     rng = random.Random(0)
     req_ids = [f"cmpl-{uuid.uuid4().hex}-0" for _ in range(batch)]
-    bitmask = None
+    num_rows = 0
     if kind == "mixed":
         steps = [mixed_step(req_ids, s, rng, 2, 1024) for s in range(64)]
     else:
         steps = [decode_step(req_ids, s, rng) for s in range(64)]
     if kind.startswith("constrained"):
-        # Rows of Qwen3's vocabulary (151936 tokens: 4748 int32 words each).
         num_rows = int(kind.partition("-")[2])
-        data = bytes(rng.getrandbits(8) for _ in range(num_rows * 4748 * 4))
-        bitmask = GrammarBitmaskRows(req_ids[:num_rows], data)
-    messages = [LaunchStep(s, bitmask) for s in steps]
+    messages = [LaunchStep(s) for s in steps]
     ping = pickle.dumps(None)
     send_s, rtt_s, ping_s, sizes = [], [], [], []
     for i in range(num_steps):
         message = messages[i % len(messages)]
         t0 = time.perf_counter()
+        if num_rows:
+            # The rows are filled in place by the matchers (not timed here: the same either way).
+            slot, _ = writer.begin(num_rows)
+            writer.publish(slot)
+            message.grammar_bitmask = GrammarBitmaskRows(req_ids[:num_rows], slot)
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in sends:
             conn.send_bytes(data)
         t1 = time.perf_counter()
-        replies[0].recv_bytes()
+        for conn in replies:
+            conn.recv_bytes()
         t2 = time.perf_counter()
         for conn in sends:
             conn.send_bytes(ping)
-        replies[0].recv_bytes()
+        for conn in replies:
+            conn.recv_bytes()
         t3 = time.perf_counter()
         send_s.append(t1 - t0)
         rtt_s.append(t2 - t0)
@@ -110,6 +129,7 @@ def run(batch: int, num_workers: int, num_steps: int, kind: str) -> dict[str, fl
         conn.send_bytes(b"stop")
     for p in procs:
         p.join(10)
+    writer.close()
 
     def ms(xs: list[float]) -> float:
         return round(statistics.median(xs) * 1e3, 4)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ferrum.executor.bitmask_channel import BitmaskSlot
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -38,11 +39,11 @@ class CaptureCudaGraphs:
 
 @dataclass(slots=True)
 class GrammarBitmaskRows:
-    """Next-token bitmask rows the core filled from its matchers: row `i` of `data` (int32,
-    [len(req_ids), vocab words], C order, as bytes) belongs to `req_ids[i]`."""
+    """Next-token bitmask rows the core filled from its matchers into shared memory
+    (bitmask_channel.py): row `i` of `slot` belongs to `req_ids[i]`."""
 
     req_ids: list[str]
-    data: bytes
+    slot: BitmaskSlot
 
 
 @dataclass(slots=True)

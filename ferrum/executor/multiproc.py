@@ -38,6 +38,7 @@ import torch
 import ferrum
 from ferrum.config import EngineConfig
 from ferrum.executor.abstract import Executor, WorkerDiedError, WorkerStepError
+from ferrum.executor.bitmask_channel import BitmaskLayout, BitmaskWriter
 from ferrum.executor.messages import (
     CaptureCudaGraphs,
     CompleteStep,
@@ -59,7 +60,7 @@ from ferrum.executor.messages import (
 from ferrum.executor.worker import WorkerArgs
 from ferrum.logger import init_logger
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from ferrum.structured_output import StructuredOutputMatcher, allocate_token_bitmask
+from ferrum.structured_output import StructuredOutputMatcher
 
 logger = init_logger(__name__)
 
@@ -111,7 +112,10 @@ class MultiprocExecutor(Executor):
         # Kills the workers if this executor is dropped (or the interpreter exits) unstopped.
         self._finalizer = weakref.finalize(self, _kill, self._processes)
         self._complete_message = pickle.dumps(CompleteStep(), protocol=_PROTOCOL)
-        self._bitmask_host: torch.Tensor | None = None
+        # Sparse until a constrained step touches it.
+        self._bitmask = BitmaskWriter(
+            BitmaskLayout(config.scheduler_config.max_num_seqs, config.model_config.vocab_size)
+        )
         self._bitmask_filler: Any = None
         try:
             for rank in range(world_size):
@@ -148,12 +152,14 @@ class MultiprocExecutor(Executor):
             inbox_fd=inbox_r,
             outbox_fd=outbox_w,
             lifeline_fd=lifeline_r,
+            bitmask_fd=self._bitmask.fd,
+            bitmask_layout=self._bitmask.layout,
         )
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", "ferrum.executor.worker"],
                 stdin=subprocess.PIPE,
-                pass_fds=(inbox_r, outbox_w, lifeline_r),
+                pass_fds=(inbox_r, outbox_w, lifeline_r, self._bitmask.fd),
                 env=env,
             )
         except BaseException:
@@ -267,15 +273,13 @@ class MultiprocExecutor(Executor):
     def _fill_bitmask(self, matchers: dict[str, StructuredOutputMatcher]) -> GrammarBitmaskRows:
         from ferrum.structured_output import BatchBitmaskFiller
 
-        if self._bitmask_host is None:
-            model_config = self.config.model_config
-            max_num_seqs = self.config.scheduler_config.max_num_seqs
-            self._bitmask_host = allocate_token_bitmask(max_num_seqs, model_config.vocab_size)
+        if self._bitmask_filler is None:
             self._bitmask_filler = BatchBitmaskFiller()
         req_ids = list(matchers)
-        host = self._bitmask_host[: len(req_ids)]
-        self._bitmask_filler.fill(host, [(i, matchers[r]) for i, r in enumerate(req_ids)])
-        return GrammarBitmaskRows(req_ids, host.numpy().tobytes())
+        slot, rows = self._bitmask.begin(len(req_ids))
+        self._bitmask_filler.fill(rows, [(i, matchers[r]) for i, r in enumerate(req_ids)])
+        self._bitmask.publish(slot)
+        return GrammarBitmaskRows(req_ids, slot)
 
     # -- health and failures ---------------------------------------------------------------------
 
@@ -357,6 +361,7 @@ class MultiprocExecutor(Executor):
             worker.outbox.close()
             with contextlib.suppress(OSError):
                 os.close(worker.lifeline_fd)
+        self._bitmask.close()
         self._finalizer.detach()
 
 

@@ -26,6 +26,7 @@ import torch
 
 from ferrum.config import EngineConfig
 from ferrum.distributed.parallel_state import destroy_distributed, init_distributed
+from ferrum.executor.bitmask_channel import BitmaskLayout, BitmaskReader
 from ferrum.executor.messages import (
     CaptureCudaGraphs,
     CompleteStep,
@@ -45,7 +46,7 @@ from ferrum.executor.messages import (
 )
 from ferrum.executor.step_profiler import StepProfiler
 from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
-from ferrum.structured_output import FilledBitmaskRow, bitmask_width
+from ferrum.structured_output import FilledBitmaskRow
 
 # Exit status of a worker whose core process is gone.
 EXIT_CORE_GONE = 3
@@ -62,6 +63,9 @@ class WorkerArgs:
     inbox_fd: int
     outbox_fd: int
     lifeline_fd: int
+    # The core's shared bitmask rows (bitmask_channel.py).
+    bitmask_fd: int
+    bitmask_layout: BitmaskLayout
 
 
 def worker_device(config: EngineConfig, rank: int) -> torch.device:
@@ -100,8 +104,9 @@ def run_worker(args: WorkerArgs) -> None:
             custom_all_reduce=not config.parallel_config.disable_custom_all_reduce,
         )
         runner = ModelRunner(config, device, group)
+        bitmask = BitmaskReader(args.bitmask_fd, args.bitmask_layout)
         _send(outbox, WorkerReady(args.rank, runner.kernel_backend))
-        _serve(runner, args.rank, inbox, outbox)
+        _serve(runner, args.rank, inbox, outbox, bitmask)
     except (EOFError, BrokenPipeError):
         os._exit(EXIT_CORE_GONE)  # the core is gone: nobody is left to tell
     except BaseException as e:
@@ -113,7 +118,13 @@ def run_worker(args: WorkerArgs) -> None:
     destroy_distributed()
 
 
-def _serve(runner: ModelRunner, rank: int, inbox: Connection, outbox: Connection) -> None:
+def _serve(
+    runner: ModelRunner,
+    rank: int,
+    inbox: Connection,
+    outbox: Connection,
+    bitmask_reader: BitmaskReader,
+) -> None:
     in_flight: deque[LaunchedStep] = deque()
     # Rows still to come for the latest step, launched with deferred sampling.
     deferred_rows: list[FilledBitmaskRow] = []
@@ -122,7 +133,7 @@ def _serve(runner: ModelRunner, rank: int, inbox: Connection, outbox: Connection
         message = pickle.loads(inbox.recv_bytes())
         match message:
             case LaunchStep(scheduler_output, bitmask, None):
-                matchers = _filled_rows(bitmask, runner.vocab_size) if bitmask else None
+                matchers = _filled_rows(bitmask_reader, bitmask) if bitmask else None
                 in_flight.append(runner.launch(scheduler_output, matchers))
             case LaunchStep(scheduler_output, _, deferred_req_ids):
                 deferred_rows = [
@@ -131,7 +142,7 @@ def _serve(runner: ModelRunner, rank: int, inbox: Connection, outbox: Connection
                 matchers = dict(zip(deferred_req_ids, deferred_rows))
                 in_flight.append(runner.launch(scheduler_output, matchers, defer_sampling=True))
             case SampleStep(bitmask):
-                rows = _bitmask_rows(bitmask, runner.vocab_size)
+                rows = bitmask_reader.read(bitmask.slot)
                 for row in deferred_rows:
                     row.rows = rows
                 step = in_flight[-1]
@@ -160,13 +171,8 @@ def _serve(runner: ModelRunner, rank: int, inbox: Connection, outbox: Connection
                 raise TypeError(f"worker: unknown message {message!r}")
 
 
-def _bitmask_rows(bitmask: GrammarBitmaskRows, vocab_size: int) -> torch.Tensor:
-    rows = torch.frombuffer(bytearray(bitmask.data), dtype=torch.int32)
-    return rows.view(len(bitmask.req_ids), bitmask_width(vocab_size))
-
-
-def _filled_rows(bitmask: GrammarBitmaskRows, vocab_size: int) -> dict[str, FilledBitmaskRow]:
-    rows = _bitmask_rows(bitmask, vocab_size)
+def _filled_rows(reader: BitmaskReader, bitmask: GrammarBitmaskRows) -> dict[str, FilledBitmaskRow]:
+    rows = reader.read(bitmask.slot)
     return {req_id: FilledBitmaskRow(rows, i) for i, req_id in enumerate(bitmask.req_ids)}
 
 
