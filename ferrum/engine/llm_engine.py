@@ -32,6 +32,12 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stops the executor (its worker processes, bounded) and the grammar compiler threads;
+        the engine serves no more. Safe to call twice."""
+        self.core.shutdown()
+        self.core.grammars.shutdown()
+
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         return cls(engine_args.create_engine_config())

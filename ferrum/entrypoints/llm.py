@@ -41,6 +41,14 @@ class LLM:
             self.llm_engine = DataParallelLLMEngine(config)
         else:
             self.llm_engine = LLMEngine(config)
+        self._shut_down = False
+
+    def shutdown(self) -> None:
+        """Stops the engine now: its worker and engine-core processes (tensor and data
+        parallelism) and its threads. Safe to call twice; `generate` and `chat` raise after it.
+        (Without it they stop when the LLM is garbage-collected or the interpreter exits.)"""
+        self._shut_down = True
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -58,6 +66,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in input order.
         A prompt of the wrong type is a TypeError naming the accepted ones."""
+        if self._shut_down:
+            raise RuntimeError("LLM: generate after shutdown(); create a new LLM")
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()

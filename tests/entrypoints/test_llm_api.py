@@ -8,6 +8,8 @@ import pytest
 
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
+from tests.utils.processes import wait_gone
+from tests.utils.tiny_llm import make_llm
 
 
 @pytest.fixture
@@ -292,3 +294,21 @@ def test_logit_bias_allowed_token_ids_and_bad_words(llm: LLM) -> None:
 def test_token_ids_outside_the_vocabulary_are_refused(llm: LLM, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         llm.generate("Hello", SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+
+
+def test_shutdown_stops_the_worker_processes_and_refuses_later_calls(tiny_checkpoint) -> None:
+    llm = make_llm(
+        tiny_checkpoint("qwen3"),
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        num_kv_blocks=24,
+        num_cpu_threads=1,
+    )
+    pids = llm.llm_engine.core.executor.worker_pids
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], greedy(max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+    llm.shutdown()
+    wait_gone(pids)
+    llm.shutdown()  # twice is fine
+    with pytest.raises(RuntimeError, match=r"generate after shutdown\(\)"):
+        llm.generate([{"prompt_token_ids": [5]}], greedy(max_tokens=1), use_tqdm=False)
