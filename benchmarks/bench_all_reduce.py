@@ -1,5 +1,6 @@
 """All-reduce latency of the decode-sized messages the tensor-parallel layers send, through
-`TensorParallelGroup` (NCCL via torch.distributed), eager and replayed in a CUDA graph.
+NCCL (torch.distributed) and, with --symm-mem, torch symmetric memory, eager and replayed in a
+CUDA graph.
 
 Needs N >= 2 GPUs (NCCL refuses two ranks on one device). One process per GPU; rank 0 prints one
 JSON line per (dtype, tokens): the message is [tokens, hidden] (one row-parallel output), the
@@ -102,7 +103,10 @@ def _symm_mem_rows(args: argparse.Namespace) -> list[dict]:
 
 def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
     torch.cuda.set_device(rank)
-    group = init_distributed(args.world_size, rank, f"tcp://127.0.0.1:{port}", "nccl")
+    # NCCL for every message here: the symmetric-memory rows are timed on their own below.
+    group = init_distributed(
+        args.world_size, rank, f"tcp://127.0.0.1:{port}", "nccl", custom_all_reduce=False
+    )
     results = []
     for dtype in (torch.bfloat16, torch.float32):
         for tokens in TOKENS:
