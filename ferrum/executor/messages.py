@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ferrum.executor.bitmask_channel import BitmaskSlot
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -47,9 +49,19 @@ class GrammarBitmaskRows:
 
 
 @dataclass(slots=True)
+class InlineBitmaskRows:
+    """Next-token bitmask rows carried in the message itself (the Ray executor, whose ranks may
+    be on other hosts): row `i` of `rows` (int32, [len(req_ids), vocab words]) belongs to
+    `req_ids[i]`."""
+
+    req_ids: list[str]
+    rows: torch.Tensor
+
+
+@dataclass(slots=True)
 class LaunchStep:
     scheduler_output: SchedulerOutput
-    grammar_bitmask: GrammarBitmaskRows | None = None
+    grammar_bitmask: GrammarBitmaskRows | InlineBitmaskRows | None = None
     # The constrained requests of a step whose sampling waits for SampleStep (their rows).
     deferred_req_ids: list[str] | None = None
 
@@ -58,7 +70,7 @@ class LaunchStep:
 class SampleStep:
     """The rows of the latest LaunchStep's `deferred_req_ids`, in that order."""
 
-    grammar_bitmask: GrammarBitmaskRows
+    grammar_bitmask: GrammarBitmaskRows | InlineBitmaskRows
 
 
 @dataclass(slots=True)

@@ -18,35 +18,16 @@ import signal
 import sys
 import threading
 import traceback
-from collections import deque
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import torch
 
 from ferrum.config import EngineConfig
-from ferrum.distributed.parallel_state import destroy_distributed, init_distributed
+from ferrum.distributed.parallel_state import destroy_distributed
 from ferrum.executor.bitmask_channel import BitmaskLayout, BitmaskReader
-from ferrum.executor.messages import (
-    CaptureCudaGraphs,
-    CompleteStep,
-    DetermineNumKVBlocks,
-    FromWorker,
-    GrammarBitmaskRows,
-    InitializeKVCache,
-    LaunchStep,
-    NumKVBlocks,
-    SampleStep,
-    ShutdownWorker,
-    StepOutput,
-    WarmUp,
-    WorkerDone,
-    WorkerFailed,
-    WorkerReady,
-)
-from ferrum.executor.step_profiler import StepProfiler
-from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
-from ferrum.structured_output import FilledBitmaskRow
+from ferrum.executor.messages import FromWorker, ShutdownWorker, WorkerFailed, WorkerReady
+from ferrum.executor.rank import RankServer, start_rank
 
 # Exit status of a worker whose core process is gone.
 EXIT_CORE_GONE = 3
@@ -92,21 +73,12 @@ def run_worker(args: WorkerArgs) -> None:
     config = args.config
     try:
         device = worker_device(config, args.rank)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        if config.device_config.num_cpu_threads is not None:
-            torch.set_num_threads(config.device_config.num_cpu_threads)
-        group = init_distributed(
-            args.world_size,
-            args.rank,
-            args.init_method,
-            args.backend,
-            custom_all_reduce=not config.parallel_config.disable_custom_all_reduce,
+        runner = start_rank(
+            config, device, args.rank, args.world_size, args.init_method, args.backend
         )
-        runner = ModelRunner(config, device, group)
-        bitmask = BitmaskReader(args.bitmask_fd, args.bitmask_layout)
+        reader = BitmaskReader(args.bitmask_fd, args.bitmask_layout)
         _send(outbox, WorkerReady(args.rank, runner.kernel_backend))
-        _serve(runner, args.rank, inbox, outbox, bitmask)
+        _serve(RankServer(runner, args.rank, reader), inbox, outbox)
     except (EOFError, BrokenPipeError):
         os._exit(EXIT_CORE_GONE)  # the core is gone: nobody is left to tell
     except BaseException as e:
@@ -118,66 +90,14 @@ def run_worker(args: WorkerArgs) -> None:
     destroy_distributed()
 
 
-def _serve(
-    runner: ModelRunner,
-    rank: int,
-    inbox: Connection,
-    outbox: Connection,
-    bitmask_reader: BitmaskReader,
-) -> None:
-    in_flight: deque[LaunchedStep] = deque()
-    # Rows still to come for the latest step, launched with deferred sampling.
-    deferred_rows: list[FilledBitmaskRow] = []
-    profiler = StepProfiler(rank)
+def _serve(server: RankServer, inbox: Connection, outbox: Connection) -> None:
     while True:
         message = pickle.loads(inbox.recv_bytes())
-        match message:
-            case LaunchStep(scheduler_output, bitmask, None):
-                matchers = _filled_rows(bitmask_reader, bitmask) if bitmask else None
-                in_flight.append(runner.launch(scheduler_output, matchers))
-            case LaunchStep(scheduler_output, _, deferred_req_ids):
-                deferred_rows = [
-                    FilledBitmaskRow(_NO_ROWS, i) for i in range(len(deferred_req_ids))
-                ]
-                matchers = dict(zip(deferred_req_ids, deferred_rows))
-                in_flight.append(runner.launch(scheduler_output, matchers, defer_sampling=True))
-            case SampleStep(bitmask):
-                rows = bitmask_reader.read(bitmask.slot)
-                for row in deferred_rows:
-                    row.rows = rows
-                step = in_flight[-1]
-                if step.awaits_sampling:  # else no constrained row sampled: it is sampled
-                    runner.sample(step)
-            case CompleteStep():
-                profiler.before_step()
-                output = runner.complete(in_flight.popleft())
-                profiler.after_step()
-                if rank == 0:
-                    _send(outbox, StepOutput(output))
-            case DetermineNumKVBlocks():
-                _send(outbox, NumKVBlocks(rank, runner.determine_num_kv_blocks()))
-            case InitializeKVCache(num_blocks):
-                runner.initialize_kv_cache(num_blocks)
-                _send(outbox, WorkerDone(rank))
-            case WarmUp(num_blocks):
-                runner.warm_up(num_blocks)
-                _send(outbox, WorkerDone(rank))
-            case CaptureCudaGraphs():
-                runner.capture_cuda_graphs()
-                _send(outbox, WorkerDone(rank))
-            case ShutdownWorker():
-                return
-            case _:
-                raise TypeError(f"worker: unknown message {message!r}")
-
-
-def _filled_rows(reader: BitmaskReader, bitmask: GrammarBitmaskRows) -> dict[str, FilledBitmaskRow]:
-    rows = reader.read(bitmask.slot)
-    return {req_id: FilledBitmaskRow(rows, i) for i, req_id in enumerate(bitmask.req_ids)}
-
-
-# Stands in for the rows of a deferred step until its SampleStep brings them.
-_NO_ROWS = torch.empty(0, 0, dtype=torch.int32)
+        if isinstance(message, ShutdownWorker):
+            return
+        reply = server.handle(message)
+        if reply is not None:
+            _send(outbox, reply)
 
 
 def _send(outbox: Connection, message: FromWorker) -> None:

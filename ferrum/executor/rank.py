@@ -1,0 +1,131 @@
+"""One tensor-parallel rank, whatever process hosts it (a worker process of `worker.py` or a Ray
+actor of `ray_worker.py`): `start_rank` joins the process group and builds the rank's model
+runner; `RankServer.handle` answers the core's messages (`messages.py`) in the order they come.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ferrum.config import EngineConfig
+from ferrum.distributed.parallel_state import init_distributed
+from ferrum.executor.bitmask_channel import BitmaskReader
+from ferrum.executor.messages import (
+    CaptureCudaGraphs,
+    CompleteStep,
+    DetermineNumKVBlocks,
+    FromWorker,
+    GrammarBitmaskRows,
+    InitializeKVCache,
+    InlineBitmaskRows,
+    LaunchStep,
+    NumKVBlocks,
+    SampleStep,
+    StepOutput,
+    ToWorker,
+    WarmUp,
+    WorkerDone,
+)
+from ferrum.executor.step_profiler import StepProfiler
+from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
+from ferrum.structured_output import FilledBitmaskRow
+
+
+def start_rank(
+    config: EngineConfig,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: str,
+) -> ModelRunner:
+    """Selects `device`, joins the process group and builds this rank's shard of the model."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if config.device_config.num_cpu_threads is not None:
+        torch.set_num_threads(config.device_config.num_cpu_threads)
+    group = init_distributed(
+        world_size,
+        rank,
+        init_method,
+        backend,
+        custom_all_reduce=not config.parallel_config.disable_custom_all_reduce,
+    )
+    return ModelRunner(config, device, group)
+
+
+class RankServer:
+    """The rank's side of the executor protocol: `handle` runs one message and returns the
+    reply the core waits for (None for a message without one: launches, samples, and the
+    completion of a step on ranks > 0). Exceptions propagate: the host reports them and stops."""
+
+    def __init__(
+        self, runner: ModelRunner, rank: int, bitmask_reader: BitmaskReader | None = None
+    ) -> None:
+        self.runner = runner
+        self.rank = rank
+        # Where GrammarBitmaskRows are (shared memory); None where rows come inline.
+        self._bitmask_reader = bitmask_reader
+        self._in_flight: deque[LaunchedStep] = deque()
+        # Rows still to come for the latest step, launched with deferred sampling.
+        self._deferred_rows: list[FilledBitmaskRow] = []
+        self._profiler = StepProfiler(rank)
+
+    def handle(self, message: ToWorker) -> FromWorker | None:
+        runner = self.runner
+        match message:
+            case LaunchStep(scheduler_output, bitmask, None):
+                matchers = self._filled_rows(bitmask) if bitmask else None
+                self._in_flight.append(runner.launch(scheduler_output, matchers))
+            case LaunchStep(scheduler_output, _, deferred_req_ids):
+                self._deferred_rows = [
+                    FilledBitmaskRow(_NO_ROWS, i) for i in range(len(deferred_req_ids))
+                ]
+                matchers = dict(zip(deferred_req_ids, self._deferred_rows))
+                step = runner.launch(scheduler_output, matchers, defer_sampling=True)
+                self._in_flight.append(step)
+            case SampleStep(bitmask):
+                rows = self._rows(bitmask)
+                for row in self._deferred_rows:
+                    row.rows = rows
+                step = self._in_flight[-1]
+                if step.awaits_sampling:  # else no constrained row sampled: it is sampled
+                    runner.sample(step)
+            case CompleteStep():
+                self._profiler.before_step()
+                output = runner.complete(self._in_flight.popleft())
+                self._profiler.after_step()
+                if self.rank == 0:
+                    return StepOutput(output)
+            case DetermineNumKVBlocks():
+                return NumKVBlocks(self.rank, runner.determine_num_kv_blocks())
+            case InitializeKVCache(num_blocks):
+                runner.initialize_kv_cache(num_blocks)
+                return WorkerDone(self.rank)
+            case WarmUp(num_blocks):
+                runner.warm_up(num_blocks)
+                return WorkerDone(self.rank)
+            case CaptureCudaGraphs():
+                runner.capture_cuda_graphs()
+                return WorkerDone(self.rank)
+            case _:
+                raise TypeError(f"rank {self.rank}: unknown message {message!r}")
+        return None
+
+    def _rows(self, bitmask: GrammarBitmaskRows | InlineBitmaskRows) -> torch.Tensor:
+        if isinstance(bitmask, InlineBitmaskRows):
+            return bitmask.rows
+        assert self._bitmask_reader is not None, "shared bitmask rows without a reader"
+        return self._bitmask_reader.read(bitmask.slot)
+
+    def _filled_rows(
+        self, bitmask: GrammarBitmaskRows | InlineBitmaskRows
+    ) -> dict[str, FilledBitmaskRow]:
+        rows = self._rows(bitmask)
+        return {req_id: FilledBitmaskRow(rows, i) for i, req_id in enumerate(bitmask.req_ids)}
+
+
+# Stands in for the rows of a deferred step until its SampleStep brings them.
+_NO_ROWS = torch.empty(0, 0, dtype=torch.int32)
