@@ -44,6 +44,7 @@ from ferrum.model_executor.sampling_metadata import (
     SamplingRow,
     sampling_staging,
 )
+from ferrum.model_executor.warm_up import warm_up_batches
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.structured_output import StructuredOutputMatcher
@@ -267,26 +268,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, num_blocks: int | list[int]) -> None:
-        """Compiles the Triton kernel variants (attention tiles by chunk length) that a first
-        request would otherwise wait for. Writes KV only into blocks that no request holds yet."""
+        """Compiles the Triton kernel variants a first request would otherwise wait for
+        (`warm_up.py`: every token bucket, both parities, multi-request prefill). Writes KV only
+        into blocks that no request holds yet."""
         if self.kernel_backend != "triton" or self.device.type != "cuda":
             return
         start = time.perf_counter()
         sched = self.config.scheduler_config
         num_blocks = num_blocks if isinstance(num_blocks, int) else min(num_blocks)
-        for query_len in (1, 2, 4, 8, 16, 32, 64, 128):
-            blocks_needed = -(-query_len // self.block_size) + 1
-            if query_len > min(sched.max_num_batched_tokens, sched.max_model_len) or (
-                blocks_needed > num_blocks
-            ):
-                break
+        max_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
+        # Block 0 stays free: profile_batch places prompts from block 1.
+        batches = warm_up_batches(
+            max_tokens, self.block_size, num_blocks - 1, max_requests=sched.max_num_seqs
+        )
+        for query_lens in batches:
             requests, num_scheduled = profile_batch(
-                [query_len], self.block_size, len(self.kv_cache_groups)
+                query_lens, self.block_size, len(self.kv_cache_groups)
             )
-            batch = self.inputs.prepare(requests, num_scheduled, query_len, {})
+            batch = self.inputs.prepare(requests, num_scheduled, max(query_lens), {})
             self.model(batch.input_ids, batch.positions, batch.attn_metadata)
         torch.cuda.synchronize(self.device)
-        logger.info("kernel warm-up in %.2f s", time.perf_counter() - start)
+        logger.info(
+            "kernel warm-up: %d forwards of 1 to %d tokens in %.2f s",
+            len(batches),
+            max_tokens,
+            time.perf_counter() - start,
+        )
 
     def uses_cuda_graphs(self) -> bool:
         """Graphs need CUDA and the Triton kernels (the torch MoE path syncs with the host)."""

@@ -1,0 +1,81 @@
+"""The first batch of each size after a fresh start against the same-sized batch run again
+(issue 20: no kernel compilation in the serving path; goal: first within 5% of the repeat).
+
+Dummy weights, token-id prompts, `ignore_eos`, one engine in this process and no warm-up of its
+own: whatever start-up compiles is what a first user gets. Each case runs twice with different
+prompts (seeds 1 and 2), so the repeat takes no prefix-cache hit. Cases: `c1` (1 x 128 in,
+128 out), `c16` and `c64` (256 in, 256 out, temperature 1.0), `long` (one --long-len prompt, 1
+token out: a long prefill). One JSON with both times and their ratio per case.
+
+    python benchmarks/bench_first_request.py --model benchmarks/models/qwen3-30b-a3b \
+        --gpu-memory-utilization 0.92 --max-model-len 10240 --out $OUT/first_request.json
+"""
+
+# ruff: noqa: E402
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ferrum.bench import workloads
+from ferrum.bench.throughput import measure_throughput
+from ferrum.engine.arg_utils import EngineArgs
+from ferrum.entrypoints.llm import LLM
+
+
+def cases(long_len: int) -> dict[str, tuple[int, int, int, float]]:
+    """name: (prompts, input tokens, output tokens, temperature)."""
+    return {
+        "c1": (1, 128, 128, 0.0),
+        "c16": (16, 256, 256, 1.0),
+        "c64": (64, 256, 256, 1.0),
+        "long": (1, long_len, 1, 0.0),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    EngineArgs.add_cli_args(parser, model_positional=False)
+    parser.set_defaults(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
+    parser.add_argument("--long-len", type=int, default=8000)
+    parser.add_argument("--cases", default="c1,c16,c64,long", help="comma-separated subset")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    if args.model is None:
+        parser.error("--model is required")
+    engine_args = EngineArgs.from_cli_args(args, args.model)
+    start = time.perf_counter()
+    llm = LLM(**vars(engine_args))
+    report = {"model": args.model, "engine_init_s": time.perf_counter() - start, "cases": {}}
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    chosen = args.cases.split(",")
+    for name, (num, n_in, n_out, temperature) in cases(args.long_len).items():
+        if name not in chosen:
+            continue
+        times = []
+        for seed in (1, 2):
+            prompts, outs = workloads.batch(num, n_in, n_out, seed=seed)
+            prompts = workloads.fold_to_vocab(prompts, vocab)
+            result = measure_throughput(llm, prompts, outs, temperature, show_progress=False)
+            times.append(result.elapsed_time)
+        report["cases"][name] = {
+            "first_s": times[0],
+            "repeat_s": times[1],
+            "first_over_repeat": times[0] / times[1],
+        }
+        print(
+            f"{name}: first {times[0]:.3f} s, repeat {times[1]:.3f} s, "
+            f"ratio {times[0] / times[1]:.3f}",
+            flush=True,
+        )
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+import pytest
+
+from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED
+from ferrum.model_executor.warm_up import MULTI_REQUESTS, warm_up_batches
+
+
+def test_every_power_of_two_runs_at_both_parities_up_to_the_step_budget() -> None:
+    batches = warm_up_batches(max_tokens=8192, block_size=16, num_blocks=10_000)
+    totals = [sum(b) for b in batches]
+    assert totals[:4] == [1, 2, 4, 3]
+    assert len(totals) == len(set(totals))
+    for k in range(1, 14):
+        assert 2**k in totals and 2**k - 1 in totals
+    assert max(totals) == 8192
+    # Every fused-MoE token bucket up to the budget is run at its bound.
+    assert all(bound in totals for bound in DEFAULT_GROUPED if bound <= 8192)
+
+
+def test_large_batches_hold_several_requests_small_ones_one() -> None:
+    for batch in warm_up_batches(max_tokens=2048, block_size=16, num_blocks=10_000):
+        assert len(batch) == (1 if sum(batch) <= 128 else MULTI_REQUESTS)
+        assert max(batch) - min(batch) <= 1
+    single = warm_up_batches(max_tokens=512, block_size=16, num_blocks=10_000, max_requests=1)
+    assert all(len(b) == 1 for b in single)
+
+
+@pytest.mark.parametrize("num_blocks", [0, 1, 5, 64])
+def test_batches_fit_the_kv_blocks_given(num_blocks: int) -> None:
+    for batch in warm_up_batches(max_tokens=4096, block_size=16, num_blocks=num_blocks):
+        assert sum(-(-n // 16) for n in batch) <= num_blocks
