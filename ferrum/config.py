@@ -211,6 +211,9 @@ def resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
     return dtype
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
@@ -236,8 +239,22 @@ class CacheConfig:
             "max_model_len need, at most 512 MiB, at least one sequence)"
         ),
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_help(
+            "auto (the model's dtype) or fp8 / fp8_e4m3: KV stored in float8_e4m3 with "
+            "per-tensor scales of 1.0 (values saturate at +-448), twice the tokens per byte",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _fail(
+                "kv_cache_dtype",
+                f"must be one of {KV_CACHE_DTYPES} (fp8_e5m2 and calibrated scales are not "
+                f"supported), got {self.kv_cache_dtype!r}",
+            )
         if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size > 1024:
             raise _fail("block_size", f"must be an integer in [1, 1024], got {self.block_size!r}")
         if self.num_kv_blocks is not None and (

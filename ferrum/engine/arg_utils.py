@@ -33,7 +33,6 @@ logger = init_logger(__name__)
 # it asks for what ferrum does). The issue that adds one removes its entry here.
 NOT_SUPPORTED_YET: dict[str, Any] = {
     "pipeline_parallel_size": 1,
-    "kv_cache_dtype": "auto",
     "enable_lora": False,
     "max_lora_rank": None,
     "speculative_config": None,
@@ -94,6 +93,7 @@ class EngineArgs:
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     seed: int = ModelConfig.seed

@@ -4,3 +4,7 @@ import torch
 
 # Activation dtypes every launcher accepts.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# KV cache dtypes the cache writers and attention kernels accept: the activation dtypes, or FP8
+# (e4m3, per-tensor scale 1.0: values are saturated to +-448 when written).
+FP8_KV_DTYPE = torch.float8_e4m3fn
+KV_CACHE_DTYPES = (*FLOAT_DTYPES, FP8_KV_DTYPE)

@@ -15,10 +15,14 @@ def write_kv_cache_ref(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
-    """kv_cache[:, slot] = (key[t], value[t]) for each token t."""
+    """kv_cache[:, slot] = (key[t], value[t]) for each token t (into an FP8 cache saturated to
+    +-448, as torch's cast does)."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    if kv_cache.dtype == torch.float8_e4m3fn:  # no index_copy_ for FP8: copy the bytes
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 def paged_attention_ref(

@@ -10,7 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels import FLOAT_DTYPES, KV_CACHE_DTYPES
+
+# The largest finite float8_e4m3fn value: FP8 cache writes saturate to it.
+FP8_E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
+
+
+@triton.jit
+def to_cache_dtype(x, cache_dtype: tl.constexpr):
+    """`x` in the cache's element type; into FP8 saturated to +-FP8_E4M3_MAX (scale 1.0)."""
+    if cache_dtype == tl.float8e4nv:
+        x = tl.minimum(tl.maximum(x.to(tl.float32), -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    return x.to(cache_dtype)
 
 
 @triton.jit
@@ -49,10 +60,10 @@ def _write_kv_cache_kernel(
     )
     k_offs = tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :]
     k = tl.load(key_ptr + k_offs, mask=mask)
-    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_offs, to_cache_dtype(k, k_cache_ptr.dtype.element_ty), mask=mask)
     v_offs = tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
     v = tl.load(value_ptr + v_offs, mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, to_cache_dtype(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def check_cache_args(
@@ -69,7 +80,7 @@ def check_cache_args(
         or kv_cache.shape[0] != 2
         or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim)
         or kv_cache.stride(-1) != 1
-        or kv_cache.dtype not in FLOAT_DTYPES
+        or kv_cache.dtype not in KV_CACHE_DTYPES
     ):
         raise ValueError(
             f"kv_cache must be [2, num_blocks, block_size, {num_kv_heads}, {head_dim}] float with "

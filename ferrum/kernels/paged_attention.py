@@ -119,7 +119,7 @@ def _paged_attention_kernel(
         acc,
         m_i,
         l_i,
-        q.to(k_cache_ptr.dtype.element_ty),
+        q,
         prefix_len + tok,
         kv_lo,
         kv_hi,

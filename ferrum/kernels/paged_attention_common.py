@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels import FLOAT_DTYPES, FP8_KV_DTYPE
 
 _LOG2E = 1.4426950408889634
 # Running max of a row before it has seen a key: finite, so fully masked tiles give exp2 = 0.
@@ -36,7 +36,7 @@ def _attend_kv_range(
     acc,  # [BLOCK_M, HEAD_DIM] fp32, running sum of p * v
     m_i,  # [BLOCK_M] fp32, running max of the scaled scores (log2 domain)
     l_i,  # [BLOCK_M] fp32, running sum of exp2(score - m_i)
-    q,  # [BLOCK_M, HEAD_DIM] in the cache dtype
+    q,  # [BLOCK_M, HEAD_DIM] in the query's dtype
     q_pos,  # [BLOCK_M] int32, context position of each row's token (causal limit)
     kv_lo,
     kv_hi,
@@ -70,7 +70,7 @@ def _attend_kv_range(
         )
         k = tl.load(
             k_cache_ptr + slot_offs[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0
-        )  # [HEAD_DIM, BLOCK_N]
+        ).to(q.dtype)  # [HEAD_DIM, BLOCK_N]; an FP8 cache is widened to the query's dtype
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
         if WINDOW > 0:
@@ -82,8 +82,8 @@ def _attend_kv_range(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_cache_ptr + slot_offs[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0
-        )  # [BLOCK_N, HEAD_DIM]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        ).to(q.dtype)  # [BLOCK_N, HEAD_DIM]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -128,8 +128,11 @@ def _check_attention_args(
             "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim] with "
             f"stride(-1) == 1, got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}"
         )
-    if kv_cache.dtype != query.dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal query dtype {query.dtype}")
+    if kv_cache.dtype not in (query.dtype, FP8_KV_DTYPE):
+        raise ValueError(
+            f"kv_cache dtype {kv_cache.dtype} must equal query dtype {query.dtype} or be "
+            f"{FP8_KV_DTYPE}"
+        )
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if kv_cache.shape[4] != head_dim:
         raise ValueError(f"kv_cache head_dim {kv_cache.shape[4]} != query head_dim {head_dim}")

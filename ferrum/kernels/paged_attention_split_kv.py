@@ -109,7 +109,7 @@ def _paged_attention_split_kernel(
         acc,
         m_i,
         l_i,
-        q.to(k_cache_ptr.dtype.element_ty),
+        q,
         tl.full([BLOCK_M], 0, dtype=tl.int32) + seq_len - 1,
         kv_lo,
         kv_hi,

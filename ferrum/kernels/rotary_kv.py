@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
-from ferrum.kernels.kv_cache_write import check_cache_args
+from ferrum.kernels.kv_cache_write import check_cache_args, to_cache_dtype
 
 MAX_HEAD_DIM = 512
 
@@ -145,13 +145,13 @@ def _rotary_kv_kernel(
             + offs_d[None, :]
         )
         cache_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + cache_offs, k1.to(cache_dtype), mask=k_mask)
-        tl.store(k_cache_ptr + cache_offs + HALF, k2.to(cache_dtype), mask=k_mask)
+        tl.store(k_cache_ptr + cache_offs, to_cache_dtype(k1, cache_dtype), mask=k_mask)
+        tl.store(k_cache_ptr + cache_offs + HALF, to_cache_dtype(k2, cache_dtype), mask=k_mask)
         v_ptrs = value_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
         v1 = tl.load(v_ptrs, mask=k_mask)
         v2 = tl.load(v_ptrs + HALF, mask=k_mask)
-        tl.store(v_cache_ptr + cache_offs, v1.to(cache_dtype), mask=k_mask)
-        tl.store(v_cache_ptr + cache_offs + HALF, v2.to(cache_dtype), mask=k_mask)
+        tl.store(v_cache_ptr + cache_offs, to_cache_dtype(v1, cache_dtype), mask=k_mask)
+        tl.store(v_cache_ptr + cache_offs + HALF, to_cache_dtype(v2, cache_dtype), mask=k_mask)
 
 
 def _check_heads(t: torch.Tensor, name: str, num_tokens: int, head_dim: int) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from ferrum.config import EngineConfig, kv_heads_per_rank
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.kv.kv_cache_spec import layer_group_ids
 from ferrum.logger import init_logger
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
@@ -59,6 +60,11 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 
 def torch_dtype(name: str) -> torch.dtype:
     return _TORCH_DTYPES[name]
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the model's ("auto") or FP8 e4m3 ("fp8", "fp8_e4m3")."""
+    return model_dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPE
 
 
 @dataclass(slots=True)
@@ -105,9 +111,18 @@ class ModelRunner:
                 f"tp_group: {self.tp_group.world_size} ranks, but tensor_parallel_size={tp_size}"
             )
         self.dtype = torch_dtype(config.model_config.dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, self.dtype)
+        if self.kv_cache_dtype == FP8_KV_DTYPE:
+            logger.info("KV cache in %s, per-tensor scales 1.0 (not calibrated)", FP8_KV_DTYPE)
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.vocab_size
         self.kernel_backend = resolve_kernel_backend(config.device_config.kernel_backend, device)
+        fp8_kv = self.kv_cache_dtype == FP8_KV_DTYPE
+        if fp8_kv and self.kernel_backend == "triton" and device.type != "cuda":
+            raise ValueError(
+                f"kv_cache_dtype={config.cache_config.kv_cache_dtype!r}: Triton's CPU "
+                "interpreter does not convert FP8; use kernel_backend='torch' on the CPU"
+            )
         self.model = load_model(
             config.model_config,
             device,
@@ -170,7 +185,11 @@ class ModelRunner:
         cfg = self.config
         if self.device.type != "cuda":
             budget = cpu_kv_budget(
-                cfg.model_config, cfg.cache_config, cfg.scheduler_config, self.dtype, self.tp_size
+                cfg.model_config,
+                cfg.cache_config,
+                cfg.scheduler_config,
+                self.kv_cache_dtype,
+                self.tp_size,
             )
         elif cfg.cache_config.kv_cache_memory_bytes is not None:
             budget = cfg.cache_config.kv_cache_memory_bytes
@@ -181,7 +200,7 @@ class ModelRunner:
             cfg.model_config,
             cfg.cache_config,
             cfg.scheduler_config,
-            self.dtype,
+            self.kv_cache_dtype,
             # On the CPU an unused default budget would only cost memory; a GPU keeps every
             # block it can for the prefix cache.
             cap_to_need=self.device.type != "cuda",
@@ -258,7 +277,7 @@ class ModelRunner:
             self.config.model_config,
             num_blocks,
             self.block_size,
-            self.dtype,
+            self.kv_cache_dtype,
             self.device,
             self.tp_size,
         )

@@ -75,7 +75,7 @@ def test_cuda_without_cuda_fails_before_loading() -> None:
 
 
 def test_vllm_arguments_not_supported_yet() -> None:
-    check_not_supported_yet({"pipeline_parallel_size": 1, "kv_cache_dtype": "auto"})  # "off": fine
+    check_not_supported_yet({"pipeline_parallel_size": 1, "enable_lora": False})  # "off": fine
     with pytest.raises(ValueError, match="pipeline_parallel_size=2: not supported yet by ferrum"):
         check_not_supported_yet({"pipeline_parallel_size": 2})
     with pytest.raises(TypeError, match="unexpected engine argument 'max_num_seq'.*max_num_seqs"):
