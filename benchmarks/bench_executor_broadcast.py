@@ -11,7 +11,14 @@ server's (`cmpl-<32 hex>-0`), and constrained (a decode whose first N requests h
 core publishes their bitmask rows, Qwen3's vocabulary, in the shared-memory slots of
 `bitmask_channel.py` and the step names the slot; each worker copies the rows out).
 
+`--transport ray-graph` times the Ray executor's path instead: one actor per rank, each message
+through a compiled Ray graph (constrained rows inline in the message, as the Ray executor sends
+them); `ray-actor` one plain actor call per rank and message, the alternative it was chosen over.
+The Ray executor sends each step's LaunchStep with the CompleteStep that follows it, in one
+execution answered by rank 0, so a step costs about `round_trip_ms` there. Needs `pip install 'ferrum[ray]'`; starts a local Ray instance.
+
     python benchmarks/bench_executor_broadcast.py --batch 256 --workers 2 --steps 2000
+    python benchmarks/bench_executor_broadcast.py --transport ray-graph ray-actor --workers 2
 """
 
 from __future__ import annotations
@@ -28,7 +35,12 @@ import uuid
 from multiprocessing.connection import Connection
 
 from ferrum.executor.bitmask_channel import BitmaskLayout, BitmaskReader, BitmaskWriter
-from ferrum.executor.messages import GrammarBitmaskRows, LaunchStep
+from ferrum.executor.messages import (
+    CompleteStep,
+    GrammarBitmaskRows,
+    InlineBitmaskRows,
+    LaunchStep,
+)
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -148,6 +160,84 @@ def run(batch: int, num_workers: int, num_steps: int, kind: str) -> dict[str, fl
     }
 
 
+class _RayRank:
+    """A rank that only receives: the Ray executor's actor without a model."""
+
+    def execute(self, messages: list[LaunchStep | CompleteStep] | None) -> bytes:
+        return b"k"
+
+
+def run_ray(batch: int, num_workers: int, num_steps: int, kind: str, transport: str) -> dict:
+    import ray
+    import torch
+    from ray.dag import InputNode, MultiOutputNode
+
+    if not ray.is_initialized():
+        ray.init(include_dashboard=False, log_to_driver=False)
+    ranks = [ray.remote(num_cpus=0)(_RayRank).remote() for _ in range(num_workers)]
+    graph = None
+    if transport == "ray-graph":
+        with InputNode() as message_node:
+            outputs = [rank.execute.bind(message_node) for rank in ranks]
+        graph = MultiOutputNode(outputs).experimental_compile(_submit_timeout=-1)
+
+    def submit(message: list[LaunchStep | CompleteStep] | None) -> list:
+        if graph is not None:
+            return graph.execute(message)
+        return [rank.execute.remote(message) for rank in ranks]
+
+    def read(refs: list) -> None:
+        if graph is not None:
+            for ref in refs:
+                ref.get(timeout=-1)
+        else:
+            ray.get(refs)
+
+    rng = random.Random(0)
+    req_ids = [f"cmpl-{uuid.uuid4().hex}-0" for _ in range(batch)]
+    if kind == "mixed":
+        steps = [mixed_step(req_ids, s, rng, 2, 1024) for s in range(64)]
+    else:
+        steps = [decode_step(req_ids, s, rng) for s in range(64)]
+    messages = [LaunchStep(s) for s in steps]
+    if kind.startswith("constrained"):
+        num_rows = int(kind.partition("-")[2])
+        rows = torch.zeros(num_rows, LAYOUT.width, dtype=torch.int32)
+        for m in messages:
+            m.grammar_bitmask = InlineBitmaskRows(req_ids[:num_rows], rows)
+    read(submit(None))  # warm
+    send_s, rtt_s, ping_s = [], [], []
+    for i in range(num_steps):
+        t0 = time.perf_counter()
+        refs = submit([messages[i % len(messages)], CompleteStep()])
+        t1 = time.perf_counter()
+        read(refs)
+        t2 = time.perf_counter()
+        read(submit(None))
+        t3 = time.perf_counter()
+        send_s.append(t1 - t0)
+        rtt_s.append(t2 - t0)
+        ping_s.append(t3 - t2)
+    if graph is not None:
+        graph.teardown()
+    for rank in ranks:
+        ray.kill(rank)
+
+    def ms(xs: list[float]) -> float:
+        return round(statistics.median(xs) * 1e3, 4)
+
+    return {
+        "transport": transport,
+        "kind": kind,
+        "batch": batch,
+        "workers": num_workers,
+        "send_ms": ms(send_s),
+        "round_trip_ms": ms(rtt_s),
+        "ping_ms": ms(ping_s),
+        "delivery_ms": round(ms(rtt_s) - ms(ping_s), 4),
+    }
+
+
 def _pickle_ms(messages: list[LaunchStep]) -> float:
     start = time.perf_counter()
     for m in messages * 10:
@@ -168,10 +258,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument(
+        "--transport", nargs="+", default=["mp"], choices=["mp", "ray-graph", "ray-actor"]
+    )
     args = parser.parse_args()
-    for kind in ("decode", "mixed", "constrained-16", "constrained-256"):
-        for n in args.workers:
-            print(json.dumps(run(args.batch, n, args.steps, kind)), flush=True)
+    for transport in args.transport:
+        for kind in ("decode", "mixed", "constrained-16", "constrained-256"):
+            for n in args.workers:
+                if transport == "mp":
+                    result = run(args.batch, n, args.steps, kind)
+                else:
+                    result = run_ray(args.batch, n, args.steps, kind, transport)
+                print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -443,7 +443,8 @@ class ParallelConfig:
     distributed_executor_backend: str | None = field(
         default=None,
         metadata=_help(
-            "uni (one process) or mp (one worker process per rank); default: uni for "
+            "uni (one process), mp (one worker process per rank) or ray (one Ray actor per "
+            "rank, on a Ray cluster: pip install 'ferrum[ray]'); default: uni for "
             "tensor_parallel_size 1, mp above",
             choices=EXECUTOR_BACKENDS,
         ),
@@ -484,12 +485,16 @@ class ParallelConfig:
                 "distributed_executor_backend",
                 f"must be one of {EXECUTOR_BACKENDS} or None, got {backend!r}",
             )
-        if backend == "ray":
-            raise _fail("distributed_executor_backend", "'ray' is not supported yet")
         if backend == "uni" and tp > 1:
             raise _fail(
                 "distributed_executor_backend",
-                f"'uni' runs one rank; tensor_parallel_size={tp} needs 'mp'",
+                f"'uni' runs one rank; tensor_parallel_size={tp} needs 'mp' or 'ray'",
+            )
+        if backend == "ray" and dp > 1:
+            raise _fail(
+                "distributed_executor_backend",
+                f"'ray' with data_parallel_size={dp} is not supported (replicas run on this "
+                "node only, with 'mp' or 'uni')",
             )
         object.__setattr__(self, "distributed_executor_backend", backend)
 

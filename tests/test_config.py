@@ -74,8 +74,11 @@ def test_parallel_config_resolves_the_executor_backend() -> None:
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size: must be an integer >= 1"),
         ({"tensor_parallel_size": True}, "tensor_parallel_size: must be an integer >= 1"),
-        ({"distributed_executor_backend": "ray"}, "distributed_executor_backend: 'ray' is not"),
         ({"distributed_executor_backend": "slurm"}, "distributed_executor_backend: must be one"),
+        (
+            {"data_parallel_size": 2, "distributed_executor_backend": "ray"},
+            "distributed_executor_backend: 'ray' with data_parallel_size=2 is not supported",
+        ),
         (
             {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},
             "distributed_executor_backend: 'uni' runs one rank",

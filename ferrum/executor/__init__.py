@@ -17,6 +17,10 @@ def create_executor(config: EngineConfig) -> Executor:
         from ferrum.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)
+    if backend == "ray":
+        from ferrum.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     raise ValueError(f"distributed_executor_backend: {backend!r} is not supported yet")
 
 

@@ -100,10 +100,8 @@ def test_parallel_flags_build_the_parallel_config() -> None:
     assert config.parallel_config.distributed_executor_backend == "mp"
     default = EngineArgs(model=DEFAULT_MODEL_DIR, device="cpu").create_engine_config()
     assert default.parallel_config.distributed_executor_backend == "uni"
-    with pytest.raises(ValueError, match="distributed_executor_backend: 'ray' is not supported"):
-        EngineArgs(
-            model=DEFAULT_MODEL_DIR, device="cpu", distributed_executor_backend="ray"
-        ).create_engine_config()
+    ray = EngineArgs(model=DEFAULT_MODEL_DIR, device="cpu", distributed_executor_backend="ray")
+    assert ray.create_engine_config().parallel_config.distributed_executor_backend == "ray"
 
 
 def test_engine_recovery_flags_build_a_validated_config() -> None:

@@ -1,0 +1,438 @@
+"""Tensor parallelism over Ray actors (`ray_worker.py`): one actor per rank, the ranks of the group
+packed on one node of a Ray cluster by a placement group (one bundle per GPU).
+
+Cluster: the one this process is connected to already (`ray.init` called before), else the one
+`ray.init()` finds (RAY_ADDRESS, or the latest `ray start` on this host), else a local one
+started here and stopped with the executor.
+
+Rendezvous: rank 0's actor names its node's IP and a free port there; every rank joins
+torch.distributed at that address (NCCL on CUDA, gloo on the CPU).
+
+Steps: messages (`messages.py`) reach every rank through one compiled Ray graph whose input is a
+list of messages and whose outputs are the ranks' replies to the last one; an execution costs a
+fraction of a plain actor call per rank (`benchmarks/bench_executor_broadcast.py --transport
+ray-graph ray-actor`). The engine core completes (or, deferring sampling, samples) right after
+each launch, so `launch` holds its step back and the next message carries it: one execution per
+step. `complete` reads every execution sent so far. Constrained rows travel inside the message
+(the ranks may be on other hosts).
+
+Failures: a thread waits on each actor's `wait_for_failure` (its own concurrency group). It
+returns when a call of that actor raised (the formatted exception) or errors when the actor died
+(killed, its process or node lost). The thread records the failure, kills every actor (the
+others may wait in a collective for the lost rank, which only a kill ends) and marks the failure
+sentinel; the graph read of the step in flight then raises and `complete` raises the recorded
+failure: WorkerStepError or WorkerDiedError, as the multiprocess executor does. No step call has
+a timeout of its own beyond `worker_step_timeout` (a hung rank, as for worker processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from ferrum.config import EngineConfig
+from ferrum.executor.abstract import Executor, WorkerDiedError, WorkerStepError
+from ferrum.executor.messages import (
+    CaptureCudaGraphs,
+    CompleteStep,
+    DetermineNumKVBlocks,
+    FromWorker,
+    InitializeKVCache,
+    InlineBitmaskRows,
+    LaunchStep,
+    NumKVBlocks,
+    SampleStep,
+    StepOutput,
+    ToWorker,
+    WarmUp,
+    WorkerReady,
+)
+from ferrum.executor.ray_worker import MONITOR_GROUP, RayWorker
+from ferrum.logger import init_logger
+from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from ferrum.structured_output import StructuredOutputMatcher, allocate_token_bitmask
+
+logger = init_logger(__name__)
+
+# Seconds the placement group may wait for its resources before start-up fails.
+PLACEMENT_TIMEOUT = 120.0
+# Seconds a failed graph read waits for the monitor to name the failure.
+_FAILURE_REPORT_TIMEOUT = 10.0
+# A CPU rank's share of a Ray CPU: Ray only places CPU ranks (their threads are
+# `num_cpu_threads`), so that a small test cluster holds several engines.
+CPU_RANK_SHARE = 0.25
+# An infinite wait for a compiled graph's submit or read.
+_NO_TIMEOUT = -1
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(
+            "distributed_executor_backend='ray' needs Ray: pip install 'ferrum[ray]'"
+        ) from None
+    return ray
+
+
+@dataclass(slots=True)
+class _LaunchedStep:
+    # The matchers of a step launched with deferred sampling (filled by `sample`), else None.
+    deferred_matchers: dict[str, StructuredOutputMatcher] | None = None
+
+    @property
+    def awaits_sampling(self) -> bool:
+        return self.deferred_matchers is not None
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig) -> None:
+        ray = import_ray()
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.config = config
+        world_size = config.parallel_config.world_size
+        on_cuda = torch.device(config.device_config.device).type == "cuda"
+        self._connected_here = _connect(ray)
+        self._actors: list[Any] = []
+        self._placement_group: Any = None
+        self._dag: Any = None
+        self._lock = threading.Lock()
+        # Why the workers were lost (every call raises it), or None; set once, under the lock.
+        self._failure: RuntimeError | None = None
+        self._failed = threading.Event()
+        self._shut_down = False
+        # Readable once a failure is recorded: the engine core's idle wait wakes on it.
+        read_fd, self._sentinel_fd = os.pipe()
+        self._sentinel = Connection(read_fd, writable=False)
+        # Launches not sent yet: they go with the next message, one graph execution (the core
+        # completes or samples right after each launch).
+        self._pending: list[ToWorker] = []
+        # The graph outputs of the executions sent and not read yet, oldest first.
+        self._unread: deque[list[Any]] = deque()
+        self._bitmask_host: torch.Tensor | None = None
+        self._bitmask_filler: Any = None
+        self._finalizer = weakref.finalize(self, _release, ray, self._actors, None)
+        try:
+            bundle = {"GPU": 1.0} if on_cuda else {"CPU": CPU_RANK_SHARE}
+            self._placement_group = _reserve(ray, [bundle] * world_size)
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(
+                self, _release, ray, self._actors, self._placement_group
+            )
+            remote_worker = ray.remote(concurrency_groups={MONITOR_GROUP: 1})(RayWorker)
+            for rank in range(world_size):
+                strategy = PlacementGroupSchedulingStrategy(
+                    self._placement_group, placement_group_bundle_index=rank
+                )
+                actor = remote_worker.options(
+                    num_cpus=0 if on_cuda else CPU_RANK_SHARE,
+                    num_gpus=1 if on_cuda else 0,
+                    scheduling_strategy=strategy,
+                    max_restarts=0,
+                ).remote(config, rank)
+                self._actors.append(actor)
+            monitors = [
+                a.wait_for_failure.options(concurrency_group=MONITOR_GROUP).remote()
+                for a in self._actors
+            ]
+            threading.Thread(
+                target=self._watch, args=(ray, monitors), name="ferrum-ray-monitor", daemon=True
+            ).start()
+            ready = self._start_ranks(ray, on_cuda)
+            self._dag = self._compile()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.kernel_backend = ready[0].kernel_backend
+        logger.info(
+            "%d tensor-parallel Ray workers ready (%s) on node %s",
+            world_size,
+            "nccl" if on_cuda else "gloo",
+            self._node_ip,
+        )
+
+    def _start_ranks(self, ray: Any, on_cuda: bool) -> list[WorkerReady]:
+        placements = self._get_all(ray, [a.placement.remote() for a in self._actors])
+        init_method = self._get_all(ray, [self._actors[0].rendezvous_address.remote()])[0]
+        self._node_ip = init_method.removeprefix("tcp://").rpartition(":")[0]
+        calls = []
+        for actor, (node_id, gpu_ids) in zip(self._actors, placements):
+            visible, index = None, 0
+            if on_cuda:
+                # Every rank of a node sees the node's GPUs of the group, in one order.
+                node_gpus = sorted(
+                    {g for n, ids in placements if n == node_id for g in ids}, key=int
+                )
+                visible, index = ",".join(node_gpus), node_gpus.index(gpu_ids[0])
+            backend = "nccl" if on_cuda else "gloo"
+            calls.append(
+                actor.start.remote(visible, index, len(self._actors), init_method, backend)
+            )
+        return self._get_all(ray, calls)
+
+    def _compile(self) -> Any:
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as messages:
+            outputs = [actor.execute.bind(messages) for actor in self._actors]
+        return MultiOutputNode(outputs).experimental_compile(_submit_timeout=_NO_TIMEOUT)
+
+    def _get_all(self, ray: Any, refs: list[Any]) -> list[Any]:
+        """The results of plain actor calls, in order; raises the recorded failure as soon as
+        one call fails (the others may wait for the failed rank forever)."""
+        pending = list(refs)
+        while pending:
+            _, pending = ray.wait(pending, num_returns=1)
+            if self._failed.is_set():
+                raise self._failure_after(None)
+        try:
+            return ray.get(refs)
+        except Exception as e:
+            raise self._failure_after(e) from None
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def determine_num_kv_blocks(self) -> list[int]:
+        """Per layer group, the fewest blocks any rank can hold."""
+        replies = self._call_all(DetermineNumKVBlocks())
+        sizes = [list(r.num_blocks) for r in replies if isinstance(r, NumKVBlocks)]
+        assert len(sizes) == len(self._actors)
+        counts = [min(group) for group in zip(*sizes, strict=True)]
+        if any(size != counts for size in sizes):
+            logger.info("KV blocks per rank %s: every rank uses %s", sizes, counts)
+        return counts
+
+    def initialize_kv_cache(self, num_blocks: int | list[int]) -> None:
+        self._call_all(InitializeKVCache(num_blocks))
+
+    def warm_up(self, num_blocks: int | list[int]) -> None:
+        self._call_all(WarmUp(num_blocks))
+
+    def capture_cuda_graphs(self) -> None:
+        self._call_all(CaptureCudaGraphs())
+
+    def _call_all(self, message: ToWorker) -> list[FromWorker | None]:
+        self._submit(message)
+        return self._read_all(None)
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def launch(
+        self,
+        scheduler_output: SchedulerOutput,
+        matchers: dict[str, StructuredOutputMatcher] | None = None,
+        defer_sampling: bool = False,
+    ) -> _LaunchedStep:
+        """A deferred step with constrained requests always `awaits_sampling` here: a rank
+        whose runner sampled it already (no constrained row samples) ignores the rows."""
+        if self._failure is not None:
+            raise self._failure
+        if matchers and defer_sampling:
+            self._pending.append(LaunchStep(scheduler_output, None, list(matchers)))
+            return _LaunchedStep(matchers)
+        bitmask = self._fill_bitmask(matchers) if matchers else None
+        self._pending.append(LaunchStep(scheduler_output, bitmask))
+        return _LaunchedStep()
+
+    def sample(self, launched: _LaunchedStep) -> None:
+        matchers, launched.deferred_matchers = launched.deferred_matchers, None
+        assert matchers is not None, "the step was sampled already"
+        try:
+            message = SampleStep(self._fill_bitmask(matchers))
+        except BaseException as e:
+            # The ranks hold the step's forward, waiting for its rows: nothing can end it.
+            error = WorkerStepError(f"filling a deferred step's bitmask failed: {e!r}")
+            raise self._fail(error) from e
+        self._submit(message)
+
+    def complete(self, launched: _LaunchedStep) -> ModelRunnerOutput:
+        self._submit(CompleteStep())
+        reply = self._read_all(time.monotonic() + self.config.parallel_config.worker_step_timeout)[
+            0
+        ]
+        if isinstance(reply, StepOutput):
+            return reply.output
+        raise self._fail(WorkerStepError(f"worker 0: unexpected {reply!r}"))
+
+    def _fill_bitmask(self, matchers: dict[str, StructuredOutputMatcher]) -> InlineBitmaskRows:
+        from ferrum.structured_output import BatchBitmaskFiller
+
+        if self._bitmask_host is None:
+            model_config = self.config.model_config
+            max_num_seqs = self.config.scheduler_config.max_num_seqs
+            self._bitmask_host = allocate_token_bitmask(max_num_seqs, model_config.vocab_size)
+            self._bitmask_filler = BatchBitmaskFiller()
+        req_ids = list(matchers)
+        rows = self._bitmask_host[: len(req_ids)]
+        self._bitmask_filler.fill(rows, [(i, matchers[r]) for i, r in enumerate(req_ids)])
+        return InlineBitmaskRows(req_ids, rows.clone())
+
+    def _submit(self, message: ToWorker) -> None:
+        """Sends the launches held back and `message` as one graph execution."""
+        if self._failure is not None:
+            raise self._failure
+        messages, self._pending = [*self._pending, message], []
+        try:
+            self._unread.append(self._dag.execute(messages))
+        except Exception as e:
+            raise self._failure_after(e) from None
+
+    def _read_all(self, deadline: float | None) -> list[FromWorker | None]:
+        """Reads every execution sent so far; returns the last one's replies, rank order.
+        Waits without limit when `deadline` (a `time.monotonic()` value) is None."""
+        ray = import_ray()
+        replies: list[FromWorker | None] = []
+        try:
+            while self._unread:
+                refs = self._unread[0]
+                if deadline is None:
+                    replies = [ref.get(timeout=_NO_TIMEOUT) for ref in refs]
+                else:
+                    replies = [
+                        ref.get(timeout=max(deadline - time.monotonic(), 1e-3)) for ref in refs
+                    ]
+                self._unread.popleft()
+            return replies
+        except ray.exceptions.RayChannelTimeoutError:
+            if not self._failed.is_set():
+                timeout = self.config.parallel_config.worker_step_timeout
+                raise self._fail(
+                    WorkerStepError(
+                        f"no step result from the tensor-parallel Ray workers within "
+                        f"worker_step_timeout={timeout:g} s: a worker hangs"
+                    )
+                ) from None
+            raise self._failure_after(None) from None
+        except Exception as e:
+            raise self._failure_after(e) from None
+
+    # -- health and failures ---------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    @property
+    def failure_sentinels(self) -> list[Any]:
+        return [self._sentinel]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """None: Ray owns the actors' processes (maybe on other hosts) and ends them with
+        this process, their owner."""
+        return []
+
+    def _watch(self, ray: Any, monitors: list[Any]) -> None:
+        """Waits for the first actor to fail (or die), then fails the executor."""
+        try:
+            ready, _ = ray.wait(monitors, num_returns=1)
+        except Exception:  # Ray itself shut down
+            ready = []
+        if self._shut_down:
+            return
+        if not ready:
+            self._fail(WorkerDiedError("the Ray cluster went away"))
+            return
+        rank = monitors.index(ready[0])
+        try:
+            error: RuntimeError = WorkerStepError(
+                f"tensor-parallel worker {rank} failed: {ray.get(ready[0])}"
+            )
+        except Exception as e:
+            cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            error = WorkerDiedError(f"tensor-parallel worker {rank} (Ray actor) died: {cause}")
+        if not self._shut_down:
+            self._fail(error)
+
+    def _failure_after(self, error: Exception | None) -> RuntimeError:
+        """The recorded failure once the monitor names it (a graph read raised because an actor
+        failed); the read's own error if the monitor says nothing."""
+        if self._failed.wait(_FAILURE_REPORT_TIMEOUT) and self._failure is not None:
+            return self._failure
+        return self._fail(WorkerDiedError(f"the Ray workers failed: {error!r}"))
+
+    def _fail(self, error: RuntimeError) -> RuntimeError:
+        """Records the first failure and kills every actor; returns the error to raise."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+                logger.error("%s; killing the tensor-parallel Ray workers", error)
+                _kill(import_ray(), self._actors)
+                with contextlib.suppress(OSError):
+                    os.write(self._sentinel_fd, b"x")
+                self._failed.set()
+            return self._failure
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+        ray = import_ray()
+        dag, self._dag = self._dag, None
+        if dag is not None and self._failure is None:
+            with contextlib.suppress(Exception):
+                dag.teardown()  # ends the actors' graph loops; quick while they are idle
+        _release(ray, self._actors, self._placement_group)
+        if dag is not None and self._failure is not None:
+            with contextlib.suppress(Exception):
+                dag.teardown()
+        self._finalizer.detach()
+        self._sentinel.close()
+        with contextlib.suppress(OSError):
+            os.close(self._sentinel_fd)
+        if self._connected_here:
+            ray.shutdown()
+
+
+def _connect(ray: Any) -> bool:
+    """Connects this process to a Ray cluster unless it is connected already; True if it
+    connected here (then `ray.shutdown` at the end disconnects, and stops a local instance
+    that `ray.init` started). `ray.init()` joins RAY_ADDRESS or the latest `ray start` cluster
+    of this host, else starts a local instance (never another program's private one)."""
+    if ray.is_initialized():
+        return False
+    ray.init(include_dashboard=False)
+    return True
+
+
+def _reserve(ray: Any, bundles: list[dict[str, float]]) -> Any:
+    """A placement group with `bundles` on one node (STRICT_PACK), ready."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group(bundles, strategy="STRICT_PACK")
+    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT)
+    if not ready:
+        remove_placement_group(group)
+        raise ValueError(
+            f"tensor_parallel_size={len(bundles)}: no node of the Ray cluster could hold "
+            f"{len(bundles)} x {bundles[0]} within {PLACEMENT_TIMEOUT:g} s (a tensor-parallel "
+            f"group runs on one node); free now: {ray.available_resources()}"
+        )
+    return group
+
+
+def _kill(ray: Any, actors: list[Any]) -> None:
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+
+
+def _release(ray: Any, actors: list[Any], placement_group: Any) -> None:
+    """Kills every actor and removes the placement group (both no-ops once done)."""
+    _kill(ray, actors)
+    if placement_group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):
+            remove_placement_group(placement_group)

@@ -1,0 +1,156 @@
+"""The Ray executor through `LLM`, on a local Ray instance on the CPU (gloo): two actors give the
+greedy tokens of one process (prefix hits, chunked prefill, preemption, async scheduling);
+a rank that raises fails the executor with its traceback; constrained requests (rows inline in
+the step) sample what one process does; a killed actor fails the step at once and wakes an idle
+core; shutdown leaves no actor and no placement group.
+
+One Ray start per module (seconds): every test shares it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from multiprocessing.connection import wait
+
+import pytest
+
+from ferrum import LLM, SamplingParams
+from ferrum.default_model import DEFAULT_MODEL_DIR
+from ferrum.executor import WorkerDiedError, WorkerStepError
+from ferrum.sampling_params import StructuredOutputsParams
+from tests.utils.tiny_llm import greedy, make_llm, random_prompts
+
+ray = pytest.importorskip("ray")
+from ray.exceptions import RayActorError  # noqa: E402
+from ray.util import placement_group_table  # noqa: E402
+
+WORLD_SIZE = 2
+ENGINE = dict(num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=4, num_cpu_threads=1)
+PROMPT_LENGTHS = [9, 23, 30, 14, 27, 5]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster() -> Iterator[None]:
+    # The executor joins the instance this process started (ray.is_initialized()).
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint) -> str:  # noqa: ANN001 - the session factory
+    return tiny_checkpoint("qwen3")
+
+
+def ray_llm(path: str, **kwargs: object) -> LLM:
+    return make_llm(
+        path,
+        tensor_parallel_size=WORLD_SIZE,
+        distributed_executor_backend="ray",
+        async_scheduling=True,
+        **(ENGINE | kwargs),
+    )
+
+
+def is_dead(actor: object) -> bool:
+    try:
+        ray.get(actor.placement.remote(), timeout=30)  # type: ignore[attr-defined]
+    except RayActorError:
+        return True
+    return False
+
+
+def assert_released(executor: object) -> None:
+    """Every actor of the executor is dead and its placement group removed."""
+    assert all(is_dead(a) for a in executor._actors)  # type: ignore[attr-defined]
+    group = executor._placement_group  # type: ignore[attr-defined]
+    assert placement_group_table(group)["state"] == "REMOVED"
+
+
+def test_ray_workers_give_the_greedy_tokens_of_one_process_and_report_a_raising_rank(
+    checkpoint: str,
+) -> None:
+    prompts = random_prompts(PROMPT_LENGTHS, seed=3)
+    prompts += [prompts[1][:20] + [7, 8, 9], prompts[2][:24] + [11]]
+    one = make_llm(checkpoint, **ENGINE)
+    expected = greedy(one, prompts) + greedy(one, prompts)  # the second round hits the cache
+    llm = ray_llm(checkpoint)
+    executor = llm.llm_engine.core.executor
+    try:
+        assert not any(is_dead(a) for a in executor._actors)
+        assert greedy(llm, prompts) + greedy(llm, prompts) == expected
+        stats = llm.llm_engine.stats()
+        assert stats.num_preemptions > 0
+        assert stats.prefix_cache_hits > 0
+        # A rank whose call raises fails the executor with the rank's traceback.
+        with pytest.raises(
+            WorkerStepError, match=r"worker \d failed: (.|\n)*unknown message 'bogus'"
+        ):
+            executor._call_all("bogus")
+        assert all(is_dead(a) for a in executor._actors)
+    finally:
+        llm.llm_engine.core.shutdown()
+    assert_released(executor)
+
+
+def test_constrained_requests_match_one_process() -> None:
+    # Async scheduling defers a constrained step's sampling: its rows follow in SampleStep.
+    def shipped(**kwargs: object) -> LLM:
+        return LLM(
+            DEFAULT_MODEL_DIR,
+            dtype="float32",
+            device="cpu",
+            max_model_len=256,
+            num_cpu_threads=1,
+            async_scheduling=True,
+            structured_outputs_config={"disable_any_whitespace": True},
+            **kwargs,
+        )
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=schema)
+        ),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    ]
+    prompts = ["The answer is", "Once upon a time"]
+    expected = [o.outputs[0].text for o in shipped().generate(prompts, params, use_tqdm=False)]
+    llm = shipped(tensor_parallel_size=WORLD_SIZE, distributed_executor_backend="ray")
+    try:
+        texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.llm_engine.core.shutdown()
+    assert texts == expected
+    assert json.loads(texts[0])["ok"] in (True, False)
+
+
+def test_killed_actor_fails_the_step_and_wakes_the_idle_core(checkpoint: str) -> None:
+    llm = ray_llm(checkpoint)
+    engine = llm.llm_engine
+    executor = engine.core.executor
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+        engine.add_request("a", {"prompt_token_ids": [5, 6, 7, 8]}, params)
+        engine.add_request("b", {"prompt_token_ids": [9, 10, 11]}, params)
+        engine.step()
+        engine.step()
+        rank = WORLD_SIZE - 1
+        ray.kill(executor._actors[rank])
+        # The monitor notices at once, without a step: an idle core's wait wakes.
+        assert wait(executor.failure_sentinels, timeout=30)
+        with pytest.raises(WorkerDiedError, match=rf"worker {rank} \(Ray actor\) died"):
+            executor.check_health()
+        with pytest.raises(WorkerDiedError, match=rf"worker {rank} \(Ray actor\) died"):
+            engine.step()
+        with pytest.raises(WorkerDiedError):  # the executor stays failed
+            engine.step()
+        assert all(is_dead(a) for a in executor._actors)
+    finally:
+        engine.core.shutdown()  # after a failure too
+    assert_released(executor)
