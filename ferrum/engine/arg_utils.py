@@ -258,8 +258,9 @@ def _runs_triton_interpreter(device: str, kernel_backend: str) -> bool:
 
 def _check_device_exists(device: str, parallel_config: ParallelConfig) -> None:
     """The CUDA devices asked for must exist (else one clear error, before anything loads):
-    from the given index, one per rank of every replica."""
-    if not device.startswith("cuda"):
+    from the given index, one per rank of every replica. Not with the Ray backend: its ranks run
+    on the cluster's GPUs, maybe on other nodes (its placement group checks that they exist)."""
+    if not device.startswith("cuda") or parallel_config.distributed_executor_backend == "ray":
         return
     import torch
 

@@ -72,6 +72,14 @@ def test_the_shipped_models_name_resolves_to_its_folder() -> None:
 def test_cuda_without_cuda_fails_before_loading() -> None:
     with pytest.raises(ValueError, match="device: 'cuda:1' was asked for, but this torch build"):
         EngineArgs(model=DEFAULT_MODEL_DIR, device="cuda:1").create_engine_config()
+    # The Ray backend's GPUs are the cluster's, maybe on other nodes: no local check.
+    ray = EngineArgs(
+        model=DEFAULT_MODEL_DIR,
+        device="cuda",
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+    )
+    assert ray.create_engine_config().device_config.device == "cuda"
 
 
 def test_vllm_arguments_not_supported_yet() -> None:
