@@ -16,13 +16,20 @@ def write_kv_cache_ref(
     slot_mapping: torch.Tensor,  # [num_tokens] int64
 ) -> None:
     """kv_cache[:, slot] = (key[t], value[t]) for each token t (into an FP8 cache saturated to
-    +-448, as torch's cast does)."""
+    +-448, as the Triton cache writers do)."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
-    if kv_cache.dtype == torch.float8_e4m3fn:  # no index_copy_ for FP8: copy the bytes
-        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        # Saturate first (the cast gives NaN past +-448 on CUDA); no index_copy_ for FP8: bytes.
+        key, value = (_saturate_fp8(t).view(torch.uint8) for t in (key, value))
+        flat = flat.view(torch.uint8)
+    key, value = key.to(flat.dtype), value.to(flat.dtype)
     flat[0].index_copy_(0, slot_mapping, key)
     flat[1].index_copy_(0, slot_mapping, value)
+
+
+def _saturate_fp8(x: torch.Tensor) -> torch.Tensor:
+    limit = torch.finfo(torch.float8_e4m3fn).max
+    return x.float().clamp(-limit, limit).to(torch.float8_e4m3fn)
 
 
 def paged_attention_ref(

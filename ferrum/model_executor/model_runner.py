@@ -285,7 +285,6 @@ class ModelRunner:
             self.kv_caches, self.split_kv_workspace, layer_group_ids(self.kv_cache_groups)
         )
 
-    @torch.inference_mode()
     def warm_up(self, num_blocks: int | list[int]) -> None:
         """Compiles the Triton kernel variants a first request would otherwise wait for
         (`warm_up.py`: every token bucket, both parities, multi-request prefill). Writes KV only
@@ -293,6 +292,18 @@ class ModelRunner:
         if self.kernel_backend != "triton" or self.device.type != "cuda":
             return
         start = time.perf_counter()
+        num_forwards, max_tokens = self.run_warm_up_batches(num_blocks)
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "kernel warm-up: %d forwards of 1 to %d tokens in %.2f s",
+            num_forwards,
+            max_tokens,
+            time.perf_counter() - start,
+        )
+
+    @torch.inference_mode()
+    def run_warm_up_batches(self, num_blocks: int | list[int]) -> tuple[int, int]:
+        """One forward per batch of `warm_up_batches`; returns (forwards, most tokens)."""
         sched = self.config.scheduler_config
         num_blocks = num_blocks if isinstance(num_blocks, int) else min(num_blocks)
         max_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
@@ -304,15 +315,9 @@ class ModelRunner:
             requests, num_scheduled = profile_batch(
                 query_lens, self.block_size, len(self.kv_cache_groups)
             )
-            batch = self.inputs.prepare(requests, num_scheduled, max(query_lens), {})
+            batch = self.inputs.prepare(requests, num_scheduled, sum(query_lens), {})
             self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-        torch.cuda.synchronize(self.device)
-        logger.info(
-            "kernel warm-up: %d forwards of 1 to %d tokens in %.2f s",
-            len(batches),
-            max_tokens,
-            time.perf_counter() - start,
-        )
+        return len(batches), max_tokens
 
     def uses_cuda_graphs(self) -> bool:
         """Graphs need CUDA and the Triton kernels (the torch MoE path syncs with the host)."""

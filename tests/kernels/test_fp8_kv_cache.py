@@ -80,7 +80,7 @@ def test_kernels_over_fp8_match_the_reference(dtype: torch.dtype) -> None:
         decode.seq_lens_cpu,
         0.1,
     )
-    workspace = allocate_split_kv_workspace(3, 8, 128, 4, device)
+    workspace = allocate_split_kv_workspace(3, 8, 128, device, max_splits=4)
     out = torch.empty_like(decode.query)
     paged_attention_split_kv(
         decode.query,

@@ -28,3 +28,27 @@ def test_large_batches_hold_several_requests_small_ones_one() -> None:
 def test_batches_fit_the_kv_blocks_given(num_blocks: int) -> None:
     for batch in warm_up_batches(max_tokens=4096, block_size=16, num_blocks=num_blocks):
         assert sum(-(-n // 16) for n in batch) <= num_blocks
+
+
+def test_the_batches_run_through_a_runner_and_leave_generation_unchanged(tiny_checkpoint) -> None:
+    from ferrum import SamplingParams
+    from tests.utils.tiny_llm import make_llm
+
+    def engine():
+        return make_llm(
+            tiny_checkpoint("qwen3"),
+            num_kv_blocks=80,
+            max_model_len=256,
+            max_num_batched_tokens=256,
+            max_num_seqs=8,
+        )
+
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    prompt = [{"prompt_token_ids": [3, 4, 5, 6, 7]}]
+    expected = engine().generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    # As at start-up: the warm-up forwards run before any request.
+    llm = engine()
+    forwards, max_tokens = llm.llm_engine.core.executor.runner.run_warm_up_batches(80)
+    # 1, 2, 4, 3, ..., 128, 127 tokens in one request; 256 and 255 in four.
+    assert (forwards, max_tokens) == (16, 256)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
