@@ -56,6 +56,7 @@ from ferrum.executor.messages import (
     WarmUp,
     WorkerReady,
 )
+from ferrum.executor.ray_cluster import connect, import_ray, kill, release, reserve
 from ferrum.executor.ray_worker import MONITOR_GROUP, RayWorker
 from ferrum.logger import init_logger
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -63,8 +64,6 @@ from ferrum.structured_output import StructuredOutputMatcher, allocate_token_bit
 
 logger = init_logger(__name__)
 
-# Seconds the placement group may wait for its resources before start-up fails.
-PLACEMENT_TIMEOUT = 120.0
 # Seconds a failed graph read waits for the monitor to name the failure.
 _FAILURE_REPORT_TIMEOUT = 10.0
 # A CPU rank's share of a Ray CPU: Ray only places CPU ranks (their threads are
@@ -72,16 +71,6 @@ _FAILURE_REPORT_TIMEOUT = 10.0
 CPU_RANK_SHARE = 0.25
 # An infinite wait for a compiled graph's submit or read.
 _NO_TIMEOUT = -1
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ImportError(
-            "distributed_executor_backend='ray' needs Ray: pip install 'ferrum[ray]'"
-        ) from None
-    return ray
 
 
 @dataclass(slots=True)
@@ -102,7 +91,7 @@ class RayExecutor(Executor):
         self.config = config
         world_size = config.parallel_config.world_size
         on_cuda = torch.device(config.device_config.device).type == "cuda"
-        self._connected_here = _connect(ray)
+        self._connected_here = connect(ray)
         self._actors: list[Any] = []
         self._placement_group: Any = None
         self._dag: Any = None
@@ -121,13 +110,13 @@ class RayExecutor(Executor):
         self._unread: deque[list[Any]] = deque()
         self._bitmask_host: torch.Tensor | None = None
         self._bitmask_filler: Any = None
-        self._finalizer = weakref.finalize(self, _release, ray, self._actors, None)
+        self._finalizer = weakref.finalize(self, release, ray, self._actors, None)
         try:
             bundle = {"GPU": 1.0} if on_cuda else {"CPU": CPU_RANK_SHARE}
-            self._placement_group = _reserve(ray, [bundle] * world_size)
+            self._placement_group = reserve(ray, [bundle] * world_size)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(
-                self, _release, ray, self._actors, self._placement_group
+                self, release, ray, self._actors, self._placement_group
             )
             remote_worker = ray.remote(concurrency_groups={MONITOR_GROUP: 1})(RayWorker)
             for rank in range(world_size):
@@ -367,7 +356,7 @@ class RayExecutor(Executor):
             if self._failure is None:
                 self._failure = error
                 logger.error("%s; killing the tensor-parallel Ray workers", error)
-                _kill(import_ray(), self._actors)
+                kill(import_ray(), self._actors)
                 with contextlib.suppress(OSError):
                     os.write(self._sentinel_fd, b"x")
                 self._failed.set()
@@ -383,7 +372,7 @@ class RayExecutor(Executor):
         if dag is not None and self._failure is None:
             with contextlib.suppress(Exception):
                 dag.teardown()  # ends the actors' graph loops; quick while they are idle
-        _release(ray, self._actors, self._placement_group)
+        release(ray, self._actors, self._placement_group)
         if dag is not None and self._failure is not None:
             with contextlib.suppress(Exception):
                 dag.teardown()
@@ -393,46 +382,3 @@ class RayExecutor(Executor):
             os.close(self._sentinel_fd)
         if self._connected_here:
             ray.shutdown()
-
-
-def _connect(ray: Any) -> bool:
-    """Connects this process to a Ray cluster unless it is connected already; True if it
-    connected here (then `ray.shutdown` at the end disconnects, and stops a local instance
-    that `ray.init` started). `ray.init()` joins RAY_ADDRESS or the latest `ray start` cluster
-    of this host, else starts a local instance (never another program's private one)."""
-    if ray.is_initialized():
-        return False
-    ray.init(include_dashboard=False)
-    return True
-
-
-def _reserve(ray: Any, bundles: list[dict[str, float]]) -> Any:
-    """A placement group with `bundles` on one node (STRICT_PACK), ready."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    group = placement_group(bundles, strategy="STRICT_PACK")
-    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT)
-    if not ready:
-        remove_placement_group(group)
-        raise ValueError(
-            f"tensor_parallel_size={len(bundles)}: no node of the Ray cluster could hold "
-            f"{len(bundles)} x {bundles[0]} within {PLACEMENT_TIMEOUT:g} s (a tensor-parallel "
-            f"group runs on one node); free now: {ray.available_resources()}"
-        )
-    return group
-
-
-def _kill(ray: Any, actors: list[Any]) -> None:
-    for actor in actors:
-        with contextlib.suppress(Exception):
-            ray.kill(actor, no_restart=True)
-
-
-def _release(ray: Any, actors: list[Any], placement_group: Any) -> None:
-    """Kills every actor and removes the placement group (both no-ops once done)."""
-    _kill(ray, actors)
-    if placement_group is not None:
-        from ray.util.placement_group import remove_placement_group
-
-        with contextlib.suppress(Exception):
-            remove_placement_group(placement_group)

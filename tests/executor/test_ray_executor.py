@@ -2,7 +2,7 @@
 greedy tokens of one process (prefix hits, chunked prefill, preemption, async scheduling);
 a rank that raises fails the executor with its traceback; constrained requests (rows inline in
 the step) sample what one process does; a killed actor fails the step at once and wakes an idle
-core; shutdown leaves no actor and no placement group.
+core; shutdown leaves no actor and no placement group; a group no node can hold fails start-up.
 
 One Ray start per module (seconds): every test shares it."""
 
@@ -16,7 +16,7 @@ import pytest
 
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
-from ferrum.executor import WorkerDiedError, WorkerStepError
+from ferrum.executor import WorkerDiedError, WorkerStepError, ray_cluster
 from ferrum.sampling_params import StructuredOutputsParams
 from tests.utils.tiny_llm import greedy, make_llm, random_prompts
 
@@ -30,7 +30,7 @@ PROMPT_LENGTHS = [9, 23, 30, 14, 27, 5]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster() -> Iterator[None]:
+def local_ray() -> Iterator[None]:
     # The executor joins the instance this process started (ray.is_initialized()).
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
@@ -154,3 +154,11 @@ def test_killed_actor_fails_the_step_and_wakes_the_idle_core(checkpoint: str) ->
     finally:
         engine.core.shutdown()  # after a failure too
     assert_released(executor)
+
+
+def test_a_group_no_node_can_hold_fails_naming_the_free_resources(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(ray_cluster, "PLACEMENT_TIMEOUT", 1.0)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: no node .* 2 x \{'GPU': 1\}"):
+        ray_cluster.reserve(ray, [{"GPU": 1}] * 2)  # a CPU-only cluster

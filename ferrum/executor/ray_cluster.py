@@ -1,0 +1,67 @@
+"""Ray cluster plumbing for the Ray executor: importing Ray (an optional extra), joining or
+starting a cluster, reserving a placement group, and releasing actors and groups."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from ferrum.logger import init_logger
+
+logger = init_logger(__name__)
+
+# Seconds the placement group may wait for its resources before start-up fails.
+PLACEMENT_TIMEOUT = 120.0
+
+
+def import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(
+            "distributed_executor_backend='ray' needs Ray: pip install 'ferrum[ray]'"
+        ) from None
+    return ray
+
+
+def connect(ray: Any) -> bool:
+    """Connects this process to a Ray cluster unless it is connected already; True if it
+    connected here (then `ray.shutdown` at the end disconnects, and stops a local instance
+    that `ray.init` started). `ray.init()` joins RAY_ADDRESS or the latest `ray start` cluster
+    of this host, else starts a local instance (never another program's private one)."""
+    if ray.is_initialized():
+        return False
+    ray.init(include_dashboard=False)
+    return True
+
+
+def reserve(ray: Any, bundles: list[dict[str, float]]) -> Any:
+    """A placement group with `bundles` on one node (STRICT_PACK), ready."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group(bundles, strategy="STRICT_PACK")
+    ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT)
+    if not ready:
+        remove_placement_group(group)
+        raise ValueError(
+            f"tensor_parallel_size={len(bundles)}: no node of the Ray cluster could hold "
+            f"{len(bundles)} x {bundles[0]} within {PLACEMENT_TIMEOUT:g} s (a tensor-parallel "
+            f"group runs on one node); free now: {ray.available_resources()}"
+        )
+    return group
+
+
+def kill(ray: Any, actors: list[Any]) -> None:
+    for actor in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+
+
+def release(ray: Any, actors: list[Any], placement_group: Any) -> None:
+    """Kills every actor and removes the placement group (both no-ops once done)."""
+    kill(ray, actors)
+    if placement_group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.suppress(Exception):
+            remove_placement_group(placement_group)
