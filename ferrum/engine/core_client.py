@@ -214,6 +214,14 @@ def run_engine_core(
         if core is not None and not isinstance(e, WorkerDiedError):
             req_ids = core.failed_step_req_ids or None
         failed = CoreFailed(f"engine core failed: {type(e).__name__}: {e}", req_ids)
+        if core is not None:
+            # Before the front end hears (it then kills this process): what the executor
+            # started stops cleanly (a local Ray instance killed with its owner leaves agents).
+            core, failed_core = None, core
+            try:
+                failed_core.shutdown()
+            except Exception as shutdown_error:
+                logger.error("stopping the failed core's workers: %r", shutdown_error)
         with contextlib.suppress(OSError):
             outbox.send([failed])
         raise SystemExit(1) from None

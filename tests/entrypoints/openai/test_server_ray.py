@@ -1,7 +1,7 @@
 """`ferrum serve --distributed-executor-backend ray` on the CPU (gloo), the engine core starting a
 local Ray instance of its own: the official client gets the greedy text of one process; a killed
 worker actor restarts the core (the default policy) with fresh actors and every stream resumes
-intact; SIGTERM leaves no process behind (actors, the Ray instance)."""
+intact, the failed core's Ray instance gone; SIGTERM leaves no process behind."""
 
 from __future__ import annotations
 
@@ -35,17 +35,26 @@ SERVER_ARGS = [
 ]
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def actor_pids(server: RemoteServer) -> list[int]:
     """The server's Ray worker actors (below its core's Ray instance)."""
-    pids = []
-    for pid in descendant_pids(server.process.pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"ray::RayWorker"):
-                    pids.append(pid)
-        except OSError:
-            continue
-    return pids
+    return [
+        p for p in descendant_pids(server.process.pid) if _cmdline(p).startswith(b"ray::RayWorker")
+    ]
+
+
+def core_tree(server: RemoteServer) -> list[int]:
+    """The engine core process and everything below it (the Ray instance it started)."""
+    children = [p for p in descendant_pids(server.process.pid) if b"spawn_main" in _cmdline(p)]
+    assert len(children) == 1, children
+    return [children[0], *descendant_pids(children[0])]
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +83,13 @@ def test_killed_actor_restarts_the_core_and_streams_resume(
     server: RemoteServer, expected_texts: list[str]
 ) -> None:
     old_actors = actor_pids(server)
+    # The failed core and everything below it: its Ray instance (which it started) and actors.
+    old_processes = core_tree(server)
     prompts: list[str | list[int]] = [prompt_of(i) for i in range(NUM_STREAMS)]
     results = stream_all(server, prompts, lambda: os.kill(old_actors[-1], signal.SIGKILL))
     assert_intact(results, expected_texts)
     assert "(Ray actor) died" in full_log(server)
-    wait_gone(old_actors)
+    wait_gone(old_processes)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     wait_until(lambda: len(actor_pids(server)) == WORLD_SIZE, 60, "the new actors run")
     assert not set(actor_pids(server)) & set(old_actors)
