@@ -8,12 +8,16 @@ first use, off the loop); a request waits, unscheduled, until its grammar is com
 
 Structured outputs and async scheduling: a step's bitmask needs every earlier output token
 accepted by the request's matcher. A step that samples a constrained request is launched as its
-forward alone while the previous step is still in flight; the host then completes the previous
-step (its tokens reach the matchers) and fills the bitmask while the device runs the forward,
-and only then queues the sampling (`Executor.sample`), which applies the mask on the device
-(with worker processes, the executor fills the mask here and sends it to the workers).
-Tokens are the same as with synchronous scheduling. (Penalties and bad words still make a step
-wait for the previous one's tokens before it is scheduled: `Scheduler.needs_host_history`.)
+forward alone while the previous step is still in flight, and stays in flight awaiting its
+sampling when `step` returns: the host completes the previous step (its tokens reach the
+matchers), hands back the outputs, and on the next call schedules the following step, fills the
+bitmask and queues the sampling (`Executor.sample`, which applies the mask on the device; with
+worker processes the executor fills it here and sends it to the workers), and queues the
+following forward straight after it. So output processing, scheduling and the fill all run while
+the device runs the forward; only the next step's launch sits between a sampling and the forward
+after it. Tokens are the same as with synchronous scheduling. (Penalties and bad words still
+make a step wait for the previous one's tokens before it is scheduled:
+`Scheduler.needs_host_history`.)
 """
 
 from __future__ import annotations
@@ -91,7 +95,8 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.async_scheduling = config.scheduler_config.async_scheduling
-        # Launched steps not completed yet, oldest first (at most one between calls of `step`).
+        # Launched steps not completed yet, oldest first (at most one between calls of `step`,
+        # which may await its deferred sampling).
         self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         # Outputs of completed steps not yet returned by `step`.
         self._completed_outputs: list[EngineCoreOutput] = []
@@ -156,6 +161,7 @@ class EngineCore:
         """
         self.failed_step_req_ids = []
         if self._in_flight and (not self.async_scheduling or self.scheduler.needs_host_history()):
+            self._sample_deferred()
             self._complete_oldest()
         # An empty step still tells the runner which requests finished.
         scheduler_output = self.scheduler.schedule()
@@ -166,6 +172,12 @@ class EngineCore:
         self._report_failed()
         if scheduler_output.is_empty and not self._in_flight and self._waiting_on_grammars():
             time.sleep(_GRAMMAR_POLL_SECONDS)  # nothing to run until a compile ends
+        try:
+            self._sample_deferred()
+        except BaseException:
+            self._record_failed_steps([scheduler_output])
+            self.scheduler.recover_from_failed_step(scheduler_output)
+            raise
         try:
             launched = self.executor.launch(
                 scheduler_output,
@@ -181,17 +193,18 @@ class EngineCore:
                 self.scheduler.recover_from_failed_step(scheduler_output)
             raise
         self._in_flight.append((scheduler_output, launched))
-        if launched.awaits_sampling:
-            self._sample_after_previous(scheduler_output, launched)
+        # A step awaiting its sampling stays in flight (launched deferred: one was before it).
         if not self.async_scheduling or len(self._in_flight) > 1:
             self._complete_oldest()
         outputs, self._completed_outputs = self._completed_outputs, []
         return outputs
 
-    def _sample_after_previous(self, scheduler_output: SchedulerOutput, launched: Any) -> None:
-        """While the device runs `launched`'s forward: completes the step before it (its tokens
-        reach the matchers), then queues `launched`'s sampling with the masks they give."""
-        self._complete_oldest()  # on a device failure, every step in flight is recovered
+    def _sample_deferred(self) -> None:
+        """Queues the sampling of the newest step in flight if it awaits it. Its matchers are up
+        to date: the step before it completed in the call that launched it."""
+        if not self._in_flight or not self._in_flight[-1][1].awaits_sampling:
+            return
+        scheduler_output, launched = self._in_flight[-1]
         try:
             self.executor.sample(launched)
         except BaseException:

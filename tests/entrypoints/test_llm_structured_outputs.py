@@ -289,3 +289,50 @@ def test_a_failed_deferred_sampling_loses_no_request(monkeypatch: pytest.MonkeyP
     for completion in outputs.values():
         assert completion.finish_reason == "stop"
         check_output("json", completion.text)
+
+
+def test_a_deferred_sampling_is_followed_by_the_next_forward_with_no_completion_between() -> None:
+    """With async scheduling a constrained step's sampling is queued on the call after its
+    launch, after the next step is scheduled, and the next forward is queued straight after it:
+    the host's completion and output processing run while a forward is on the device."""
+    llm = make_llm(async_scheduling=True)
+    engine = llm.llm_engine
+    core = engine.core
+    runner = core.executor.runner
+    calls: list[str] = []
+    for name in ("launch", "sample", "complete"):
+        method = getattr(runner, name)
+
+        def recorded(*args, _name=name, _method=method, **kwargs):
+            calls.append(_name)
+            return _method(*args, **kwargs)
+
+        setattr(runner, name, recorded)
+    schedule = core.scheduler.schedule
+
+    def recorded_schedule():
+        calls.append("schedule")
+        return schedule()
+
+    core.scheduler.schedule = recorded_schedule
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=KINDS["json"])
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, params)
+    outputs = {}
+    while engine.has_unfinished_requests():
+        before = len(calls)
+        for output in engine.step():
+            outputs[output.request_id] = output.outputs[0]
+        # Each call ends with the step it launched still awaiting its sampling, or sampled.
+        assert calls[before] == "schedule"
+    for completion in outputs.values():
+        check_output("json", completion.text)
+    # The runner samples a step itself inside launch (recorded as "sample" after "launch");
+    # a deferred sampling is one the core queues itself, between a schedule and a launch.
+    deferred = [
+        i for i, name in enumerate(calls) if name == "sample" and calls[i - 1] == "schedule"
+    ]
+    assert len(deferred) > 10
+    for i in deferred:
+        assert calls[i + 1] == "launch", calls[i - 2 : i + 3]
+    assert "complete" not in calls[deferred[0] : deferred[0] + 2]
