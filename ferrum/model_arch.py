@@ -22,12 +22,22 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 # Multimodal containers of which only the language model (config.json `text_config`) loads.
-TEXT_CONFIG_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+TEXT_CONFIG_ARCHITECTURES = (
+    "Gemma3ForConditionalGeneration",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# Gated DeltaNet (Qwen3.5): a recurrent state per request instead of a KV cache.
+LINEAR_ATTENTION = "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
 
 
 def check_architecture(hf_config: dict[str, Any]) -> str:
@@ -96,9 +106,18 @@ def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
 
 def _layer_types(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[str, ...]:
     """Each layer's attention: Gemma 3 lists them (or gives a pattern: every n-th layer is
-    global); Mistral slides in every layer when it sets `sliding_window` (Qwen's
+    global); Qwen3.5 lists them (or every `full_attention_interval`-th layer is full attention,
+    the others linear); Mistral slides in every layer when it sets `sliding_window` (Qwen's
     `sliding_window` without `use_sliding_window` is unused)."""
-    if arch.startswith("Gemma3"):
+    if arch.startswith("Qwen3_5"):
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            interval = int(hf.get("full_attention_interval") or 4)
+            layer_types = [
+                FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+                for i in range(num_layers)
+            ]
+    elif arch.startswith("Gemma3"):
         layer_types = hf.get("layer_types")
         if layer_types is None:
             pattern = int(hf.get("sliding_window_pattern") or 6)
@@ -110,10 +129,10 @@ def _layer_types(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[str, .
         layer_types = [SLIDING_ATTENTION] * num_layers
     else:
         layer_types = [FULL_ATTENTION] * num_layers
-    if len(layer_types) != num_layers or any(t not in LAYER_TYPES for t in layer_types):
+    allowed = LAYER_TYPES if arch.startswith("Qwen3_5") else LAYER_TYPES[:2]
+    if len(layer_types) != num_layers or any(t not in allowed for t in layer_types):
         raise ValueError(
-            f"layer_types: must list {num_layers} of {list(LAYER_TYPES)} ({arch}), "
-            f"got {layer_types!r}"
+            f"layer_types: must list {num_layers} of {list(allowed)} ({arch}), got {layer_types!r}"
         )
     return tuple(layer_types)
 
@@ -154,6 +173,21 @@ class ModelArchConfig:
     query_pre_attn_scalar: float | None = None
     # logits = cap * tanh(logits / cap) when set.
     final_logit_softcapping: float | None = None
+    # Full attention rotates the first head_dim * partial_rotary_factor dims of each head.
+    partial_rotary_factor: float = 1.0
+    # Gated DeltaNet (LINEAR_ATTENTION layers): heads, head sizes and causal conv width.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    # A shared expert beside the routed ones (Qwen3.5-MoE), 0 for none.
+    shared_expert_intermediate_size: int = 0
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        """Indices of the LINEAR_ATTENTION layers (they keep a recurrent state, no KV cache)."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
 
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The window of layer `layer_idx`'s attention, None for full attention."""
@@ -209,11 +243,17 @@ class ModelArchConfig:
         if decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step: must be >= 1, got {decoder_sparse_step}")
         rope_theta, rope_scaling = rope_parameters(hf)
+        partial_rotary = (hf.get("rope_parameters") or {}).get("partial_rotary_factor")
+        partial_rotary = float(partial_rotary or hf.get("partial_rotary_factor") or 1.0)
+        has_linear = LINEAR_ATTENTION in layer_types
+        linear_default = _REQUIRED if has_linear else 0
+        qwen3_5 = arch.startswith("Qwen3_5")
         return cls(
             architecture=arch,
             vocab_size=get("vocab_size", int),
             hidden_size=hidden_size,
-            intermediate_size=get("intermediate_size", int),
+            # MoE models without dense layers (Qwen3.5-MoE) may leave it out.
+            intermediate_size=get("intermediate_size", int, 0 if num_experts > 0 else _REQUIRED),
             num_hidden_layers=num_layers,
             num_attention_heads=num_heads,
             num_kv_heads=get("num_key_value_heads", int, 0) or num_heads,
@@ -230,7 +270,8 @@ class ModelArchConfig:
             num_experts=num_experts,
             num_experts_per_tok=get("num_experts_per_tok", int, moe_default),
             moe_intermediate_size=get("moe_intermediate_size", int, moe_default),
-            norm_topk_prob=get("norm_topk_prob", bool, False),
+            # Qwen3.5-MoE's router always renormalizes its top-k (its config has no flag).
+            norm_topk_prob=get("norm_topk_prob", bool, qwen3_5),
             decoder_sparse_step=decoder_sparse_step,
             mlp_only_layers=tuple(get("mlp_only_layers", list, [])),
             layer_types=layer_types,
@@ -239,4 +280,11 @@ class ModelArchConfig:
             local_rope_scaling=local_rope_scaling,
             query_pre_attn_scalar=get("query_pre_attn_scalar", float, None),
             final_logit_softcapping=get("final_logit_softcapping", float, None),
+            partial_rotary_factor=partial_rotary,
+            linear_num_key_heads=get("linear_num_key_heads", int, linear_default),
+            linear_num_value_heads=get("linear_num_value_heads", int, linear_default),
+            linear_key_head_dim=get("linear_key_head_dim", int, linear_default),
+            linear_value_head_dim=get("linear_value_head_dim", int, linear_default),
+            linear_conv_kernel_dim=get("linear_conv_kernel_dim", int, linear_default),
+            shared_expert_intermediate_size=get("shared_expert_intermediate_size", int, 0),
         )

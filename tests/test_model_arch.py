@@ -134,12 +134,12 @@ def test_rope_parameters_spellings_agree() -> None:
 
 
 def test_unsupported_architectures_name_themselves_and_the_supported_ones() -> None:
-    # A nested multimodal config (Qwen3.5's shape): no top-level vocab_size, a text_config.
-    nested = {"architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {}}
+    # A nested multimodal config: no top-level vocab_size, a text_config.
+    nested = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "text_config": {}}
     with pytest.raises(ValueError) as error:
         ModelArchConfig.from_hf_config(nested)
     message = str(error.value)
-    assert "'Qwen3_5ForConditionalGeneration' is not supported" in message
+    assert "'Qwen2_5_VLForConditionalGeneration' is not supported" in message
     assert "text_config" in message and "Qwen3ForCausalLM" in message
     with pytest.raises(ValueError, match="names none .*supported: LlamaForCausalLM"):
         ModelArchConfig.from_hf_config({"vocab_size": 10})
@@ -150,3 +150,39 @@ def test_the_registry_builds_exactly_the_supported_architectures() -> None:
     from ferrum.model_executor.models.registry import _MODELS
 
     assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES)
+
+
+def test_qwen3_5_layers_partial_rotary_and_router() -> None:
+    text = {
+        **BASE,
+        "num_hidden_layers": 8,
+        "full_attention_interval": 4,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e7,
+            "partial_rotary_factor": 0.25,
+        },
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+    }
+    text.pop("intermediate_size", None)
+    outer = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "text_config": text}
+    arch = ModelArchConfig.from_hf_config(outer)
+    assert arch.linear_attention_layers == (0, 1, 2, 4, 5, 6)
+    assert arch.layer_types[3] == arch.layer_types[7] == "full_attention"
+    assert (arch.partial_rotary_factor, arch.rope_theta, arch.rope_scaling) == (0.25, 1e7, None)
+    assert arch.norm_topk_prob and arch.intermediate_size == 0
+    with pytest.raises(ValueError, match="linear_conv_kernel_dim: missing"):
+        ModelArchConfig.from_hf_config(
+            {
+                **outer,
+                "text_config": {k: v for k, v in text.items() if k != "linear_conv_kernel_dim"},
+            }
+        )

@@ -5,6 +5,9 @@ block table per request. `allocate_slots` grows every group's table for the same
 of them; a prefix hit is the longest prefix that every group can serve, so the KV of a hit in
 every layer is exactly what a cold run would compute. Block ids travel per group: a tuple with
 one list per group, in group order.
+
+A recurrent group (linear-attention layers) keeps no state of a prefix once its request ends, so
+a hybrid model's prefix cache is turned off, with a log line, instead of hitting wrongly.
 """
 
 from __future__ import annotations
@@ -13,9 +16,13 @@ from collections.abc import Sequence
 
 from ferrum.kv import block_hash
 from ferrum.kv.kv_cache_spec import KVCacheGroupSpec
+from ferrum.kv.recurrent_state_manager import RecurrentStateManager
 from ferrum.kv.single_type_manager import FullAttentionManager
 from ferrum.kv.sliding_window_manager import SlidingWindowManager
+from ferrum.logger import init_logger
 from ferrum.request import Request
+
+logger = init_logger(__name__)
 
 # Block ids per layer group.
 GroupBlockIds = tuple[list[int], ...]
@@ -42,12 +49,22 @@ class KVCacheManager:
                 f"num_blocks: expected one pool size per layer group ({len(groups)}), "
                 f"got {len(counts)}"
             )
+        if enable_prefix_caching and any(spec.recurrent for spec in groups):
+            logger.warning(
+                "prefix caching is off: the model has recurrent (linear-attention) layers, whose "
+                "state of a cached prefix is not kept"
+            )
+            enable_prefix_caching = False
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.specs = tuple(groups)
-        self.groups: list[FullAttentionManager] = []
+        self.groups: list[FullAttentionManager | RecurrentStateManager] = []
         for spec, count in zip(groups, counts):
-            if spec.sliding_window is None:
+            if spec.recurrent:
+                group: FullAttentionManager | RecurrentStateManager = RecurrentStateManager(
+                    count, block_size
+                )
+            elif spec.sliding_window is None:
                 group = FullAttentionManager(count, block_size, enable_prefix_caching)
             else:
                 if max_num_batched_tokens is None:

@@ -3,7 +3,10 @@
 Layers of one group have the same attention kind and share one block pool and one block table per
 request; each layer keeps its own cache tensor over that pool. Full-attention layers keep every
 block of a request; sliding-window layers (window W: position p reads keys p - W < k <= p) release
-the blocks that slid out of every future query's window.
+the blocks that slid out of every future query's window. Recurrent layers (gated DeltaNet) keep
+no KV: one fixed-size state slot per request (conv + recurrent state), whose id heads the
+group's block table (the other entries are the null block, so every group's table has the same
+length).
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ class KVCacheGroupSpec:
     layer_ids: tuple[int, ...]
     # None: full attention; else each query reads its last `sliding_window` positions.
     sliding_window: int | None = None
+    # Linear-attention layers: one state slot per request instead of KV blocks.
+    recurrent: bool = False
 
     def max_blocks_per_request(self, num_tokens: int, max_chunk: int, block_size: int) -> int:
         """The most blocks a request of up to `num_tokens` tokens holds at once, computing at most
         `max_chunk` tokens per step: all of them with full attention; the window before the
         chunk, the chunk and one partial block with a sliding window."""
+        if self.recurrent:
+            return 1
         all_blocks = -(-num_tokens // block_size)
         if self.sliding_window is None:
             return all_blocks
@@ -30,16 +37,24 @@ class KVCacheGroupSpec:
         return min(all_blocks, window_blocks + 1)
 
 
-def kv_cache_groups(layer_windows: Sequence[int | None]) -> tuple[KVCacheGroupSpec, ...]:
+def kv_cache_groups(
+    layer_windows: Sequence[int | None], recurrent_layers: Sequence[int] = ()
+) -> tuple[KVCacheGroupSpec, ...]:
     """One group per distinct window (None = full attention), full attention first, then by
-    increasing window. `layer_windows[i]` is layer i's sliding window or None."""
-    if not layer_windows:
+    increasing window, then the recurrent layers' group. `layer_windows[i]` is layer i's
+    sliding window or None; it is not read for the layers in `recurrent_layers`."""
+    recurrent = set(recurrent_layers)
+    attention = [(i, w) for i, w in enumerate(layer_windows) if i not in recurrent]
+    if not attention:
         raise ValueError("layer_windows: a model needs at least one attention layer")
-    windows = sorted(set(layer_windows), key=lambda w: (w is not None, w or 0))
-    return tuple(
-        KVCacheGroupSpec(tuple(i for i, w in enumerate(layer_windows) if w == window), window)
+    windows = sorted({w for _, w in attention}, key=lambda w: (w is not None, w or 0))
+    groups = [
+        KVCacheGroupSpec(tuple(i for i, w in attention if w == window), window)
         for window in windows
-    )
+    ]
+    if recurrent:
+        groups.append(KVCacheGroupSpec(tuple(sorted(recurrent)), recurrent=True))
+    return tuple(groups)
 
 
 def layer_group_ids(groups: Sequence[KVCacheGroupSpec]) -> list[int]:

@@ -9,7 +9,7 @@ the same addresses its capture did. An eager batch's block tables are as wide as
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,17 +55,26 @@ class _ProfileRequest:
 
 
 def profile_batch(
-    seq_lens: list[int], block_size: int, num_kv_groups: int = 1
+    seq_lens: list[int],
+    block_size: int,
+    num_kv_groups: int = 1,
+    recurrent_groups: Collection[int] = (),
 ) -> tuple[dict[str, RequestTokens], dict[str, int]]:
     """Whole prompts of the given lengths on consecutive blocks from block 1 (the same in every
-    KV cache group), all token id 0: the requests and their scheduled tokens."""
+    KV cache group; request i has state slot i + 1 in the `recurrent_groups`), all token id 0:
+    the requests and their scheduled tokens."""
     requests: dict[str, RequestTokens] = {}
     next_block = 1
     for i, n in enumerate(seq_lens):
         num_blocks = -(-n // block_size)
         block_ids = list(range(next_block, next_block + num_blocks))
+        slot_table = [i + 1] + [0] * (num_blocks - 1)
         requests[str(i)] = _ProfileRequest(
-            [0] * n, tuple(list(block_ids) for _ in range(num_kv_groups))
+            [0] * n,
+            tuple(
+                list(slot_table if g in recurrent_groups else block_ids)
+                for g in range(num_kv_groups)
+            ),
         )
         next_block += num_blocks
     return requests, {req_id: len(r.token_ids) for req_id, r in requests.items()}

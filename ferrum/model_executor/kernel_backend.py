@@ -33,6 +33,10 @@ class TritonKernels:
     fused_moe: Callable[..., torch.Tensor]
     fp8_block_linear: Callable[..., torch.Tensor]
     fp8_channel_linear: Callable[..., torch.Tensor]
+    causal_conv1d_prefill: Callable[..., torch.Tensor]
+    causal_conv1d_update: Callable[..., torch.Tensor]
+    gated_delta_rule_prefill: Callable[..., torch.Tensor]
+    gated_delta_rule_decode: Callable[..., torch.Tensor]
 
 
 def resolve_kernel_backend(kernel_backend: str, device: torch.device) -> str:
@@ -66,7 +70,10 @@ def load_kernels(kernel_backend: str) -> TritonKernels | None:
     if kernel_backend != "triton":
         raise ValueError(f"kernel_backend: must be 'torch' or 'triton', got {kernel_backend!r}")
     from ferrum.kernels import activation, fused_moe, moe_router, paged_attention, rms_norm
+    from ferrum.kernels.causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
     from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
+    from ferrum.kernels.gated_delta_rule_decode import gated_delta_rule_decode
+    from ferrum.kernels.gated_delta_rule_prefill import gated_delta_rule_prefill
     from ferrum.kernels.rotary_kv import rotary_kv
 
     return TritonKernels(
@@ -79,4 +86,8 @@ def load_kernels(kernel_backend: str) -> TritonKernels | None:
         fused_moe=fused_moe.fused_moe,
         fp8_block_linear=fp8_block_linear,
         fp8_channel_linear=fp8_channel_linear,
+        causal_conv1d_prefill=causal_conv1d_prefill,
+        causal_conv1d_update=causal_conv1d_update,
+        gated_delta_rule_prefill=gated_delta_rule_prefill,
+        gated_delta_rule_decode=gated_delta_rule_decode,
     )

@@ -4,6 +4,12 @@ Per layer the cache is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, wi
 KV heads under tensor parallelism (`tp_size`) and num_blocks the pool size of the layer's group (`KVCacheGroupSpec`); block 0 of every pool is the padding
 block that the KV manager never hands out. A budget is split between the groups in proportion to
 what one sequence of max_model_len holds in each (a sliding-window group holds its window only).
+
+Linear-attention layers (the recurrent group) get a state pool instead: per layer a conv state
+`[num_slots, conv_width - 1, conv_dim]` in the model dtype and a recurrent state
+`[num_slots, num_v_heads, k_dim, v_dim]` in float32, slot 0 again padding. The recurrent group
+takes a slot for every sequence (max_num_seqs + 1) when that fits in half the budget (else half
+the budget's worth), before the attention groups split the rest.
 """
 
 from __future__ import annotations
@@ -12,6 +18,10 @@ import torch
 
 from ferrum.config import CacheConfig, ModelConfig, SchedulerConfig, kv_heads_per_rank
 from ferrum.kv.kv_cache_spec import KVCacheGroupSpec, kv_cache_groups, layer_group_ids
+from ferrum.model_arch import ModelArchConfig
+
+# The recurrent (gated DeltaNet) state is kept in float32: it accumulates over the whole sequence.
+RECURRENT_STATE_DTYPE = torch.float32
 
 # The CPU pool's default cap: memory for development runs, not for throughput.
 CPU_DEFAULT_KV_BYTES = 512 << 20
@@ -21,7 +31,30 @@ _GIB = float(1 << 30)
 def kv_cache_group_specs(model_config: ModelConfig) -> tuple[KVCacheGroupSpec, ...]:
     """The model's layer groups: full attention first, then one per sliding window."""
     arch = model_config.arch
-    return kv_cache_groups([arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)])
+    return kv_cache_groups(
+        [arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)],
+        arch.linear_attention_layers,
+    )
+
+
+def recurrent_state_shapes(arch: ModelArchConfig) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """Per slot of one linear-attention layer: (conv state shape, recurrent state shape)."""
+    conv_dim = (
+        2 * arch.linear_num_key_heads * arch.linear_key_head_dim
+        + arch.linear_num_value_heads * arch.linear_value_head_dim
+    )
+    return (arch.linear_conv_kernel_dim - 1, conv_dim), (
+        arch.linear_num_value_heads,
+        arch.linear_key_head_dim,
+        arch.linear_value_head_dim,
+    )
+
+
+def _recurrent_slot_bytes(arch: ModelArchConfig, dtype: torch.dtype) -> int:
+    (width, conv_dim), (heads, k_dim, v_dim) = recurrent_state_shapes(arch)
+    conv = width * conv_dim * torch.empty((), dtype=dtype).element_size()
+    state = heads * k_dim * v_dim * torch.empty((), dtype=RECURRENT_STATE_DTYPE).element_size()
+    return conv + state
 
 
 def group_bytes_per_block(
@@ -31,7 +64,10 @@ def group_bytes_per_block(
     dtype: torch.dtype,
     tp_size: int = 1,
 ) -> int:
-    """Bytes of one block of a group: keys and values of each of its layers (this rank's heads)."""
+    """Bytes of one block of a group: keys and values of each of its layers (this rank's heads);
+    for the recurrent group, one state slot of each of its layers."""
+    if group.recurrent:
+        return len(group.layer_ids) * _recurrent_slot_bytes(model_config.arch, dtype)
     element_size = torch.empty((), dtype=dtype).element_size()
     num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
     per_layer = 2 * block_size * num_kv_heads * model_config.head_dim * element_size
@@ -83,13 +119,25 @@ def num_blocks_from_budget(
     groups = kv_cache_group_specs(model_config)
     sizes = [group_bytes_per_block(model_config, g, block_size, dtype, tp_size) for g in groups]
     needs = [blocks_per_sequence(g, scheduler_config, block_size) for g in groups]
-    per_sequence = sum(need * size for need, size in zip(needs, sizes))
+    slots = {
+        g: min(scheduler_config.max_num_seqs + 1, budget_bytes // 2 // size)
+        for g, (group, size) in enumerate(zip(groups, sizes))
+        if group.recurrent
+    }
+    attention_budget = budget_bytes - sum(n * sizes[g] for g, n in slots.items())
+    per_sequence = sum(
+        need * size for g, (need, size) in enumerate(zip(needs, sizes)) if g not in slots
+    )
+    num_attention_groups = len(groups) - len(slots)
     counts = []
-    for group, size, need in zip(groups, sizes, needs):
-        # The group's share of the budget is need * size / per_sequence of it.
-        num_blocks = (
-            budget_bytes * need // per_sequence if len(groups) > 1 else budget_bytes // size
-        )
+    for g, (group, size, need) in enumerate(zip(groups, sizes, needs)):
+        # An attention group's share of the rest is need * size / per_sequence of it.
+        if g in slots:
+            num_blocks = slots[g]
+        elif num_attention_groups > 1:
+            num_blocks = attention_budget * need // per_sequence
+        else:
+            num_blocks = attention_budget // size
         if cap_to_need:
             num_blocks = min(num_blocks, blocks_worth_keeping(scheduler_config, block_size, group))
         if num_blocks < need + 1:
@@ -132,14 +180,23 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
     tp_size: int = 1,
-) -> list[torch.Tensor]:
+) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
     """One zeroed cache per layer, sized by its group's pool (`num_blocks` per group, or one
-    count for all)."""
+    count for all); a linear-attention layer's is its (conv state, recurrent state) pools."""
     groups = kv_cache_group_specs(model_config)
     counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else num_blocks
     heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
     head_dim = model_config.head_dim
-    return [
-        torch.zeros((2, counts[g], block_size, heads, head_dim), dtype=dtype, device=device)
-        for g in layer_group_ids(groups)
-    ]
+    conv_shape, state_shape = recurrent_state_shapes(model_config.arch)
+    caches: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = []
+    for g in layer_group_ids(groups):
+        if groups[g].recurrent:
+            conv = torch.zeros((counts[g], *conv_shape), dtype=dtype, device=device)
+            state = torch.zeros(
+                (counts[g], *state_shape), dtype=RECURRENT_STATE_DTYPE, device=device
+            )
+            caches.append((conv, state))
+        else:
+            shape = (2, counts[g], block_size, heads, head_dim)
+            caches.append(torch.zeros(shape, dtype=dtype, device=device))
+    return caches

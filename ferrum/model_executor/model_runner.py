@@ -133,6 +133,9 @@ class ModelRunner:
         self.split_kv_workspace = self._allocate_split_kv_workspace()
         # Layer groups of the KV cache (full attention, each sliding window): a block table each.
         self.kv_cache_groups = kv_cache_group_specs(config.model_config)
+        self._recurrent_groups = [
+            g for g, spec in enumerate(self.kv_cache_groups) if spec.recurrent
+        ]
         sched = config.scheduler_config
         max_model_len = config.model_config.max_model_len
         # Buffers for the largest step: a batch, a padded CUDA-graph batch or the memory profile.
@@ -148,7 +151,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(config.model_config.seed)
-        self.kv_caches: list[torch.Tensor] = []
+        # Per layer: its KV cache, or a linear-attention layer's (conv, recurrent) state pools.
+        self.kv_caches: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = []
         self.cuda_graphs: CUDAGraphRunner | None = None
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded generators live from a request's first admission to its end, across preemptions.
@@ -223,11 +227,14 @@ class ModelRunner:
         while sum(seq_lens) < num_tokens:
             seq_lens.append(min(sched.max_model_len, num_tokens - sum(seq_lens)))
         num_blocks = sum(-(-n // self.block_size) for n in seq_lens) + 1
-        self.initialize_kv_cache(num_blocks)
+        # A recurrent group needs one state slot per sequence (+ the padding slot).
+        self.initialize_kv_cache(
+            [len(seq_lens) + 1 if g.recurrent else num_blocks for g in self.kv_cache_groups]
+        )
         temp_kv_bytes = torch.cuda.memory_allocated(self.device) - weights
         torch.cuda.reset_peak_memory_stats(self.device)
         requests, num_scheduled = profile_batch(
-            seq_lens, self.block_size, len(self.kv_cache_groups)
+            seq_lens, self.block_size, len(self.kv_cache_groups), self._recurrent_groups
         )
         batch = self.inputs.prepare(requests, num_scheduled, num_tokens, {})
         hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
@@ -305,7 +312,8 @@ class ModelRunner:
     def run_warm_up_batches(self, num_blocks: int | list[int]) -> tuple[int, int]:
         """One forward per batch of `warm_up_batches`; returns (forwards, most tokens)."""
         sched = self.config.scheduler_config
-        num_blocks = num_blocks if isinstance(num_blocks, int) else min(num_blocks)
+        if not isinstance(num_blocks, int):  # the smallest attention pool
+            num_blocks = min(n for n, g in zip(num_blocks, self.kv_cache_groups) if not g.recurrent)
         max_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
         # Block 0 stays free: profile_batch places prompts from block 1.
         batches = warm_up_batches(
@@ -313,7 +321,7 @@ class ModelRunner:
         )
         for query_lens in batches:
             requests, num_scheduled = profile_batch(
-                query_lens, self.block_size, len(self.kv_cache_groups)
+                query_lens, self.block_size, len(self.kv_cache_groups), self._recurrent_groups
             )
             batch = self.inputs.prepare(requests, num_scheduled, sum(query_lens), {})
             self.model(batch.input_ids, batch.positions, batch.attn_metadata)
@@ -350,6 +358,7 @@ class ModelRunner:
             self._seeded_generators.pop(req_id, None)
         for req_id in scheduler_output.preempted_req_ids:
             self.requests.pop(req_id, None)
+        fresh_slots: list[int] = []
         for new in scheduler_output.scheduled_new_reqs:
             if len(new.block_ids) != len(self.kv_cache_groups):
                 raise ValueError(
@@ -368,11 +377,25 @@ class ModelRunner:
                     new.req_id, new.sampling_params, len(new.output_token_ids)
                 ),
             )
+            if new.num_computed_tokens == 0:
+                fresh_slots.extend(new.block_ids[g][0] for g in self._recurrent_groups)
+        self._reset_recurrent_states(fresh_slots)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             for block_ids, new_block_ids in zip(state.block_ids, cached.new_block_ids):
                 block_ids.extend(new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _reset_recurrent_states(self, slot_ids: list[int]) -> None:
+        """Zeroes the linear-attention state slots of requests starting from their first token
+        (a slot's previous owner left its state there), queued before the step's forward."""
+        if not slot_ids:
+            return
+        index = torch.tensor(slot_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        for cache in self.kv_caches:
+            if isinstance(cache, tuple):
+                for pool in cache:
+                    pool.index_fill_(0, index, 0)
 
     def _generator_for(
         self, req_id: str, params: SamplingParams, num_output_tokens: int

@@ -140,3 +140,27 @@ def test_num_cpu_threads_sets_torchs_threads(tiny_checkpoint) -> None:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="num_cpu_threads: must be an integer >= 1, got 0"):
         make_llm(tiny_checkpoint("qwen3"), num_cpu_threads=0)
+
+
+def test_recurrent_layers_take_a_state_slot_per_sequence_first(tiny_checkpoint) -> None:
+    # qwen3_5: layers linear, linear, full, linear. A linear layer's fp32 slot: conv state
+    # 3 x 128 + recurrent state 4 heads x 16 x 16 = 5632 bytes; 1024 bytes per attention block.
+    config = ModelConfig(tiny_checkpoint("qwen3_5"))
+    full, recurrent = kv_cache_group_specs(config)
+    assert (full.layer_ids, recurrent.layer_ids, recurrent.recurrent) == ((2,), (0, 1, 3), True)
+    assert kv_bytes_per_block(config, 4, torch.float32) == 1024 + 3 * 5632
+    cache = CacheConfig(block_size=4)
+    sched = SchedulerConfig(max_model_len=128, max_num_batched_tokens=8, max_num_seqs=2)
+    # max_num_seqs + 1 slots, the rest in attention blocks.
+    budget = 200_000
+    assert num_blocks_from_budget(budget, config, cache, sched, torch.float32) == [
+        (budget - 3 * 16896) // 1024,
+        3,
+    ]
+    # At most half the budget goes to slots: one slot (+ padding) is too few.
+    with pytest.raises(ValueError, match="holds 1 blocks of 4 tokens in its 3-layer group"):
+        num_blocks_from_budget(60_000, config, cache, sched, torch.float32)
+    caches = allocate_kv_caches(config, [7, 3], 4, torch.float32, torch.device("cpu"))
+    conv, state = caches[0]
+    assert conv.shape == (3, 3, 128) and state.shape == (3, 4, 16, 16)
+    assert state.dtype == torch.float32 and caches[2].shape == (2, 7, 4, 2, 16)

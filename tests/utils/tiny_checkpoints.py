@@ -21,6 +21,10 @@ builds per session):
                  scaling on the global layer, query_pre_attn_scalar 12, tied embeddings
     "gemma3_mm"  Gemma3ForConditionalGeneration: the "gemma3" text model inside the multimodal
                  container with a one-layer vision tower
+    "qwen3_5"    Qwen3_5ForCausalLM, 4 layers: linear (gated DeltaNet, 2 key / 4 value heads of
+                 16, conv width 4), linear, full (gated, partial rotary 0.5), linear
+    "qwen3_5_moe" Qwen3_5MoeForCausalLM: "qwen3_5" with 8 experts top-2 and a shared expert
+    "qwen3_5_mm" Qwen3_5ForConditionalGeneration: "qwen3_5" inside the multimodal container
 Shapes: hidden 64, head_dim 16, vocab 384 (token ids 0..383), max_position_embeddings 256.
 Special ids: bos 1, eos 2, pad 0 (config.json and generation_config.json); hf_greedy does not
 stop at eos, so engine comparisons should ignore eos. No tokenizer files are written.
@@ -47,6 +51,9 @@ ARCHS = (
     "mistral_sw",
     "gemma3",
     "gemma3_mm",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_mm",
 )
 # The sliding window of "mistral_sw" and of the sliding layers of "gemma3" / "gemma3_mm".
 SLIDING_WINDOW = 6
@@ -104,6 +111,29 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
+_QWEN3_5 = {
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+    },
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "tie_word_embeddings": False,
+}
+_ARCH_CONFIGS["qwen3_5"] = _ARCH_CONFIGS["qwen3_5_mm"] = _QWEN3_5
+_ARCH_CONFIGS["qwen3_5_moe"] = {
+    **_QWEN3_5,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}
 _ARCH_CONFIGS["gemma3_mm"] = _ARCH_CONFIGS["gemma3"]
 # The vision tower of "gemma3_mm": as small as its config allows.
 _GEMMA3_VISION = {
@@ -113,6 +143,15 @@ _GEMMA3_VISION = {
     "num_attention_heads": 2,
     "image_size": 28,
     "patch_size": 14,
+}
+
+# The vision tower of "qwen3_5_mm": as small as its config allows.
+_QWEN3_5_VISION = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 37,
+    "num_heads": 2,
+    "out_hidden_size": 64,
 }
 
 # Default max_shard_size per arch: only "llama" is sharded (its tensors exceed 20 KB one by one).
@@ -131,12 +170,17 @@ def _config_class(arch: str) -> Any:
         "mistral": transformers.MistralConfig,
         "mistral_sw": transformers.MistralConfig,
         "gemma3": transformers.Gemma3TextConfig,
+        "qwen3_5": transformers.Qwen3_5TextConfig,
+        "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
     }[arch]
 
 
 def _make_config(arch: str, kwargs: dict[str, Any]) -> Any:
     import transformers
 
+    if arch == "qwen3_5_mm":
+        text = transformers.Qwen3_5TextConfig(**kwargs)
+        return transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=_QWEN3_5_VISION)
     if arch != "gemma3_mm":
         return _config_class(arch)(**kwargs)
     text = transformers.Gemma3TextConfig(**kwargs)
@@ -174,7 +218,14 @@ def make_tiny_checkpoint(
     kwargs = {**_COMMON, **_ARCH_CONFIGS[arch], **config_overrides}
     config = _make_config(arch, kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen3_5_mm":  # AutoModelForCausalLM builds the text model alone
+        import transformers
+
+        model = transformers.Qwen3_5ForConditionalGeneration._from_config(
+            config, dtype=torch.float32
+        )
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
     shard_size = max_shard_size or _DEFAULT_SHARD_SIZE.get(arch, "1GB")
     os.makedirs(path, exist_ok=True)

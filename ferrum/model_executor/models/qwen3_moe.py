@@ -95,17 +95,22 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         return LlamaDecoderLayer(attention, mlp, arch, kernels)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Hashable] | None:
-        match = _PER_EXPERT.match(name)
-        if match:
-            prefix, expert_id, proj = match.group(1), int(match.group(2)), match.group(3)
-            param = f"{prefix}.w2" if proj == "down" else f"{prefix}.w13"
-            if match.group(4) == "weight_scale_inv":
-                param += "_scale"
-            return param, (proj, expert_id)
-        match = _STACKED.match(name)
-        if match:
-            prefix, proj = match.group(1), match.group(2)
-            if proj == "down":
-                return f"{prefix}.w2", (DOWN, None)
-            return f"{prefix}.w13", (GATE_UP, None)
-        return super().map_checkpoint_name(name)
+        return map_expert_name(name) or super().map_checkpoint_name(name)
+
+
+def map_expert_name(name: str) -> tuple[str, Hashable] | None:
+    """An expert tensor's (FusedMoE parameter, shard id); None for other names."""
+    match = _PER_EXPERT.match(name)
+    if match:
+        prefix, expert_id, proj = match.group(1), int(match.group(2)), match.group(3)
+        param = f"{prefix}.w2" if proj == "down" else f"{prefix}.w13"
+        if match.group(4) == "weight_scale_inv":
+            param += "_scale"
+        return param, (proj, expert_id)
+    match = _STACKED.match(name)
+    if match:
+        prefix, proj = match.group(1), match.group(2)
+        if proj == "down":
+            return f"{prefix}.w2", (DOWN, None)
+        return f"{prefix}.w13", (GATE_UP, None)
+    return None

@@ -1,0 +1,91 @@
+"""Qwen3.5 (gated DeltaNet + gated attention, dense and MoE) through the whole engine: greedy
+tokens equal transformers' on tiny random checkpoints, with batching, chunked prefill (chunks
+not aligned to blocks, so a request's recurrent state is carried from chunk to chunk),
+preemption (the state is dropped and recomputed), async scheduling, reused state slots and the
+Triton kernels under the interpreter. Prefix caching is off for these models (their state of a
+prefix is not kept), so no prefix hit can change their output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.utils.tiny_checkpoints import hf_greedy
+from tests.utils.tiny_llm import MAX_TOKENS, cuda_llm, greedy, make_llm, random_prompts
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_5_mm"])
+def test_batch_matches_hf_with_prefix_caching_off(tiny_checkpoint, arch: str) -> None:
+    path = tiny_checkpoint(arch)
+    prompts = random_prompts([5, 17, 1, 30], seed=1)
+    llm = make_llm(path, num_kv_blocks=128)
+    kv = llm.llm_engine.core.kv_cache_manager
+    assert not kv.enable_prefix_caching
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    assert greedy(llm, prompts) == expected
+    # The same prompts again: no hit, the same tokens from reused (zeroed) state slots.
+    assert greedy(llm, prompts[::-1]) == expected[::-1]
+    assert kv.prefix_cache_hits == 0
+    assert kv.usage == 0.0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_chunked_prefill_and_preemption_match_hf(
+    tiny_checkpoint, arch: str, async_scheduling: bool
+) -> None:
+    path = tiny_checkpoint(arch)
+    prompts = random_prompts([23, 9, 14, 1, 11], seed=3)
+    # 16 usable blocks of 4 tokens: each request fits alone (<= 9 blocks), not all at once.
+    llm = make_llm(
+        path, num_kv_blocks=17, max_num_batched_tokens=7, async_scheduling=async_scheduling
+    )
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.core.kv_cache_manager.usage == 0.0
+
+
+def test_state_slots_are_reused_across_requests(tiny_checkpoint) -> None:
+    """Two sequences at a time: 12 usable slots serve 6 prompts three times over, so the third
+    round runs on slots that held the first round's states (a new owner starts from zeros)."""
+    path = tiny_checkpoint("qwen3_5")
+    prompts = random_prompts([7, 3, 12, 5, 9, 2], seed=5)
+    llm = make_llm(path, num_kv_blocks=13, max_num_seqs=2)
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
+    for _ in range(3):
+        assert greedy(llm, prompts) == expected
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_triton_kernels_match_hf(tiny_checkpoint, arch: str) -> None:
+    pytest.importorskip("triton")
+    path = tiny_checkpoint(arch)
+    prompts = random_prompts([6, 13, 2], seed=11)
+    llm = make_llm(path, kernel_backend="triton", num_kv_blocks=64, max_num_batched_tokens=9)
+    assert llm.llm_engine.core.executor.runner.kernel_backend == "triton"
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_cuda_graphs_and_triton_match_hf(tiny_checkpoint, arch: str) -> None:
+    path = tiny_checkpoint(arch)
+    llm = cuda_llm(path, num_kv_blocks=64)
+    runner = llm.llm_engine.core.executor.runner
+    assert runner.kernel_backend == "triton" and runner.cuda_graphs is not None
+    prompts = random_prompts([5, 40, 1, 19, 33], seed=21)
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+    # Alone, each prompt runs as a single-request prefill graph.
+    assert [greedy(llm, [p])[0] for p in prompts[:3]] == hf_greedy(path, prompts[:3], MAX_TOKENS)
+
+
+@needs_cuda
+def test_cuda_preemption_chunking_and_async_match_hf(tiny_checkpoint) -> None:
+    path = tiny_checkpoint("qwen3_5_moe")
+    llm = cuda_llm(path, num_kv_blocks=8, max_num_batched_tokens=24, async_scheduling=True)
+    prompts = random_prompts([23, 9, 30, 3, 11, 17], seed=22)
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
