@@ -118,6 +118,11 @@ class ModelRunner:
         self.vocab_size = config.model_config.vocab_size
         self.kernel_backend = resolve_kernel_backend(config.device_config.kernel_backend, device)
         fp8_kv = self.kv_cache_dtype == FP8_KV_DTYPE
+        if fp8_kv and config.model_config.arch.linear_attention_layers:
+            raise ValueError(
+                f"kv_cache_dtype={config.cache_config.kv_cache_dtype!r}: an FP8 KV cache is not "
+                f"supported yet with linear-attention layers ({config.model_config.architecture})"
+            )
         if fp8_kv and self.kernel_backend == "triton" and device.type != "cuda":
             raise ValueError(
                 f"kv_cache_dtype={config.cache_config.kv_cache_dtype!r}: Triton's CPU "

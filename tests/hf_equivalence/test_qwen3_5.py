@@ -32,6 +32,11 @@ def test_batch_matches_hf_with_prefix_caching_off(tiny_checkpoint, arch: str) ->
     assert kv.usage == 0.0
 
 
+def test_fp8_kv_cache_is_refused(tiny_checkpoint) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8': an FP8 KV cache is not supported"):
+        make_llm(tiny_checkpoint("qwen3_5"), kv_cache_dtype="fp8")
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_chunked_prefill_and_preemption_match_hf(
