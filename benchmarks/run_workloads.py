@@ -1,4 +1,5 @@
-"""Runs the `lat`, `c16`, `c64` and `nano` workloads of BENCHMARKS.md on one model config.
+"""Runs the `lat`, `c16`, `c64` and `nano` workloads of BENCHMARKS.md (and `prefix`, the
+prefix-cache TTFT of issue 18) on one model config.
 
 Random ("dummy") weights of the config's shapes, token-id prompts, `ignore_eos`, one engine in
 this process. Writes one JSON with every figure and the environment; the file is rewritten after
@@ -39,7 +40,13 @@ from ferrum.engine.arg_utils import EngineArgs
 from ferrum.entrypoints.llm import LLM
 from ferrum.sampling_params import SamplingParams
 
-WORKLOADS = ("lat", "c16", "c64", "nano")
+WORKLOADS = ("lat", "c16", "c64", "nano", "prefix")
+# The BENCHMARKS.md runs; `prefix` runs when named.
+DEFAULT_WORKLOADS = WORKLOADS[:4]
+# `prefix`: a shared prefix of this many tokens, then a suffix of PREFIX_SUFFIX_LEN.
+PREFIX_LEN = 2000
+PREFIX_SUFFIX_LEN = 16
+PREFIX_SEED_BASE = 9000
 # Timed `lat` prompts use seeds 1, 2, ...: lat_prompt(0) is the prefix of the c16/c64 prompt 0.
 LAT_SEED_BASE = 1
 # The throughput warm-up batch: its own seed, so it shares no prefix with a timed prompt.
@@ -56,7 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     EngineArgs.add_cli_args(parser, model_positional=False)
     parser.set_defaults(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
     parser.add_argument(
-        "--workloads", default=",".join(WORKLOADS), help=f"comma-separated, from {WORKLOADS}"
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated, from {WORKLOADS}",
     )
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument(
@@ -101,12 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     vocab_size = llm.llm_engine.config.model_config.vocab_size
     warmed_up = False
     for name in names:
-        if name != "lat" and not warmed_up:
+        if name not in ("lat", "prefix") and not warmed_up:
             report["throughput_warmup_s"] = _throughput_warmup(llm, vocab_size, args.scale)
             warmed_up = True
         start = time.perf_counter()
         if name == "lat":
             figures = run_lat(llm, vocab_size, args.scale, args.lat_warmup, args.lat_iters)
+        elif name == "prefix":
+            figures = run_prefix(llm, vocab_size, args.scale, args.lat_warmup, args.lat_iters)
         elif name == "nano":
             figures = run_nano(llm, vocab_size, args.scale, engine_args.seed)
         else:
@@ -158,6 +169,47 @@ def run_lat(
         "tpot_ms": tpot * 1e3,
         "t_first_s": first_times,
         "t_full_s": full_times,
+    }
+
+
+def run_prefix(
+    llm: LLM, vocab_size: int, scale: float, num_warmup: int, num_iters: int
+) -> dict[str, Any]:
+    """Prefix-cache TTFT: per iteration a fresh PREFIX_LEN-token prefix, first with one suffix
+    (cold: nothing cached) then with another (hit: the prefix comes from the cache), one
+    max_tokens=1 request each; medians of each, and the tokens the hits served."""
+    prefix_len, suffix_len = _scaled(PREFIX_LEN, scale), max(1, _scaled(PREFIX_SUFFIX_LEN, scale))
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def pair(seed: int) -> tuple[list[int], list[int]]:
+        tokens = workloads.lat_prompt(
+            seed=PREFIX_SEED_BASE + seed, n_in=prefix_len + 2 * suffix_len
+        )
+        prefix, a, b = tokens[:prefix_len], tokens[prefix_len:-suffix_len], tokens[-suffix_len:]
+        cold, hit = workloads.fold_to_vocab([prefix + a, prefix + b], vocab_size)
+        return cold, hit
+
+    for i in range(num_warmup):
+        for prompt in pair(10_000 + i):
+            timed_generate(llm, [prompt], params)
+    cold_times, hit_times, cached = [], [], []
+    for i in range(num_iters):
+        cold, hit = pair(i)
+        cold_times.append(timed_generate(llm, [cold], params)[0])
+        seconds, outputs = timed_generate(llm, [hit], params)
+        hit_times.append(seconds)
+        cached.append(outputs[0].num_cached_tokens)
+    cold_ttft, hit_ttft = median(cold_times), median(hit_times)
+    return {
+        "prefix_len": prefix_len,
+        "suffix_len": suffix_len,
+        "num_iters": num_iters,
+        "cold_ttft_ms": cold_ttft * 1e3,
+        "hit_ttft_ms": hit_ttft * 1e3,
+        "speedup": cold_ttft / hit_ttft,
+        "num_cached_tokens": cached,
+        "t_cold_s": cold_times,
+        "t_hit_s": hit_times,
     }
 
 
@@ -253,6 +305,11 @@ def _synchronize(llm: LLM) -> None:
 def _summary(name: str, figures: dict[str, Any]) -> str:
     if name == "lat":
         return f"TTFT {figures['ttft_ms']:.2f} ms, TPOT {figures['tpot_ms']:.3f} ms"
+    if name == "prefix":
+        return (
+            f"TTFT cold {figures['cold_ttft_ms']:.2f} ms, hit {figures['hit_ttft_ms']:.2f} ms "
+            f"({figures['speedup']:.1f}x)"
+        )
     return (
         f"{figures['output_tokens_per_second']:.0f} output tok/s ({figures['elapsed_time']:.2f} s)"
     )

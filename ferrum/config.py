@@ -227,6 +227,14 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("reuse KV blocks of shared prompt prefixes")
     )
+    # Linear-attention (recurrent) states can only be reused where a snapshot was kept.
+    recurrent_snapshot_interval: int = field(
+        default=256,
+        metadata=_help(
+            "tokens between the positions where a prefix-cache snapshot of a linear-attention "
+            "layer's state may be kept (rounded up to whole blocks, at least 2)"
+        ),
+    )
     gpu_memory_utilization: float = field(
         default=0.9,
         metadata=_help("fraction of GPU memory the engine may use (weights + KV cache)"),
@@ -261,6 +269,14 @@ class CacheConfig:
             not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
         ):
             raise _fail("num_kv_blocks", f"must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if (
+            not isinstance(self.recurrent_snapshot_interval, int)
+            or self.recurrent_snapshot_interval < 1
+        ):
+            raise _fail(
+                "recurrent_snapshot_interval",
+                f"must be an integer >= 1, got {self.recurrent_snapshot_interval!r}",
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise _fail(
                 "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}"
@@ -269,6 +285,11 @@ class CacheConfig:
             raise _fail(
                 "kv_cache_memory_bytes", f"must be positive, got {self.kv_cache_memory_bytes!r}"
             )
+
+
+def snapshot_interval_blocks(cache_config: CacheConfig) -> int:
+    """Blocks between the recurrent-state snapshots of the prefix cache (at least 2)."""
+    return max(2, -(-cache_config.recurrent_snapshot_interval // cache_config.block_size))
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,7 @@ class EngineArgs:
     block_size: int = CacheConfig.block_size
     num_kv_blocks: int | None = CacheConfig.num_kv_blocks
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    recurrent_snapshot_interval: int = CacheConfig.recurrent_snapshot_interval
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ferrum.config import EngineConfig
+from ferrum.config import EngineConfig, snapshot_interval_blocks
 from ferrum.engine.core_messages import (
     ITERATION_TOKENS_BUCKETS,
     EngineCoreOutput,
@@ -92,6 +92,7 @@ class EngineCore:
             config.cache_config.enable_prefix_caching,
             groups=kv_cache_group_specs(config.model_config),
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+            snapshot_interval_blocks=snapshot_interval_blocks(config.cache_config),
         )
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.async_scheduling = config.scheduler_config.async_scheduling

@@ -6,8 +6,10 @@ of them; a prefix hit is the longest prefix that every group can serve, so the K
 every layer is exactly what a cold run would compute. Block ids travel per group: a tuple with
 one list per group, in group order.
 
-A recurrent group (linear-attention layers) keeps no state of a prefix once its request ends, so
-a hybrid model's prefix cache is turned off, with a log line, instead of hitting wrongly.
+A recurrent group (linear-attention layers) can only serve a prefix where it kept a snapshot of
+the state (every `snapshot_interval_blocks`, see recurrent_state_manager.py), so a hybrid
+model's hit is the longest prefix with both the attention blocks and a snapshot, and its prefill
+chunks end on a snapshot boundary when one falls inside (`chunk_end`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,7 @@ from ferrum.kv.kv_cache_spec import KVCacheGroupSpec
 from ferrum.kv.recurrent_state_manager import RecurrentStateManager
 from ferrum.kv.single_type_manager import FullAttentionManager
 from ferrum.kv.sliding_window_manager import SlidingWindowManager
-from ferrum.logger import init_logger
 from ferrum.request import Request
-
-logger = init_logger(__name__)
 
 # Block ids per layer group.
 GroupBlockIds = tuple[list[int], ...]
@@ -37,6 +36,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         groups: Sequence[KVCacheGroupSpec] = _FULL_ATTENTION,
         max_num_batched_tokens: int | None = None,
+        snapshot_interval_blocks: int = 16,
     ) -> None:
         """`num_blocks`: each group's pool size (one number for all, or one per group).
         `max_num_batched_tokens` (the largest chunk a step computes) is needed with a sliding
@@ -49,21 +49,17 @@ class KVCacheManager:
                 f"num_blocks: expected one pool size per layer group ({len(groups)}), "
                 f"got {len(counts)}"
             )
-        if enable_prefix_caching and any(spec.recurrent for spec in groups):
-            logger.warning(
-                "prefix caching is off: the model has recurrent (linear-attention) layers, whose "
-                "state of a cached prefix is not kept"
-            )
-            enable_prefix_caching = False
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.specs = tuple(groups)
         self.groups: list[FullAttentionManager | RecurrentStateManager] = []
+        self._recurrent: list[RecurrentStateManager] = []
         for spec, count in zip(groups, counts):
             if spec.recurrent:
                 group: FullAttentionManager | RecurrentStateManager = RecurrentStateManager(
-                    count, block_size
+                    count, block_size, enable_prefix_caching, snapshot_interval_blocks
                 )
+                self._recurrent.append(group)
             elif spec.sliding_window is None:
                 group = FullAttentionManager(count, block_size, enable_prefix_caching)
             else:
@@ -112,6 +108,13 @@ class KVCacheManager:
     def max_tokens_in_pool(self) -> int:
         """The most tokens one request can ever hold; a longer one can never be scheduled."""
         return min(group.max_tokens_in_pool() for group in self.groups)
+
+    def chunk_end(self, request: Request, start: int, end: int) -> int:
+        """Where a chunk computing tokens [start, end) should end: at the last snapshot boundary
+        inside it that a recurrent group would keep a new snapshot at, else at `end`."""
+        for group in self._recurrent:
+            end = group.chunk_end(request, start, end)
+        return end
 
     def get_block_ids(self, req_id: str) -> GroupBlockIds:
         return tuple(group.get_block_ids(req_id) for group in self.groups)

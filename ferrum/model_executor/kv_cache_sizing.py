@@ -8,8 +8,9 @@ what one sequence of max_model_len holds in each (a sliding-window group holds i
 Linear-attention layers (the recurrent group) get a state pool instead: per layer a conv state
 `[num_slots, conv_width - 1, conv_dim]` in the model dtype and a recurrent state
 `[num_slots, num_v_heads, k_dim, v_dim]` in float32, slot 0 again padding. The recurrent group
-takes a slot for every sequence (max_num_seqs + 1) when that fits in half the budget (else half
-the budget's worth), before the attention groups split the rest.
+takes a slot for every sequence (max_num_seqs + 1, and max_num_seqs more for prefix-cache
+snapshots when prefix caching is on) when that fits in half the budget (else half the budget's
+worth), before the attention groups split the rest.
 """
 
 from __future__ import annotations
@@ -119,8 +120,10 @@ def num_blocks_from_budget(
     groups = kv_cache_group_specs(model_config)
     sizes = [group_bytes_per_block(model_config, g, block_size, dtype, tp_size) for g in groups]
     needs = [blocks_per_sequence(g, scheduler_config, block_size) for g in groups]
+    # With prefix caching, as many slots again for snapshots.
+    wanted = (2 if cache_config.enable_prefix_caching else 1) * scheduler_config.max_num_seqs + 1
     slots = {
-        g: min(scheduler_config.max_num_seqs + 1, budget_bytes // 2 // size)
+        g: min(wanted, budget_bytes // 2 // size)
         for g, (group, size) in enumerate(zip(groups, sizes))
         if group.recurrent
     }
@@ -138,7 +141,7 @@ def num_blocks_from_budget(
             num_blocks = attention_budget * need // per_sequence
         else:
             num_blocks = attention_budget // size
-        if cap_to_need:
+        if cap_to_need and g not in slots:  # slots are capped by `wanted` already
             num_blocks = min(num_blocks, blocks_worth_keeping(scheduler_config, block_size, group))
         if num_blocks < need + 1:
             which = "" if len(groups) == 1 else f" in its {len(group.layer_ids)}-layer group"

@@ -364,6 +364,8 @@ class ModelRunner:
         for req_id in scheduler_output.preempted_req_ids:
             self.requests.pop(req_id, None)
         fresh_slots: list[int] = []
+        hit_src: list[int] = []
+        hit_dst: list[int] = []
         for new in scheduler_output.scheduled_new_reqs:
             if len(new.block_ids) != len(self.kv_cache_groups):
                 raise ValueError(
@@ -382,9 +384,15 @@ class ModelRunner:
                     new.req_id, new.sampling_params, len(new.output_token_ids)
                 ),
             )
-            if new.num_computed_tokens == 0:
-                fresh_slots.extend(new.block_ids[g][0] for g in self._recurrent_groups)
+            for g in self._recurrent_groups:
+                table = new.block_ids[g]
+                if new.num_computed_tokens == 0:
+                    fresh_slots.append(table[0])
+                else:  # a prefix hit: its snapshot ends the hit's blocks
+                    hit_src.append(table[new.num_computed_tokens // self.block_size - 1])
+                    hit_dst.append(table[0])
         self._reset_recurrent_states(fresh_slots)
+        self._copy_recurrent_states(hit_src, hit_dst)
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             for block_ids, new_block_ids in zip(state.block_ids, cached.new_block_ids):
@@ -401,6 +409,37 @@ class ModelRunner:
             if isinstance(cache, tuple):
                 for pool in cache:
                     pool.index_fill_(0, index, 0)
+
+    def _copy_recurrent_states(self, src_slots: list[int], dst_slots: list[int]) -> None:
+        """Copies the linear-attention states of slots `src_slots[i]` to `dst_slots[i]` in every
+        layer, queued on the device (all reads before any write)."""
+        if not src_slots:
+            return
+        src = torch.tensor(src_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        dst = torch.tensor(dst_slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        for cache in self.kv_caches:
+            if isinstance(cache, tuple):
+                for pool in cache:
+                    pool.index_copy_(0, dst, pool.index_select(0, src))
+
+    def _snapshot_recurrent_states(self, num_scheduled: dict[str, int]) -> None:
+        """After a step's forward: a chunk that ended on a block whose state-group entry holds
+        a snapshot slot (the KV manager took one there) gets its live state copied into it."""
+        src, dst = [], []
+        size = self.block_size
+        for req_id, n in num_scheduled.items():
+            state = self.requests[req_id]
+            start = state.num_computed_tokens
+            end = start + n
+            if end % size or start > end - size:
+                continue
+            for g in self._recurrent_groups:
+                table = state.block_ids[g]
+                index = end // size - 1
+                if 1 <= index < len(table) and table[index]:
+                    src.append(table[0])
+                    dst.append(table[index])
+        self._copy_recurrent_states(src, dst)
 
     def _generator_for(
         self, req_id: str, params: SamplingParams, num_output_tokens: int
@@ -484,6 +523,8 @@ class ModelRunner:
             self.requests, num_scheduled, num_tokens, self._last_sampled_rows, pad_to=shape
         )
         hidden_states = self._forward(inputs, shape, num_tokens)
+        if self._recurrent_groups:
+            self._snapshot_recurrent_states(num_scheduled)
         prompt_chunks = [
             compute_prompt_logprobs(hidden_states, rows, self.model.compute_logits)
             for rows in prompt_rows(self._prompt_views(num_scheduled), num_scheduled)

@@ -141,6 +141,8 @@ class Scheduler:
             if num_new == 0:
                 index += 1  # nothing to compute until its next token is known
                 continue
+            start = request.num_computed_tokens
+            num_new = self.kv_cache_manager.chunk_end(request, start, start + num_new) - start
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self.running.pop()
@@ -184,6 +186,8 @@ class Scheduler:
                 # Prompt logprobs come from the forward: the whole prompt is computed.
                 computed_blocks, num_computed = None, 0
             num_new = min(request.num_tokens - num_computed, budget)
+            end = self.kv_cache_manager.chunk_end(request, num_computed, num_computed + num_new)
+            num_new = end - num_computed
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 break
             self.waiting.popleft()

@@ -295,3 +295,37 @@ def test_benchmark_model_configs_load(name: str) -> None:
     assert config.architecture.startswith(("Qwen3", "Gemma3")) and config.vocab_size > 10000
     assert config.dtype == "bfloat16"
     assert (config.quant_config is not None) == name.endswith("-fp8")
+
+
+def test_run_workloads_prefix_hits_a_hybrid_models_state_snapshot(
+    tiny_checkpoint, tmp_path: Path
+) -> None:
+    out = tmp_path / "prefix.json"
+    command = [
+        sys.executable,
+        str(RUN_WORKLOADS),
+        "--model",
+        tiny_checkpoint("qwen3_5"),
+        *ENGINE_FLAGS,
+        "--block-size",
+        "4",
+        "--recurrent-snapshot-interval",
+        "8",
+        "--workloads",
+        "prefix",
+        "--scale",
+        "0.01",
+        "--lat-iters",
+        "2",
+        "--lat-warmup",
+        "1",
+        "--out",
+        str(out),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    prefix = json.loads(out.read_text())["workloads"]["prefix"]
+    # A 20-token prefix + 1: the cold run keeps a snapshot after 16 tokens, which each hit uses.
+    assert (prefix["prefix_len"], prefix["suffix_len"]) == (20, 1)
+    assert prefix["num_cached_tokens"] == [16, 16]
+    assert prefix["cold_ttft_ms"] > 0 and prefix["hit_ttft_ms"] > 0

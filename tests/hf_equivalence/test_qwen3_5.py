@@ -2,8 +2,8 @@
 tokens equal transformers' on tiny random checkpoints, with batching, chunked prefill (chunks
 not aligned to blocks, so a request's recurrent state is carried from chunk to chunk),
 preemption (the state is dropped and recomputed), async scheduling, reused state slots and the
-Triton kernels under the interpreter. Prefix caching is off for these models (their state of a
-prefix is not kept), so no prefix hit can change their output.
+Triton kernels under the interpreter, and prefix hits that land on snapshots of the recurrent
+state (cold and hit runs give transformers' tokens).
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_5_mm"])
-def test_batch_matches_hf_with_prefix_caching_off(tiny_checkpoint, arch: str) -> None:
+def test_batch_matches_hf(tiny_checkpoint, arch: str) -> None:
     path = tiny_checkpoint(arch)
     prompts = random_prompts([5, 17, 1, 30], seed=1)
-    llm = make_llm(path, num_kv_blocks=128)
-    kv = llm.llm_engine.core.kv_cache_manager
-    assert not kv.enable_prefix_caching
+    llm = make_llm(path, num_kv_blocks=128, enable_prefix_caching=False)
     expected = hf_greedy(path, prompts, MAX_TOKENS)
     assert greedy(llm, prompts) == expected
-    # The same prompts again: no hit, the same tokens from reused (zeroed) state slots.
+    # The same prompts again, from reused (zeroed) state slots.
     assert greedy(llm, prompts[::-1]) == expected[::-1]
-    assert kv.prefix_cache_hits == 0
-    assert kv.usage == 0.0
+    assert llm.llm_engine.core.kv_cache_manager.usage == 0.0
 
 
 def test_fp8_kv_cache_is_refused(tiny_checkpoint) -> None:
@@ -94,3 +91,53 @@ def test_cuda_preemption_chunking_and_async_match_hf(tiny_checkpoint) -> None:
     prompts = random_prompts([23, 9, 30, 3, 11, 17], seed=22)
     assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_prefix_hits_on_state_snapshots_match_hf(
+    tiny_checkpoint, arch: str, async_scheduling: bool
+) -> None:
+    """Snapshots every 2 blocks (8 tokens): chunks of at most 10 tokens end on a snapshot
+    boundary when one falls inside; the extended prompts hit the longest prefix with both the
+    attention blocks and a snapshot, and generate what a cold run (transformers) does."""
+    path = tiny_checkpoint(arch)
+    prompts = random_prompts([30, 17, 9], seed=7)
+    llm = make_llm(
+        path,
+        num_kv_blocks=64,
+        max_num_batched_tokens=10,
+        recurrent_snapshot_interval=8,
+        async_scheduling=async_scheduling,
+    )
+    kv = llm.llm_engine.core.kv_cache_manager
+    assert kv.enable_prefix_caching
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+    extended = [p + s for p, s in zip(prompts, random_prompts([3, 9, 6], seed=8))]
+    hits_before = kv.prefix_cache_hits
+    assert greedy(llm, extended) == hf_greedy(path, extended, MAX_TOKENS)
+    # The first two hit their snapshots after 24 and 16 tokens (the third's chunks depend on
+    # how the budget was shared).
+    assert kv.prefix_cache_hits - hits_before >= 24 + 16
+    assert kv.usage == 0.0
+
+
+@needs_cuda
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_cuda_prefix_hits_on_state_snapshots_match_hf(tiny_checkpoint, arch: str) -> None:
+    """CUDA graphs, Triton kernels, async scheduling: snapshots every 2 blocks of 16 tokens."""
+    path = tiny_checkpoint(arch)
+    llm = cuda_llm(
+        path,
+        num_kv_blocks=64,
+        max_num_batched_tokens=48,
+        recurrent_snapshot_interval=32,
+        async_scheduling=True,
+    )
+    prompts = random_prompts([70, 45, 33], seed=23)
+    assert greedy(llm, prompts) == hf_greedy(path, prompts, MAX_TOKENS)
+    kv = llm.llm_engine.core.kv_cache_manager
+    hits_before = kv.prefix_cache_hits
+    extended = [p + s for p, s in zip(prompts, random_prompts([5, 20, 2], seed=24))]
+    assert greedy(llm, extended) == hf_greedy(path, extended, MAX_TOKENS)
+    assert kv.prefix_cache_hits - hits_before >= 64

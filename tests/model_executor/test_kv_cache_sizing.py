@@ -151,9 +151,15 @@ def test_recurrent_layers_take_a_state_slot_per_sequence_first(tiny_checkpoint) 
     assert kv_bytes_per_block(config, 4, torch.float32) == 1024 + 3 * 5632
     cache = CacheConfig(block_size=4)
     sched = SchedulerConfig(max_model_len=128, max_num_batched_tokens=8, max_num_seqs=2)
-    # max_num_seqs + 1 slots, the rest in attention blocks.
+    # max_num_seqs + 1 slots (and max_num_seqs more for snapshots with prefix caching), the
+    # rest in attention blocks.
     budget = 200_000
     assert num_blocks_from_budget(budget, config, cache, sched, torch.float32) == [
+        (budget - 5 * 16896) // 1024,
+        5,
+    ]
+    no_caching = CacheConfig(block_size=4, enable_prefix_caching=False)
+    assert num_blocks_from_budget(budget, config, no_caching, sched, torch.float32) == [
         (budget - 3 * 16896) // 1024,
         3,
     ]
