@@ -37,26 +37,23 @@ import torch
 
 import ferrum
 from ferrum.config import EngineConfig
-from ferrum.executor.abstract import Executor, WorkerDiedError, WorkerStepError
+from ferrum.executor.abstract import WorkerDiedError, WorkerStepError
 from ferrum.executor.bitmask_channel import BitmaskLayout, BitmaskWriter
 from ferrum.executor.messages import (
-    CaptureCudaGraphs,
     CompleteStep,
-    DetermineNumKVBlocks,
     FromWorker,
     GrammarBitmaskRows,
-    InitializeKVCache,
     LaunchStep,
     NumKVBlocks,
     SampleStep,
     ShutdownWorker,
     StepOutput,
     ToWorker,
-    WarmUp,
     WorkerDone,
     WorkerFailed,
     WorkerReady,
 )
+from ferrum.executor.multi_rank import LaunchedRankStep, MultiRankExecutor
 from ferrum.executor.worker import WorkerArgs
 from ferrum.logger import init_logger
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -72,16 +69,6 @@ _PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
 @dataclass(slots=True)
-class _LaunchedStep:
-    # The matchers of a step launched with deferred sampling (filled by `sample`), else None.
-    deferred_matchers: dict[str, StructuredOutputMatcher] | None = None
-
-    @property
-    def awaits_sampling(self) -> bool:
-        return self.deferred_matchers is not None
-
-
-@dataclass(slots=True)
 class _Worker:
     rank: int
     process: subprocess.Popen[bytes]
@@ -91,7 +78,7 @@ class _Worker:
     lifeline_fd: int
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(MultiRankExecutor):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         world_size = config.parallel_config.world_size
@@ -183,25 +170,6 @@ class MultiprocExecutor(Executor):
 
     # -- set-up ----------------------------------------------------------------------------------
 
-    def determine_num_kv_blocks(self) -> list[int]:
-        """Per layer group, the fewest blocks any rank can hold."""
-        replies = self._call_all(DetermineNumKVBlocks())
-        sizes = [list(r.num_blocks) for r in replies if isinstance(r, NumKVBlocks)]
-        assert len(sizes) == len(self._workers)
-        counts = [min(group) for group in zip(*sizes, strict=True)]
-        if any(size != counts for size in sizes):
-            logger.info("KV blocks per rank %s: every rank uses %s", sizes, counts)
-        return counts
-
-    def initialize_kv_cache(self, num_blocks: int | list[int]) -> None:
-        self._call_all(InitializeKVCache(num_blocks))
-
-    def warm_up(self, num_blocks: int | list[int]) -> None:
-        self._call_all(WarmUp(num_blocks))
-
-    def capture_cuda_graphs(self) -> None:
-        self._call_all(CaptureCudaGraphs())
-
     def _call_all(self, message: ToWorker | None) -> list[FromWorker]:
         """Sends `message` (None: nothing, wait for WorkerReady) and returns every rank's
         reply, rank order."""
@@ -225,18 +193,18 @@ class MultiprocExecutor(Executor):
         scheduler_output: SchedulerOutput,
         matchers: dict[str, StructuredOutputMatcher] | None = None,
         defer_sampling: bool = False,
-    ) -> _LaunchedStep:
+    ) -> LaunchedRankStep:
         """A deferred step with constrained requests always `awaits_sampling` here: a worker
         whose runner sampled it already (no constrained row samples) ignores the rows."""
         if matchers and defer_sampling:
             message = LaunchStep(scheduler_output, None, list(matchers))
             self._broadcast(pickle.dumps(message, protocol=_PROTOCOL))
-            return _LaunchedStep(matchers)
+            return LaunchedRankStep(matchers)
         bitmask = self._fill_bitmask(matchers) if matchers else None
         self._broadcast(pickle.dumps(LaunchStep(scheduler_output, bitmask), protocol=_PROTOCOL))
-        return _LaunchedStep()
+        return LaunchedRankStep()
 
-    def sample(self, launched: _LaunchedStep) -> None:
+    def sample(self, launched: LaunchedRankStep) -> None:
         matchers, launched.deferred_matchers = launched.deferred_matchers, None
         assert matchers is not None, "the step was sampled already"
         try:
@@ -247,7 +215,7 @@ class MultiprocExecutor(Executor):
             raise self._fail(error) from e
         self._broadcast(pickle.dumps(message, protocol=_PROTOCOL))
 
-    def complete(self, launched: _LaunchedStep) -> ModelRunnerOutput:
+    def complete(self, launched: LaunchedRankStep) -> ModelRunnerOutput:
         self._broadcast(self._complete_message)
         first = self._workers[0]
         conns = {w.outbox: w for w in self._workers}

@@ -33,29 +33,24 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
 from ferrum.config import EngineConfig
-from ferrum.executor.abstract import Executor, WorkerDiedError, WorkerStepError
+from ferrum.executor.abstract import WorkerDiedError, WorkerStepError
 from ferrum.executor.messages import (
-    CaptureCudaGraphs,
     CompleteStep,
-    DetermineNumKVBlocks,
     FromWorker,
-    InitializeKVCache,
     InlineBitmaskRows,
     LaunchStep,
-    NumKVBlocks,
     SampleStep,
     StepOutput,
     ToWorker,
-    WarmUp,
     WorkerReady,
 )
+from ferrum.executor.multi_rank import LaunchedRankStep, MultiRankExecutor
 from ferrum.executor.ray_cluster import connect, import_ray, kill, release, reserve
 from ferrum.executor.ray_worker import MONITOR_GROUP, RayWorker
 from ferrum.logger import init_logger
@@ -73,17 +68,7 @@ CPU_RANK_SHARE = 0.25
 _NO_TIMEOUT = -1
 
 
-@dataclass(slots=True)
-class _LaunchedStep:
-    # The matchers of a step launched with deferred sampling (filled by `sample`), else None.
-    deferred_matchers: dict[str, StructuredOutputMatcher] | None = None
-
-    @property
-    def awaits_sampling(self) -> bool:
-        return self.deferred_matchers is not None
-
-
-class RayExecutor(Executor):
+class RayExecutor(MultiRankExecutor):
     def __init__(self, config: EngineConfig) -> None:
         ray = import_ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -191,25 +176,6 @@ class RayExecutor(Executor):
 
     # -- set-up ----------------------------------------------------------------------------------
 
-    def determine_num_kv_blocks(self) -> list[int]:
-        """Per layer group, the fewest blocks any rank can hold."""
-        replies = self._call_all(DetermineNumKVBlocks())
-        sizes = [list(r.num_blocks) for r in replies if isinstance(r, NumKVBlocks)]
-        assert len(sizes) == len(self._actors)
-        counts = [min(group) for group in zip(*sizes, strict=True)]
-        if any(size != counts for size in sizes):
-            logger.info("KV blocks per rank %s: every rank uses %s", sizes, counts)
-        return counts
-
-    def initialize_kv_cache(self, num_blocks: int | list[int]) -> None:
-        self._call_all(InitializeKVCache(num_blocks))
-
-    def warm_up(self, num_blocks: int | list[int]) -> None:
-        self._call_all(WarmUp(num_blocks))
-
-    def capture_cuda_graphs(self) -> None:
-        self._call_all(CaptureCudaGraphs())
-
     def _call_all(self, message: ToWorker) -> list[FromWorker | None]:
         self._submit(message)
         return self._read_all(None)
@@ -221,19 +187,19 @@ class RayExecutor(Executor):
         scheduler_output: SchedulerOutput,
         matchers: dict[str, StructuredOutputMatcher] | None = None,
         defer_sampling: bool = False,
-    ) -> _LaunchedStep:
+    ) -> LaunchedRankStep:
         """A deferred step with constrained requests always `awaits_sampling` here: a rank
         whose runner sampled it already (no constrained row samples) ignores the rows."""
         if self._failure is not None:
             raise self._failure
         if matchers and defer_sampling:
             self._pending.append(LaunchStep(scheduler_output, None, list(matchers)))
-            return _LaunchedStep(matchers)
+            return LaunchedRankStep(matchers)
         bitmask = self._fill_bitmask(matchers) if matchers else None
         self._pending.append(LaunchStep(scheduler_output, bitmask))
-        return _LaunchedStep()
+        return LaunchedRankStep()
 
-    def sample(self, launched: _LaunchedStep) -> None:
+    def sample(self, launched: LaunchedRankStep) -> None:
         matchers, launched.deferred_matchers = launched.deferred_matchers, None
         assert matchers is not None, "the step was sampled already"
         try:
@@ -244,7 +210,7 @@ class RayExecutor(Executor):
             raise self._fail(error) from e
         self._submit(message)
 
-    def complete(self, launched: _LaunchedStep) -> ModelRunnerOutput:
+    def complete(self, launched: LaunchedRankStep) -> ModelRunnerOutput:
         self._submit(CompleteStep())
         reply = self._read_all(time.monotonic() + self.config.parallel_config.worker_step_timeout)[
             0
