@@ -17,6 +17,9 @@ LAYERS = [
     {
         "request",
         "config",
+        "config_fields",
+        "parallel_config",
+        "recovery_config",
         "model_arch",
         "quant_config",
         "envs",

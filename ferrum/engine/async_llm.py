@@ -25,7 +25,7 @@ import functools
 import time
 from collections.abc import AsyncIterator, Callable
 
-from ferrum.config import EngineConfig, EngineRecoveryConfig
+from ferrum.config import EngineConfig
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.engine.core_client import EngineCoreClient
 from ferrum.engine.core_messages import (
@@ -55,6 +55,7 @@ from ferrum.engine.recovery import (
 from ferrum.engine.request_stream import RequestStream
 from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput
+from ferrum.recovery_config import EngineRecoveryConfig
 from ferrum.request import RequestStatus, check_request_fits
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from ferrum.config import EngineConfig, EngineRecoveryConfig
+from ferrum.config import EngineConfig
 from ferrum.engine.async_llm import AsyncLLM, EngineDeadError
 from ferrum.engine.core_messages import CoreInfo, SchedulerStats
 from ferrum.engine.core_stats import sum_replica_stats
@@ -25,6 +25,7 @@ from ferrum.engine.input_processor import InputProcessor, PromptType
 from ferrum.engine.request_stream import RequestStream
 from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput
+from ferrum.recovery_config import EngineRecoveryConfig
 from ferrum.sampling_params import SamplingParams
 
 logger = init_logger(__name__)

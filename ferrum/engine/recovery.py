@@ -16,8 +16,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ferrum.config import EngineRecoveryConfig
 from ferrum.engine.core_messages import EngineCoreOutput, EngineCoreRequest
+from ferrum.recovery_config import EngineRecoveryConfig
 
 # Strikes after which a request is failed.
 MAX_STRIKES = 2

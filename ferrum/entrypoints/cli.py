@@ -67,10 +67,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
-    from ferrum.config import EngineRecoveryConfig
     from ferrum.engine.arg_utils import EngineArgs, add_config_args
     from ferrum.entrypoints.openai.frontend_args import FrontendConfig
     from ferrum.entrypoints.openai.http_limits import HttpLimits
+    from ferrum.recovery_config import EngineRecoveryConfig
 
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)"

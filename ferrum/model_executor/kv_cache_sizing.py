@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from ferrum.config import CacheConfig, ModelConfig, SchedulerConfig, kv_heads_per_rank
+from ferrum.config import CacheConfig, ModelConfig, SchedulerConfig
 from ferrum.kv.kv_cache_spec import KVCacheGroupSpec, kv_cache_groups, layer_group_ids
 from ferrum.model_arch import ModelArchConfig
+from ferrum.parallel_config import kv_heads_per_rank
 
 # The recurrent (gated DeltaNet) state is kept in float32: it accumulates over the whole sequence.
 RECURRENT_STATE_DTYPE = torch.float32

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferrum.config import EngineConfig, kv_heads_per_rank
+from ferrum.config import EngineConfig
 from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.kv.kv_cache_spec import layer_group_ids
@@ -46,6 +46,7 @@ from ferrum.model_executor.sampling_metadata import (
     sampling_staging,
 )
 from ferrum.model_executor.warm_up import warm_up_batches
+from ferrum.parallel_config import kv_heads_per_rank
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.structured_output import StructuredOutputMatcher

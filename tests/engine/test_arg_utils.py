@@ -11,7 +11,6 @@ import torch
 from ferrum.config import (
     CacheConfig,
     DeviceConfig,
-    EngineRecoveryConfig,
     ModelConfig,
     SchedulerConfig,
 )
@@ -23,6 +22,7 @@ from ferrum.engine.arg_utils import (
     check_not_supported_yet,
     config_from_args,
 )
+from ferrum.recovery_config import EngineRecoveryConfig
 
 
 def test_every_config_knob_is_an_engine_arg_with_the_config_default() -> None:

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from ferrum.config import EngineRecoveryConfig
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.engine import async_llm as async_llm_module
 from ferrum.engine.arg_utils import EngineArgs
@@ -24,6 +23,7 @@ from ferrum.engine.core_messages import (
     SchedulerStats,
 )
 from ferrum.outputs import RequestOutput
+from ferrum.recovery_config import EngineRecoveryConfig
 from ferrum.request import RequestStatus
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
 

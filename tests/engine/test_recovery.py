@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ferrum.config import EngineRecoveryConfig
 from ferrum.engine.recovery import RecoveryTracker
+from ferrum.recovery_config import EngineRecoveryConfig
 
 
 class FakeClock:

@@ -30,7 +30,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ferrum import __version__
-from ferrum.config import EngineRecoveryConfig
 from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from ferrum.engine.arg_utils import EngineArgs, config_from_args
 from ferrum.engine.async_llm import EngineDeadError
@@ -69,6 +68,7 @@ from ferrum.entrypoints.openai.serving_chat import OpenAIServingChat
 from ferrum.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from ferrum.entrypoints.openai.serving_engine import NOT_UNICODE, off_loop
 from ferrum.logger import init_logger
+from ferrum.recovery_config import EngineRecoveryConfig
 
 logger = init_logger(__name__)
 
