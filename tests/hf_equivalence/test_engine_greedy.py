@@ -17,6 +17,10 @@ from tests.utils.tiny_checkpoints import ARCHS, hf_greedy
 from tests.utils.tiny_llm import MAX_TOKENS, cuda_llm, greedy, make_llm, random_prompts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# The Triton interpreter runs the kernels on the CPU only where no GPU is (tests/conftest.py).
+needs_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="Triton CPU interpreter: the CUDA tests cover the GPU"
+)
 # "mistral" without a window is Llama's forward; its logits are checked in test_model_logits.
 # Qwen3.5 (hybrid: prefix hits only on state snapshots) has its own file, test_qwen3_5.py.
 SYNC = [
@@ -90,6 +94,7 @@ def test_sliding_window_requests_outgrow_the_pool_and_hit_inside_the_window(
     assert kv.usage == 0.0
 
 
+@needs_interpreter
 @pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen3_moe", "gemma3"])
 def test_triton_kernels_match_hf(tiny_checkpoint, arch: str) -> None:
     pytest.importorskip("triton")

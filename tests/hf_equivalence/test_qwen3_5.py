@@ -15,6 +15,10 @@ from tests.utils.tiny_checkpoints import hf_greedy
 from tests.utils.tiny_llm import MAX_TOKENS, cuda_llm, greedy, make_llm, random_prompts
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# The Triton interpreter runs the kernels on the CPU only where no GPU is (tests/conftest.py).
+needs_interpreter = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="Triton CPU interpreter: the CUDA tests cover the GPU"
+)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_5_mm"])
@@ -61,6 +65,7 @@ def test_state_slots_are_reused_across_requests(tiny_checkpoint) -> None:
         assert greedy(llm, prompts) == expected
 
 
+@needs_interpreter
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
 def test_triton_kernels_match_hf(tiny_checkpoint, arch: str) -> None:
     pytest.importorskip("triton")
