@@ -1,5 +1,5 @@
-"""How one model is spread over the devices: tensor, expert and data parallelism, the executor
-backend, and the checks that a model splits exactly."""
+"""How one model is spread over the devices: tensor, pipeline, expert and data parallelism, the
+executor backend, and the checks that a model splits exactly."""
 
 from __future__ import annotations
 
@@ -16,13 +16,22 @@ MAX_DATA_PARALLEL_SIZE = 64
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How one model is spread over the devices of one host: data_parallel_size replicas of
-    tensor_parallel_size ranks each (replica i on devices i * tp ... i * tp + tp - 1). Construction resolves
+    """How one model is spread over the devices: data_parallel_size replicas of world_size =
+    pipeline_parallel_size * tensor_parallel_size ranks each (replica i on devices i * world_size
+    ... (i + 1) * world_size - 1 of its host with "mp"). Rank r is tensor-parallel rank
+    r % tensor_parallel_size of pipeline stage r // tensor_parallel_size. Construction resolves
     distributed_executor_backend None: "uni" (in process) for one rank, "mp" (one process per
     rank) for more."""
 
     tensor_parallel_size: int = field(
         default=1, metadata=_help("ranks (GPUs) each layer's weights are split over")
+    )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata=_help(
+            "pipeline stages the decoder layers are split over, each on its own "
+            "tensor_parallel_size ranks; that many batches are in flight at once"
+        ),
     )
     enable_expert_parallel: bool = field(
         default=False,
@@ -66,6 +75,9 @@ class ParallelConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise _fail("tensor_parallel_size", f"must be an integer >= 1, got {tp!r}")
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise _fail("pipeline_parallel_size", f"must be an integer >= 1, got {pp!r}")
         dp = self.data_parallel_size
         if not isinstance(dp, int) or isinstance(dp, bool) or not 1 <= dp <= MAX_DATA_PARALLEL_SIZE:
             raise _fail(
@@ -77,16 +89,17 @@ class ParallelConfig:
             raise _fail("worker_step_timeout", f"must be a number of seconds > 0, got {timeout!r}")
         backend = self.distributed_executor_backend
         if backend is None:
-            backend = "uni" if tp == 1 else "mp"
+            backend = "uni" if tp * pp == 1 else "mp"
         if backend not in EXECUTOR_BACKENDS:
             raise _fail(
                 "distributed_executor_backend",
                 f"must be one of {EXECUTOR_BACKENDS} or None, got {backend!r}",
             )
-        if backend == "uni" and tp > 1:
+        if backend == "uni" and tp * pp > 1:
             raise _fail(
                 "distributed_executor_backend",
-                f"'uni' runs one rank; tensor_parallel_size={tp} needs 'mp' or 'ray'",
+                f"'uni' runs one rank; tensor_parallel_size={tp} x pipeline_parallel_size={pp} "
+                "needs 'mp' or 'ray'",
             )
         if backend == "ray" and dp > 1:
             raise _fail(
@@ -98,7 +111,14 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        """Ranks of one replica: every pipeline stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose step results (tokens, logprobs) the engine core reads: the last
+        pipeline stage's first tensor-parallel rank (rank 0 without a pipeline)."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
 def kv_heads_per_rank(num_kv_heads: int, tensor_parallel_size: int) -> int:
@@ -111,6 +131,13 @@ def check_parallel_fits_model(parallel: ParallelConfig, arch: ModelArchConfig) -
     """Every split the parallel layers make must be exact: attention heads, KV heads (split,
     or replicated when tensor_parallel_size is a multiple of them), MLP widths and experts."""
     tp = parallel.tensor_parallel_size
+    pp = parallel.pipeline_parallel_size
+    if pp > arch.num_hidden_layers:
+        raise _fail(
+            "pipeline_parallel_size",
+            f"{pp} stages need at least as many decoder layers, the model has "
+            f"{arch.num_hidden_layers}",
+        )
     if arch.num_attention_heads % tp:
         raise _fail(
             "tensor_parallel_size",

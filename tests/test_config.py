@@ -67,6 +67,10 @@ def test_parallel_config_resolves_the_executor_backend() -> None:
     assert ParallelConfig().distributed_executor_backend == "uni"
     assert ParallelConfig(tensor_parallel_size=2).distributed_executor_backend == "mp"
     assert ParallelConfig(2, distributed_executor_backend="mp").world_size == 2
+    pipelined = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=3)
+    assert pipelined.distributed_executor_backend == "mp"
+    assert (pipelined.world_size, pipelined.output_rank) == (6, 4)
+    assert ParallelConfig(pipeline_parallel_size=2).distributed_executor_backend == "mp"
 
 
 @pytest.mark.parametrize(
@@ -75,6 +79,11 @@ def test_parallel_config_resolves_the_executor_backend() -> None:
         ({"tensor_parallel_size": 0}, "tensor_parallel_size: must be an integer >= 1"),
         ({"tensor_parallel_size": True}, "tensor_parallel_size: must be an integer >= 1"),
         ({"distributed_executor_backend": "slurm"}, "distributed_executor_backend: must be one"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size: must be an integer >= 1"),
+        (
+            {"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"},
+            "distributed_executor_backend: 'uni' runs one rank",
+        ),
         (
             {"data_parallel_size": 2, "distributed_executor_backend": "ray"},
             "distributed_executor_backend: 'ray' with data_parallel_size=2 is not supported",
@@ -108,6 +117,9 @@ def test_parallel_config_must_split_the_model_exactly(tiny_checkpoint) -> None:
         _engine_config(llama, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size: 8 must divide num_attention_he"):
         _engine_config(llama, tensor_parallel_size=8)
+    assert _engine_config(llama, pipeline_parallel_size=2).parallel_config.world_size == 2
+    with pytest.raises(ValueError, match="pipeline_parallel_size: 3 stages need at least as many"):
+        _engine_config(llama, pipeline_parallel_size=3)  # 2 decoder layers
     with pytest.raises(ValueError, match="enable_expert_parallel: LlamaForCausalLM has no exp"):
         _engine_config(llama, enable_expert_parallel=True)
     for ep in (False, True):

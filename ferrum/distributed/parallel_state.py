@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ferrum.distributed.pipeline_group import PipelineGroup
 from ferrum.distributed.symm_mem_all_reduce import SymmMemAllReduce, try_symm_mem_all_reduce
 
 BACKENDS = ("nccl", "gloo")
@@ -110,14 +111,37 @@ def init_distributed(
     caller sets this process's device (torch.cuda.set_device) first. With NCCL and
     `custom_all_reduce`, small bf16 all-reduces go through symmetric memory (faster than NCCL
     there, symm_mem_all_reduce.py); every rank must pass the same value."""
+    tp_group, _ = init_model_parallel(
+        world_size, 1, rank, init_method, backend, custom_all_reduce=custom_all_reduce
+    )
+    return tp_group
+
+
+def init_model_parallel(
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    rank: int,
+    init_method: str,
+    backend: str,
+    custom_all_reduce: bool = True,
+) -> tuple[TensorParallelGroup, PipelineGroup]:
+    """Joins this process to the default process group of every rank (tp x pp of them) and
+    returns its stage's tensor-parallel group and its pipeline view: global rank `rank` is
+    tensor-parallel rank rank % tp of stage rank // tp. One rank initialises nothing. Every rank
+    creates every stage's group, in stage order (torch.distributed requires it)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size: must be an integer >= 1, got {world_size!r}")
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    for name, size in (("world_size", tp), ("pipeline_parallel_size", pp)):
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {size!r}")
+    world_size = tp * pp
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank: must be in [0, {world_size}), got {rank!r}")
+    stage, tp_rank = divmod(rank, tp)
+    pipeline = PipelineGroup(stage, pp, tp_rank, tp)
     if world_size == 1:
-        return TensorParallelGroup()
+        return TensorParallelGroup(), pipeline
     if dist.is_initialized():
         raise ValueError("init_distributed: this process already belongs to a process group")
     device_id = None
@@ -130,13 +154,19 @@ def init_distributed(
         rank=rank,
         device_id=device_id,
     )
-    group = dist.group.WORLD
+    if pp == 1:
+        group = dist.group.WORLD
+    else:
+        stage_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        group = stage_groups[stage]
     assert group is not None
+    if tp == 1:
+        return TensorParallelGroup(), pipeline
     small_all_reduce = None
     if backend == "nccl" and custom_all_reduce:
         assert device_id is not None
         small_all_reduce = try_symm_mem_all_reduce(group, device_id)
-    return TensorParallelGroup(rank, world_size, group, small_all_reduce)
+    return TensorParallelGroup(tp_rank, tp, group, small_all_reduce), pipeline
 
 
 def destroy_distributed() -> None:

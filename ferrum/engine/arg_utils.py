@@ -32,7 +32,6 @@ logger = init_logger(__name__)
 # vLLM engine arguments ferrum does not have yet -> the value that means "off" in vLLM (accepted:
 # it asks for what ferrum does). The issue that adds one removes its entry here.
 NOT_SUPPORTED_YET: dict[str, Any] = {
-    "pipeline_parallel_size": 1,
     "enable_lora": False,
     "max_lora_rank": None,
     "speculative_config": None,
@@ -69,7 +68,11 @@ def check_not_supported_yet(kwargs: dict[str, Any]) -> None:
 _Config = TypeVar("_Config")
 
 # vLLM's short forms of some flags.
-_SHORT_FLAGS = {"tensor_parallel_size": ("-tp",), "data_parallel_size": ("-dp",)}
+_SHORT_FLAGS = {
+    "tensor_parallel_size": ("-tp",),
+    "pipeline_parallel_size": ("-pp",),
+    "data_parallel_size": ("-dp",),
+}
 
 _CONFIG_FIELDS = {
     f.name: f
@@ -104,6 +107,7 @@ class EngineArgs:
     num_cpu_threads: int | None = DeviceConfig.num_cpu_threads
     async_scheduling: bool | None = None
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
     enable_expert_parallel: bool = ParallelConfig.enable_expert_parallel
     data_parallel_size: int = ParallelConfig.data_parallel_size
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
@@ -118,6 +122,7 @@ class EngineArgs:
         device = self.device or _default_device()
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             enable_expert_parallel=self.enable_expert_parallel,
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,

@@ -94,10 +94,15 @@ class EngineCore:
             max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
             snapshot_interval_blocks=snapshot_interval_blocks(config.cache_config),
         )
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
+        # Pipeline parallelism keeps one step in flight per stage (the requests split between
+        # them); otherwise async scheduling keeps one.
+        self.pipeline_depth = config.parallel_config.pipeline_parallel_size
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.kv_cache_manager, pipeline_depth=self.pipeline_depth
+        )
         self.async_scheduling = config.scheduler_config.async_scheduling
-        # Launched steps not completed yet, oldest first (at most one between calls of `step`,
-        # which may await its deferred sampling).
+        # Launched steps not completed yet, oldest first (between calls of `step`: at most one,
+        # which may await its deferred sampling, or pipeline_depth - 1).
         self._in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
         # Outputs of completed steps not yet returned by `step`.
         self._completed_outputs: list[EngineCoreOutput] = []
@@ -117,7 +122,7 @@ class EngineCore:
             start + self.startup_seconds - sized,
             config.model_config.architecture,
             device,
-            config.parallel_config.tensor_parallel_size,
+            config.parallel_config.world_size,
             config.model_config.dtype,
             self.executor.kernel_backend,
             self.kv_cache_manager.num_usable_blocks,
@@ -157,11 +162,18 @@ class EngineCore:
         Synchronous: that is the step just launched. Async scheduling: the step launched by the
         previous call, completed after this one is queued, so the host schedules and processes
         outputs while the device computes. Outputs then lag one call; a step launched when
-        nothing was left to run completes (with no outputs) on the next call. Outputs of steps
-        completed before an exception are returned by the next call.
+        nothing was left to run completes (with no outputs) on the next call. Pipeline
+        parallelism: the oldest step once pipeline_depth are in flight, or when this call
+        scheduled nothing (every runnable request is in the pipe). Outputs of steps completed
+        before an exception are returned by the next call.
         """
         self.failed_step_req_ids = []
-        if self._in_flight and (not self.async_scheduling or self.scheduler.needs_host_history()):
+        pipelined = self.pipeline_depth > 1
+        if (
+            not pipelined
+            and self._in_flight
+            and (not self.async_scheduling or self.scheduler.needs_host_history())
+        ):
             self._sample_deferred()
             self._complete_oldest()
         # An empty step still tells the runner which requests finished.
@@ -183,7 +195,7 @@ class EngineCore:
             launched = self.executor.launch(
                 scheduler_output,
                 self._matchers(scheduler_output),
-                defer_sampling=bool(self._in_flight),
+                defer_sampling=bool(self._in_flight) and not pipelined,
             )
         except BaseException:
             self._record_failed_steps([scheduler_output])
@@ -194,8 +206,11 @@ class EngineCore:
                 self.scheduler.recover_from_failed_step(scheduler_output)
             raise
         self._in_flight.append((scheduler_output, launched))
+        if pipelined:
+            if len(self._in_flight) >= self.pipeline_depth or scheduler_output.is_empty:
+                self._complete_oldest()
         # A step awaiting its sampling stays in flight (launched deferred: one was before it).
-        if not self.async_scheduling or len(self._in_flight) > 1:
+        elif not self.async_scheduling or len(self._in_flight) > 1:
             self._complete_oldest()
         outputs, self._completed_outputs = self._completed_outputs, []
         return outputs

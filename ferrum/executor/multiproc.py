@@ -86,7 +86,7 @@ class MultiprocExecutor(MultiRankExecutor):
         last = (device.index or 0) + world_size - 1
         if device.type == "cuda" and torch.cuda.device_count() <= last:
             raise ValueError(
-                f"tensor_parallel_size={world_size} from {device} needs cuda:{last}; "
+                f"{world_size} ranks (tensor x pipeline parallel) from {device} need cuda:{last}; "
                 f"{torch.cuda.device_count()} CUDA device(s) visible"
             )
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -114,7 +114,7 @@ class MultiprocExecutor(MultiRankExecutor):
         assert all(isinstance(r, WorkerReady) for r in ready)
         self.kernel_backend = ready[0].kernel_backend
         logger.info(
-            "%d tensor-parallel workers ready (%s): pids %s",
+            "%d model-parallel workers ready (%s): pids %s",
             world_size,
             backend,
             self.worker_pids,
@@ -217,7 +217,7 @@ class MultiprocExecutor(MultiRankExecutor):
 
     def complete(self, launched: LaunchedRankStep) -> ModelRunnerOutput:
         self._broadcast(self._complete_message)
-        first = self._workers[0]
+        first = self._workers[self.config.parallel_config.output_rank]
         conns = {w.outbox: w for w in self._workers}
         timeout = self.config.parallel_config.worker_step_timeout
         deadline = time.monotonic() + timeout
@@ -234,7 +234,7 @@ class MultiprocExecutor(MultiRankExecutor):
                 reply = self._receive(first)
                 if isinstance(reply, StepOutput):
                     return reply.output
-                raise self._fail(WorkerStepError(f"worker 0: unexpected {reply}"))
+                raise self._fail(WorkerStepError(f"worker {first.rank}: unexpected {reply}"))
             for conn in ready:
                 self._receive_failure(conns[conn])  # type: ignore[index]
 
@@ -289,7 +289,8 @@ class MultiprocExecutor(MultiRankExecutor):
         return reply
 
     def _receive_failure(self, worker: _Worker) -> None:
-        """Reads a message that can only be a failure: outside a step, or from a rank > 0."""
+        """Reads a message that can only be a failure: outside a step, or from a rank other
+        than the output rank."""
         reply = self._receive(worker)
         raise self._fail(WorkerStepError(f"worker {worker.rank}: unexpected {reply}"))
 

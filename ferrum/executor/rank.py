@@ -10,7 +10,7 @@ from collections import deque
 import torch
 
 from ferrum.config import EngineConfig
-from ferrum.distributed.parallel_state import init_distributed
+from ferrum.distributed.parallel_state import init_model_parallel
 from ferrum.executor.bitmask_channel import BitmaskReader
 from ferrum.executor.messages import (
     CaptureCudaGraphs,
@@ -41,25 +41,34 @@ def start_rank(
     init_method: str,
     backend: str,
 ) -> ModelRunner:
-    """Selects `device`, joins the process group and builds this rank's shard of the model."""
+    """Selects `device`, joins the process group and builds this rank's shard of the model
+    (`world_size`: every rank of every pipeline stage)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if config.device_config.num_cpu_threads is not None:
         torch.set_num_threads(config.device_config.num_cpu_threads)
-    group = init_distributed(
-        world_size,
+    parallel = config.parallel_config
+    if world_size != parallel.world_size:
+        raise ValueError(
+            f"world_size: {world_size} ranks, but tensor_parallel_size x pipeline_parallel_size "
+            f"= {parallel.world_size}"
+        )
+    tp_group, pp_group = init_model_parallel(
+        parallel.tensor_parallel_size,
+        parallel.pipeline_parallel_size,
         rank,
         init_method,
         backend,
-        custom_all_reduce=not config.parallel_config.disable_custom_all_reduce,
+        custom_all_reduce=not parallel.disable_custom_all_reduce,
     )
-    return ModelRunner(config, device, group)
+    return ModelRunner(config, device, tp_group, pp_group)
 
 
 class RankServer:
     """The rank's side of the executor protocol: `handle` runs one message and returns the
     reply the core waits for (None for a message without one: launches, samples, and the
-    completion of a step on ranks > 0). Exceptions propagate: the host reports them and stops."""
+    completion of a step on every rank but the output rank). Exceptions propagate: the host
+    reports them and stops."""
 
     def __init__(
         self, runner: ModelRunner, rank: int, bitmask_reader: BitmaskReader | None = None
@@ -72,6 +81,7 @@ class RankServer:
         # Rows still to come for the latest step, launched with deferred sampling.
         self._deferred_rows: list[FilledBitmaskRow] = []
         self._profiler = StepProfiler(rank)
+        self._is_output_rank = rank == runner.config.parallel_config.output_rank
 
     def handle(self, message: ToWorker) -> FromWorker | None:
         runner = self.runner
@@ -97,7 +107,7 @@ class RankServer:
                 self._profiler.before_step()
                 output = runner.complete(self._in_flight.popleft())
                 self._profiler.after_step()
-                if self.rank == 0:
+                if self._is_output_rank:
                     return StepOutput(output)
             case DetermineNumKVBlocks():
                 return NumKVBlocks(self.rank, runner.determine_num_kv_blocks())

@@ -1,5 +1,6 @@
 """Ray cluster plumbing for the Ray executor: importing Ray (an optional extra), joining or
-starting a cluster, reserving a placement group, and releasing actors and groups."""
+starting a cluster, reserving placement groups (one per pipeline stage, each on one node), and
+releasing actors and groups."""
 
 from __future__ import annotations
 
@@ -57,11 +58,12 @@ def kill(ray: Any, actors: list[Any]) -> None:
             ray.kill(actor, no_restart=True)
 
 
-def release(ray: Any, actors: list[Any], placement_group: Any) -> None:
-    """Kills every actor and removes the placement group (both no-ops once done)."""
+def release(ray: Any, actors: list[Any], placement_groups: list[Any]) -> None:
+    """Kills every actor and removes the placement groups (both no-ops once done)."""
     kill(ray, actors)
-    if placement_group is not None:
+    if placement_groups:
         from ray.util.placement_group import remove_placement_group
 
-        with contextlib.suppress(Exception):
-            remove_placement_group(placement_group)
+        for group in placement_groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)

@@ -78,7 +78,9 @@ class RayExecutor(MultiRankExecutor):
         on_cuda = torch.device(config.device_config.device).type == "cuda"
         self._connected_here = connect(ray)
         self._actors: list[Any] = []
-        self._placement_group: Any = None
+        # One per pipeline stage: a stage's tensor-parallel ranks share a node, the stages may
+        # not (rank r is bundle r % tp of group r // tp).
+        self._placement_groups: list[Any] = []
         self._dag: Any = None
         self._lock = threading.Lock()
         # Why the workers were lost (every call raises it), or None; set once, under the lock.
@@ -95,18 +97,16 @@ class RayExecutor(MultiRankExecutor):
         self._unread: deque[list[Any]] = deque()
         self._bitmask_host: torch.Tensor | None = None
         self._bitmask_filler: Any = None
-        self._finalizer = weakref.finalize(self, release, ray, self._actors, None)
+        self._finalizer = weakref.finalize(self, release, ray, self._actors, self._placement_groups)
+        tp = config.parallel_config.tensor_parallel_size
         try:
             bundle = {"GPU": 1.0} if on_cuda else {"CPU": CPU_RANK_SHARE}
-            self._placement_group = reserve(ray, [bundle] * world_size)
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(
-                self, release, ray, self._actors, self._placement_group
-            )
+            for _ in range(config.parallel_config.pipeline_parallel_size):
+                self._placement_groups.append(reserve(ray, [bundle] * tp))
             remote_worker = ray.remote(concurrency_groups={MONITOR_GROUP: 1})(RayWorker)
             for rank in range(world_size):
                 strategy = PlacementGroupSchedulingStrategy(
-                    self._placement_group, placement_group_bundle_index=rank
+                    self._placement_groups[rank // tp], placement_group_bundle_index=rank % tp
                 )
                 actor = remote_worker.options(
                     num_cpus=0 if on_cuda else CPU_RANK_SHARE,
@@ -129,7 +129,7 @@ class RayExecutor(MultiRankExecutor):
             raise
         self.kernel_backend = ready[0].kernel_backend
         logger.info(
-            "%d tensor-parallel Ray workers ready (%s) on node %s",
+            "%d model-parallel Ray workers ready (%s), rank 0 on node %s",
             world_size,
             "nccl" if on_cuda else "gloo",
             self._node_ip,
@@ -212,12 +212,12 @@ class RayExecutor(MultiRankExecutor):
 
     def complete(self, launched: LaunchedRankStep) -> ModelRunnerOutput:
         self._submit(CompleteStep())
-        reply = self._read_all(time.monotonic() + self.config.parallel_config.worker_step_timeout)[
-            0
-        ]
+        parallel = self.config.parallel_config
+        replies = self._read_all(time.monotonic() + parallel.worker_step_timeout)
+        reply = replies[parallel.output_rank]
         if isinstance(reply, StepOutput):
             return reply.output
-        raise self._fail(WorkerStepError(f"worker 0: unexpected {reply!r}"))
+        raise self._fail(WorkerStepError(f"worker {parallel.output_rank}: unexpected {reply!r}"))
 
     def _fill_bitmask(self, matchers: dict[str, StructuredOutputMatcher]) -> InlineBitmaskRows:
         from ferrum.structured_output import BatchBitmaskFiller
@@ -338,7 +338,7 @@ class RayExecutor(MultiRankExecutor):
         if dag is not None and self._failure is None:
             with contextlib.suppress(Exception):
                 dag.teardown()  # ends the actors' graph loops; quick while they are idle
-        release(ray, self._actors, self._placement_group)
+        release(ray, self._actors, self._placement_groups)
         if dag is not None and self._failure is not None:
             with contextlib.suppress(Exception):
                 dag.teardown()

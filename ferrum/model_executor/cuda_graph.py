@@ -8,6 +8,10 @@
 
 A graph reads the runner's `InputBuffers` at the addresses that a batch padded to its shape
 (`padded_shape`) is laid out at, so a step prepared with that padding needs only the replay.
+
+A pipeline stage's graphs cover its own layers: a stage after the first reads the previous
+stage's activations from `stage_input(tokens)` (the caller receives them there first), and a
+stage before the last returns its (hidden, residual) of every padded token for the next stage.
 """
 
 from __future__ import annotations
@@ -44,7 +48,11 @@ class CUDAGraphRunner:
         max_batch_size: int,
         max_prefill_tokens: int,
         device: torch.device,
+        stage_input_size: int | None = None,
+        stage_input_dtype: torch.dtype | None = None,
     ) -> None:
+        """`stage_input_size`: the hidden size of the activations a pipeline stage after the
+        first receives (None on the first stage)."""
         self.model = model
         self.inputs = inputs
         self.device = device
@@ -52,7 +60,16 @@ class CUDAGraphRunner:
         self.prefill_sizes = [s for s in PREFILL_SIZES if s <= max_prefill_tokens]
         # Keyed by padded shape: (tokens, requests).
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+        # The received (hidden, residual) of up to the largest graph's tokens, flat so that
+        # every token count's [2, tokens, hidden] view is contiguous.
+        self._hidden_size = stage_input_size
+        self._stage_input: torch.Tensor | None = None
+        if stage_input_size is not None:
+            max_tokens = max(self.decode_sizes + self.prefill_sizes)
+            self._stage_input = torch.zeros(
+                2 * max_tokens * stage_input_size, dtype=stage_input_dtype, device=device
+            )
 
     @property
     def max_batch_size(self) -> int:
@@ -63,6 +80,13 @@ class CUDAGraphRunner:
 
     def prefill_size(self, num_tokens: int) -> int | None:
         return _smallest_at_least(self.prefill_sizes, num_tokens)
+
+    def stage_input(self, num_tokens: int) -> torch.Tensor:
+        """The [2, num_tokens, hidden] buffer the graphs of `num_tokens` padded tokens read the
+        previous stage's (hidden, residual) from."""
+        assert self._stage_input is not None and self._hidden_size is not None
+        size = 2 * num_tokens * self._hidden_size
+        return self._stage_input[:size].view(2, num_tokens, self._hidden_size)
 
     def padded_shape(self, num_reqs: int, num_tokens: int) -> tuple[int, int] | None:
         """(tokens, requests) of the graph that runs this batch, or None: it runs eagerly."""
@@ -83,7 +107,11 @@ class CUDAGraphRunner:
         for shape in shapes:
             # Padding only: one-token requests (a one-token chunk for the prefill graphs).
             inputs = self.inputs.prepare({}, {}, 0, {}, pad_to=shape)
-            args = (inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            intermediate = None
+            if self._stage_input is not None:
+                received = self.stage_input(shape[0])
+                intermediate = (received[0], received[1])
+            args = (inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate)
             # The side stream must see the inputs (and KV cache) that the current stream filled.
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -104,8 +132,14 @@ class CUDAGraphRunner:
             time.perf_counter() - start,
         )
 
-    def replay(self, shape: tuple[int, int], num_tokens: int) -> torch.Tensor:
+    def replay(
+        self, shape: tuple[int, int], num_tokens: int
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Runs the graph of `shape` on inputs prepared with `pad_to=shape`; returns the hidden
-        states of the first `num_tokens` (the real) tokens."""
+        states of the first `num_tokens` (the real) tokens, or on a pipeline stage before the
+        last its (hidden, residual) of every padded token."""
         self.graphs[shape].replay()
-        return self.outputs[shape][:num_tokens]
+        output = self.outputs[shape]
+        if isinstance(output, tuple):
+            return output
+        return output[:num_tokens]

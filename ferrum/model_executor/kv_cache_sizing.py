@@ -5,6 +5,9 @@ KV heads under tensor parallelism (`tp_size`) and num_blocks the pool size of th
 block that the KV manager never hands out. A budget is split between the groups in proportion to
 what one sequence of max_model_len holds in each (a sliding-window group holds its window only).
 
+Under pipeline parallelism a rank holds the caches of its stage's layers only (`layer_ids`): its
+bytes per block count those, and a group with none of its layers there needs no room on it.
+
 Linear-attention layers (the recurrent group) get a state pool instead: per layer a conv state
 `[num_slots, conv_width - 1, conv_dim]` in the model dtype and a recurrent state
 `[num_slots, num_v_heads, k_dim, v_dim]` in float32, slot 0 again padding. The recurrent group
@@ -24,6 +27,9 @@ from ferrum.parallel_config import kv_heads_per_rank
 
 # The recurrent (gated DeltaNet) state is kept in float32: it accumulates over the whole sequence.
 RECURRENT_STATE_DTYPE = torch.float32
+
+# Blocks of a group a rank holds no layer of: it fits any count (the other ranks' sizes decide).
+UNBOUNDED_BLOCKS = 1 << 40
 
 # The CPU pool's default cap: memory for development runs, not for throughput.
 CPU_DEFAULT_KV_BYTES = 512 << 20
@@ -65,23 +71,29 @@ def group_bytes_per_block(
     block_size: int,
     dtype: torch.dtype,
     tp_size: int = 1,
+    layer_ids: range | None = None,
 ) -> int:
-    """Bytes of one block of a group: keys and values of each of its layers (this rank's heads);
-    for the recurrent group, one state slot of each of its layers."""
+    """Bytes of one block of a group: keys and values of each of its layers (this rank's heads,
+    of `layer_ids` only when given); for the recurrent group, one state slot of each."""
+    num_layers = sum(1 for i in group.layer_ids if layer_ids is None or i in layer_ids)
     if group.recurrent:
-        return len(group.layer_ids) * _recurrent_slot_bytes(model_config.arch, dtype)
+        return num_layers * _recurrent_slot_bytes(model_config.arch, dtype)
     element_size = torch.empty((), dtype=dtype).element_size()
     num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
     per_layer = 2 * block_size * num_kv_heads * model_config.head_dim * element_size
-    return len(group.layer_ids) * per_layer
+    return num_layers * per_layer
 
 
 def kv_bytes_per_block(
-    model_config: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1
+    model_config: ModelConfig,
+    block_size: int,
+    dtype: torch.dtype,
+    tp_size: int = 1,
+    layer_ids: range | None = None,
 ) -> int:
-    """Bytes of one block in every layer (one block of each group)."""
+    """Bytes of one block in every layer (of `layer_ids` when given): one block of each group."""
     return sum(
-        group_bytes_per_block(model_config, group, block_size, dtype, tp_size)
+        group_bytes_per_block(model_config, group, block_size, dtype, tp_size, layer_ids)
         for group in kv_cache_group_specs(model_config)
     )
 
@@ -114,12 +126,17 @@ def num_blocks_from_budget(
     dtype: torch.dtype,
     cap_to_need: bool = False,
     tp_size: int = 1,
+    layer_ids: range | None = None,
 ) -> list[int]:
     """Blocks per layer group that fit in `budget_bytes` (at most what every sequence slot at full
-    length needs, with `cap_to_need`); fails with the numbers to change if one sequence can't fit."""
+    length needs, with `cap_to_need`); fails with the numbers to change if one sequence can't fit.
+    With `layer_ids` (a pipeline stage), the caches of those layers only."""
     block_size = cache_config.block_size
     groups = kv_cache_group_specs(model_config)
-    sizes = [group_bytes_per_block(model_config, g, block_size, dtype, tp_size) for g in groups]
+    sizes = [
+        group_bytes_per_block(model_config, g, block_size, dtype, tp_size, layer_ids)
+        for g in groups
+    ]
     needs = [blocks_per_sequence(g, scheduler_config, block_size) for g in groups]
     # With prefix caching, as many slots again for snapshots.
     wanted = (2 if cache_config.enable_prefix_caching else 1) * scheduler_config.max_num_seqs + 1
@@ -136,6 +153,13 @@ def num_blocks_from_budget(
     counts = []
     for g, (group, size, need) in enumerate(zip(groups, sizes, needs)):
         # An attention group's share of the rest is need * size / per_sequence of it.
+        if size == 0:  # none of its layers here
+            counts.append(
+                blocks_worth_keeping(scheduler_config, block_size, group)
+                if cap_to_need
+                else UNBOUNDED_BLOCKS
+            )
+            continue
         if g in slots:
             num_blocks = slots[g]
         elif num_attention_groups > 1:
@@ -163,15 +187,17 @@ def cpu_kv_budget(
     scheduler_config: SchedulerConfig,
     dtype: torch.dtype,
     tp_size: int = 1,
+    layer_ids: range | None = None,
 ) -> int:
-    """kv_cache_memory_bytes when set; else what every sequence slot at full length needs, at
-    most CPU_DEFAULT_KV_BYTES but at least one sequence of max_model_len."""
+    """kv_cache_memory_bytes when set; else what every sequence slot at full length needs (in the
+    layers `layer_ids`, when given), at most CPU_DEFAULT_KV_BYTES but at least one sequence of
+    max_model_len."""
     if cache_config.kv_cache_memory_bytes is not None:
         return cache_config.kv_cache_memory_bytes
     block_size = cache_config.block_size
     one_sequence = every_slot = 0
     for group in kv_cache_group_specs(model_config):
-        size = group_bytes_per_block(model_config, group, block_size, dtype, tp_size)
+        size = group_bytes_per_block(model_config, group, block_size, dtype, tp_size, layer_ids)
         one_sequence += (blocks_per_sequence(group, scheduler_config, block_size) + 1) * size
         every_slot += blocks_worth_keeping(scheduler_config, block_size, group) * size
     return max(min(every_slot, CPU_DEFAULT_KV_BYTES), one_sequence)
@@ -184,16 +210,20 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
     tp_size: int = 1,
+    layer_ids: range | None = None,
 ) -> list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
-    """One zeroed cache per layer, sized by its group's pool (`num_blocks` per group, or one
-    count for all); a linear-attention layer's is its (conv state, recurrent state) pools."""
+    """One zeroed cache per layer (of `layer_ids` when given, in order), sized by its group's
+    pool (`num_blocks` per group, or one count for all); a linear-attention layer's is its
+    (conv state, recurrent state) pools."""
     groups = kv_cache_group_specs(model_config)
     counts = [num_blocks] * len(groups) if isinstance(num_blocks, int) else num_blocks
     heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
     head_dim = model_config.head_dim
     conv_shape, state_shape = recurrent_state_shapes(model_config.arch)
     caches: list[torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = []
-    for g in layer_group_ids(groups):
+    for layer, g in enumerate(layer_group_ids(groups)):
+        if layer_ids is not None and layer not in layer_ids:
+            continue
         if groups[g].recurrent:
             conv = torch.zeros((counts[g], *conv_shape), dtype=dtype, device=device)
             state = torch.zeros(

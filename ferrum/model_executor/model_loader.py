@@ -13,6 +13,7 @@ from ferrum.config import ModelConfig
 from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.model_executor.kernel_backend import load_kernels
 from ferrum.model_executor.models.registry import get_model_class
+from ferrum.model_executor.pipeline_stage import PipelineStage
 from ferrum.model_executor.weight_loader import SafetensorsCheckpoint, WeightFileError
 
 DUMMY_STD = 0.02
@@ -36,12 +37,14 @@ def load_model(
     kernel_backend: str = "torch",
     tp_group: TensorParallelGroup | None = None,
     enable_expert_parallel: bool = False,
+    pipeline_stage: PipelineStage | None = None,
 ) -> nn.Module:
     """The model of `model_config.architecture` on `device` in `model_config.dtype`, built with
     the (resolved) kernel backend, with weights from the checkpoint's safetensors ("auto",
     "safetensors") or random ("dummy"). With a tensor-parallel group, this rank's shard, reading only its part of each
     checkpoint tensor (dummy weights: this rank's share of the same random draw is not
-    reproduced; each rank draws its own shard from the seed)."""
+    reproduced; each rank draws its own shard from the seed). With a pipeline stage, that
+    stage's layers only."""
     model_class = get_model_class(model_config.architecture)
     kernels = load_kernels(kernel_backend)
     device = torch.device(device)
@@ -52,9 +55,12 @@ def load_model(
             tp_group=tp_group,
             enable_expert_parallel=enable_expert_parallel,
             quant_config=model_config.quant_config,
+            pipeline_stage=pipeline_stage,
         )
     if model_config.load_format == "dummy":
-        split = tp_group is not None and tp_group.world_size > 1
+        split = (tp_group is not None and tp_group.world_size > 1) or (
+            pipeline_stage is not None and pipeline_stage.size > 1
+        )
         initialize_dummy_weights(model, model_config.seed, seed_per_parameter=split)
     else:
         load_checkpoint_weights(model, model_config.model)

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ferrum.config import EngineConfig
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.distributed.pipeline_group import PipelineGroup
 from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.kv.kv_cache_spec import layer_group_ids
 from ferrum.logger import init_logger
@@ -34,6 +35,7 @@ from ferrum.model_executor.kv_cache_sizing import (
     num_blocks_from_budget,
 )
 from ferrum.model_executor.model_loader import load_model
+from ferrum.model_executor.pipeline_stage import pipeline_stage
 from ferrum.model_executor.prompt_logprobs import (
     PromptLogprobsChunk,
     compute_prompt_logprobs,
@@ -88,13 +90,21 @@ class ModelRunner:
     """The runner of one rank. With a tensor-parallel group of several ranks it builds this
     rank's shard of the model; every rank computes the same full logits and samples them with the
     same generators, so every rank's sampled tokens are identical and each feeds its own next
-    step."""
+    step.
+
+    With a pipeline of several stages it builds its stage's layers: a stage after the first
+    receives the previous stage's activations, a stage before the last sends its own on, and the
+    last stage samples and broadcasts the tokens to every rank (read when the step completes).
+    The scheduler never schedules a request whose previous token is still in the pipe, so no
+    step reads a placeholder token. A stage's CUDA graphs cover its layers; every stage pads a
+    step to the same graph shape, so the activations sent match the receiver's buffer."""
 
     def __init__(
         self,
         config: EngineConfig,
         device: torch.device,
         tp_group: TensorParallelGroup | None = None,
+        pp_group: PipelineGroup | None = None,
     ) -> None:
         self.config = config
         if device.type == "cuda":
@@ -111,6 +121,15 @@ class ModelRunner:
             raise ValueError(
                 f"tp_group: {self.tp_group.world_size} ranks, but tensor_parallel_size={tp_size}"
             )
+        self.pp_group = PipelineGroup() if pp_group is None else pp_group
+        pp_size = config.parallel_config.pipeline_parallel_size
+        if self.pp_group.size != pp_size:
+            raise ValueError(
+                f"pp_group: {self.pp_group.size} stages, but pipeline_parallel_size={pp_size}"
+            )
+        self.stage = pipeline_stage(
+            config.model_config.arch.num_hidden_layers, self.pp_group.rank, pp_size
+        )
         self.dtype = torch_dtype(config.model_config.dtype)
         self.kv_cache_dtype = kv_cache_torch_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         if self.kv_cache_dtype == FP8_KV_DTYPE:
@@ -135,6 +154,7 @@ class ModelRunner:
             self.kernel_backend,
             self.tp_group,
             config.parallel_config.enable_expert_parallel,
+            self.stage,
         )
         self.split_kv_workspace = self._allocate_split_kv_workspace()
         # Layer groups of the KV cache (full attention, each sliding window): a block table each.
@@ -200,6 +220,7 @@ class ModelRunner:
                 cfg.scheduler_config,
                 self.kv_cache_dtype,
                 self.tp_size,
+                self.stage.layer_ids,
             )
         elif cfg.cache_config.kv_cache_memory_bytes is not None:
             budget = cfg.cache_config.kv_cache_memory_bytes
@@ -215,6 +236,7 @@ class ModelRunner:
             # block it can for the prefix cache.
             cap_to_need=self.device.type != "cuda",
             tp_size=self.tp_size,
+            layer_ids=self.stage.layer_ids,
         )
 
     @torch.inference_mode()
@@ -243,15 +265,20 @@ class ModelRunner:
             seq_lens, self.block_size, len(self.kv_cache_groups), self._recurrent_groups
         )
         batch = self.inputs.prepare(requests, num_scheduled, num_tokens, {})
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn_metadata)
-        num_sampled = min(sched.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:num_sampled])
-        rows = [
-            SamplingRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [], [], None, set())
-        ] * num_sampled
-        self.sampler(
-            logits, SamplingMetadata.from_rows(rows, self.vocab_size, self.sampling_staging)
-        )
+        hidden = self._run_stage(batch, num_tokens)
+        logits = None
+        if hidden is not None:  # the last stage samples
+            num_sampled = min(sched.max_num_seqs, num_tokens)
+            logits = self.model.compute_logits(hidden[:num_sampled])
+            row = SamplingRow(
+                SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [], [], None, set()
+            )
+            self.sampler(
+                logits,
+                SamplingMetadata.from_rows(
+                    [row] * num_sampled, self.vocab_size, self.sampling_staging
+                ),
+            )
         torch.cuda.synchronize(self.device)
         activations = torch.cuda.max_memory_allocated(self.device) - weights - temp_kv_bytes
         self.kv_caches = []
@@ -293,6 +320,7 @@ class ModelRunner:
             self.kv_cache_dtype,
             self.device,
             self.tp_size,
+            self.stage.layer_ids,
         )
         self.model.bind_kv_caches(
             self.kv_caches, self.split_kv_workspace, layer_group_ids(self.kv_cache_groups)
@@ -330,7 +358,7 @@ class ModelRunner:
                 query_lens, self.block_size, len(self.kv_cache_groups), self._recurrent_groups
             )
             batch = self.inputs.prepare(requests, num_scheduled, sum(query_lens), {})
-            self.model(batch.input_ids, batch.positions, batch.attn_metadata)
+            self._run_stage(batch, sum(query_lens))
         return len(batches), max_tokens
 
     def uses_cuda_graphs(self) -> bool:
@@ -353,6 +381,10 @@ class ModelRunner:
             max_batch_size=min(sched.max_num_seqs, 512),
             max_prefill_tokens=min(sched.max_num_batched_tokens, self.inputs.max_model_len),
             device=self.device,
+            stage_input_size=None
+            if self.pp_group.is_first
+            else self.config.model_config.arch.hidden_size,
+            stage_input_dtype=self.dtype,
         )
         self.cuda_graphs.capture()
 
@@ -474,12 +506,49 @@ class ModelRunner:
 
     def _forward(
         self, inputs: StepInputs, graph_shape: tuple[int, int] | None, num_tokens: int
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
+        """The step's hidden states; None on a pipeline stage before the last."""
         self._fill_placeholders(inputs)
         if graph_shape is None:
+            return self._run_stage(inputs, num_tokens)
+        graphs = self.cuda_graphs
+        assert graphs is not None
+        pp = self.pp_group
+        if pp.size == 1:
+            return graphs.replay(graph_shape, num_tokens)
+        # Every stage pads to the same shape: the activations go over padded.
+        if not pp.is_first:
+            pp.recv_from_prev(graphs.stage_input(graph_shape[0]))
+        output = graphs.replay(graph_shape, num_tokens)
+        if pp.is_last:
+            return output
+        pp.send_to_next(torch.stack(output))
+        return None
+
+    def _run_stage(self, inputs: StepInputs, num_tokens: int) -> torch.Tensor | None:
+        """This rank's part of an eager forward of `num_tokens` tokens: the whole model, or its
+        pipeline stage between receiving the previous stage's activations and sending its own
+        (None then, before the last stage)."""
+        pp = self.pp_group
+        if pp.size == 1:
             return self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata)
-        assert self.cuda_graphs is not None
-        return self.cuda_graphs.replay(graph_shape, num_tokens)
+        intermediate = None
+        if not pp.is_first:
+            hidden_size = self.config.model_config.arch.hidden_size
+            received = torch.empty(2, num_tokens, hidden_size, dtype=self.dtype, device=self.device)
+            pp.recv_from_prev(received)
+            intermediate = (received[0], received[1])
+        out = self.model(
+            inputs.input_ids[:num_tokens],
+            inputs.positions[:num_tokens],
+            inputs.attn_metadata,
+            intermediate,
+        )
+        if pp.is_last:
+            return out
+        hidden, residual = out
+        pp.send_to_next(torch.stack((hidden[:num_tokens], residual[:num_tokens])))
+        return None
 
     def _grammar_bitmask(
         self, states: list[CachedRequestState], matchers: dict[str, StructuredOutputMatcher]
@@ -526,14 +595,18 @@ class ModelRunner:
         hidden_states = self._forward(inputs, shape, num_tokens)
         if self._recurrent_groups:
             self._snapshot_recurrent_states(num_scheduled)
-        prompt_chunks = [
-            compute_prompt_logprobs(hidden_states, rows, self.model.compute_logits)
-            for rows in prompt_rows(self._prompt_views(num_scheduled), num_scheduled)
-        ]
+        prompt_chunks = []
+        if hidden_states is not None:
+            prompt_chunks = [
+                compute_prompt_logprobs(hidden_states, rows, self.model.compute_logits)
+                for rows in prompt_rows(self._prompt_views(num_scheduled), num_scheduled)
+            ]
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         if not inputs.sampled_req_ids:
             return LaunchedStep([], [], None, None, prompt_chunks)
+        if hidden_states is None:  # a stage before the last: the tokens come from the last
+            return self._await_stage_tokens(inputs.sampled_req_ids)
 
         if inputs.logits_indices is not None:
             hidden_states = hidden_states[inputs.logits_indices]
@@ -572,6 +645,11 @@ class ModelRunner:
         self._last_sampled_rows = {r: i for i, r in enumerate(step.req_ids)}
         for state in states:
             state.num_output_placeholders += 1
+        if self.pp_group.size > 1:
+            tokens = self._last_sampled
+            if not self.pp_group.is_token_root:  # the root's tokens are the same
+                tokens = torch.empty_like(tokens)
+            step.token_broadcast = (tokens, self.pp_group.broadcast_tokens(tokens))
         step.output = sampler_output.start_copy_to_host()
         if self.device.type == "cuda":
             step.done = torch.cuda.Event()
@@ -588,17 +666,43 @@ class ModelRunner:
             views[req_id] = (state.prompt_token_ids, state.num_computed_tokens, k)
         return views
 
+    def _await_stage_tokens(self, req_ids: list[str]) -> LaunchedStep:
+        """A stage before the last: the step's sampled tokens arrive by the last stage's
+        broadcast, joined now (stream-ordered) and read by `complete`."""
+        states = [self.requests[r] for r in req_ids]
+        for state in states:
+            state.num_output_placeholders += 1
+        tokens = torch.empty(len(req_ids), dtype=torch.int64, device=self.device)
+        step = LaunchedStep(req_ids, states, None, None)
+        step.token_broadcast = (tokens, self.pp_group.broadcast_tokens(tokens))
+        return step
+
     def complete(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Waits for a launched step's tokens and hands them to the host."""
         assert step.pending is None, "a step awaiting its sampling cannot complete"
         prompt_logprobs = (
             {c.req_id: c.to_host() for c in step.prompt_logprobs} if step.prompt_logprobs else None
         )
+        if step.token_broadcast is not None:
+            tokens, work = step.token_broadcast
+            if work is not None:
+                work.wait()
+            if step.output is None:  # a stage before the last
+                return self._append_sampled(step, tokens.tolist(), None, prompt_logprobs)
         if step.output is None:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         if step.done is not None:
             step.done.synchronize()
         sampled, logprobs = step.output.to_host([s.params.logprobs for s in step.states])
+        return self._append_sampled(step, sampled, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _append_sampled(
+        step: LaunchedStep,
+        sampled: list[int],
+        logprobs: list | None,
+        prompt_logprobs: dict | None,
+    ) -> ModelRunnerOutput:
         for state, token_id in zip(step.states, sampled):
             state.num_output_placeholders -= 1
             state.output_token_ids.append(token_id)
@@ -621,6 +725,9 @@ class LaunchedStep:
     prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
     # The forward's logits while the step awaits `ModelRunner.sample`.
     pending: _PendingSample | None = None
+    # Pipeline parallelism: the buffer the last stage's sampled tokens are broadcast into, and
+    # the broadcast's handle (wait before reading).
+    token_broadcast: tuple[torch.Tensor, Any] | None = None
 
     @property
     def awaits_sampling(self) -> bool:

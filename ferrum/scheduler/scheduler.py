@@ -47,8 +47,17 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, pipeline_depth: int = 1
+    ) -> None:
+        """`pipeline_depth` > 1 (pipeline parallelism: that many steps in flight at once): a
+        request whose next token is still in the pipe is not scheduled (the first stage needs
+        the token itself), and a step takes at most 1 / pipeline_depth of the requests, so
+        that the steps in flight split them."""
+        if pipeline_depth < 1:
+            raise ValueError(f"pipeline_depth: must be >= 1, got {pipeline_depth}")
         self.config = config
+        self.pipeline_depth = pipeline_depth
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.requests: dict[str, Request] = {}
@@ -134,8 +143,10 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
 
+        # Pipeline parallelism: each step in flight takes its share of the requests.
+        max_step_reqs = -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth)
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(num_scheduled) < max_step_reqs:
             request = self.running[index]
             num_new = min(self._num_tokens_to_compute(request), budget)
             if num_new == 0:
@@ -168,6 +179,7 @@ class Scheduler:
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and len(num_scheduled) < max_step_reqs
         ):
             request = self.waiting[0]
             if not self._grammar_ready(request):
@@ -238,7 +250,10 @@ class Scheduler:
     def _num_tokens_to_compute(self, request: Request) -> int:
         """Tokens of a running request that a forward can take now: its known tokens and the one
         a launched step is still sampling (read on the device), none once its length limit is
-        reached by the tokens already coming."""
+        reached by the tokens already coming. Under pipeline parallelism only its known tokens:
+        one still in the pipe is not on the first stage."""
+        if self.pipeline_depth > 1:
+            return max(request.num_tokens - request.num_computed_tokens, 0)
         coming = request.num_tokens + request.num_output_placeholders
         if request.num_output_placeholders and (
             request.num_output_tokens + request.num_output_placeholders >= request.max_tokens

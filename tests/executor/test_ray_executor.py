@@ -61,10 +61,10 @@ def is_dead(actor: object) -> bool:
 
 
 def assert_released(executor: object) -> None:
-    """Every actor of the executor is dead and its placement group removed."""
+    """Every actor of the executor is dead and its placement groups removed."""
     assert all(is_dead(a) for a in executor._actors)  # type: ignore[attr-defined]
-    group = executor._placement_group  # type: ignore[attr-defined]
-    assert placement_group_table(group)["state"] == "REMOVED"
+    for group in executor._placement_groups:  # type: ignore[attr-defined]
+        assert placement_group_table(group)["state"] == "REMOVED"
 
 
 def test_ray_workers_give_the_greedy_tokens_of_one_process_and_report_a_raising_rank(

@@ -17,13 +17,18 @@ BLOCK = 4
 
 
 def make_scheduler(
-    num_blocks: int = 64, budget: int = 64, max_seqs: int = 16, max_len: int = 256, caching=True
+    num_blocks: int = 64,
+    budget: int = 64,
+    max_seqs: int = 16,
+    max_len: int = 256,
+    caching=True,
+    pipeline_depth: int = 1,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, BLOCK, enable_prefix_caching=caching)
     config = SchedulerConfig(
         max_model_len=max_len, max_num_seqs=max_seqs, max_num_batched_tokens=budget
     )
-    return Scheduler(config, kv)
+    return Scheduler(config, kv, pipeline_depth=pipeline_depth)
 
 
 def make_request(

@@ -26,6 +26,14 @@ from ferrum.model_executor.models.llama import (
     LlamaMLP,
     layer_prefix,
 )
+from ferrum.model_executor.pipeline_stage import (
+    PipelineStage,
+    StageActivations,
+    stage_input,
+    stage_layers,
+    stage_output,
+    whole_model,
+)
 from ferrum.quant_config import QuantConfig
 
 if TYPE_CHECKING:
@@ -127,9 +135,15 @@ class Gemma3Model(nn.Module):
         kernels: TritonKernels | None,
         tp_group: TensorParallelGroup | None = None,
         quant_config: QuantConfig | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = ScaledVocabEmbedding(arch.vocab_size, arch.hidden_size, tp_group)
+        stage = stage or whole_model(arch.num_hidden_layers)
+        self.embed_tokens = (
+            ScaledVocabEmbedding(arch.vocab_size, arch.hidden_size, tp_group)
+            if stage.is_first
+            else None
+        )
         max_position = arch.max_position_embeddings
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, max_position, arch.rope_theta, arch.rope_scaling
@@ -137,31 +151,35 @@ class Gemma3Model(nn.Module):
         self.rotary_emb_local = RotaryEmbedding(
             arch.head_dim, max_position, arch.local_rope_theta, arch.local_rope_scaling
         )
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(arch, kernels, i, tp_group, quant_config)
-            for i in range(arch.num_hidden_layers)
+        self.layers = stage_layers(
+            stage,
+            arch.num_hidden_layers,
+            lambda i: Gemma3DecoderLayer(arch, kernels, i, tp_group, quant_config),
         )
-        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.stage_layers = [self.layers[i] for i in stage.layer_ids]
+        self.norm = (
+            GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels) if stage.is_last else None
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        intermediate: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations:
+        hidden, residual = stage_input(self.embed_tokens, input_ids, intermediate)
         global_rope = self.rotary_emb(positions)
         local_rope = self.rotary_emb_local(positions)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for layer in self.stage_layers:
             cos, sin = local_rope if layer.is_sliding else global_rope
             hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
-        if residual is None:
-            return self.norm(hidden)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return stage_output(self.norm, hidden, residual)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     def make_model(self) -> nn.Module:
-        return Gemma3Model(self.arch, self.kernels, self.tp_group, self.quant_config)
+        return Gemma3Model(self.arch, self.kernels, self.tp_group, self.quant_config, self.stage)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32, soft-capped when the config says so."""

@@ -26,6 +26,14 @@ from ferrum.model_executor.layers.parallel_linear import (
 )
 from ferrum.model_executor.layers.quantization import get_linear_method
 from ferrum.model_executor.layers.rotary import RotaryEmbedding
+from ferrum.model_executor.pipeline_stage import (
+    PipelineStage,
+    StageActivations,
+    stage_input,
+    stage_layers,
+    stage_output,
+    whole_model,
+)
 from ferrum.model_executor.weight_loader import load_named_weights
 from ferrum.quant_config import QuantConfig
 
@@ -196,27 +204,32 @@ class LlamaModel(nn.Module):
         kernels: TritonKernels | None,
         make_layer: Callable[[int], nn.Module],
         tp_group: TensorParallelGroup | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, tp_group)
+        stage = stage or whole_model(arch.num_hidden_layers)
+        self.embed_tokens = (
+            VocabEmbedding(arch.vocab_size, arch.hidden_size, tp_group) if stage.is_first else None
+        )
         self.rotary_emb = RotaryEmbedding(
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling
         )
-        self.layers = nn.ModuleList(make_layer(i) for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
+        self.layers = stage_layers(stage, arch.num_hidden_layers, make_layer)
+        self.stage_layers = [self.layers[i] for i in stage.layer_ids]
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels) if stage.is_last else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        intermediate: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations:
+        hidden, residual = stage_input(self.embed_tokens, input_ids, intermediate)
         cos, sin = self.rotary_emb(positions)
-        residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for layer in self.stage_layers:
             hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
-        if residual is None:
-            return self.norm(hidden)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return stage_output(self.norm, hidden, residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -228,25 +241,33 @@ class LlamaForCausalLM(nn.Module):
         tp_group: TensorParallelGroup | None = None,
         enable_expert_parallel: bool = False,
         quant_config: QuantConfig | None = None,
+        pipeline_stage: PipelineStage | None = None,
     ) -> None:
         """With a tensor-parallel group of several ranks: this rank's shard (every rank's
         `compute_logits` returns the same full logits). `enable_expert_parallel` applies to the
         MoE models' experts. `quant_config` quantizes the decoder layers' linear layers (never
-        the embedding or the LM head)."""
+        the embedding or the LM head). `pipeline_stage`: the layers this rank holds (default:
+        all); only the last stage has the LM head."""
         super().__init__()
         self.arch = arch
         self.kernels = kernels
         self.tp_group = tp_group or TensorParallelGroup()
         self.enable_expert_parallel = enable_expert_parallel
         self.quant_config = quant_config
+        self.stage = pipeline_stage or whole_model(arch.num_hidden_layers)
         self.model = self.make_model()
-        tied_to = self.model.embed_tokens if arch.tie_word_embeddings else None
-        self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tied_to, self.tp_group)
+        self.lm_head: LMHead | None = None
+        if self.stage.is_last:
+            tied = arch.tie_word_embeddings and self.stage.is_first
+            tied_to = self.model.embed_tokens if tied else None
+            self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tied_to, self.tp_group)
 
     def make_model(self) -> nn.Module:
         """The decoder stack; it must have `embed_tokens` and `layers` (each with
         `self_attn.attn`)."""
-        return LlamaModel(self.arch, self.kernels, self.make_decoder_layer, self.tp_group)
+        return LlamaModel(
+            self.arch, self.kernels, self.make_decoder_layer, self.tp_group, self.stage
+        )
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
         arch, kernels, bias = self.arch, self.kernels, self.arch.attention_bias
@@ -267,13 +288,21 @@ class LlamaForCausalLM(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, attn_metadata)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        intermediate: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations:
+        """input_ids, positions: [num_tokens] int64 -> hidden states [num_tokens, hidden_size];
+        a pipeline stage after the first takes the previous one's activations instead of the
+        ids, and every stage but the last returns its (hidden, residual)."""
+        return self.model(input_ids, positions, attn_metadata, intermediate)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[n, hidden_size] -> [n, vocab_size] float32 (the full vocabulary on every rank)."""
+        """[n, hidden_size] -> [n, vocab_size] float32 (the full vocabulary on every rank of
+        the last pipeline stage)."""
+        assert self.lm_head is not None, "only the last pipeline stage computes logits"
         return self.lm_head(hidden_states)
 
     def bind_kv_caches(
@@ -282,19 +311,20 @@ class LlamaForCausalLM(nn.Module):
         split_kv_workspace: SplitKVWorkspace | None = None,
         kv_cache_groups: Sequence[int] | None = None,
     ) -> None:
-        """One cache per decoder layer, in layer order, the KV cache group of each (default: all
-        0) and the split-KV scratch they share; an empty list unbinds them all."""
-        layers = self.model.layers
-        if kv_caches and len(kv_caches) != len(layers):
+        """One cache per decoder layer of this pipeline stage, in layer order, the KV cache
+        group of each decoder layer (global layer order; default: all 0) and the split-KV
+        scratch they share; an empty list unbinds them all."""
+        layer_ids = self.stage.layer_ids
+        if kv_caches and len(kv_caches) != len(layer_ids):
             raise ValueError(
-                f"kv_caches: expected one cache per decoder layer ({len(layers)}), "
-                f"got {len(kv_caches)}"
+                f"kv_caches: expected one cache per decoder layer of this stage "
+                f"({len(layer_ids)}), got {len(kv_caches)}"
             )
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn.attn
+        for index, i in enumerate(layer_ids):
+            attn = self.model.layers[i].self_attn.attn
             if kv_caches:
                 group = 0 if kv_cache_groups is None else kv_cache_groups[i]
-                attn.bind_kv_cache(kv_caches[i], split_kv_workspace, group)
+                attn.bind_kv_cache(kv_caches[index], split_kv_workspace, group)
             else:
                 attn.kv_cache = attn.split_kv_workspace = None
 
@@ -310,5 +340,15 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Loads HF-named tensors; returns the names of the parameters fully loaded."""
-        return load_named_weights(dict(self.named_parameters()), weights, self.map_checkpoint_name)
+        """Loads HF-named tensors (those of this pipeline stage); returns the names of the
+        parameters fully loaded."""
+        return load_named_weights(dict(self.named_parameters()), weights, self._map_stage_name)
+
+    def _map_stage_name(self, name: str) -> tuple[str, Hashable] | None:
+        target = self.map_checkpoint_name(name)
+        if target is None or self.stage.holds_parameter(target[0]):
+            return target
+        if target[0] == "model.embed_tokens.weight" and self.arch.tie_word_embeddings:
+            # A last stage without the embedding holds its own copy of the tied head.
+            return ("lm_head.weight", target[1]) if self.lm_head is not None else None
+        return None

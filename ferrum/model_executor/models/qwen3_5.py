@@ -30,6 +30,12 @@ from ferrum.model_executor.layers.linear import Linear, MergedLinear
 from ferrum.model_executor.layers.rotary import RotaryEmbedding
 from ferrum.model_executor.models.llama import LlamaForCausalLM, LlamaMLP, layer_prefix
 from ferrum.model_executor.models.qwen3_moe import map_expert_name
+from ferrum.model_executor.pipeline_stage import (
+    PipelineStage,
+    StageActivations,
+    stage_input,
+    stage_output,
+)
 from ferrum.quant_config import QuantConfig
 
 if TYPE_CHECKING:
@@ -158,17 +164,18 @@ class Qwen3_5Model(nn.Module):
         self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        intermediate: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations:
+        """One pipeline stage only (the model refuses more): `intermediate` is always None."""
+        hidden, residual = stage_input(self.embed_tokens, input_ids, intermediate)
         cos, sin = self.rotary_emb(positions)
-        residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
-        if residual is None:
-            return self.norm(hidden)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return stage_output(self.norm, hidden, residual)
 
 
 class Qwen3_5ForCausalLM(LlamaForCausalLM):
@@ -180,7 +187,13 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
         tp_group: TensorParallelGroup | None = None,
         enable_expert_parallel: bool = False,
         quant_config: QuantConfig | None = None,
+        pipeline_stage: PipelineStage | None = None,
     ) -> None:
+        if pipeline_stage is not None and pipeline_stage.size > 1:
+            raise ValueError(
+                f"pipeline_parallel_size: {arch.architecture} runs on one GPU only for now, got "
+                f"{pipeline_stage.size}"
+            )
         if tp_group is not None and tp_group.world_size > 1:
             raise ValueError(
                 f"tensor_parallel_size: {arch.architecture} runs on one GPU only for now, got "

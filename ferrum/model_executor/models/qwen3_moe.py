@@ -17,6 +17,7 @@ from ferrum.model_executor.layers.linear import Linear
 from ferrum.model_executor.layers.quantization import get_moe_method
 from ferrum.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP, layer_prefix
 from ferrum.model_executor.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
+from ferrum.model_executor.pipeline_stage import PipelineStage
 from ferrum.quant_config import QuantConfig
 
 # Per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`, and `.weight_scale_inv` in FP8
@@ -69,6 +70,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         tp_group: TensorParallelGroup | None = None,
         enable_expert_parallel: bool = False,
         quant_config: QuantConfig | None = None,
+        pipeline_stage: PipelineStage | None = None,
     ) -> None:
         if arch.num_experts < 1:
             raise ValueError(f"num_experts: missing from config.json ({arch.architecture})")
@@ -78,6 +80,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             tp_group=tp_group,
             enable_expert_parallel=enable_expert_parallel,
             quant_config=quant_config,
+            pipeline_stage=pipeline_stage,
         )
 
     def make_decoder_layer(self, layer_idx: int) -> nn.Module:
