@@ -219,9 +219,12 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("reuse KV blocks of shared prompt prefixes")
     )
-    # Linear-attention (recurrent) states can only be reused where a snapshot was kept.
+    # Linear-attention (recurrent) states can only be reused where a snapshot was kept. A prompt
+    # keeps a snapshot at most per prefill chunk (its last boundary), whatever the interval; a
+    # shorter interval leaves a hit fewer tokens to recompute (benchmarks/RESULTS.md: 64 tokens
+    # gives a 5.8x TTFT hit on Qwen3.5-35B-A3B, 256 tokens 3.7x).
     recurrent_snapshot_interval: int = field(
-        default=256,
+        default=64,
         metadata=_help(
             "tokens between the positions where a prefix-cache snapshot of a linear-attention "
             "layer's state may be kept (rounded up to whole blocks, at least 2)"

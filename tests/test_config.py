@@ -145,7 +145,7 @@ def test_parallel_config_must_split_the_model_exactly(tiny_checkpoint) -> None:
 def test_recurrent_snapshot_interval_rounds_up_to_whole_blocks() -> None:
     from ferrum.config import snapshot_interval_blocks
 
-    assert snapshot_interval_blocks(CacheConfig(block_size=16)) == 16  # 256 tokens
+    assert snapshot_interval_blocks(CacheConfig(block_size=16)) == 4  # 64 tokens
     assert snapshot_interval_blocks(CacheConfig(block_size=16, recurrent_snapshot_interval=40)) == 3
     assert snapshot_interval_blocks(CacheConfig(block_size=16, recurrent_snapshot_interval=1)) == 2
     with pytest.raises(ValueError, match="recurrent_snapshot_interval: must be an integer >= 1"):
