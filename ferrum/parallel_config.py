@@ -18,7 +18,8 @@ MAX_DATA_PARALLEL_SIZE = 64
 class ParallelConfig:
     """How one model is spread over the devices: data_parallel_size replicas of world_size =
     pipeline_parallel_size * tensor_parallel_size ranks each (replica i on devices i * world_size
-    ... (i + 1) * world_size - 1 of its host with "mp"). Rank r is tensor-parallel rank
+    ... (i + 1) * world_size - 1 of its host with "mp"; on the GPUs Ray gives it, on any node,
+    with "ray"). Rank r is tensor-parallel rank
     r % tensor_parallel_size of pipeline stage r // tensor_parallel_size. Construction resolves
     distributed_executor_backend None: "uni" (in process) for one rank, "mp" (one process per
     rank) for more."""
@@ -44,7 +45,8 @@ class ParallelConfig:
         default=1,
         metadata=_help(
             "engine cores (replicas) behind one front end, each with its own "
-            "tensor_parallel_size GPUs; requests go to the least loaded"
+            "tensor_parallel_size x pipeline_parallel_size GPUs (on this node with mp, on any "
+            "node of the Ray cluster with ray); requests go to the least loaded"
         ),
     )
     distributed_executor_backend: str | None = field(
@@ -100,12 +102,6 @@ class ParallelConfig:
                 "distributed_executor_backend",
                 f"'uni' runs one rank; tensor_parallel_size={tp} x pipeline_parallel_size={pp} "
                 "needs 'mp' or 'ray'",
-            )
-        if backend == "ray" and dp > 1:
-            raise _fail(
-                "distributed_executor_backend",
-                f"'ray' with data_parallel_size={dp} is not supported (replicas run on this "
-                "node only, with 'mp' or 'uni')",
             )
         object.__setattr__(self, "distributed_executor_backend", backend)
 

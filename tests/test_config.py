@@ -71,6 +71,8 @@ def test_parallel_config_resolves_the_executor_backend() -> None:
     assert pipelined.distributed_executor_backend == "mp"
     assert (pipelined.world_size, pipelined.output_rank) == (6, 4)
     assert ParallelConfig(pipeline_parallel_size=2).distributed_executor_backend == "mp"
+    ray_replicas = ParallelConfig(data_parallel_size=2, distributed_executor_backend="ray")
+    assert ray_replicas.distributed_executor_backend == "ray"
 
 
 @pytest.mark.parametrize(
@@ -83,10 +85,6 @@ def test_parallel_config_resolves_the_executor_backend() -> None:
         (
             {"pipeline_parallel_size": 2, "distributed_executor_backend": "uni"},
             "distributed_executor_backend: 'uni' runs one rank",
-        ),
-        (
-            {"data_parallel_size": 2, "distributed_executor_backend": "ray"},
-            "distributed_executor_backend: 'ray' with data_parallel_size=2 is not supported",
         ),
         (
             {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"},

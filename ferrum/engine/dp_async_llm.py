@@ -20,7 +20,7 @@ from ferrum.config import EngineConfig
 from ferrum.engine.async_llm import AsyncLLM, EngineDeadError
 from ferrum.engine.core_messages import CoreInfo, SchedulerStats
 from ferrum.engine.core_stats import sum_replica_stats
-from ferrum.engine.dp_router import ReplicaRouter, replica_config
+from ferrum.engine.dp_router import ReplicaRouter, replica_config, shared_ray_cluster
 from ferrum.engine.input_processor import InputProcessor, PromptType
 from ferrum.engine.request_stream import RequestStream
 from ferrum.logger import init_logger
@@ -38,6 +38,7 @@ class DPAsyncLLM:
         self.config = config
         self.recovery_config = recovery_config or EngineRecoveryConfig()
         num_replicas = config.parallel_config.data_parallel_size
+        self._ray_cluster = shared_ray_cluster(config)
         first = AsyncLLM(replica_config(config, 0), self.recovery_config)
         self.replicas = [first] + [
             AsyncLLM(replica_config(config, i), self.recovery_config, share_with=first)
@@ -114,6 +115,8 @@ class DPAsyncLLM:
         for watcher in self._watchers:
             watcher.cancel()
         await asyncio.gather(*(r.shutdown() for r in self.replicas))
+        if self._ray_cluster is not None:
+            self._ray_cluster.release()
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from ferrum.engine.core_messages import (
     SchedulerStats,
 )
 from ferrum.engine.core_stats import sum_replica_stats
-from ferrum.engine.dp_router import ReplicaRouter, replica_config
+from ferrum.engine.dp_router import ReplicaRouter, replica_config, shared_ray_cluster
 from ferrum.engine.grammar_frontend import tokenizer_info_builder
 from ferrum.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from ferrum.engine.output_processor import OutputProcessor
@@ -37,6 +37,7 @@ from ferrum.request import RequestStatus
 from ferrum.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from ferrum.executor.ray_cluster import SharedRayCluster
     from ferrum.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
@@ -64,6 +65,7 @@ class DataParallelLLMEngine:
         self._request_counter = itertools.count()
         # (replica, message) from every core's receiving thread, in arrival order.
         self._inbox: queue.SimpleQueue[tuple[int, FromCore]] = queue.SimpleQueue()
+        self._ray_cluster = shared_ray_cluster(config)
         self._clients = [
             EngineCoreClient(replica_config(config, i), functools.partial(_put, self._inbox, i))
             for i in range(num_replicas)
@@ -71,7 +73,9 @@ class DataParallelLLMEngine:
         self._stats: list[SchedulerStats | None] = [None] * num_replicas
         self._num_kv_blocks = [0] * num_replicas
         # The core processes stop when this engine is collected or the interpreter exits.
-        self._finalizer = weakref.finalize(self, _shutdown_all, self._clients, self.grammars)
+        self._finalizer = weakref.finalize(
+            self, _shutdown_all, self._clients, self.grammars, self._ray_cluster
+        )
         for client in self._clients:
             client.start()
         try:
@@ -201,7 +205,13 @@ def _put(inbox: queue.SimpleQueue[tuple[int, FromCore]], replica: int, message: 
     inbox.put((replica, message))
 
 
-def _shutdown_all(clients: list[EngineCoreClient], grammars: StructuredOutputManager) -> None:
+def _shutdown_all(
+    clients: list[EngineCoreClient],
+    grammars: StructuredOutputManager,
+    ray_cluster: SharedRayCluster | None,
+) -> None:
     for client in clients:
         client.shutdown()
     grammars.shutdown()
+    if ray_cluster is not None:
+        ray_cluster.release()

@@ -16,8 +16,12 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ferrum.config import EngineConfig
+
+if TYPE_CHECKING:
+    from ferrum.executor.ray_cluster import SharedRayCluster
 
 # How many more open completions than the least loaded replica a replica may have and still
 # get a request whose first prompt block it saw recently.
@@ -106,11 +110,23 @@ class ReplicaRouter:
         return tuple(prompt_token_ids[: self.block_size])
 
 
+def shared_ray_cluster(config: EngineConfig) -> SharedRayCluster | None:
+    """With the Ray backend, the one cluster every replica's core joins (held by the front end
+    until its cores stop); None otherwise."""
+    if config.parallel_config.distributed_executor_backend != "ray":
+        return None
+    from ferrum.executor.ray_cluster import SharedRayCluster
+
+    return SharedRayCluster()
+
+
 def replica_config(config: EngineConfig, replica: int) -> EngineConfig:
-    """The config of replica `replica`'s core: on CUDA its own devices (cuda:i * tp onward from
-    the configured index); on the CPU, the same CPU."""
+    """The config of replica `replica`'s core: on CUDA its own devices (cuda:i * world_size
+    onward from the configured index); on the CPU, and with Ray (which gives each replica's
+    ranks their GPUs), the same config."""
     device = config.device_config.device
-    if not device.startswith("cuda") or replica == 0:
+    ray = config.parallel_config.distributed_executor_backend == "ray"
+    if not device.startswith("cuda") or replica == 0 or ray:
         return config
     base = int(device.partition(":")[2] or "0")
     first = base + replica * config.parallel_config.world_size

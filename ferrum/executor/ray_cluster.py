@@ -5,6 +5,7 @@ releasing actors and groups."""
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 from ferrum.logger import init_logger
@@ -34,6 +35,33 @@ def connect(ray: Any) -> bool:
         return False
     ray.init(include_dashboard=False)
     return True
+
+
+class SharedRayCluster:
+    """The cluster every data-parallel replica's engine core joins: the front end connects to it
+    (or starts a local instance, as `connect` does) and, until `release`, puts its address in
+    RAY_ADDRESS, where Ray's `ray.init()` in each core process it starts looks (spawned
+    processes inherit the environment). Without it every core would start its own local
+    instance, each counting the node's GPUs as its own."""
+
+    def __init__(self) -> None:
+        ray = import_ray()
+        self._connected_here = connect(ray)
+        self.address: str = ray.get_runtime_context().gcs_address
+        self._previous = os.environ.get("RAY_ADDRESS")
+        os.environ["RAY_ADDRESS"] = self.address
+        logger.info("data-parallel replicas join the Ray cluster at %s", self.address)
+
+    def release(self) -> None:
+        """Restores RAY_ADDRESS and disconnects (stopping a local instance started here); safe
+        to call twice. Call it after the replicas' cores have stopped."""
+        if self._previous is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = self._previous
+        if self._connected_here:
+            self._connected_here = False
+            import_ray().shutdown()
 
 
 def reserve(ray: Any, bundles: list[dict[str, float]]) -> Any:

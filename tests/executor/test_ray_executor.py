@@ -18,6 +18,7 @@ from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.executor import WorkerDiedError, WorkerStepError, ray_cluster
 from ferrum.sampling_params import StructuredOutputsParams
+from tests.utils.processes import wait_until
 from tests.utils.tiny_llm import greedy, make_llm, random_prompts
 
 ray = pytest.importorskip("ray")
@@ -154,6 +155,41 @@ def test_killed_actor_fails_the_step_and_wakes_the_idle_core(checkpoint: str) ->
     finally:
         engine.core.shutdown()  # after a failure too
     assert_released(executor)
+
+
+def test_data_parallel_replicas_share_the_cluster_and_keep_their_requests(
+    checkpoint: str,
+) -> None:
+    # Two replica cores (processes) of two actors each join this process's Ray instance.
+    from ferrum.engine.dp_llm_engine import DataParallelLLMEngine
+
+    prompts = random_prompts(PROMPT_LENGTHS, seed=5)
+    expected = greedy(make_llm(checkpoint, **ENGINE), prompts)
+    llm = ray_llm(checkpoint, data_parallel_size=2)
+    engine = llm.llm_engine
+    assert isinstance(engine, DataParallelLLMEngine)
+    try:
+        # Both replicas' four actors hold this instance's CPUs, not instances of their own.
+        assert ray.available_resources().get("CPU", 0.0) == pytest.approx(2 - 4 * 0.25)
+        assert greedy(llm, prompts) == expected
+        served = [s.iteration_tokens_sum for s in engine.replica_stats()]  # type: ignore[union-attr]
+        assert all(n > 0 for n in served), served
+        # An abort frees the blocks of the replica that holds the request.
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        engine.add_request("held", {"prompt_token_ids": prompts[0]}, params)
+        replica = engine.router.replica_of("held")
+        for _ in range(100):
+            engine.step()
+            stats = engine.replica_stats()[replica]
+            if stats is not None and stats.kv_cache_usage > 0:
+                break
+        engine.abort_request("held")
+        assert engine.router.load(replica) == 0
+        greedy(llm, prompts[:2])  # the core frees the aborted blocks before its next step
+        assert [s.kv_cache_usage for s in engine.replica_stats()] == [0.0, 0.0]  # type: ignore[union-attr]
+    finally:
+        engine.shutdown()
+    wait_until(lambda: ray.available_resources().get("CPU") == 2.0, 30, "the actors released")
 
 
 def test_a_group_no_node_can_hold_fails_naming_the_free_resources(

@@ -100,3 +100,30 @@ def test_sigterm_stops_every_process(server: RemoteServer) -> None:
     processes = descendant_pids(server.process.pid)
     assert server.stop(signal.SIGTERM) == 0, server.log()
     wait_gone(processes)
+
+
+def test_data_parallel_replicas_on_one_shared_cluster(
+    tmp_path_factory: pytest.TempPathFactory, expected_texts: list[str]
+) -> None:
+    # The server starts one Ray instance; both replicas' cores join it (a core that started
+    # its own would hold a second instance below it).
+    args = ["-dp", "2", "--distributed-executor-backend", "ray", "--max-model-len", "512"]
+    remote = RemoteServer(args, tmp_path_factory.mktemp("ray_dp") / "server.log")
+    try:
+        cores = [p for p in descendant_pids(remote.process.pid) if b"spawn_main" in _cmdline(p)]
+        assert len(cores) == 2
+        for core in cores:
+            assert not [p for p in descendant_pids(core) if b"raylet" in _cmdline(p)]
+        assert len(actor_pids(remote)) == 2
+        client = remote.client()
+        for i in range(2):
+            completion = client.completions.create(
+                model=DEFAULT_MODEL_NAME, prompt=prompt_of(i), max_tokens=MAX_TOKENS, temperature=0
+            )
+            assert completion.choices[0].text == expected_texts[i]
+        metrics = httpx.get(remote.url + "/metrics", timeout=10).text
+        assert 'engine="0"' in metrics and 'engine="1"' in metrics
+    finally:
+        processes = descendant_pids(remote.process.pid)
+        assert remote.stop(signal.SIGTERM) == 0, remote.log()
+        wait_gone(processes)
