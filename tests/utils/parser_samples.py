@@ -56,7 +56,8 @@ class Sample:
     text: str
     reasoning: str
     content: str
-    calls: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    # (name, arguments): a dict, or the exact text of arguments that are not valid JSON.
+    calls: list[tuple[str, dict[str, Any] | str]] = field(default_factory=list)
     starts_in_reasoning: bool = False
 
 
@@ -113,17 +114,25 @@ HERMES_SAMPLES = [
         [_WEATHER_PARIS, _SEARCH, ("get_time", {})],
     ),
     Sample(
-        "malformed-call-is-content",
-        'Trying.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>\nok',
+        "malformed-body-is-content",
+        'Trying.\n<tool_call>\n{"name": "get_weather" "arguments": {"city": "x"}}\n</tool_call>\nok',
         "",
-        'Trying.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>\nok',
+        'Trying.\n<tool_call>\n{"name": "get_weather" "arguments": {"city": "x"}}\n</tool_call>\nok',
     ),
     Sample(
-        "cut-off-call-is-content",
+        "started-call-keeps-invalid-arguments-as-written",
+        'Trying.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>\nok',
+        "",
+        "Trying.\nok",
+        [("get_weather", '{"city": }')],
+    ),
+    Sample(
+        "cut-off-call-keeps-its-arguments-so-far",
         '<think>\nsearch it\n</think>\n\nSure <tool_call>\n{"name": "search", "arguments": '
         '{"query": "unfinished',
         "search it",
-        'Sure <tool_call>\n{"name": "search", "arguments": {"query": "unfinished',
+        "Sure",
+        [("search", '{"query": "unfinished')],
     ),
     Sample(
         "unclosed-complete-call",
@@ -227,10 +236,18 @@ QWEN3_CODER_SAMPLES = [
         [("unknown_tool", {"n": "5", "flag": "true"})],
     ),
     Sample(
-        "stray-text-in-function-is-content",
-        "<tool_call>\n<function=get_weather>\nstray text\n</function>\n</tool_call>",
+        "stray-text-in-function-ends-its-parameters",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\nstray text\n"
+        "<parameter=days>\n4\n</parameter>\n</function>\n</tool_call>",
         "",
-        "<tool_call>\n<function=get_weather>\nstray text\n</function>\n</tool_call>",
+        "",
+        [("get_weather", {"city": "Oslo"})],
+    ),
+    Sample(
+        "no-function-tag-is-content",
+        "<tool_call>\nstray <function=get_weather>\n</function>\n</tool_call>",
+        "",
+        "<tool_call>\nstray <function=get_weather>\n</function>\n</tool_call>",
     ),
     Sample(
         "missing-parameter-close",
@@ -255,10 +272,11 @@ QWEN3_CODER_SAMPLES = [
         "Write <function=f> or <parameter=x> in docs; <tool_ is fine.",
     ),
     Sample(
-        "cut-off-call-is-content",
+        "cut-off-call-keeps-its-parameters-so-far",
         "Searching.\n<tool_call>\n<function=search>\n<parameter=query>\nhello wor",
         "",
-        "Searching.\n<tool_call>\n<function=search>\n<parameter=query>\nhello wor",
+        "Searching.",
+        [("search", {"query": "hello wor"})],
     ),
     Sample(
         "starts-in-reasoning-call-then-text",

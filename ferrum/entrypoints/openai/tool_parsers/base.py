@@ -5,12 +5,16 @@ A parser instance serves one response. Invariants, for every parser:
   `extract_tool_calls_streaming` and then calling `finish()` yields exactly the content and the
   calls that `extract_tool_calls` finds in the whole text. Nothing is lost or repeated: a tail
   that could still become a tag is held back until the next piece (or `finish`) decides.
-- A call block that does not parse is content, verbatim; parsing never raises on model output.
+- A block whose body starts with a complete call header (`stream_call`: hermes
+  `{"name": "f", "arguments": {`, qwen3_coder `<function=f>`) is a call from then on: its name
+  goes out at once and its arguments as the model writes them, whatever follows (arguments the
+  model leaves unfinished or writes as invalid JSON stay so, as with OpenAI's API).
+- Any other block is decided when it closes: a block that does not parse is content, verbatim.
+  Parsing never raises on model output.
 - Content is every character outside the parsed call blocks, except the whitespace just before a
   parsed block and the whitespace between parsed blocks or after the last one (the separators the
   model writes around calls); whitespace between a block and later text is kept.
-- A call is released (name, then its arguments) once its closing tag has arrived, because only
-  then is it known to parse; arguments are JSON text of an object, identical in both modes.
+- Arguments are JSON text of an object (or the model's attempt at one), identical in both modes.
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ class DeltaToolCall:
     id: str | None = None
     name: str | None = None
     arguments: str = ""
+
+
+@dataclass(slots=True, frozen=True)
+class StreamedCall:
+    """A call block's function name and the argument text its body makes certain so far."""
+
+    name: str
+    arguments: str
 
 
 @dataclass(slots=True)
@@ -100,10 +112,21 @@ class ToolParser(ABC):
         self._after_call = False  # a parsed call and at most whitespace since: the end drops it
         self._num_calls = 0
         self._finished = False
+        # The open block's call once its header streamed (its index), and argument chars sent.
+        self._streamed_index: int | None = None
+        self._streamed_len = 0
 
     @abstractmethod
     def parse_call(self, body: str) -> tuple[str, dict[str, Any]] | None:
         """(function name, arguments) of one call block's body, or None if it does not parse."""
+
+    def stream_call(self, body: str, final: bool) -> StreamedCall | None:
+        """The call an open block's `body` (so far) makes certain, once its header is complete:
+        the name, and the argument text known now (all of it when `final`: the block ended
+        there). None while the header is incomplete or when the block does not start with one
+        (then `parse_call` decides it when it closes). Must be a prefix property: once a body
+        gives a call, every longer body gives the same name and arguments that extend these."""
+        return None
 
     @classmethod
     @abstractmethod
@@ -159,6 +182,10 @@ class ToolParser(ABC):
         if self._in_call:
             end = self._buffer.find(self.END_TAG)
             if end < 0:
+                keep = partial_tag_len(self._buffer, self.END_TAG)
+                call = self.stream_call(self._buffer[: len(self._buffer) - keep], final=False)
+                if call is not None:
+                    self._emit_streamed(call, out)
                 return False
             body = self._buffer[:end]
             self._buffer = self._buffer[end + len(self.END_TAG) :]
@@ -183,8 +210,31 @@ class ToolParser(ABC):
             out.content += body
             self._after_call = False
 
+    def _emit_streamed(self, call: StreamedCall, out: ToolCallsDelta) -> None:
+        """Sends the header of a call the first time, then the argument text not sent yet."""
+        if self._streamed_index is None:
+            self._held_space = ""  # the separator before a call
+            self._streamed_index = self._num_calls
+            self._num_calls += 1
+            self._streamed_len = 0
+            out.tool_calls.append(
+                DeltaToolCall(self._streamed_index, make_tool_call_id(), call.name, "")
+            )
+        if len(call.arguments) > self._streamed_len:
+            fragment = call.arguments[self._streamed_len :]
+            out.tool_calls.append(DeltaToolCall(self._streamed_index, arguments=fragment))
+            self._streamed_len = len(call.arguments)
+
     def _close_call(self, body: str, out: ToolCallsDelta, closed: bool) -> None:
         self._in_call = False
+        call = self.stream_call(body, final=True)
+        if call is not None:
+            self._emit_streamed(call, out)
+            self._streamed_index = None
+            self._held_space = ""
+            self._after_call = True
+            return
+        assert self._streamed_index is None, "stream_call must be a prefix property"
         # A second start tag inside the block means the first block was never closed.
         restart = body.rfind(self.START_TAG)
         if restart >= 0:

@@ -4,26 +4,73 @@
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-Accepted: any whitespace around the object; `arguments` as an object, as a string holding a JSON
-object, or absent (no arguments); other keys are ignored. Refused (the block stays content): a body
+A body that starts `{"name": <string>, "arguments": {` (any whitespace between the tokens) streams:
+the name goes out at once and the arguments object's text as it arrives, up to the brace that
+closes it (or the end of the block, if none does). Other bodies are decided when the block closes.
+Accepted there: `arguments` as an object, as a string holding a JSON object, or absent (no
+arguments), keys in any order; other keys are ignored. Refused (the block stays content): a body
 that is not one JSON object, a missing or non-string `name`, arguments that are not an object.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from ferrum.entrypoints.openai.tool_parsers.base import (
     GRAMMAR_MAX_WHITESPACE,
+    StreamedCall,
     ToolParser,
     loads_strict_json,
 )
 
+# `{"name": "<name>", "arguments": ` followed by the arguments object's `{`.
+_STREAMED_HEADER = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\{)'
+)
+
+
+def json_object_end(text: str, start: int) -> int | None:
+    """The index just past the brace closing the JSON object that opens at `text[start]`, or
+    None if `text` ends first (strings and escapes respected)."""
+    depth = 0
+    in_string = escaped = False
+    for i in range(start, len(text)):
+        char = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+
+    def stream_call(self, body: str, final: bool) -> StreamedCall | None:
+        header = _STREAMED_HEADER.match(body)
+        if header is None:
+            return None
+        try:
+            name = json.loads(header.group(1))
+        except ValueError:
+            return None
+        start = header.end()
+        end = json_object_end(body, start)
+        return StreamedCall(name, body[start:end] if end is not None else body[start:])
 
     def parse_call(self, body: str) -> tuple[str, dict[str, Any]] | None:
         try:

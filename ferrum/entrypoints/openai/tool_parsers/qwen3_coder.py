@@ -16,18 +16,26 @@ function's parameter schema names: `string` stays text; `integer`, `number`, `bo
 `object` and `array` are parsed as JSON (booleans case-insensitively) and kept as text when they do
 not parse as that type; an `enum`/`const` value is the member it spells (blanks around it
 ignored), else text. Parameters the schema does not know, and functions not in `tools`, keep
-text values. Accepted: a missing `</parameter>` (the next `<parameter=` or `</function>` closes it).
-Refused (the block stays content): no `<function=NAME>` or no `</function>` (a cut-off call), text
-outside the parameter elements. A value cannot contain the text `<parameter=` or `</parameter>`.
+text values. A missing `</parameter>` is accepted (the next `<parameter=` or `</function>` closes
+it). A value cannot contain the text `<parameter=` or `</parameter>`.
+
+Streaming: a block is a call once `<function=NAME>` is complete (NAME without `<` or a newline);
+the name goes out then, and the arguments as a JSON object built one parameter at a time: `{"a": 1`
+when the first parameter ends, `, "b": "x"` when the next does, `}` when the block ends (a
+cut-off call keeps the parameters it finished; text outside the parameter elements ends them). The
+pieces join to the JSON of the whole call. A block that does not start with `<function=NAME>` is
+content.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from ferrum.entrypoints.openai.tool_parsers.base import (
     GRAMMAR_MAX_WHITESPACE,
+    StreamedCall,
     ToolParser,
     loads_strict_json,
 )
@@ -106,6 +114,39 @@ def convert_parameter(value: str, schema: Any) -> Any:
     return value
 
 
+def _finished_parameters(rest: str, final: bool) -> list[tuple[str, str]]:
+    """The (name, raw value) of each parameter element of a call's `rest` (after
+    `<function=NAME>`) that has ended: at its `</parameter>`, the next `<parameter=` or
+    `</function>`, or, when `final`, the end of the block. Stops at `</function>` and at text
+    outside the elements."""
+    parameters: list[tuple[str, str]] = []
+    at = 0
+    while True:
+        while at < len(rest) and rest[at].isspace():
+            at += 1
+        if not rest.startswith(_PARAMETER_OPEN, at):
+            return parameters  # the end, `</function>`, other text, or a tag still arriving
+        name_end = rest.find(">", at)
+        if name_end < 0:
+            return parameters
+        parameter = rest[at + len(_PARAMETER_OPEN) : name_end].strip()
+        if not parameter or "\n" in parameter:
+            return parameters
+        value_start = name_end + 1
+        ends = [
+            (found, found + len(tag) if tag == _PARAMETER_CLOSE else found)
+            for tag in (_PARAMETER_CLOSE, _PARAMETER_OPEN, _FUNCTION_CLOSE)
+            if (found := rest.find(tag, value_start)) >= 0
+        ]
+        if ends:
+            value_end, at = min(ends)
+        elif final:
+            value_end = at = len(rest)
+        else:
+            return parameters  # its value may go on
+        parameters.append((parameter, _strip_one_newline(rest[value_start:value_end])))
+
+
 def _strip_one_newline(value: str) -> str:
     if value.startswith("\n"):
         value = value[1:]
@@ -114,8 +155,33 @@ def _strip_one_newline(value: str) -> str:
     return value
 
 
+def _json_member(key: str, value: Any) -> str:
+    return f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
+
+
 class Qwen3CoderToolParser(ToolParser):
     name = "qwen3_coder"
+
+    def stream_call(self, body: str, final: bool) -> StreamedCall | None:
+        text = body.lstrip()
+        if not text.startswith(_FUNCTION_OPEN):
+            return None
+        name_end = text.find(">")
+        if name_end < 0:
+            return None
+        name = text[len(_FUNCTION_OPEN) : name_end].strip()
+        if not name or "\n" in name or "<" in name:
+            return None
+        properties = self.functions.get(name, {}).get("properties")
+        properties = properties if isinstance(properties, Mapping) else {}
+        members = [
+            _json_member(parameter, convert_parameter(value, properties.get(parameter)))
+            for parameter, value in _finished_parameters(text[name_end + 1 :], final)
+        ]
+        arguments = "{" + ", ".join(members) if members else ""
+        if final:
+            arguments = (arguments or "{") + "}"
+        return StreamedCall(name, arguments)
 
     def parse_call(self, body: str) -> tuple[str, dict[str, Any]] | None:
         text = body.strip()

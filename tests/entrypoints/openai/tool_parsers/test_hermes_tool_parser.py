@@ -35,7 +35,6 @@ def _calls(text: str) -> tuple[str, list[tuple[str, object]]]:
         '{"name": 3, "arguments": {}}',
         '{"name": "f", "arguments": [1]}',
         '{"name": "f", "arguments": "not json"}',
-        '{"name": "f", "arguments": {"x": NaN}}',
         '{"name": "f"} trailing',
         "{" * 5000 + "}" * 5000,
     ],
@@ -43,6 +42,33 @@ def _calls(text: str) -> tuple[str, list[tuple[str, object]]]:
 def test_bodies_that_do_not_parse_stay_content(body: str) -> None:
     text = f"a <tool_call>{body}</tool_call> b"
     assert _calls(text) == (text, [])
+
+
+def test_a_started_call_keeps_its_arguments_as_written() -> None:
+    # The header committed the call: invalid or cut-off arguments are not turned into content.
+    parser = HermesToolParser()
+    content, calls = parser.extract_tool_calls(
+        'a <tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call> b'
+    )
+    assert (content, [(c.name, c.arguments) for c in calls]) == ("a b", [("f", '{"x": NaN}')])
+    content, calls = parser.extract_tool_calls('<tool_call>{"name": "f", "arguments": {"x": [1, ')
+    assert (content, [(c.name, c.arguments) for c in calls]) == ("", [("f", '{"x": [1, ')])
+
+
+def test_arguments_stream_as_they_arrive_name_first() -> None:
+    arguments = json.dumps({"query": "a long question " * 4, "filters": {"n": [1, 2, 3]}})
+    text = f'Sure.\n<tool_call>\n{{"name": "search", "arguments": {arguments}}}\n</tool_call>'
+    parser = HermesToolParser()
+    deltas = []
+    for char in text:
+        deltas += parser.extract_tool_calls_streaming(char).tool_calls
+    deltas += parser.finish().tool_calls
+    assert deltas[0].name == "search" and deltas[0].arguments == ""
+    fragments = [d.arguments for d in deltas[1:]]
+    assert all(d.name is None and d.index == 0 for d in deltas[1:])
+    assert len(fragments) == len(arguments)  # one per character: nothing waits for the end
+    assert "".join(fragments) == arguments
+    assert HermesToolParser().extract_tool_calls(text)[1][0].arguments == arguments
 
 
 def test_accepted_call_shapes() -> None:

@@ -76,18 +76,45 @@ def test_values_lose_one_newline_each_side_only() -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        "<function=f>\n<parameter=s>\nx\n</parameter>\n",  # no </function>
         "<function=>\n</function>",
         "<function=f\n</function>",
-        "<function=f>\ntext\n</function>",
-        "<function=f>\n<parameter=>\nx\n</parameter>\n</function>",
-        "<function=f>\n<parameter=s\n</function>",
         "junk <function=f>\n</function>",
     ],
 )
-def test_blocks_that_do_not_parse_stay_content(body: str) -> None:
+def test_blocks_without_a_function_tag_stay_content(body: str) -> None:
     text = f"x<tool_call>\n{body}\n</tool_call>"
     assert _calls(text) == (text, [])
+
+
+@pytest.mark.parametrize(
+    ("body", "arguments"),
+    [
+        ("<function=f>\n<parameter=s>\nx\n</parameter>\n", {"s": "x"}),  # no </function>
+        ("<function=f>\ntext\n</function>", {}),
+        ("<function=f>\n<parameter=>\nx\n</parameter>\n</function>", {}),
+        ("<function=f>\n<parameter=s\n</function>", {}),
+        ("<function=f>\n<parameter=a>\n1\n</parameter>\njunk\n<parameter=b>\n2", {"a": "1"}),
+    ],
+)
+def test_a_started_call_keeps_the_parameters_it_finished(body: str, arguments: dict) -> None:
+    assert _calls(f"x<tool_call>\n{body}\n</tool_call>") == ("x", [("f", arguments)])
+
+
+def test_arguments_stream_one_parameter_at_a_time() -> None:
+    text = (
+        "<tool_call>\n<function=f>\n<parameter=s>\nParis\n</parameter>\n"
+        "<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    parser = Qwen3CoderToolParser(TOOLS)
+    deltas = []
+    for char in text:
+        deltas += parser.extract_tool_calls_streaming(char).tool_calls
+    deltas += parser.finish().tool_calls
+    assert (deltas[0].name, deltas[0].arguments) == ("f", "")
+    assert [d.arguments for d in deltas[1:]] == ['{"s": "Paris"', ', "n": 3', "}"]
+    assert Qwen3CoderToolParser(TOOLS).extract_tool_calls(text)[1][0].arguments == (
+        '{"s": "Paris", "n": 3}'
+    )
 
 
 def test_call_format_is_the_syntax_the_parser_reads() -> None:
