@@ -29,7 +29,8 @@ from ferrum.executor.messages import (
     WorkerDone,
 )
 from ferrum.executor.step_profiler import StepProfiler
-from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
+from ferrum.model_executor.model_runner import ModelRunner
+from ferrum.model_executor.runner_state import LaunchedStep
 from ferrum.structured_output import FilledBitmaskRow
 
 

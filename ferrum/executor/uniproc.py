@@ -8,7 +8,8 @@ import torch
 
 from ferrum.config import EngineConfig
 from ferrum.executor.abstract import Executor
-from ferrum.model_executor.model_runner import LaunchedStep, ModelRunner
+from ferrum.model_executor.model_runner import ModelRunner
+from ferrum.model_executor.runner_state import LaunchedStep
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.structured_output import StructuredOutputMatcher
 

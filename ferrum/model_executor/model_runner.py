@@ -13,8 +13,7 @@ forward runs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +24,7 @@ from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.kv.kv_cache_spec import layer_group_ids
 from ferrum.logger import init_logger
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
+from ferrum.model_executor.gpu_memory_profile import profile_gpu_kv_budget
 from ferrum.model_executor.grammar_bitmask import GrammarBitmaskBuffers
 from ferrum.model_executor.input_batch import InputBuffers, StepInputs, profile_batch
 from ferrum.model_executor.kernel_backend import resolve_kernel_backend
@@ -37,11 +37,21 @@ from ferrum.model_executor.kv_cache_sizing import (
 from ferrum.model_executor.model_loader import load_model
 from ferrum.model_executor.pipeline_stage import pipeline_stage
 from ferrum.model_executor.prompt_logprobs import (
-    PromptLogprobsChunk,
     compute_prompt_logprobs,
     prompt_rows,
 )
-from ferrum.model_executor.sampler import Sampler, SamplerOutput, advance_sampling_generator
+from ferrum.model_executor.recurrent_slots import (
+    copy_recurrent_slots,
+    reset_recurrent_slots,
+    snapshot_copies,
+)
+from ferrum.model_executor.runner_state import (
+    CachedRequestState,
+    LaunchedStep,
+    PendingSample,
+    append_sampled,
+)
+from ferrum.model_executor.sampler import Sampler, advance_sampling_generator
 from ferrum.model_executor.sampling_metadata import (
     SamplingMetadata,
     SamplingRow,
@@ -57,7 +67,6 @@ if TYPE_CHECKING:
     from ferrum.kernels.paged_attention import SplitKVWorkspace
 
 logger = init_logger(__name__)
-_GIB = float(1 << 30)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -68,22 +77,6 @@ def torch_dtype(name: str) -> torch.dtype:
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type: the model's ("auto") or FP8 e4m3 ("fp8", "fp8_e4m3")."""
     return model_dtype if kv_cache_dtype == "auto" else FP8_KV_DTYPE
-
-
-@dataclass(slots=True)
-class CachedRequestState:
-    req_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    # prompt + output tokens; positions [num_computed_tokens, len) still need a forward.
-    token_ids: list[int]
-    params: SamplingParams
-    # One block table per KV cache group.
-    block_ids: tuple[list[int], ...]
-    num_computed_tokens: int
-    generator: torch.Generator | None
-    # Sampled by launched steps and not yet completed (appended to token_ids on completion).
-    num_output_placeholders: int = 0
 
 
 class ModelRunner:
@@ -225,7 +218,7 @@ class ModelRunner:
         elif cfg.cache_config.kv_cache_memory_bytes is not None:
             budget = cfg.cache_config.kv_cache_memory_bytes
         else:
-            budget = self._profile_gpu_kv_budget()
+            budget = profile_gpu_kv_budget(self)
         return num_blocks_from_budget(
             budget,
             cfg.model_config,
@@ -238,78 +231,6 @@ class ModelRunner:
             tp_size=self.tp_size,
             layer_ids=self.stage.layer_ids,
         )
-
-    @torch.inference_mode()
-    def _profile_gpu_kv_budget(self) -> int:
-        """Runs one forward + sampling at max_num_batched_tokens and measures the peak.
-
-        Budget = total * gpu_memory_utilization - weights - activation peak - CUDA-graph pool
-        (estimated as the activations of a max_num_seqs-token forward) - non-torch memory.
-        """
-        sched = self.config.scheduler_config
-        free_before, total = torch.cuda.mem_get_info(self.device)
-        non_torch = (total - free_before) - torch.cuda.memory_reserved(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
-        num_tokens = sched.max_num_batched_tokens
-        seq_lens = []
-        while sum(seq_lens) < num_tokens:
-            seq_lens.append(min(sched.max_model_len, num_tokens - sum(seq_lens)))
-        num_blocks = sum(-(-n // self.block_size) for n in seq_lens) + 1
-        # A recurrent group needs one state slot per sequence (+ the padding slot).
-        self.initialize_kv_cache(
-            [len(seq_lens) + 1 if g.recurrent else num_blocks for g in self.kv_cache_groups]
-        )
-        temp_kv_bytes = torch.cuda.memory_allocated(self.device) - weights
-        torch.cuda.reset_peak_memory_stats(self.device)
-        requests, num_scheduled = profile_batch(
-            seq_lens, self.block_size, len(self.kv_cache_groups), self._recurrent_groups
-        )
-        batch = self.inputs.prepare(requests, num_scheduled, num_tokens, {})
-        hidden = self._run_stage(batch, num_tokens)
-        logits = None
-        if hidden is not None:  # the last stage samples
-            num_sampled = min(sched.max_num_seqs, num_tokens)
-            logits = self.model.compute_logits(hidden[:num_sampled])
-            row = SamplingRow(
-                SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [], [], None, set()
-            )
-            self.sampler(
-                logits,
-                SamplingMetadata.from_rows(
-                    [row] * num_sampled, self.vocab_size, self.sampling_staging
-                ),
-            )
-        torch.cuda.synchronize(self.device)
-        activations = torch.cuda.max_memory_allocated(self.device) - weights - temp_kv_bytes
-        self.kv_caches = []
-        self.model.bind_kv_caches([])
-        del hidden, logits, batch
-        torch.cuda.empty_cache()
-        graph_pool = (
-            int(activations * min(1.0, sched.max_num_seqs / num_tokens))
-            if self.uses_cuda_graphs()
-            else 0
-        )
-        util = self.config.cache_config.gpu_memory_utilization
-        budget = int(total * util) - weights - activations - graph_pool - non_torch
-        logger.info(
-            "memory: %.2f GiB weights, %.2f GiB activation peak at %d tokens, %.2f GiB for "
-            "CUDA graphs, %.2f GiB outside torch; %.2f GiB left for the KV cache",
-            weights / _GIB,
-            activations / _GIB,
-            num_tokens,
-            graph_pool / _GIB,
-            non_torch / _GIB,
-            max(budget, 0) / _GIB,
-        )
-        if budget <= 0:
-            raise ValueError(
-                f"the model ({weights / _GIB:.2f} GiB) and a forward of max_num_batched_tokens="
-                f"{num_tokens} ({activations / _GIB:.2f} GiB) leave no KV cache room under "
-                f"gpu_memory_utilization={util} of {total / _GIB:.1f} GiB: raise "
-                "gpu_memory_utilization or lower max_num_batched_tokens"
-            )
-        return budget
 
     def initialize_kv_cache(self, num_blocks: int | list[int]) -> None:
         """Allocates every layer's cache (`num_blocks` per layer group, or one count for all)."""
@@ -433,45 +354,17 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _reset_recurrent_states(self, slot_ids: list[int]) -> None:
-        """Zeroes the linear-attention state slots of requests starting from their first token
-        (a slot's previous owner left its state there), queued before the step's forward."""
-        if not slot_ids:
-            return
-        index = torch.tensor(slot_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        for cache in self.kv_caches:
-            if isinstance(cache, tuple):
-                for pool in cache:
-                    pool.index_fill_(0, index, 0)
+        reset_recurrent_slots(self.kv_caches, slot_ids, self.device)
 
     def _copy_recurrent_states(self, src_slots: list[int], dst_slots: list[int]) -> None:
-        """Copies the linear-attention states of slots `src_slots[i]` to `dst_slots[i]` in every
-        layer, queued on the device (all reads before any write)."""
-        if not src_slots:
-            return
-        src = torch.tensor(src_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        dst = torch.tensor(dst_slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        for cache in self.kv_caches:
-            if isinstance(cache, tuple):
-                for pool in cache:
-                    pool.index_copy_(0, dst, pool.index_select(0, src))
+        copy_recurrent_slots(self.kv_caches, src_slots, dst_slots, self.device)
 
     def _snapshot_recurrent_states(self, num_scheduled: dict[str, int]) -> None:
         """After a step's forward: a chunk that ended on a block whose state-group entry holds
         a snapshot slot (the KV manager took one there) gets its live state copied into it."""
-        src, dst = [], []
-        size = self.block_size
-        for req_id, n in num_scheduled.items():
-            state = self.requests[req_id]
-            start = state.num_computed_tokens
-            end = start + n
-            if end % size or start > end - size:
-                continue
-            for g in self._recurrent_groups:
-                table = state.block_ids[g]
-                index = end // size - 1
-                if 1 <= index < len(table) and table[index]:
-                    src.append(table[0])
-                    dst.append(table[index])
+        src, dst = snapshot_copies(
+            self.requests, num_scheduled, self.block_size, self._recurrent_groups
+        )
         self._copy_recurrent_states(src, dst)
 
     def _generator_for(
@@ -614,7 +507,7 @@ class ModelRunner:
         states = [self.requests[r] for r in inputs.sampled_req_ids]
         step = LaunchedStep(inputs.sampled_req_ids, states, None, None, prompt_chunks)
         constrained = bool(matchers) and any(r in matchers for r in step.req_ids)
-        step.pending = _PendingSample(logits, matchers if constrained else None)
+        step.pending = PendingSample(logits, matchers if constrained else None)
         if not (defer_sampling and constrained):
             self.sample(step)
         return step
@@ -688,54 +581,10 @@ class ModelRunner:
             if work is not None:
                 work.wait()
             if step.output is None:  # a stage before the last
-                return self._append_sampled(step, tokens.tolist(), None, prompt_logprobs)
+                return append_sampled(step, tokens.tolist(), None, prompt_logprobs)
         if step.output is None:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         if step.done is not None:
             step.done.synchronize()
         sampled, logprobs = step.output.to_host([s.params.logprobs for s in step.states])
-        return self._append_sampled(step, sampled, logprobs, prompt_logprobs)
-
-    @staticmethod
-    def _append_sampled(
-        step: LaunchedStep,
-        sampled: list[int],
-        logprobs: list | None,
-        prompt_logprobs: dict | None,
-    ) -> ModelRunnerOutput:
-        for state, token_id in zip(step.states, sampled):
-            state.num_output_placeholders -= 1
-            state.output_token_ids.append(token_id)
-            state.token_ids.append(token_id)
-        if logprobs is not None and all(lp is None for lp in logprobs):
-            logprobs = None
-        return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs)
-
-
-@dataclass(slots=True)
-class LaunchedStep:
-    """A step queued on the device: its sampled requests, in batch order, and the host copy of
-    its sampler output, valid once `done` (None on the CPU) has completed."""
-
-    req_ids: list[str]
-    states: list[CachedRequestState]
-    output: SamplerOutput | None
-    done: torch.cuda.Event | None
-    # prompt_logprobs of the requests whose prompt positions ran in this step.
-    prompt_logprobs: list[PromptLogprobsChunk] = field(default_factory=list)
-    # The forward's logits while the step awaits `ModelRunner.sample`.
-    pending: _PendingSample | None = None
-    # Pipeline parallelism: the buffer the last stage's sampled tokens are broadcast into, and
-    # the broadcast's handle (wait before reading).
-    token_broadcast: tuple[torch.Tensor, Any] | None = None
-
-    @property
-    def awaits_sampling(self) -> bool:
-        return self.pending is not None
-
-
-@dataclass(slots=True)
-class _PendingSample:
-    logits: torch.Tensor  # [num sampled rows, vocab]
-    # The grammars of the step's constrained requests (None when no sampled row has one).
-    matchers: dict[str, StructuredOutputMatcher] | None
+        return append_sampled(step, sampled, logprobs, prompt_logprobs)

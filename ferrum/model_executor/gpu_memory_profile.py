@@ -1,0 +1,89 @@
+"""How much GPU memory a runner can give its KV cache: one profiled forward at the largest step."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ferrum.logger import init_logger
+from ferrum.model_executor.input_batch import profile_batch
+from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow
+from ferrum.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferrum.model_executor.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+_GIB = float(1 << 30)
+
+
+@torch.inference_mode()
+def profile_gpu_kv_budget(runner: ModelRunner) -> int:
+    """Runs one forward + sampling at max_num_batched_tokens and measures the peak.
+
+    Budget = total * gpu_memory_utilization - weights - activation peak - CUDA-graph pool
+    (estimated as the activations of a max_num_seqs-token forward) - non-torch memory.
+    """
+    sched = runner.config.scheduler_config
+    free_before, total = torch.cuda.mem_get_info(runner.device)
+    non_torch = (total - free_before) - torch.cuda.memory_reserved(runner.device)
+    weights = torch.cuda.memory_allocated(runner.device)
+    num_tokens = sched.max_num_batched_tokens
+    seq_lens = []
+    while sum(seq_lens) < num_tokens:
+        seq_lens.append(min(sched.max_model_len, num_tokens - sum(seq_lens)))
+    num_blocks = sum(-(-n // runner.block_size) for n in seq_lens) + 1
+    # A recurrent group needs one state slot per sequence (+ the padding slot).
+    runner.initialize_kv_cache(
+        [len(seq_lens) + 1 if g.recurrent else num_blocks for g in runner.kv_cache_groups]
+    )
+    temp_kv_bytes = torch.cuda.memory_allocated(runner.device) - weights
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    requests, num_scheduled = profile_batch(
+        seq_lens, runner.block_size, len(runner.kv_cache_groups), runner._recurrent_groups
+    )
+    batch = runner.inputs.prepare(requests, num_scheduled, num_tokens, {})
+    hidden = runner._run_stage(batch, num_tokens)
+    logits = None
+    if hidden is not None:  # the last stage samples
+        num_sampled = min(sched.max_num_seqs, num_tokens)
+        logits = runner.model.compute_logits(hidden[:num_sampled])
+        row = SamplingRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [], [], None, set())
+        runner.sampler(
+            logits,
+            SamplingMetadata.from_rows(
+                [row] * num_sampled, runner.vocab_size, runner.sampling_staging
+            ),
+        )
+    torch.cuda.synchronize(runner.device)
+    activations = torch.cuda.max_memory_allocated(runner.device) - weights - temp_kv_bytes
+    runner.kv_caches = []
+    runner.model.bind_kv_caches([])
+    del hidden, logits, batch
+    torch.cuda.empty_cache()
+    graph_pool = (
+        int(activations * min(1.0, sched.max_num_seqs / num_tokens))
+        if runner.uses_cuda_graphs()
+        else 0
+    )
+    util = runner.config.cache_config.gpu_memory_utilization
+    budget = int(total * util) - weights - activations - graph_pool - non_torch
+    logger.info(
+        "memory: %.2f GiB weights, %.2f GiB activation peak at %d tokens, %.2f GiB for "
+        "CUDA graphs, %.2f GiB outside torch; %.2f GiB left for the KV cache",
+        weights / _GIB,
+        activations / _GIB,
+        num_tokens,
+        graph_pool / _GIB,
+        non_torch / _GIB,
+        max(budget, 0) / _GIB,
+    )
+    if budget <= 0:
+        raise ValueError(
+            f"the model ({weights / _GIB:.2f} GiB) and a forward of max_num_batched_tokens="
+            f"{num_tokens} ({activations / _GIB:.2f} GiB) leave no KV cache room under "
+            f"gpu_memory_utilization={util} of {total / _GIB:.1f} GiB: raise "
+            "gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    return budget
