@@ -1,22 +1,28 @@
 """What the executors with one process per rank share (worker processes, Ray actors): set-up
-calls that every rank answers, and a launched step's deferred matchers."""
+calls that every rank answers, and the launch and deferred sampling of a step, which differ
+only in how a message reaches the ranks and where a step's bitmask rows travel."""
 
 from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
 
-from ferrum.executor.abstract import Executor
+from ferrum.executor.abstract import Executor, WorkerStepError
 from ferrum.executor.messages import (
     CaptureCudaGraphs,
     DetermineNumKVBlocks,
     FromWorker,
+    GrammarBitmaskRows,
     InitializeKVCache,
+    InlineBitmaskRows,
+    LaunchStep,
     NumKVBlocks,
+    SampleStep,
     ToWorker,
     WarmUp,
 )
 from ferrum.logger import init_logger
+from ferrum.scheduler.output import SchedulerOutput
 from ferrum.structured_output import StructuredOutputMatcher
 
 logger = init_logger(__name__)
@@ -37,6 +43,51 @@ class MultiRankExecutor(Executor):
 
     @abstractmethod
     def _call_all(self, message: ToWorker) -> list[FromWorker | None]: ...
+
+    @abstractmethod
+    def _send_launch(self, message: LaunchStep) -> None:
+        """Queues a launch for every rank (it may travel with the next message); raises the
+        executor's failure if it has one."""
+
+    @abstractmethod
+    def _send(self, message: ToWorker) -> None:
+        """Sends a message to every rank now."""
+
+    @abstractmethod
+    def _fill_bitmask(
+        self, matchers: dict[str, StructuredOutputMatcher]
+    ) -> GrammarBitmaskRows | InlineBitmaskRows:
+        """The rows of `matchers`' requests, filled now, where the ranks can read them."""
+
+    @abstractmethod
+    def _fail(self, error: RuntimeError) -> RuntimeError:
+        """Records the first failure and stops every rank; returns the error to raise."""
+
+    def launch(
+        self,
+        scheduler_output: SchedulerOutput,
+        matchers: dict[str, StructuredOutputMatcher] | None = None,
+        defer_sampling: bool = False,
+    ) -> LaunchedRankStep:
+        """A deferred step with constrained requests always `awaits_sampling` here: a rank
+        whose runner sampled it already (no constrained row samples) ignores the rows."""
+        if matchers and defer_sampling:
+            self._send_launch(LaunchStep(scheduler_output, None, list(matchers)))
+            return LaunchedRankStep(matchers)
+        bitmask = self._fill_bitmask(matchers) if matchers else None
+        self._send_launch(LaunchStep(scheduler_output, bitmask))
+        return LaunchedRankStep()
+
+    def sample(self, launched: LaunchedRankStep) -> None:
+        matchers, launched.deferred_matchers = launched.deferred_matchers, None
+        assert matchers is not None, "the step was sampled already"
+        try:
+            message = SampleStep(self._fill_bitmask(matchers))
+        except BaseException as e:
+            # The ranks hold the step's forward, waiting for its rows: nothing can end it.
+            error = WorkerStepError(f"filling a deferred step's bitmask failed: {e!r}")
+            raise self._fail(error) from e
+        self._send(message)
 
     def determine_num_kv_blocks(self) -> list[int]:
         """Per layer group, the fewest blocks any rank can hold."""

@@ -45,7 +45,6 @@ from ferrum.executor.messages import (
     GrammarBitmaskRows,
     LaunchStep,
     NumKVBlocks,
-    SampleStep,
     ShutdownWorker,
     StepOutput,
     ToWorker,
@@ -56,7 +55,7 @@ from ferrum.executor.messages import (
 from ferrum.executor.multi_rank import LaunchedRankStep, MultiRankExecutor
 from ferrum.executor.worker import WorkerArgs
 from ferrum.logger import init_logger
-from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from ferrum.scheduler.output import ModelRunnerOutput
 from ferrum.structured_output import StructuredOutputMatcher
 
 logger = init_logger(__name__)
@@ -188,31 +187,10 @@ class MultiprocExecutor(MultiRankExecutor):
 
     # -- steps -----------------------------------------------------------------------------------
 
-    def launch(
-        self,
-        scheduler_output: SchedulerOutput,
-        matchers: dict[str, StructuredOutputMatcher] | None = None,
-        defer_sampling: bool = False,
-    ) -> LaunchedRankStep:
-        """A deferred step with constrained requests always `awaits_sampling` here: a worker
-        whose runner sampled it already (no constrained row samples) ignores the rows."""
-        if matchers and defer_sampling:
-            message = LaunchStep(scheduler_output, None, list(matchers))
-            self._broadcast(pickle.dumps(message, protocol=_PROTOCOL))
-            return LaunchedRankStep(matchers)
-        bitmask = self._fill_bitmask(matchers) if matchers else None
-        self._broadcast(pickle.dumps(LaunchStep(scheduler_output, bitmask), protocol=_PROTOCOL))
-        return LaunchedRankStep()
+    def _send_launch(self, message: LaunchStep) -> None:
+        self._send(message)
 
-    def sample(self, launched: LaunchedRankStep) -> None:
-        matchers, launched.deferred_matchers = launched.deferred_matchers, None
-        assert matchers is not None, "the step was sampled already"
-        try:
-            message = SampleStep(self._fill_bitmask(matchers))
-        except BaseException as e:
-            # The workers hold the step's forward, waiting for its rows: nothing can end it.
-            error = WorkerStepError(f"filling a deferred step's bitmask failed: {e!r}")
-            raise self._fail(error) from e
+    def _send(self, message: ToWorker) -> None:
         self._broadcast(pickle.dumps(message, protocol=_PROTOCOL))
 
     def complete(self, launched: LaunchedRankStep) -> ModelRunnerOutput:

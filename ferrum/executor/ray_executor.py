@@ -45,7 +45,6 @@ from ferrum.executor.messages import (
     FromWorker,
     InlineBitmaskRows,
     LaunchStep,
-    SampleStep,
     StepOutput,
     ToWorker,
     WorkerReady,
@@ -54,7 +53,7 @@ from ferrum.executor.multi_rank import LaunchedRankStep, MultiRankExecutor
 from ferrum.executor.ray_cluster import connect, import_ray, kill, release, reserve
 from ferrum.executor.ray_worker import MONITOR_GROUP, RayWorker
 from ferrum.logger import init_logger
-from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from ferrum.scheduler.output import ModelRunnerOutput
 from ferrum.structured_output import StructuredOutputMatcher, allocate_token_bitmask
 
 logger = init_logger(__name__)
@@ -182,32 +181,14 @@ class RayExecutor(MultiRankExecutor):
 
     # -- steps -----------------------------------------------------------------------------------
 
-    def launch(
-        self,
-        scheduler_output: SchedulerOutput,
-        matchers: dict[str, StructuredOutputMatcher] | None = None,
-        defer_sampling: bool = False,
-    ) -> LaunchedRankStep:
-        """A deferred step with constrained requests always `awaits_sampling` here: a rank
-        whose runner sampled it already (no constrained row samples) ignores the rows."""
+    def _send_launch(self, message: LaunchStep) -> None:
+        # It travels with the next message: one graph execution (the core completes or
+        # samples right after each launch).
         if self._failure is not None:
             raise self._failure
-        if matchers and defer_sampling:
-            self._pending.append(LaunchStep(scheduler_output, None, list(matchers)))
-            return LaunchedRankStep(matchers)
-        bitmask = self._fill_bitmask(matchers) if matchers else None
-        self._pending.append(LaunchStep(scheduler_output, bitmask))
-        return LaunchedRankStep()
+        self._pending.append(message)
 
-    def sample(self, launched: LaunchedRankStep) -> None:
-        matchers, launched.deferred_matchers = launched.deferred_matchers, None
-        assert matchers is not None, "the step was sampled already"
-        try:
-            message = SampleStep(self._fill_bitmask(matchers))
-        except BaseException as e:
-            # The ranks hold the step's forward, waiting for its rows: nothing can end it.
-            error = WorkerStepError(f"filling a deferred step's bitmask failed: {e!r}")
-            raise self._fail(error) from e
+    def _send(self, message: ToWorker) -> None:
         self._submit(message)
 
     def complete(self, launched: LaunchedRankStep) -> ModelRunnerOutput:
