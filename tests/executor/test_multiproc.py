@@ -7,18 +7,15 @@ tests/entrypoints/openai/test_server_tp.py.)"""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 from collections.abc import Iterator
 
-import jsonschema
 import pytest
 
 from ferrum import LLM, SamplingParams
-from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.executor import WorkerDiedError, WorkerStepError
-from ferrum.sampling_params import StructuredOutputsParams
+from tests.utils.constrained_requests import assert_valid, constrained_texts
 from tests.utils.processes import is_running, wait_gone, wait_until
 from tests.utils.tiny_llm import greedy, make_llm, random_prompts
 
@@ -74,46 +71,15 @@ def test_each_worker_is_its_own_process(mp_llm: LLM) -> None:
     assert all(map(is_running, pids))
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
-    "required": ["ok", "size"],
-    "additionalProperties": False,
-}
-
-
 def test_constrained_requests_with_async_scheduling_match_one_process() -> None:
     # Async scheduling defers a constrained step's sampling: the core fills the rows once the
     # previous step's tokens reached its matchers and sends them after the step.
-    def shipped(**kwargs: object) -> LLM:
-        return LLM(
-            DEFAULT_MODEL_DIR,
-            dtype="float32",
-            device="cpu",
-            max_model_len=256,  # the KV pool sized by each rank (per layer group)
-            num_cpu_threads=1,
-            async_scheduling=True,
-            structured_outputs_config={"disable_any_whitespace": True},
-            **kwargs,
-        )
-
-    json_params = StructuredOutputsParams(json=SCHEMA)
-    choice = StructuredOutputsParams(choice=["yes", "no", "maybe later"])
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=json_params),
-        SamplingParams(temperature=0.8, seed=5, max_tokens=10, structured_outputs=choice),
-        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-    ]
-    prompts = ["The answer is", "Once upon a time", "The answer is"]
-    expected = [o.outputs[0].text for o in shipped().generate(prompts, params, use_tqdm=False)]
-    llm = shipped(tensor_parallel_size=WORLD_SIZE, distributed_executor_backend="mp")
-    try:
-        texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        llm.llm_engine.core.shutdown()
+    expected = constrained_texts(async_scheduling=True)
+    texts = constrained_texts(
+        async_scheduling=True, tensor_parallel_size=WORLD_SIZE, distributed_executor_backend="mp"
+    )
     assert texts == expected
-    jsonschema.validate(json.loads(texts[0]), SCHEMA)
-    assert texts[1] in ("yes", "no", "maybe later")
+    assert_valid(texts)
 
 
 def test_killed_worker_fails_the_step_and_no_worker_survives(mp_llm: LLM) -> None:

@@ -7,15 +7,13 @@ one process does."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 
-import jsonschema
 import pytest
 import torch
 
 from ferrum import LLM, SamplingParams
-from ferrum.sampling_params import StructuredOutputsParams
+from tests.utils.constrained_requests import assert_valid, constrained_texts
 from tests.utils.tiny_llm import cuda_llm, greedy, make_llm, random_prompts
 
 # A 92-token KV pool, 16-token steps and 4 requests at a time: the prompts below are chunked,
@@ -122,43 +120,11 @@ def test_each_stage_keeps_a_step_of_other_requests_in_flight(
     assert all(not (a & b) for a, b in full)
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["small", "large"]}},
-    "required": ["ok", "size"],
-    "additionalProperties": False,
-}
-
-
-def test_constrained_requests_match_one_process(tiny_checkpoint, pipelined: list[LLM]) -> None:
-    from ferrum.default_model import DEFAULT_MODEL_DIR
-
-    def shipped(**kwargs: object) -> LLM:
-        return LLM(
-            DEFAULT_MODEL_DIR,
-            dtype="float32",
-            device="cpu",
-            max_model_len=256,
-            num_cpu_threads=1,
-            structured_outputs_config={"disable_any_whitespace": True},
-            **kwargs,
-        )
-
-    json_params = StructuredOutputsParams(json=SCHEMA)
-    choice = StructuredOutputsParams(choice=["yes", "no", "maybe later"])
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=json_params),
-        SamplingParams(temperature=0.8, seed=5, max_tokens=10, structured_outputs=choice),
-        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-    ]
-    prompts = ["The answer is", "Once upon a time", "The answer is"]
-    expected = [o.outputs[0].text for o in shipped().generate(prompts, params, use_tqdm=False)]
-    llm = shipped(pipeline_parallel_size=2, distributed_executor_backend="mp")
-    pipelined.append(llm)
-    texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+def test_constrained_requests_match_one_process() -> None:
+    expected = constrained_texts()
+    texts = constrained_texts(pipeline_parallel_size=2, distributed_executor_backend="mp")
     assert texts == expected
-    jsonschema.validate(json.loads(texts[0]), SCHEMA)
-    assert texts[1] in ("yes", "no", "maybe later")
+    assert_valid(texts)
 
 
 @pytest.mark.skipif(

@@ -8,16 +8,14 @@ One Ray start per module (seconds): every test shares it."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from multiprocessing.connection import wait
 
 import pytest
 
 from ferrum import LLM, SamplingParams
-from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.executor import WorkerDiedError, WorkerStepError, ray_cluster
-from ferrum.sampling_params import StructuredOutputsParams
+from tests.utils.constrained_requests import assert_valid, constrained_texts
 from tests.utils.processes import wait_until
 from tests.utils.tiny_llm import greedy, make_llm, random_prompts
 
@@ -96,39 +94,12 @@ def test_ray_workers_give_the_greedy_tokens_of_one_process_and_report_a_raising_
 
 def test_constrained_requests_match_one_process() -> None:
     # Async scheduling defers a constrained step's sampling: its rows follow in SampleStep.
-    def shipped(**kwargs: object) -> LLM:
-        return LLM(
-            DEFAULT_MODEL_DIR,
-            dtype="float32",
-            device="cpu",
-            max_model_len=256,
-            num_cpu_threads=1,
-            async_scheduling=True,
-            structured_outputs_config={"disable_any_whitespace": True},
-            **kwargs,
-        )
-
-    schema = {
-        "type": "object",
-        "properties": {"ok": {"type": "boolean"}},
-        "required": ["ok"],
-        "additionalProperties": False,
-    }
-    params = [
-        SamplingParams(
-            temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(json=schema)
-        ),
-        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
-    ]
-    prompts = ["The answer is", "Once upon a time"]
-    expected = [o.outputs[0].text for o in shipped().generate(prompts, params, use_tqdm=False)]
-    llm = shipped(tensor_parallel_size=WORLD_SIZE, distributed_executor_backend="ray")
-    try:
-        texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
-    finally:
-        llm.llm_engine.core.shutdown()
+    expected = constrained_texts(async_scheduling=True)
+    texts = constrained_texts(
+        async_scheduling=True, tensor_parallel_size=WORLD_SIZE, distributed_executor_backend="ray"
+    )
     assert texts == expected
-    assert json.loads(texts[0])["ok"] in (True, False)
+    assert_valid(texts)
 
 
 def test_killed_actor_fails_the_step_and_wakes_the_idle_core(checkpoint: str) -> None:

@@ -184,43 +184,8 @@ class Qwen3CoderToolParser(ToolParser):
         return StreamedCall(name, arguments)
 
     def parse_call(self, body: str) -> tuple[str, dict[str, Any]] | None:
-        text = body.strip()
-        if not text.startswith(_FUNCTION_OPEN):
-            return None
-        name_end = text.find(">")
-        name = text[len(_FUNCTION_OPEN) : name_end].strip() if name_end >= 0 else ""
-        if not name or "\n" in name or "<" in name:
-            return None
-        rest = text[name_end + 1 :]
-        if not rest.endswith(_FUNCTION_CLOSE):
-            return None
-        rest = rest[: -len(_FUNCTION_CLOSE)]
-        properties = self.functions.get(name, {}).get("properties")
-        properties = properties if isinstance(properties, Mapping) else {}
-        arguments: dict[str, Any] = {}
-        at = 0
-        while True:
-            while at < len(rest) and rest[at].isspace():
-                at += 1
-            if at == len(rest):
-                return name, arguments
-            if not rest.startswith(_PARAMETER_OPEN, at):
-                return None
-            name_end = rest.find(">", at)
-            if name_end < 0:
-                return None
-            parameter = rest[at + len(_PARAMETER_OPEN) : name_end].strip()
-            if not parameter or "\n" in parameter:
-                return None
-            value_start = name_end + 1
-            close = rest.find(_PARAMETER_CLOSE, value_start)
-            following = rest.find(_PARAMETER_OPEN, value_start)
-            if close >= 0 and (following < 0 or close < following):
-                value_end, at = close, close + len(_PARAMETER_CLOSE)
-            else:
-                value_end = at = following if following >= 0 else len(rest)
-            value = _strip_one_newline(rest[value_start:value_end])
-            arguments[parameter] = convert_parameter(value, properties.get(parameter))
+        """Never a call: every call starts with `<function=NAME>`, which `stream_call` takes."""
+        return None
 
     @classmethod
     def call_format(cls, name: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
