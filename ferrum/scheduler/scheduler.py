@@ -143,8 +143,10 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: list[Request] = []
 
-        # Pipeline parallelism: each step in flight takes its share of the requests.
-        max_step_reqs = -(-(len(self.running) + len(self.waiting)) // self.pipeline_depth)
+        # Pipeline parallelism: each step in flight takes its share of the requests that can
+        # run at once (the running ones and those max_num_seqs still admits).
+        runnable = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        max_step_reqs = -(-max(runnable, len(self.running)) // self.pipeline_depth)
         index = 0
         while index < len(self.running) and budget > 0 and len(num_scheduled) < max_step_reqs:
             request = self.running[index]

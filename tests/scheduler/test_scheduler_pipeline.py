@@ -30,6 +30,16 @@ def test_steps_in_flight_split_the_requests_and_wait_for_their_tokens() -> None:
     assert s.requests["a"].output_token_ids == [1] and s.requests["c"].output_token_ids == [3]
 
 
+def test_a_long_queue_does_not_put_every_running_request_in_one_step() -> None:
+    s = make_scheduler(max_seqs=4, pipeline_depth=2)
+    for i in range(12):
+        s.add_request(make_request(f"r{i}", 2, max_tokens=50, start=10 * i))
+    steps = [launch(s)[0].num_scheduled_tokens for _ in range(2)]
+    # max_num_seqs=4 may run: two per step, the queue of 8 more does not raise the share.
+    assert [len(step) for step in steps] == [2, 2]
+    assert len(s.running) == 4
+
+
 def test_a_long_prompt_sends_its_next_chunk_while_the_previous_is_in_the_pipe() -> None:
     s = make_scheduler(budget=8, pipeline_depth=2)
     s.add_request(make_request("a", 20, max_tokens=2))
