@@ -81,10 +81,10 @@ def test_unknown_flag_shows_the_subcommand_usage(capsys: pytest.CaptureFixture[s
 
 def test_vllm_flags_not_supported_yet_say_so(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["serve", "--pipeline-parallel-size", "2"])
+        main(["serve", "--enable-lora"])
     err = capsys.readouterr().err
     assert err.startswith("usage: ferrum serve")
-    assert "--pipeline-parallel-size: not supported yet by ferrum" in err
+    assert "--enable-lora: not supported yet by ferrum" in err
 
 
 def test_help_states_defaults() -> None:

@@ -26,12 +26,14 @@ from ferrum.entrypoints.openai.protocol import (
     NumLogprobs,
     OpenAIModel,
     PositiveInt,
-    PromptLogprobsJSON,
     RequestModel,
     SamplingRequest,
     TokenizeCompletionRequest,
-    UsageInfo,
     implies,
+)
+from ferrum.entrypoints.openai.responses import (
+    PromptLogprobsJSON,
+    UsageInfo,
 )
 
 # OpenAI's rule for function names; it also keeps names safe inside the tool-call tags.

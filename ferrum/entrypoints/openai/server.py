@@ -52,17 +52,19 @@ from ferrum.entrypoints.openai.protocol import (
     UNION_TAG,
     APIError,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
-    DetokenizeResponse,
     ErrorResponse,
+    TokenizeCompletionRequest,
+    shorten,
+)
+from ferrum.entrypoints.openai.responses import (
+    CompletionResponse,
+    DetokenizeResponse,
     HealthResponse,
     ModelCard,
     ModelList,
-    TokenizeCompletionRequest,
     TokenizeResponse,
     VersionResponse,
-    shorten,
 )
 from ferrum.entrypoints.openai.serving_chat import OpenAIServingChat
 from ferrum.entrypoints.openai.serving_completion import OpenAIServingCompletion

@@ -12,9 +12,11 @@ from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.entrypoints.openai.protocol import (
     MAX_CHOICES,
     APIError,
+    CompletionRequest,
+)
+from ferrum.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
 )

@@ -18,10 +18,12 @@ from ferrum.engine.dp_async_llm import AsyncEngine
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.entrypoints.openai.protocol import (
     APIError,
+    SamplingRequest,
+)
+from ferrum.entrypoints.openai.responses import (
     PromptLogprob,
     PromptLogprobsJSON,
     PromptTokensDetails,
-    SamplingRequest,
     UsageInfo,
 )
 from ferrum.entrypoints.openai.structured_outputs import requested_constraint
