@@ -184,6 +184,9 @@ class Scheduler:
             and len(num_scheduled) < max_step_reqs
         ):
             request = self.waiting[0]
+            if request.status == RequestStatus.PREEMPTED and self._has_step_in_flight(request):
+                compiling.append(self.waiting.popleft())  # its token comes first
+                continue
             if not self._grammar_ready(request):
                 if request.is_finished:
                     continue  # _grammar_ready took it out of the queue
@@ -225,7 +228,7 @@ class Scheduler:
                 )
             )
             budget -= num_new
-        # Still compiling: back to the head of the queue, in their order.
+        # Still compiling (or a token in flight): back to the head of the queue, in their order.
         self.waiting.extendleft(reversed(compiling))
 
         self._num_steps += 1
@@ -263,6 +266,12 @@ class Scheduler:
         ):
             return 0
         return coming - request.num_computed_tokens
+
+    def _has_step_in_flight(self, request: Request) -> bool:
+        """Whether a launched, not yet completed step samples for `request`: a request preempted
+        while its token was in the pipe (two or more steps in flight: pipeline parallelism)
+        waits for that token before it is admitted again, or the recompute would miss it."""
+        return any(reqs.get(request.req_id) is request for reqs in self._step_requests.values())
 
     def needs_host_history(self) -> bool:
         """True when a running request samples from its exact output history on the host

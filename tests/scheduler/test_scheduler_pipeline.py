@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from ferrum.request import RequestStatus
 from tests.utils.scheduler_steps import complete, launch, make_request, make_scheduler
 
 
@@ -53,3 +54,24 @@ def test_a_long_prompt_sends_its_next_chunk_while_the_previous_is_in_the_pipe() 
 def test_pipeline_depth_must_be_positive() -> None:
     with pytest.raises(ValueError, match="pipeline_depth"):
         make_scheduler(pipeline_depth=0)
+
+
+def test_a_request_preempted_with_its_token_in_the_pipe_waits_for_that_token() -> None:
+    # Three steps in flight: b is preempted while its first token is in the pipe and must not
+    # be recomputed (admitted again) before that token arrives, even with room for it.
+    s = make_scheduler(num_blocks=5, budget=8, max_seqs=2, pipeline_depth=3, caching=False)
+    s.add_request(make_request("a", 8, max_tokens=8))
+    s.add_request(make_request("b", 7, max_tokens=8, start=100))
+    out_a, sampled_a = launch(s)  # a's prompt: two blocks, its token in the pipe
+    out_b, sampled_b = launch(s)  # b's prompt: two blocks, its token in the pipe
+    assert (sampled_a, sampled_b) == (["a"], ["b"])
+    complete(s, out_a, sampled_a, [1])
+    out_3, _ = launch(s)  # a's decode needs a third block: b, the newest, is preempted
+    assert out_3.num_scheduled_tokens == {"a": 1} and out_3.preempted_req_ids == {"b"}
+    s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # room for b again
+    assert "b" not in launch(s)[0].num_scheduled_tokens  # but its token is in the pipe
+    complete(s, out_b, sampled_b, [2])
+    out_5, _ = launch(s)
+    (new,) = out_5.scheduled_new_reqs
+    assert new.output_token_ids == [2]  # recomputed with its token: 7 + 1
+    assert out_5.num_scheduled_tokens == {"b": 8}
