@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages (and tools) through the chat template, generation, then
-the output split into reasoning, answer text and tool calls (ChatOutputParser), whole or streamed.
+the output split into reasoning, answer text and tool calls (ChatOutputParser), whole or streamed
+(each choice built by chat_choices.py).
 """
 
 from __future__ import annotations
@@ -16,23 +17,21 @@ from ferrum.engine.async_llm import RequestStream
 from ferrum.engine.dp_async_llm import AsyncEngine
 from ferrum.engine.input_processor import ProcessedPrompt
 from ferrum.engine.tokenizer import Tokenizer
-from ferrum.entrypoints.openai.chat_output_parser import ChatDelta, ChatOutputParser
+from ferrum.entrypoints.openai.chat_choices import (
+    StreamedChoice,
+    chat_logprobs,
+    finish_reason_of,
+    is_empty_delta,
+    response_choice,
+)
+from ferrum.entrypoints.openai.chat_output_parser import ChatOutputParser
 from ferrum.entrypoints.openai.chat_protocol import (
-    ChatChoiceLogprobs,
-    ChatCompletionChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
-    ChatResponseMessage,
-    ChatTokenLogprob,
-    DeltaFunctionCall,
     DeltaMessage,
-    DeltaToolCall,
     TokenizeChatRequest,
-    ToolCall,
-    ToolCallFunction,
-    TopLogprob,
     message_dict,
 )
 from ferrum.entrypoints.openai.frontend_args import FrontendConfig
@@ -41,9 +40,7 @@ from ferrum.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_p
 from ferrum.entrypoints.openai.serving_engine import (
     NOT_UNICODE,
     SSE_DONE,
-    ChoiceState,
     OpenAIServing,
-    finite_logprob,
     is_unicode,
     off_loop,
     prompt_logprobs_json,
@@ -53,10 +50,9 @@ from ferrum.entrypoints.openai.serving_engine import (
 )
 from ferrum.entrypoints.openai.structured_outputs import after_reasoning
 from ferrum.entrypoints.openai.tool_messages import decode_tool_call_arguments
-from ferrum.entrypoints.openai.tool_parsers import DeltaToolCall as ParsedDeltaToolCall
 from ferrum.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
 from ferrum.entrypoints.openai.tool_parsers.tool_choice import tool_call_structural_tag
-from ferrum.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from ferrum.outputs import CompletionOutput, RequestOutput
 from ferrum.sampling_params import StructuredOutputsParams
 
 # apply_chat_template arguments a request may not set through chat_template_kwargs.
@@ -70,35 +66,6 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
         "continue_final_message",
     }
 )
-
-
-def chat_logprobs(
-    token_ids: list[int], logprobs: SampleLogprobs, num_top: int
-) -> ChatChoiceLogprobs:
-    """OpenAI's chat shape: per token its logprob and the `num_top` most likely tokens."""
-    content = []
-    for token_id, entry in zip(token_ids, logprobs):
-        sampled = entry.get(token_id)
-        token = (sampled.decoded_token if sampled else None) or ""
-        ranked = sorted(entry.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
-        top = [
-            TopLogprob(
-                token=lp.decoded_token or "",
-                logprob=finite_logprob(lp.logprob),
-                bytes=list((lp.decoded_token or "").encode()),
-            )
-            for lp in ranked
-            if lp.rank is not None and lp.rank <= num_top
-        ]
-        content.append(
-            ChatTokenLogprob(
-                token=token,
-                logprob=finite_logprob(sampled.logprob) if sampled else -9999.0,
-                bytes=list(token.encode()),
-                top_logprobs=top[:num_top],
-            )
-        )
-    return ChatChoiceLogprobs(content=content)
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,78 +320,14 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = None
         if request.logprobs and new_logprobs is not None:
             logprobs = chat_logprobs(new_token_ids, new_logprobs, request.top_logprobs or 0)
-        if not finished and logprobs is None and _is_empty(delta):
+        if not finished and logprobs is None and is_empty_delta(delta):
             return None
         return ChatCompletionStreamChoice(
             index=completion.index,
             delta=delta,
             logprobs=logprobs,
-            finish_reason=_finish_reason(completion.finish_reason, streamed.num_calls > 0),
+            finish_reason=finish_reason_of(completion.finish_reason, streamed.num_calls > 0),
             stop_reason=completion.stop_reason,
-        )
-
-
-def response_choice(
-    request: ChatCompletionRequest,
-    completion: CompletionOutput,
-    parser: ChatOutputParser | None,
-    single_call: bool,
-) -> ChatCompletionChoice:
-    logprobs = None
-    if request.logprobs and completion.logprobs is not None:
-        logprobs = chat_logprobs(
-            completion.token_ids, completion.logprobs, request.top_logprobs or 0
-        )
-    message = ChatResponseMessage(content=completion.text)
-    if parser is not None:
-        parsed = parser.parse(completion.text)
-        calls = parsed.tool_calls[:1] if single_call else parsed.tool_calls
-        message = ChatResponseMessage(
-            content=parsed.content if parsed.content or not calls else None,
-            reasoning_content=parsed.reasoning_content or None,
-            tool_calls=[
-                ToolCall(id=c.id, function=ToolCallFunction(name=c.name, arguments=c.arguments))
-                for c in calls
-            ],
-        )
-    return ChatCompletionChoice(
-        index=completion.index,
-        message=message,
-        logprobs=logprobs,
-        finish_reason=_finish_reason(completion.finish_reason, bool(message.tool_calls)),
-        stop_reason=completion.stop_reason,
-    )
-
-
-class StreamedChoice:
-    """One streamed choice: what it has sent and its output parser's state."""
-
-    __slots__ = ("state", "parser", "single_call", "num_calls")
-
-    def __init__(self, parser: ChatOutputParser | None, single_call: bool) -> None:
-        self.state = ChoiceState()
-        self.parser = parser
-        self.single_call = single_call
-        self.num_calls = 0
-
-    def delta(self, text: str, finished: bool) -> DeltaMessage:
-        """The next delta message from the next piece of output text."""
-        if self.parser is None:
-            return DeltaMessage(content=text) if text or not finished else DeltaMessage()
-        parsed = self.parser.parse_delta(text)
-        if finished:
-            last = self.parser.finish()
-            parsed = ChatDelta(
-                parsed.reasoning_content + last.reasoning_content,
-                parsed.content + last.content,
-                parsed.tool_calls + last.tool_calls,
-            )
-        calls = [c for c in parsed.tool_calls if not (self.single_call and c.index > 0)]
-        self.num_calls = max([self.num_calls] + [c.index + 1 for c in calls])
-        return DeltaMessage(
-            content=parsed.content or None,
-            reasoning_content=parsed.reasoning_content or None,
-            tool_calls=[_delta_tool_call(c) for c in calls] or None,
         )
 
 
@@ -443,23 +346,3 @@ def _render_and_encode(
         return text, tokenizer.encode(text, add_special_tokens=add_special_tokens)
     except ValueError as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-
-
-def _delta_tool_call(call: ParsedDeltaToolCall) -> DeltaToolCall:
-    if call.id is not None:
-        return DeltaToolCall(
-            index=call.index,
-            id=call.id,
-            type="function",
-            function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
-        )
-    return DeltaToolCall(index=call.index, function=DeltaFunctionCall(arguments=call.arguments))
-
-
-def _is_empty(delta: DeltaMessage) -> bool:
-    return not (delta.content or delta.reasoning_content or delta.tool_calls)
-
-
-def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
-    """OpenAI's "tool_calls" for an output that ended after calling tools."""
-    return "tool_calls" if reason == "stop" and made_calls else reason

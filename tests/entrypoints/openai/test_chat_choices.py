@@ -7,10 +7,10 @@ import random
 
 import pytest
 
+from ferrum.entrypoints.openai.chat_choices import StreamedChoice, response_choice
 from ferrum.entrypoints.openai.chat_output_parser import ChatOutputParser
 from ferrum.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from ferrum.entrypoints.openai.reasoning import Qwen3ReasoningParser
-from ferrum.entrypoints.openai.serving_chat import StreamedChoice, response_choice
 from ferrum.entrypoints.openai.tool_parsers import HermesToolParser
 from ferrum.outputs import CompletionOutput
 
