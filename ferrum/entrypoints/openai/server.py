@@ -11,23 +11,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ferrum import __version__
 from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
@@ -35,27 +32,31 @@ from ferrum.engine.arg_utils import EngineArgs, config_from_args
 from ferrum.engine.async_llm import EngineDeadError
 from ferrum.engine.dp_async_llm import AsyncEngine, build_async_engine
 from ferrum.engine.tokenizer import Tokenizer
+from ferrum.entrypoints.openai.api_key import APIKeyMiddleware
 from ferrum.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     TokenizeRequest,
 )
+from ferrum.entrypoints.openai.disconnect import until_disconnect
 from ferrum.entrypoints.openai.frontend_args import FrontendConfig
+from ferrum.entrypoints.openai.http_errors import (
+    error_response,
+    openapi_without_422,
+    validation_api_error,
+)
 from ferrum.entrypoints.openai.http_guard import (
     RequestBodyLimitMiddleware,
     limited_protocol,
-    send_error,
 )
 from ferrum.entrypoints.openai.http_limits import HttpLimits, raise_open_files_limit
 from ferrum.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from ferrum.entrypoints.openai.protocol import (
-    UNION_TAG,
     APIError,
     CompletionRequest,
     DetokenizeRequest,
     ErrorResponse,
     TokenizeCompletionRequest,
-    shorten,
 )
 from ferrum.entrypoints.openai.responses import (
     CompletionResponse,
@@ -74,7 +75,6 @@ from ferrum.recovery_config import EngineRecoveryConfig
 
 logger = init_logger(__name__)
 
-T = TypeVar("T")
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": description}
@@ -104,70 +104,6 @@ _STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
         },
     }
 }
-
-
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code)
-
-
-# Routes open without the API key: liveness probes and the version, which do no work and
-# reveal no traffic. Every other path (unknown ones too) needs the key.
-OPEN_PATHS = frozenset({"/health", "/version"})
-
-
-class APIKeyMiddleware:
-    """Every route but OPEN_PATHS needs `Authorization: Bearer <api key>` (the scheme in any
-    case, RFC 9110)."""
-
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        self.app = app
-        self.api_key = api_key.encode()
-
-    def authorized(self, scope: Scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = given.strip().partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] == "http"
-            and scope["path"] not in OPEN_PATHS
-            and not self.authorized(scope)
-        ):
-            error = APIError(
-                401,
-                "missing or wrong API key (Authorization: Bearer <key>)",
-                code="invalid_api_key",
-            )
-            # The unread body, if any, is not drained: the connection closes.
-            await send_error(send, 401, error.info.message, code="invalid_api_key")
-            return
-        await self.app(scope, receive, send)
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
-    """`work`'s result, or None once the client has gone (then `work` is cancelled, which aborts
-    its requests in the engine)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
-        raise
-    watcher.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    with suppress(asyncio.CancelledError):
-        await task
-    return None
 
 
 def build_app(
@@ -216,7 +152,7 @@ def build_app(
         allow_headers=frontend.allowed_headers,
         allow_credentials=frontend.allow_credentials,
     )
-    app.openapi = lambda: _openapi_without_422(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_without_422(app)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
@@ -224,7 +160,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_api_error(error))
+        return error_response(validation_api_error(error))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -359,40 +295,6 @@ async def _exit_when_dead(app: FastAPI, engine: AsyncEngine) -> None:
     server = getattr(app.state, "server", None)
     if server is not None:
         server.should_exit = True
-
-
-def _openapi_without_422(app: FastAPI) -> dict[str, Any]:
-    """The generated schema, minus FastAPI's 422 responses: invalid requests get 400 here."""
-    if app.openapi_schema is None:
-        schema = get_openapi(
-            title=app.title, version=app.version, description=app.description, routes=app.routes
-        )
-        for path_item in schema.get("paths", {}).values():
-            for operation in path_item.values():
-                operation.get("responses", {}).pop("422", None)
-        for name in ("HTTPValidationError", "ValidationError"):
-            schema.get("components", {}).get("schemas", {}).pop(name, None)
-        app.openapi_schema = schema
-    return app.openapi_schema
-
-
-def _validation_api_error(error: RequestValidationError) -> APIError:
-    errors = error.errors()
-    if not errors:
-        return APIError(400, "invalid request")
-    first = errors[0]
-    location = [
-        str(part)
-        for part in first.get("loc", ())
-        if part != "body" and not str(part).startswith(UNION_TAG)
-    ]
-    if first.get("type") == "json_invalid":
-        return APIError(400, f"invalid JSON: {first.get('msg', '')}")
-    param = ".".join(location) or None
-    message = f"{param}: {first.get('msg', 'invalid value')}" if param else first.get("msg", "")
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error(s))"
-    return APIError(400, shorten(message, 300), param=param)
 
 
 class _Server(uvicorn.Server):
