@@ -8,12 +8,15 @@ Each row is one linear x [M, K] bf16 -> [M, N] bf16 including its activation qua
                      recorded as unsupported where this torch/CUDA build refuses it)
   channel_scaled_mm  per-token quantization + torch._scaled_mm row-wise (cuBLASLt)
   channel_triton     ferrum fp8_channel_linear with every bucket on Triton
+  block_gemv         ferrum fp8_gemv, block scales, GEMV_CONFIG's tile (rows with M <= 16 only)
+  channel_gemv       ferrum fp8_gemv, per-channel scales, GEMV_CONFIG's tile (M <= 16 only)
 Each timing replays a CUDA graph of --iters calls (the engine runs decode in graphs, so launch
 overhead is left out) over enough weight copies to exceed the L2 cache; prints microseconds,
 TFLOP/s (2MNK) and GB/s (weight + activation + output bytes).
 --sweep times a grid of Triton tiles per shape, M and format and prints the best; --save writes
 those as ferrum/kernels/fp8_gemm_configs/*.json for this device (buckets take cuBLASLt, backend
-scaled_mm, where it was faster).
+scaled_mm, where it was faster). --gemv-sweep times a grid of GEMV tiles at each M <= 16 and
+prints the best per shape, M and format.
 Usage: python benchmarks/bench_fp8_gemm.py [--m 1,8,64,256,2048,8192] [--sweep [--save]]
        [--out file.json]
 """
@@ -34,6 +37,7 @@ import torch.nn.functional as F
 
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
 from ferrum.kernels.fp8_gemm_config import DEFAULT_BUCKETS, Fp8GemmConfig, save_buckets
+from ferrum.kernels.fp8_gemv import fp8_gemv
 from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
 from ferrum.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
 from ferrum.kernels.fp8_weight import quantize_weight_block, quantize_weight_per_channel
@@ -41,6 +45,8 @@ from ferrum.kernels.fp8_weight import quantize_weight_block, quantize_weight_per
 QWEN3_8B = "qkv:6144x4096,o:4096x4096,gate_up:24576x4096,down:4096x12288"
 L2_FLUSH_BYTES = 256 << 20
 MAX_COPIES = 16
+GEMV_MAX_M = 16
+GEMV_CONFIG = Fp8GemmConfig("gemv", BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=2)
 
 
 @dataclasses.dataclass
@@ -113,7 +119,13 @@ def channel_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 def row_fns(x: torch.Tensor, w: Weights) -> dict:
     triton_channel = {b: dataclasses.replace(c, backend="triton") for b, c in DEFAULT_BUCKETS["channel"].items()}  # fmt: skip
     triton_block = {b: dataclasses.replace(c, backend="triton") for b, c in DEFAULT_BUCKETS["block"].items()}  # fmt: skip
-    return {
+    gemv = {}
+    if x.shape[0] <= GEMV_MAX_M:
+        gemv = {
+            "block_gemv": lambda i: gemv_fn(x, w, "block", GEMV_CONFIG)(i),
+            "channel_gemv": lambda i: gemv_fn(x, w, "channel", GEMV_CONFIG)(i),
+        }
+    return gemv | {
         "bf16_mm": lambda i: F.linear(x, w.bf16[i]),
         "block_linear": lambda i: fp8_block_linear(x, *w.block[i]),
         "block_triton": lambda i: fp8_block_linear(x, *w.block[i], buckets=triton_block),
@@ -156,6 +168,30 @@ def sweep_configs(m: int) -> list[Fp8GemmConfig]:
     ]
 
 
+def gemv_fn(
+    x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConfig, int_decode=False
+):
+    weights = w.block if scale_format == "block" else w.channel
+    tiles = (config.BLOCK_N, config.BLOCK_K, config.num_warps, config.num_stages)
+    block = scale_format == "block"
+    return lambda i: fp8_gemv(x, *weights[i], x.dtype, block, *tiles, int_decode=int_decode)
+
+
+def run_gemv_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dict:
+    best: dict[bool, dict] = {}
+    grid = itertools.product((8, 16, 32), (512, 1024), (4, 8), (1, 2), (False, True))
+    for bn, bk, nw, ns, int_decode in grid:
+        config = Fp8GemmConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+        try:
+            us = time_us(gemv_fn(x, w, scale_format, config, int_decode), len(w.bf16), iters)
+        except Exception as exc:  # a tile the compiler rejects
+            print(f"    skip {config}: {type(exc).__name__}")
+            continue
+        if int_decode not in best or us < best[int_decode]["us"]:
+            best[int_decode] = {"us": us, "config": dataclasses.asdict(config)}
+    return {("int_decode" if k else "cvt"): v for k, v in best.items()}
+
+
 def sweep_fn(x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConfig):
     if scale_format == "block":
         gemm, weights, quant = w8a8_block_fp8_matmul, w.block, per_token_group_quant_fp8
@@ -191,6 +227,14 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20, help="calls per CUDA graph")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--save", action="store_true", help="with --sweep: write tuned configs")
+    parser.add_argument("--gemv-sweep", action="store_true", help="grid of GEMV tiles, M <= 16")
+    parser.add_argument(
+        "--save-gemv",
+        type=Path,
+        default=None,
+        help="with --gemv-sweep: per shape and format, write DIR/<variant>/ config files: the "
+        "default buckets plus a GEMV bucket at each M where the GEMV beat the other FP8 rows",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.save and not args.sweep:
@@ -206,6 +250,7 @@ def main() -> int:
     for name, n, k in shapes:
         weights = make_weights(n, k)
         tuned: dict[str, dict] = {"block": {}, "channel": {}}
+        gemv_wins: dict[tuple[str, str], dict[int, dict]] = {}
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             errors = check_outputs(x, weights)
@@ -227,6 +272,19 @@ def main() -> int:
                     f"err {errors[rname]:.1e}",
                     flush=True,
                 )
+            if args.gemv_sweep and m <= GEMV_MAX_M:
+                for fmt in ("block", "channel"):
+                    best = run_gemv_sweep(x, weights, fmt, args.iters)
+                    row[f"gemv_sweep_{fmt}"] = best
+                    print(f"  gemv sweep {fmt}: {best}", flush=True)
+                    others = [
+                        r["us"]
+                        for rname, r in row["rows"].items()
+                        if rname.startswith(fmt) and "gemv" not in rname and "us" in r
+                    ]
+                    for variant, found in best.items():
+                        if others and found["us"] < min(others):
+                            gemv_wins.setdefault((fmt, variant), {})[m] = found["config"]
             if args.sweep:
                 for fmt in ("block", "channel"):
                     t0 = time.perf_counter()
@@ -249,6 +307,13 @@ def main() -> int:
                     buckets[m] = config
                 if buckets:
                     print(f"saved {save_buckets(fmt, n, k, device_name, buckets)}")
+        if args.save_gemv is not None:
+            for (fmt, variant), per_m in gemv_wins.items():
+                buckets = dict(DEFAULT_BUCKETS[fmt])
+                buckets.update({m: Fp8GemmConfig(**c) for m, c in per_m.items()})
+                buckets = dict(sorted(buckets.items()))
+                path = save_buckets(fmt, n, k, device_name, buckets, args.save_gemv / variant)
+                print(f"saved {path}")
         del weights
         torch.cuda.empty_cache()
     if args.out is not None:

@@ -7,8 +7,8 @@ the median replay time divided by the number of layers is the per-layer time. GB
 distinct active expert's weights (w13 + w2) once per layer.
 Path `grouped_mm` is the same layer on torch._grouped_mm (sort by expert, two grouped GEMMs,
 weighted index_add): the comparison the Triton kernels are kept against.
---fp8: FP8 experts (128x128 block scales, dequantized in the kernels; GB/s counts one byte per
-weight); grouped_mm then is not run.
+--fp8: FP8 experts (128x128 block scales applied in the kernels; GB/s counts one byte per
+weight); grouped_mm then is not run, and --save writes the `_fp8` file of the shape.
 Usage: python benchmarks/bench_moe_layer.py [--tokens 1,2,4,8] [--path small|grouped|auto|
        grouped_mm] [--fp8] [--sweep [--save DIR]] [--out results.json]
 """
@@ -226,8 +226,6 @@ def main() -> int:
     layers = make_layers(args, max(token_counts))
     if args.fp8 and args.path == "grouped_mm":
         parser.error("--fp8 runs the Triton paths only (small, grouped, auto)")
-    if args.fp8 and args.save is not None:
-        parser.error("--save with --fp8 would overwrite the bf16 tiles (files have no dtype key)")
     # w13 + w2 of one expert
     expert_bytes = 3 * args.hidden * args.intermediate * (1 if args.fp8 else DTYPE.itemsize)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -278,6 +276,7 @@ def main() -> int:
             "small",
             best_small,
             args.save,
+            fp8=args.fp8,
         )
         print(f"wrote {path}")
     if args.out is not None:

@@ -1,5 +1,7 @@
-"""Runs the `lat`, `c16`, `c64` and `nano` workloads of BENCHMARKS.md (and `prefix`, the
-prefix-cache TTFT of issue 18) on one model config.
+"""Runs the `lat`, `c16`, `c64` and `nano` workloads of BENCHMARKS.md (and, when named: `prefix`,
+the prefix-cache TTFT of issue 18; `long`, 32 prompts of 4,000 tokens with 128 out each, issue 20's
+long-prompt row; `decode8k`, the decode rate of 32 requests at 8,000 tokens of context, FP8 KV's
+row) on one model config.
 
 Random ("dummy") weights of the config's shapes, token-id prompts, `ignore_eos`, one engine in
 this process. Writes one JSON with every figure and the environment; the file is rewritten after
@@ -40,9 +42,11 @@ from ferrum.engine.arg_utils import EngineArgs
 from ferrum.entrypoints.llm import LLM
 from ferrum.sampling_params import SamplingParams
 
-WORKLOADS = ("lat", "c16", "c64", "nano", "prefix")
-# The BENCHMARKS.md runs; `prefix` runs when named.
+WORKLOADS = ("lat", "c16", "c64", "nano", "prefix", "long", "decode8k")
+# The BENCHMARKS.md runs; the others run when named.
 DEFAULT_WORKLOADS = WORKLOADS[:4]
+LONG_PROMPTS, LONG_INPUT_LEN, LONG_OUTPUT_LEN = 32, 4000, 128
+DECODE_CTX_PROMPTS, DECODE_CTX_LEN, DECODE_CTX_STEPS = 32, 8000, 128
 # `prefix`: a shared prefix of this many tokens, then a suffix of PREFIX_SUFFIX_LEN.
 PREFIX_LEN = 2000
 PREFIX_SUFFIX_LEN = 16
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             figures = run_prefix(llm, vocab_size, args.scale, args.lat_warmup, args.lat_iters)
         elif name == "nano":
             figures = run_nano(llm, vocab_size, args.scale, engine_args.seed)
+        elif name == "long":
+            figures = run_long(llm, vocab_size, args.scale)
+        elif name == "decode8k":
+            figures = run_decode_at_context(llm, vocab_size, args.scale)
         else:
             figures = run_concurrent(
                 llm, vocab_size, args.scale, _scaled(int(name[1:]), args.scale)
@@ -229,6 +237,39 @@ def run_concurrent(llm: LLM, vocab_size: int, scale: float, num_prompts: int) ->
     }
 
 
+def run_long(llm: LLM, vocab_size: int, scale: float) -> dict[str, Any]:
+    """`long`: 32 prompts of 4,000 tokens, 128 output tokens each, submitted at once."""
+    num_prompts = _scaled(LONG_PROMPTS, scale)
+    input_len, output_len = _scaled(LONG_INPUT_LEN, scale), _scaled(LONG_OUTPUT_LEN, scale)
+    prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=7)
+    result = measure_throughput(
+        llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, C_TEMPERATURE
+    )
+    return {"num_prompts": num_prompts, "input_len": input_len, **result.to_dict()}
+
+
+def run_decode_at_context(llm: LLM, vocab_size: int, scale: float) -> dict[str, Any]:
+    """`decode8k`: 32 prompts of 8,000 tokens run once with max_tokens=1 and once (other prompts,
+    so no prefix hit) with 1 + 128; decode tok/s = 32 * 128 / (t(129) - t(1))."""
+    num_prompts, input_len = _scaled(DECODE_CTX_PROMPTS, scale), _scaled(DECODE_CTX_LEN, scale)
+    steps = _scaled(DECODE_CTX_STEPS, scale)
+    times = []
+    for seed, max_tokens in ((11, 1), (12, 1 + steps)):
+        prompts, _ = workloads.batch(num_prompts, input_len, max_tokens, seed=seed)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        times.append(timed_generate(llm, workloads.fold_to_vocab(prompts, vocab_size), params)[0])
+    decode_s = times[1] - times[0]
+    return {
+        "num_prompts": num_prompts,
+        "context_len": input_len,
+        "decode_steps": steps,
+        "t_prefill_s": times[0],
+        "t_prefill_decode_s": times[1],
+        "decode_tokens_per_second": num_prompts * steps / decode_s,
+        "decode_step_ms": decode_s / steps * 1e3,
+    }
+
+
 def run_nano(llm: LLM, vocab_size: int, scale: float, engine_seed: int) -> dict[str, Any]:
     """`nano`: the seeded recipe at temperature 0.6 (sampling from the engine's seed)."""
     num_seqs = _scaled(256, scale)
@@ -305,6 +346,11 @@ def _synchronize(llm: LLM) -> None:
 def _summary(name: str, figures: dict[str, Any]) -> str:
     if name == "lat":
         return f"TTFT {figures['ttft_ms']:.2f} ms, TPOT {figures['tpot_ms']:.3f} ms"
+    if name == "decode8k":
+        return (
+            f"{figures['decode_tokens_per_second']:.0f} decode tok/s "
+            f"({figures['decode_step_ms']:.2f} ms a step)"
+        )
     if name == "prefix":
         return (
             f"TTFT cold {figures['cold_ttft_ms']:.2f} ms, hit {figures['hit_ttft_ms']:.2f} ms "

@@ -17,16 +17,18 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).parent / "fp8_gemm_configs"
 SCALE_FORMATS = ("block", "channel")
-BACKENDS = ("triton", "scaled_mm")
+BACKENDS = ("triton", "scaled_mm", "gemv")
 QUANT_MODES = ("fused", "separate")
 
 
 @dataclass(frozen=True, slots=True)
 class Fp8GemmConfig:
     """One launch choice. backend "scaled_mm" (cuBLASLt: row-wise for per-channel weights,
-    block-wise on Hopper for block weights; bf16 output only, else the Triton tile below runs).
-    quant "fused": the Triton GEMM quantizes its activation tiles itself; "separate": a
-    quantization pass writes fp8 activations first."""
+    block-wise on Hopper for block weights; bf16 output only, else the Triton tile below runs);
+    "gemv": fp8_gemv, one activation row a program (BLOCK_N x BLOCK_K weight tiles, its own
+    activation quantization; BLOCK_M, GROUP_M and quant unused). quant "fused": the Triton GEMM
+    quantizes its activation tiles itself; "separate": a quantization pass writes fp8
+    activations first."""
 
     backend: str = "triton"
     quant: str = "separate"
@@ -48,27 +50,33 @@ class Fp8GemmConfig:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot), got {value}")
+            if value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+            if value < 16 and self.backend != "gemv":
+                raise ValueError(f"{name} must be >= 16 (tl.dot) outside the gemv, got {value}")
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
 
 
 Buckets = dict[int, Fp8GemmConfig]
 
-# cuBLASLt wherever it takes the operands: on the H100 at Qwen3-8B shapes it beat these untuned
-# Triton tiles at every M (3-10x at M <= 64; benchmarks/RESULTS.md, issue 13). The Triton tiles
-# run where it does not: decode batches take narrow N tiles and quantize their few activation
-# rows inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
+# One row takes the GEMV: on the H100 at Qwen3-8B shapes it is 1.2-2.4x cuBLASLt there, and
+# slower from two rows on (benchmarks/RESULTS.md, issue 13). cuBLASLt wherever it takes the
+# operands above that: it beat these untuned Triton tiles at every M (3-10x at M <= 64). The
+# Triton tiles run where it does not: decode batches take narrow N tiles and quantize their few
+# activation rows inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
 _FUSED = ("scaled_mm", "fused")
+_GEMV = Fp8GemmConfig("gemv", BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2)
 DEFAULT_BUCKETS: dict[str, Buckets] = {
     "block": {
+        1: _GEMV,
         16: Fp8GemmConfig(*_FUSED, BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=4),
         64: Fp8GemmConfig(*_FUSED, BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_stages=4),
         256: Fp8GemmConfig("scaled_mm", BLOCK_M=64, BLOCK_N=128, num_stages=3),
         1 << 62: Fp8GemmConfig("scaled_mm", BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     },
     "channel": {
+        1: _GEMV,
         16: Fp8GemmConfig(*_FUSED, BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=4),
         64: Fp8GemmConfig(*_FUSED, BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_stages=4),
         1 << 62: Fp8GemmConfig("scaled_mm", BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),

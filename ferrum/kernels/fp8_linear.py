@@ -2,8 +2,9 @@
 
 x [..., K] fp16/bf16 is quantized dynamically (per token-group of 128 for block-scaled weights,
 per token for per-channel weights) and the output has x's dtype. The buckets (fp8_gemm_config)
-choose, per number of rows M: the fused Triton GEMM (quantizes its own activation tiles), a
-quantization pass then the Triton GEMM, or a quantization pass then cuBLASLt ("scaled_mm"):
+choose, per number of rows M: the GEMV (fp8_gemv, decode-sized M), the fused Triton GEMM
+(quantizes its own activation tiles), a quantization pass then the Triton GEMM, or a
+quantization pass then cuBLASLt ("scaled_mm"):
 torch._scaled_mm row-wise for per-channel weights, F.scaled_mm BlockWise1x128 x BlockWise128x128
 for block weights. cuBLASLt runs only where it takes the operands (bf16 output; N and K multiples
 of 16 row-wise; of 128 block-wise, on Hopper); elsewhere that bucket's Triton tile runs instead.
@@ -17,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
-from ferrum.kernels.fp8_gemm_config import Buckets, get_fp8_gemm_buckets, pick
+from ferrum.kernels.fp8_gemm_config import Buckets, Fp8GemmConfig, get_fp8_gemm_buckets, pick
+from ferrum.kernels.fp8_gemv import fp8_gemv
 from ferrum.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16)
@@ -51,7 +53,9 @@ def fp8_block_linear(
     n, k = weight.shape
     x2 = _rows(x, k)
     config = pick(_buckets("block", x, n, k) if buckets is None else buckets, x2.shape[0])
-    if config.backend == "scaled_mm" and block_scaled_mm_takes(x2, n, k):
+    if config.backend == "gemv":
+        out = _gemv(x2, weight, weight_scale_inv, True, config, bias)
+    elif config.backend == "scaled_mm" and block_scaled_mm_takes(x2, n, k):
         out = _block_scaled_mm(x2, weight, weight_scale_inv)
         if bias is not None:
             out += bias
@@ -63,6 +67,28 @@ def fp8_block_linear(
             q, weight, weight_scale_inv, x.dtype, config, a_scale=scales, bias=bias
         )
     return out.view(*x.shape[:-1], n)
+
+
+def _gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block_scales: bool,
+    config: Fp8GemmConfig,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return fp8_gemv(
+        x,
+        weight,
+        weight_scale,
+        x.dtype,
+        block_scales,
+        config.BLOCK_N,
+        config.BLOCK_K,
+        config.num_warps,
+        config.num_stages,
+        bias=bias,
+    )
 
 
 @functools.cache
@@ -129,7 +155,9 @@ def fp8_channel_linear(
             f"weight_scale must be [{n}, 1] float32, got {list(weight_scale.shape)} "
             f"{weight_scale.dtype}"
         )
-    if config.backend == "scaled_mm" and scaled_mm_takes(x.dtype, n, k):
+    if config.backend == "gemv":
+        out = _gemv(x2, weight, weight_scale, False, config, bias)
+    elif config.backend == "scaled_mm" and scaled_mm_takes(x.dtype, n, k):
         q, scales = per_token_quant_fp8(x2)
         out = torch._scaled_mm(
             q, weight.t(), scale_a=scales, scale_b=weight_scale.view(1, n), out_dtype=x.dtype

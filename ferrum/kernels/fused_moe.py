@@ -13,9 +13,10 @@ rounded to the input dtype; the weighted sum over j is fp32, in order j = 0..k-1
 Every size is a function of (T, k, E, H, I): no host sync, safe in a CUDA graph.
 
 FP8 experts (`w13_scale` / `w2_scale` given): w13 and w2 are float8_e4m3fn with fp32 scales per
-128x128 block ([E, 2I / 128, H / 128] and [E, H / 128, I / 128]); each weight tile is dequantized
-in the kernel (code * scale, rounded to the input dtype, as `fused_moe_fp8_ref` does) before the
-product, so the weights stream at one byte each and the activations stay in the input dtype.
+128x128 block ([E, 2I / 128, H / 128] and [E, H / 128, I / 128]). The weights stream at one byte
+each and the activations stay in the input dtype: a K step (BLOCK_K divides 128) multiplies by the
+FP8 codes (exact in the input dtype) and scales its fp32 partial product by the block's scale, so
+the weights act as dequantized in fp32, as in `fused_moe_fp8_ref`.
 """
 
 from __future__ import annotations
@@ -94,14 +95,16 @@ def _moe_gemm_kernel(
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if W_FP8:
             scale = tl.load(s_ptrs + k0 // 128, mask=n_mask, other=0.0)
-            w = (w.to(tl.float32) * scale[None, :]).to(dtype)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            acc += tl.dot(a, w.to(dtype), input_precision=DOT_PRECISION) * scale[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
             if W_FP8:
                 scale = tl.load(s_ptrs + (N // 128) * stride_sn + k0 // 128, mask=n_mask, other=0.0)
-                w_up = (w_up.to(tl.float32) * scale[None, :]).to(dtype)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+                acc_up += tl.dot(a, w_up.to(dtype), input_precision=DOT_PRECISION) * scale[None, :]
+            else:
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -348,7 +351,12 @@ def fused_moe(
     if small_batch_max_tokens is None:
         small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS if config is None else 0
     tuned_grouped, tuned_small = get_configs(
-        num_tokens, num_experts, inter, hidden_size, _device_name(hidden.device)
+        num_tokens,
+        num_experts,
+        inter,
+        hidden_size,
+        _device_name(hidden.device),
+        fp8=w13_scale is not None,
     )
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     flat_weights = topk_weights.reshape(-1)

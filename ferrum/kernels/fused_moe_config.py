@@ -1,14 +1,15 @@
 """Tile configs of the fused MoE kernels: tuned JSON files per shape and device, else defaults.
 
-A file `fused_moe_configs/E{E}_I{I}_H{H}_{device}.json` (device: the CUDA device name with
-spaces as underscores) holds up to two sections, each mapping a batch-size bucket (the most
-tokens it covers, as a string) to a config:
+A file `fused_moe_configs/E{E}_I{I}_H{H}[_fp8]_{device}.json` (device: the CUDA device name with
+spaces as underscores; `_fp8` for FP8 experts, whose best tiles differ: a byte a weight) holds up
+to two sections, each mapping a batch-size bucket (the most tokens it covers, as a string) to a
+config:
 - "grouped": BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages (written by
   benchmarks/tune_fused_moe.py --save);
 - "small": GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_BLOCK_K, num_warps, num_stages
   (written by benchmarks/bench_moe_layer.py --sweep --save).
-A batch takes the smallest bucket that covers it, or the largest one. A missing file or section
-falls back to the defaults below.
+A batch takes the smallest bucket that covers it, or the largest one. A missing section falls
+back to the same shape's file without `_fp8`, then to the defaults below.
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ DEFAULT_SMALL: Buckets = {
 }
 
 
-def config_path(num_experts: int, inter: int, hidden: int, device_name: str) -> Path:
+def config_path(
+    num_experts: int, inter: int, hidden: int, device_name: str, fp8: bool = False
+) -> Path:
     device = device_name.replace(" ", "_")
-    return CONFIG_DIR / f"E{num_experts}_I{inter}_H{hidden}_{device}.json"
+    weights = "_fp8" if fp8 else ""
+    return CONFIG_DIR / f"E{num_experts}_I{inter}_H{hidden}{weights}_{device}.json"
 
 
 def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets:
@@ -78,9 +82,11 @@ def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets
 
 
 @functools.cache
-def load_tuned(num_experts: int, inter: int, hidden: int, device_name: str) -> dict[str, Buckets]:
+def load_tuned(
+    num_experts: int, inter: int, hidden: int, device_name: str, fp8: bool = False
+) -> dict[str, Buckets]:
     """The sections of the matching tuned file ({} without one)."""
-    path = config_path(num_experts, inter, hidden, device_name)
+    path = config_path(num_experts, inter, hidden, device_name, fp8)
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
@@ -99,10 +105,18 @@ def pick(buckets: Buckets, num_tokens: int) -> dict[str, int]:
 
 
 def get_configs(
-    num_tokens: int, num_experts: int, inter: int, hidden: int, device_name: str | None
+    num_tokens: int,
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    device_name: str | None,
+    fp8: bool = False,
 ) -> tuple[dict[str, int], dict[str, int]]:
-    """(grouped config, small-batch config) for a batch of num_tokens on the named device."""
+    """(grouped config, small-batch config) for a batch of num_tokens on the named device, of FP8
+    experts or of experts in the activations' dtype."""
     tuned = load_tuned(num_experts, inter, hidden, device_name) if device_name else {}
+    if fp8 and device_name:
+        tuned = tuned | load_tuned(num_experts, inter, hidden, device_name, True)
     return (
         pick(tuned.get("grouped", DEFAULT_GROUPED), num_tokens),
         pick(tuned.get("small", DEFAULT_SMALL), num_tokens),
@@ -117,13 +131,14 @@ def save_section(
     section: str,
     buckets: Buckets,
     directory: Path | None = None,
+    fp8: bool = False,
 ) -> Path:
-    """Writes one section of the tuned file in `directory` (default CONFIG_DIR), keeping the
-    other section."""
+    """Writes one section of the tuned file (of FP8 experts with fp8) in `directory` (default
+    CONFIG_DIR), keeping the other section."""
     keys = {"grouped": GROUPED_KEYS, "small": SMALL_KEYS}[section]
     parse_buckets({str(k): v for k, v in buckets.items()}, keys, section)
     directory = CONFIG_DIR if directory is None else directory
-    path = directory / config_path(num_experts, inter, hidden, device_name).name
+    path = directory / config_path(num_experts, inter, hidden, device_name, fp8).name
     data = json.loads(path.read_text()) if path.is_file() else {}
     data[section] = {str(k): buckets[k] for k in sorted(buckets)}
     directory.mkdir(parents=True, exist_ok=True)

@@ -62,13 +62,12 @@ def fused_moe_fp8_ref(
     w13_scale: torch.Tensor,  # [num_experts, 2 * intermediate_size / 128, hidden_size / 128]
     w2_scale: torch.Tensor,  # [num_experts, hidden_size / 128, intermediate_size / 128]
 ) -> torch.Tensor:
-    """`fused_moe_ref` over the FP8 experts dequantized per 128x128 block to hidden's dtype (the
-    activations are not quantized: the experts are weight-only FP8)."""
-    dtype = hidden.dtype
+    """`fused_moe_ref` in fp32 over the FP8 experts dequantized per 128x128 block, rounded to
+    hidden's dtype (the activations are not quantized: the experts are weight-only FP8)."""
     return fused_moe_ref(
-        hidden,
-        dequantize_experts(w13, w13_scale, dtype),
-        dequantize_experts(w2, w2_scale, dtype),
+        hidden.float(),
+        dequantize_experts(w13, w13_scale, torch.float32),
+        dequantize_experts(w2, w2_scale, torch.float32),
         topk_weights,
         topk_ids,
-    )
+    ).to(hidden.dtype)

@@ -7,8 +7,9 @@ act [T*k, I]; kernel 2, grid (num_tokens, cdiv(H, BLOCK_N)), GEMVs each of token
 against its expert's down projection and sums them weighted, in order j = 0..k-1 in fp32, into
 out [T, H] (the combine is fused). Each routed expert's weights are read once per (token, choice).
 Roundings follow `fused_moe_ref`. Sizes depend only on (T, k, E, H, I): CUDA-graph safe.
-FP8 experts (scales given, see fused_moe.py): each weight chunk is dequantized in the kernel,
-BLOCK_K <= 128 so that a chunk reads one scale column.
+FP8 experts (scales given, see fused_moe.py): the 128x128 block scales are applied to the vector,
+not to the weights: BLOCK_N divides 128, so a program's rows share one scale row, and each column
+k of the vector enters as x[k] * scale[e, n0 // 128, k // 128] against the FP8 codes (fp32 sums).
 """
 
 from __future__ import annotations
@@ -40,11 +41,10 @@ def _load_k_chunk(vec_ptrs, offs_k, k_left, n_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _dequantize_chunk(w, s_ptrs, k0, n_mask, dtype):
-    """fp32 w [BLOCK_N, BLOCK_K] of FP8 codes times its rows' scales of K block k0 // 128,
-    rounded to dtype as the reference's dequantized weights are."""
-    scale = tl.load(s_ptrs + k0 // 128, mask=n_mask, other=0.0)
-    return (w * scale[:, None]).to(dtype).to(tl.float32)
+def _scale_chunk(vec, s_row, offs_k, k0, k_size):
+    """The vector chunk [BLOCK_K] at columns k0 + offs_k times its 128-column blocks' scales in
+    one row of block scales; columns past k_size read no scale (the vector is zero there)."""
+    return vec * tl.load(s_row + (k0 + offs_k) // 128, mask=offs_k < k_size - k0, other=0.0)
 
 
 @triton.jit
@@ -85,8 +85,8 @@ def _moe_gate_up_gemv_kernel(
         w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     )
     up_offset = inter * stride_wn
-    s_ptrs = w13_scale_ptr + expert * stride_se + (offs_n // 128) * stride_sn
-    s_up_ptrs = s_ptrs + (inter // 128) * stride_sn
+    s_row = w13_scale_ptr + expert * stride_se + ((pid_n * BLOCK_N) // 128) * stride_sn
+    s_up_row = s_row + (inter // 128) * stride_sn
     dtype = hidden_ptr.dtype.element_ty
     acc_gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -96,10 +96,11 @@ def _moe_gate_up_gemv_kernel(
         gate = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
         up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0).to(tl.float32)
         if W_FP8:
-            gate = _dequantize_chunk(gate, s_ptrs, k0, n_mask, dtype)
-            up = _dequantize_chunk(up, s_up_ptrs, k0, n_mask, dtype)
-        acc_gate += gate * x[None, :]
-        acc_up += up * x[None, :]
+            acc_gate += gate * _scale_chunk(x, s_row, offs_k, k0, hidden_size)[None, :]
+            acc_up += up * _scale_chunk(x, s_up_row, offs_k, k0, hidden_size)[None, :]
+        else:
+            acc_gate += gate * x[None, :]
+            acc_up += up * x[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -151,13 +152,13 @@ def _moe_down_combine_gemv_kernel(
         w_ptrs = (
             w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         )
-        s_ptrs = w2_scale_ptr + expert * stride_se + (offs_n // 128) * stride_sn
+        s_row = w2_scale_ptr + expert * stride_se + ((pid_n * BLOCK_N) // 128) * stride_sn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             a, w_mask = _load_k_chunk(a_ptrs, offs_k, inter - k0, n_mask, EVEN_K)
             w = tl.load(w_ptrs, mask=w_mask & routed, other=0.0).to(tl.float32)
             if W_FP8:
-                w = _dequantize_chunk(w, s_ptrs, k0, n_mask, dtype)
+                a = _scale_chunk(a, s_row, offs_k, k0, inter)
             acc += w * a[None, :]
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -175,11 +176,11 @@ def _gemv_tiles(
     config: dict[str, int], prefix: str, n: int, k: int, fp8: bool
 ) -> tuple[int, int, bool]:
     """(BLOCK_N, BLOCK_K, EVEN_K) of one GEMV: blocks shrunk to the (power-of-two padded) dims,
-    BLOCK_K to one scale block for FP8 weights."""
+    BLOCK_N to one scale block of rows for FP8 weights."""
     block_n = min(config[f"{prefix}_BLOCK_N"], triton.next_power_of_2(n))
     block_k = min(config[f"{prefix}_BLOCK_K"], triton.next_power_of_2(k))
     if fp8:
-        block_k = min(block_k, FP8_BLOCK)
+        block_n = min(block_n, FP8_BLOCK)
     return block_n, block_k, k % block_k == 0
 
 

@@ -17,16 +17,22 @@ from ferrum.kernels.fp8_gemm_config import (
 
 def test_pick_smallest_covering_bucket_else_largest() -> None:
     buckets = DEFAULT_BUCKETS["block"]
-    assert pick(buckets, 1) is buckets[16] and pick(buckets, 16) is buckets[16]
+    assert pick(buckets, 1) is buckets[1] and pick(buckets, 2) is buckets[16]
+    assert pick(buckets, 16) is buckets[16]
     assert pick(buckets, 17) is buckets[64]
     small = {8: Fp8GemmConfig(BLOCK_M=16), 32: Fp8GemmConfig(BLOCK_M=32)}
     assert pick(small, 1000).BLOCK_M == 32
 
 
 def test_defaults_are_valid_for_their_format() -> None:
-    # The Triton fallback tile of a block bucket steps K by one 128-column scale group.
-    assert all(c.BLOCK_K == 128 for c in DEFAULT_BUCKETS["block"].values())
-    assert all(c.backend == "scaled_mm" for b in DEFAULT_BUCKETS.values() for c in b.values())
+    # The Triton fallback tile of a block bucket steps K by one 128-column scale group; the
+    # GEMV's rows share one scale row and its K steps cover whole groups.
+    for fmt, buckets in DEFAULT_BUCKETS.items():
+        assert buckets[1].backend == "gemv"
+        assert all(c.backend == "scaled_mm" for m, c in buckets.items() if m > 1)
+        if fmt == "block":
+            assert all(c.BLOCK_K == 128 for m, c in buckets.items() if m > 1)
+            assert 128 % buckets[1].BLOCK_N == 0 and buckets[1].BLOCK_K % 128 == 0
     assert set(DEFAULT_BUCKETS) == {"block", "channel"}
 
 
@@ -52,7 +58,7 @@ def test_invalid_configs_name_the_field() -> None:
         Fp8GemmConfig(backend="cutlass")
     with pytest.raises(ValueError, match="quant"):
         Fp8GemmConfig(quant="static")
-    with pytest.raises(ValueError, match="BLOCK_N must be a power of two >= 16"):
+    with pytest.raises(ValueError, match="BLOCK_N must be a power of two"):
         Fp8GemmConfig(BLOCK_N=48)
     with pytest.raises(ValueError, match="num_stages must be a positive int"):
         Fp8GemmConfig(num_stages=0)

@@ -56,6 +56,16 @@ def test_a_file_with_one_section_falls_back_for_the_other(config_dir) -> None:
     assert small == SMALL and grouped == cfg.pick(cfg.DEFAULT_GROUPED, 2)
 
 
+def test_fp8_experts_have_their_own_file(config_dir) -> None:
+    """FP8 sections override the shape's file section by section; bf16 never reads them."""
+    cfg.save_section(8, 256, 128, "GPU", "grouped", {64: GROUPED}, config_dir)
+    fp8_small = SMALL | {"DOWN_BLOCK_K": 256}
+    path = cfg.save_section(8, 256, 128, "GPU", "small", {1: fp8_small}, config_dir, fp8=True)
+    assert path.name == "E8_I256_H128_fp8_GPU.json"
+    assert cfg.get_configs(1, 8, 256, 128, "GPU", fp8=True) == (GROUPED, fp8_small)
+    assert cfg.get_configs(1, 8, 256, 128, "GPU")[1] == cfg.pick(cfg.DEFAULT_SMALL, 1)
+
+
 @pytest.mark.parametrize(
     ("content", "match"),
     [

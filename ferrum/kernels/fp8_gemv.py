@@ -1,0 +1,202 @@
+"""Triton W8A8 FP8 (e4m3fn) GEMV for decode-sized batches: out = A @ W^T, one row of A a program.
+
+At a few rows a GEMM is a read of W: tensor-core tiles of 16+ rows and cuBLASLt's kernels leave
+HBM idle there, so this kernel streams W [N, K] through CUDA cores instead. Program p computes
+out[m, n0:n0 + BLOCK_N] for m = p % M (rows vary fastest, so the programs that read one W tile run
+together and share it in L2), n0 = (p // M) * BLOCK_N, accumulating per lane in fp32 and summing
+once at the end. The activations are quantized in the kernel with fp8_quant's math, so the
+result is the W8A8 GEMM's (fp8_gemm_ref) up to the order of the fp32 sums:
+
+Block scales (w_scale [ceil(N / 128), K / 128]): BLOCK_N divides 128, so a program's rows share one
+scale row, and BLOCK_K is a multiple of 128. Each group g of 128 columns of a row is quantized
+(q_g, a_scale_g) and enters the sum as q_g * (a_scale_g * w_scale[n0 // 128, g]): the scales are
+applied to the activation, once per column rather than once per weight.
+Per-channel scales (w_scale [N, 1]): a first pass over the row gives its abs-max, the second sums
+q * w; out = sum * a_scale * w_scale[n].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrum.kernels.fp8_quant import (
+    AMAX_FLOOR,
+    FP8_DTYPE,
+    FP8_MAX,
+    GROUP_SIZE,
+    fp8_scale_of,
+    quantize_fp8_tile,
+)
+
+_IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# INT_DECODE reads each e4m3 code as its f32 bit pattern shifted into place: sign to bit 31,
+# exponent and mantissa to bits 26..20, which is code * 2^-120 exactly (subnormal codes included).
+# The vector is taken times 2^60 and the sum times 2^60, so no product leaves fp32's normal range.
+_DECODE_SHIFT = tl.constexpr(2.0**60)
+
+
+@triton.jit
+def _load_weights(w_ptrs, mask, INT_DECODE: tl.constexpr):
+    """fp32 weight tile: the FP8 codes, or with INT_DECODE (w_ptrs to the codes' bytes) the codes
+    times 2^-120, decoded with integer ops instead of conversions."""
+    if INT_DECODE:
+        b = tl.load(w_ptrs, mask=mask, other=0).to(tl.uint32)
+        bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
+        return bits.to(tl.float32, bitcast=True)
+    return tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    out_ptr,  # [M, N]
+    x_ptr,  # [M, K] fp16/bf16/fp32
+    w_ptr,  # [N, K] fp8
+    w_scale_ptr,  # [ceil(N / GROUP), K // GROUP] (BLOCK_SCALES) or [N, 1] fp32
+    bias_ptr,  # [N], read when HAS_BIAS
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    BLOCK_SCALES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INT_DECODE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = (pid % M).to(tl.int64)
+    pid_n = pid // M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row * stride_xm
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if BLOCK_SCALES:
+        NUM_GROUPS: tl.constexpr = BLOCK_K // GROUP
+        num_k_groups = K // GROUP
+        s_row = w_scale_ptr + ((pid_n * BLOCK_N) // GROUP) * num_k_groups
+        offs_g = tl.arange(0, NUM_GROUPS)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            w = _load_weights(w_ptrs, n_mask[:, None] & k_mask[None, :], INT_DECODE)
+            xg = tl.reshape(x, (NUM_GROUPS, GROUP))
+            q, a_s = quantize_fp8_tile(xg, tl.max(tl.abs(xg), 1)[:, None], FP8_MAX, AMAX_FLOOR)
+            g_mask = offs_g < num_k_groups - k0 // GROUP
+            w_s = tl.load(s_row + k0 // GROUP + offs_g, mask=g_mask, other=0.0)
+            x_eff = tl.reshape(q.to(tl.float32) * (a_s * w_s[:, None]), (BLOCK_K,))
+            if INT_DECODE:
+                x_eff = x_eff * _DECODE_SHIFT
+            acc += w * x_eff[None, :]
+            w_ptrs += BLOCK_K
+        out = tl.sum(acc, 1)
+    else:
+        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        row_amax = tl.max(amax, 0)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            w = _load_weights(w_ptrs, n_mask[:, None] & k_mask[None, :], INT_DECODE)
+            q, _ = quantize_fp8_tile(x, row_amax, FP8_MAX, AMAX_FLOOR)
+            q = q.to(tl.float32)
+            if INT_DECODE:
+                q = q * _DECODE_SHIFT
+            acc += w * q[None, :]
+            w_ptrs += BLOCK_K
+        w_s = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+        out = tl.sum(acc, 1) * fp8_scale_of(row_amax, FP8_MAX, AMAX_FLOOR) * w_s
+    if INT_DECODE:
+        out = out * _DECODE_SHIFT
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def _check_tiles(block_scales: bool, block_n: int, block_k: int) -> None:
+    for name, value in (("BLOCK_N", block_n), ("BLOCK_K", block_k)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if block_scales and (GROUP_SIZE % block_n or block_k % GROUP_SIZE):
+        raise ValueError(
+            f"block-scaled GEMV needs BLOCK_N dividing {GROUP_SIZE} and BLOCK_K a multiple of "
+            f"{GROUP_SIZE}, got BLOCK_N={block_n} BLOCK_K={block_k}"
+        )
+
+
+def fp8_gemv(
+    x: torch.Tensor,  # [M, K] fp16/bf16/fp32, stride(1) == 1
+    weight: torch.Tensor,  # [N, K] fp8, stride(1) == 1
+    weight_scale: torch.Tensor,  # [ceil(N / 128), K / 128] (block_scales) or [N, 1] fp32
+    out_dtype: torch.dtype,
+    block_scales: bool,
+    block_n: int,
+    block_k: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    bias: torch.Tensor | None = None,  # [N]
+    int_decode: bool = False,
+) -> torch.Tensor:
+    """[M, N] out_dtype: x quantized per group of 128 (block_scales) or per row (per-channel
+    weight scales) times W^T, plus bias."""
+    if x.dim() != 2 or x.dtype not in _IN_DTYPES or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be [M, K] fp16/bf16/fp32 with stride(1) == 1, got {tuple(x.shape)} {x.dtype}"
+        )
+    if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1:
+        raise ValueError(f"weight must be [N, K] {FP8_DTYPE} with stride(1) == 1")
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight must have K={k} columns, got {tuple(weight.shape)}")
+    if block_scales and k % GROUP_SIZE:
+        raise ValueError(f"block-scaled weights need K a multiple of {GROUP_SIZE}, got {k}")
+    scale_shape = (triton.cdiv(n, GROUP_SIZE), k // GROUP_SIZE) if block_scales else (n, 1)
+    if tuple(weight_scale.shape) != scale_shape:
+        raise ValueError(
+            f"weight_scale must be {list(scale_shape)}, got {list(weight_scale.shape)}"
+        )
+    if weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous():
+        raise ValueError(f"weight_scale must be contiguous float32, got {weight_scale.dtype}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must be [{n}], got {list(bias.shape)}")
+    _check_tiles(block_scales, block_n, block_k)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    _fp8_gemv_kernel[(m * triton.cdiv(n, block_n),)](
+        out,
+        x,
+        weight.view(torch.uint8) if int_decode else weight,
+        weight_scale,
+        weight_scale if bias is None else bias,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_SCALES=block_scales,
+        HAS_BIAS=bias is not None,
+        GROUP=GROUP_SIZE,
+        FP8_MAX=FP8_MAX,
+        AMAX_FLOOR=AMAX_FLOOR,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        INT_DECODE=int_decode,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
