@@ -3,11 +3,11 @@
 Each row is one linear x [M, K] bf16 -> [M, N] bf16 including its activation quantization:
   bf16_mm            torch.nn.functional.linear on a bf16 weight
   block_linear       ferrum fp8_block_linear, default buckets (cuBLASLt where it takes the shape)
-  block_triton       ferrum fp8_block_linear with every bucket on Triton
+  block_triton       ferrum fp8_block_linear with every bucket but the GEMV's on Triton
   block_scaled_mm    group quantization + F.scaled_mm BlockWise1x128 x BlockWise128x128 (cuBLASLt;
                      recorded as unsupported where this torch/CUDA build refuses it)
   channel_scaled_mm  per-token quantization + torch._scaled_mm row-wise (cuBLASLt)
-  channel_triton     ferrum fp8_channel_linear with every bucket on Triton
+  channel_triton     ferrum fp8_channel_linear with every bucket but the GEMV's on Triton
   block_gemv         ferrum fp8_gemv, block scales, GEMV_CONFIG's tile (rows with M <= 16 only)
   channel_gemv       ferrum fp8_gemv, per-channel scales, GEMV_CONFIG's tile (M <= 16 only)
 Each timing replays a CUDA graph of --iters calls (the engine runs decode in graphs, so launch
@@ -117,8 +117,14 @@ def channel_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 
 
 def row_fns(x: torch.Tensor, w: Weights) -> dict:
-    triton_channel = {b: dataclasses.replace(c, backend="triton") for b, c in DEFAULT_BUCKETS["channel"].items()}  # fmt: skip
-    triton_block = {b: dataclasses.replace(c, backend="triton") for b, c in DEFAULT_BUCKETS["block"].items()}  # fmt: skip
+    triton_channel, triton_block = (
+        {
+            b: dataclasses.replace(c, backend="triton")
+            for b, c in DEFAULT_BUCKETS[fmt].items()
+            if c.backend != "gemv"
+        }  # fmt: skip
+        for fmt in ("channel", "block")
+    )
     gemv = {}
     if x.shape[0] <= GEMV_MAX_M:
         gemv = {
@@ -168,28 +174,24 @@ def sweep_configs(m: int) -> list[Fp8GemmConfig]:
     ]
 
 
-def gemv_fn(
-    x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConfig, int_decode=False
-):
+def gemv_fn(x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConfig):
     weights = w.block if scale_format == "block" else w.channel
     tiles = (config.BLOCK_N, config.BLOCK_K, config.num_warps, config.num_stages)
-    block = scale_format == "block"
-    return lambda i: fp8_gemv(x, *weights[i], x.dtype, block, *tiles, int_decode=int_decode)
+    return lambda i: fp8_gemv(x, *weights[i], x.dtype, scale_format == "block", *tiles)
 
 
 def run_gemv_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dict:
-    best: dict[bool, dict] = {}
-    grid = itertools.product((8, 16, 32), (512, 1024), (4, 8), (1, 2), (False, True))
-    for bn, bk, nw, ns, int_decode in grid:
+    best = None
+    for bn, bk, nw, ns in itertools.product((8, 16, 32), (512, 1024), (4, 8), (1, 2)):
         config = Fp8GemmConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
         try:
-            us = time_us(gemv_fn(x, w, scale_format, config, int_decode), len(w.bf16), iters)
+            us = time_us(gemv_fn(x, w, scale_format, config), len(w.bf16), iters)
         except Exception as exc:  # a tile the compiler rejects
             print(f"    skip {config}: {type(exc).__name__}")
             continue
-        if int_decode not in best or us < best[int_decode]["us"]:
-            best[int_decode] = {"us": us, "config": dataclasses.asdict(config)}
-    return {("int_decode" if k else "cvt"): v for k, v in best.items()}
+        if best is None or us < best["us"]:
+            best = {"us": us, "config": dataclasses.asdict(config)}
+    return best or {}
 
 
 def sweep_fn(x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConfig):
@@ -228,12 +230,13 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--save", action="store_true", help="with --sweep: write tuned configs")
     parser.add_argument("--gemv-sweep", action="store_true", help="grid of GEMV tiles, M <= 16")
+    parser.add_argument("--formats", default="block,channel", help="scale formats to sweep")
     parser.add_argument(
         "--save-gemv",
         type=Path,
         default=None,
-        help="with --gemv-sweep: per shape and format, write DIR/<variant>/ config files: the "
-        "default buckets plus a GEMV bucket at each M where the GEMV beat the other FP8 rows",
+        help="with --gemv-sweep: per shape and format, write DIR/ config files: the default "
+        "buckets plus a GEMV bucket at each M where the GEMV beat the other FP8 rows",
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -250,7 +253,7 @@ def main() -> int:
     for name, n, k in shapes:
         weights = make_weights(n, k)
         tuned: dict[str, dict] = {"block": {}, "channel": {}}
-        gemv_wins: dict[tuple[str, str], dict[int, dict]] = {}
+        gemv_wins: dict[str, dict[int, dict]] = {}
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             errors = check_outputs(x, weights)
@@ -273,7 +276,7 @@ def main() -> int:
                     flush=True,
                 )
             if args.gemv_sweep and m <= GEMV_MAX_M:
-                for fmt in ("block", "channel"):
+                for fmt in args.formats.split(","):
                     best = run_gemv_sweep(x, weights, fmt, args.iters)
                     row[f"gemv_sweep_{fmt}"] = best
                     print(f"  gemv sweep {fmt}: {best}", flush=True)
@@ -282,9 +285,8 @@ def main() -> int:
                         for rname, r in row["rows"].items()
                         if rname.startswith(fmt) and "gemv" not in rname and "us" in r
                     ]
-                    for variant, found in best.items():
-                        if others and found["us"] < min(others):
-                            gemv_wins.setdefault((fmt, variant), {})[m] = found["config"]
+                    if best and others and best["us"] < min(others):
+                        gemv_wins.setdefault(fmt, {})[m] = best["config"]
             if args.sweep:
                 for fmt in ("block", "channel"):
                     t0 = time.perf_counter()
@@ -308,11 +310,11 @@ def main() -> int:
                 if buckets:
                     print(f"saved {save_buckets(fmt, n, k, device_name, buckets)}")
         if args.save_gemv is not None:
-            for (fmt, variant), per_m in gemv_wins.items():
+            for fmt, per_m in gemv_wins.items():
                 buckets = dict(DEFAULT_BUCKETS[fmt])
                 buckets.update({m: Fp8GemmConfig(**c) for m, c in per_m.items()})
                 buckets = dict(sorted(buckets.items()))
-                path = save_buckets(fmt, n, k, device_name, buckets, args.save_gemv / variant)
+                path = save_buckets(fmt, n, k, device_name, buckets, args.save_gemv)
                 print(f"saved {path}")
         del weights
         torch.cuda.empty_cache()

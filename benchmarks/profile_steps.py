@@ -2,8 +2,9 @@
 
 Admits a batch of dummy-weight requests, steps until every prompt is prefilled, then times and
 profiles `--steps` decode steps: wall time per step, the engine's host phases, and the top CUDA
-kernels. Usage: python benchmarks/profile_steps.py --model benchmarks/models/qwen3-0.6b
---num-prompts 64 --input-len 256 [engine flags]
+kernels. `--wall-only` times the steps and nothing else, so any executor runs (mp, ray: their
+runners live in other processes). Usage: python benchmarks/profile_steps.py --model
+benchmarks/models/qwen3-0.6b --num-prompts 64 --input-len 256 [--wall-only] [engine flags]
 """
 
 # ruff: noqa: E402
@@ -35,6 +36,7 @@ def timed(phases: dict[str, float], name: str, fn):
 def main() -> int:
     parser = engine_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--wall-only", action="store_true", help="no phase timers, no profile")
     args = parser.parse_args()
     llm = make_llm(args)
     engine = llm.llm_engine
@@ -56,6 +58,14 @@ def main() -> int:
     for _ in range(5):
         engine.step()
 
+    if args.wall_only:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        wall = (time.perf_counter() - start) / args.steps
+        print(f"batch {args.num_prompts}: {wall * 1e3:.3f} ms per decode step (wall only)")
+        engine.abort_request([str(i) for i in range(args.num_prompts)])
+        return 0
     phases: dict[str, float] = defaultdict(float)
     runner = core.executor.runner
     core.scheduler.schedule = timed(phases, "schedule", core.scheduler.schedule)

@@ -33,23 +33,6 @@ from ferrum.kernels.fp8_quant import (
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-# INT_DECODE reads each e4m3 code as its f32 bit pattern shifted into place: sign to bit 31,
-# exponent and mantissa to bits 26..20, which is code * 2^-120 exactly (subnormal codes included).
-# The vector is taken times 2^60 and the sum times 2^60, so no product leaves fp32's normal range.
-_DECODE_SHIFT = tl.constexpr(2.0**60)
-
-
-@triton.jit
-def _load_weights(w_ptrs, mask, INT_DECODE: tl.constexpr):
-    """fp32 weight tile: the FP8 codes, or with INT_DECODE (w_ptrs to the codes' bytes) the codes
-    times 2^-120, decoded with integer ops instead of conversions."""
-    if INT_DECODE:
-        b = tl.load(w_ptrs, mask=mask, other=0).to(tl.uint32)
-        bits = ((b & 0x80) << 24) | ((b & 0x7F) << 20)
-        return bits.to(tl.float32, bitcast=True)
-    return tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-
-
 @triton.jit
 def _fp8_gemv_kernel(
     out_ptr,  # [M, N]
@@ -70,7 +53,6 @@ def _fp8_gemv_kernel(
     AMAX_FLOOR: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    INT_DECODE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     row = (pid % M).to(tl.int64)
@@ -89,15 +71,13 @@ def _fp8_gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            w = _load_weights(w_ptrs, n_mask[:, None] & k_mask[None, :], INT_DECODE)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             xg = tl.reshape(x, (NUM_GROUPS, GROUP))
             q, a_s = quantize_fp8_tile(xg, tl.max(tl.abs(xg), 1)[:, None], FP8_MAX, AMAX_FLOOR)
             g_mask = offs_g < num_k_groups - k0 // GROUP
             w_s = tl.load(s_row + k0 // GROUP + offs_g, mask=g_mask, other=0.0)
             x_eff = tl.reshape(q.to(tl.float32) * (a_s * w_s[:, None]), (BLOCK_K,))
-            if INT_DECODE:
-                x_eff = x_eff * _DECODE_SHIFT
-            acc += w * x_eff[None, :]
+            acc += w.to(tl.float32) * x_eff[None, :]
             w_ptrs += BLOCK_K
         out = tl.sum(acc, 1)
     else:
@@ -109,17 +89,12 @@ def _fp8_gemv_kernel(
         for k0 in range(0, K, BLOCK_K):
             k_mask = offs_k < K - k0
             x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            w = _load_weights(w_ptrs, n_mask[:, None] & k_mask[None, :], INT_DECODE)
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             q, _ = quantize_fp8_tile(x, row_amax, FP8_MAX, AMAX_FLOOR)
-            q = q.to(tl.float32)
-            if INT_DECODE:
-                q = q * _DECODE_SHIFT
-            acc += w * q[None, :]
+            acc += w.to(tl.float32) * q.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
         w_s = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
         out = tl.sum(acc, 1) * fp8_scale_of(row_amax, FP8_MAX, AMAX_FLOOR) * w_s
-    if INT_DECODE:
-        out = out * _DECODE_SHIFT
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -147,7 +122,6 @@ def fp8_gemv(
     num_warps: int = 4,
     num_stages: int = 2,
     bias: torch.Tensor | None = None,  # [N]
-    int_decode: bool = False,
 ) -> torch.Tensor:
     """[M, N] out_dtype: x quantized per group of 128 (block_scales) or per row (per-channel
     weight scales) times W^T, plus bias."""
@@ -179,7 +153,7 @@ def fp8_gemv(
     _fp8_gemv_kernel[(m * triton.cdiv(n, block_n),)](
         out,
         x,
-        weight.view(torch.uint8) if int_decode else weight,
+        weight,
         weight_scale,
         weight_scale if bias is None else bias,
         m,
@@ -195,7 +169,6 @@ def fp8_gemv(
         AMAX_FLOOR=AMAX_FLOOR,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        INT_DECODE=int_decode,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -31,29 +31,25 @@ def _weights(n: int, k: int, block: bool, device: torch.device, seed: int = 0):
 
 # N = 200 leaves a partial BLOCK_N tile and a partial 128-row scale block; K = 640 with BLOCK_K
 # 256 leaves a partial K step of 128 columns (block) and 640 % 256 = 128 (channel).
-@pytest.mark.parametrize("int_decode", [False, True])
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("block_n,block_k", [(16, 256), (8, 128), (32, 512)])
-def test_block_gemv_matches_reference(m, block_n, block_k, int_decode, device) -> None:
+def test_block_gemv_matches_reference(m, block_n, block_k, device) -> None:
     n, k = 200, 640
     weight, scale = _weights(n, k, True, device, seed=m)
     x = representable(m, k, 128, torch.float16, device, seed=m)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(device, torch.float16)
-    out = fp8_gemv(
-        x, weight, scale, torch.float16, True, block_n, block_k, bias=bias, int_decode=int_decode
-    )
+    out = fp8_gemv(x, weight, scale, torch.float16, True, block_n, block_k, bias=bias)
     ref = w8a8_block_fp8_matmul_ref(x, weight, scale, torch.float16, bias=bias)
     _close(out, ref, 2e-3)
 
 
-@pytest.mark.parametrize("int_decode", [False, True])
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("block_n,block_k", [(16, 256), (4, 64)])
-def test_channel_gemv_matches_reference(m, block_n, block_k, int_decode, device) -> None:
+def test_channel_gemv_matches_reference(m, block_n, block_k, device) -> None:
     n, k = 72, 200
     weight, scale = _weights(n, k, False, device, seed=m)
     x = representable(m, k, k, torch.float32, device, seed=m)
-    out = fp8_gemv(x, weight, scale, torch.float32, False, block_n, block_k, int_decode=int_decode)
+    out = fp8_gemv(x, weight, scale, torch.float32, False, block_n, block_k)
     ref = w8a8_channel_fp8_matmul_ref(x, weight, scale, torch.float32)
     _close(out, ref, 1e-5)
 
@@ -80,7 +76,7 @@ def test_gemv_random_inputs_on_cuda(block: bool, m: int) -> None:
     n, k = 4096 + 64, 2048 + 128
     weight, scale = _weights(n, k, block, device)
     x = random_input(m, k, torch.bfloat16, device, seed=m)
-    out = fp8_gemv(x, weight, scale, torch.bfloat16, block, 16, 512, int_decode=True)
+    out = fp8_gemv(x, weight, scale, torch.bfloat16, block, 16, 512)
     ref_fn = w8a8_block_fp8_matmul_ref if block else w8a8_channel_fp8_matmul_ref
     _close(out, ref_fn(x, weight, scale, torch.bfloat16), 1e-2)
 

@@ -163,11 +163,12 @@ def test_dummy_fp8_weights(tiny_checkpoint, tmp_path, fmt) -> None:
         assert 0.015 < values.std().item() < 0.025, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_dummy_fp8_experts(tiny_checkpoint, tmp_path, quantization) -> None:
+def test_dummy_fp8_experts(tiny_checkpoint, tmp_path, quantization, dtype) -> None:
     """FP8 MoE experts from Qwen's FP8 config (None) or quantized on load ("fp8"): fp8 stacked
-    experts with one scale per 128x128 block, dequantizing to the dummy std; the router stays
-    in the model dtype."""
+    experts with one fp32 scale per 128x128 block whatever the model dtype, dequantizing to the
+    dummy std; the router stays in the model dtype."""
     shapes = {**FP8_SHAPES, "moe_intermediate_size": 128}
     source = tiny_checkpoint("qwen3_moe", **shapes)
     config_only = tmp_path / "config_only"
@@ -183,13 +184,20 @@ def test_dummy_fp8_experts(tiny_checkpoint, tmp_path, quantization) -> None:
                 "activation_scheme": "dynamic",
             },
         )
-    config = ModelConfig(str(config_only), load_format="dummy", seed=3, quantization=quantization)
+    config = ModelConfig(
+        str(config_only),
+        load_format="dummy",
+        seed=3,
+        quantization=quantization,
+        dtype=str(dtype).removeprefix("torch."),
+    )
     model = load_model(config, CPU)
     block = model.model.layers[0].mlp
-    assert block.gate.weight.dtype == torch.float32 and block.gate.quant_method is None
+    assert block.gate.weight.dtype == dtype and block.gate.quant_method is None
     experts = block.experts
     assert experts.w13.dtype == FP8 and experts.w13_scale.shape == (8, 2, 1)
     assert experts.w2.dtype == FP8 and experts.w2_scale.shape == (8, 1, 1)
+    assert experts.w13_scale.dtype == experts.w2_scale.dtype == torch.float32
     values = experts.w13.float() * experts.w13_scale.repeat_interleave(128, 1).repeat_interleave(
         128, 2
     )

@@ -2,9 +2,9 @@
 scales per 128x128 block, `w13_scale` [E, 2I / 128, H / 128] and `w2_scale` [E, H / 128, I / 128]
 (from the experts' `weight_scale_inv`; gate rows then up rows, so I % 128 == 0).
 
-The experts are weight-only FP8: the kernel dequantizes each weight tile to the activations' dtype
-before the product (kernels/fused_moe.py), the torch reference dequantizes whole experts. Quantizing
-on load keeps the stacked experts in the model dtype until loaded, then quantizes each expert.
+The experts are weight-only FP8: the kernels apply the block scales to their fp32 sums
+(kernels/fused_moe.py), the torch reference dequantizes whole experts in fp32. Quantizing on load
+keeps the stacked experts in the model dtype until loaded, then quantizes each expert.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class Fp8MoEMethod:
                 continue
             setattr(layer, name, _parameter(torch.empty(shape, dtype=FP8_DTYPE)))
             scale_shape = (shape[0], shape[1] // _BLOCK, shape[2] // _BLOCK)
-            setattr(layer, f"{name}_scale", _parameter(torch.empty(scale_shape), _BLOCK))
+            scale = torch.empty(scale_shape, dtype=torch.float32)
+            setattr(layer, f"{name}_scale", _parameter(scale, _BLOCK))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not self.quantize_on_load or layer.w13.dtype == FP8_DTYPE:
