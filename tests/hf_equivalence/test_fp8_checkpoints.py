@@ -3,7 +3,9 @@
 
 Exact reference: transformers runs the dequantized twin (weights = fp8 codes * scales) with each
 projection's input rounded to FP8 as W8A8 does (per token-group of 128 / per token). That is the
-arithmetic the FP8 engine performs, so logits agree to fp32 rounding and greedy tokens are equal.
+arithmetic the FP8 engine performs, so logits agree to fp32 rounding (but where fp32's other order
+of operations puts an activation on the other side of an FP8 rounding boundary: see
+_assert_logits_match) and greedy tokens are equal.
 Against the unquantized model only a loose bound holds (see test_close_to_the_unquantized_model).
 """
 
@@ -26,7 +28,8 @@ from tests.utils.tiny_llm import MAX_TOKENS, cuda_llm, greedy, make_llm, random_
 FP8_SHAPES = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 64}
 # MoE experts are FP8 weight-only (no activation rounding); their sizes are multiples of 128.
 ARCH_SHAPES = {"qwen3_moe": {**FP8_SHAPES, "moe_intermediate_size": 128}}
-ATOL = 1e-4
+# One activation an FP8 step away from the reference's (see _assert_logits_match).
+FLIP_TOLERANCE = 5e-3
 # Activation group of each format: 128 columns for block scales, the whole row for per-channel.
 GROUP = {"fp8": 128, "compressed-tensors": None}
 
@@ -49,6 +52,17 @@ def fp8_checkpoint(tiny_checkpoint, tmp_path_factory):
     return build
 
 
+def _assert_logits_match(logits: torch.Tensor, expected: torch.Tensor) -> None:
+    """Per position, logits within fp32 rounding (relative L2 <= 1e-5) of the reference's, but
+    for at most one position within FLIP_TOLERANCE: both sides compute the activations in fp32 in
+    another order, so one value can land on the other side of an FP8 rounding boundary; its code
+    then differs by one step, which moves that position's logits by ~1e-3. A wrong scale, block
+    or rounding rule moves every position by 1e-1 or more."""
+    assert logits.shape == expected.shape
+    rel = (logits - expected).norm(dim=-1) / expected.norm(dim=-1)
+    assert int((rel > 1e-5).sum()) <= 1 and rel.max().item() <= FLIP_TOLERANCE, rel.tolist()
+
+
 @pytest.mark.parametrize(
     ("arch", "fmt"),
     [
@@ -63,12 +77,11 @@ def test_prefill_and_decode_logits_match_dequantized_reference(fp8_checkpoint, a
     _, model = load(fp8_dir)
     seqs = [Seq(prompt(7, 3), [5, 2], 7), Seq(prompt(13, 90), [9, 1, 12, 4], 13)]
     for seq, logits in zip(seqs, run_step(model, seqs)):
-        torch.testing.assert_close(logits, hf_logits(reference, seq.token_ids), atol=ATOL, rtol=0)
+        _assert_logits_match(logits, hf_logits(reference, seq.token_ids))
         seq.token_ids = seq.token_ids + [int(logits[-1].argmax())]
         seq.num_new = 1
     for seq, logits in zip(seqs, run_step(model, seqs)):
-        expected = hf_logits(reference, seq.token_ids)[-1:]
-        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+        _assert_logits_match(logits, hf_logits(reference, seq.token_ids)[-1:])
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "compressed-tensors"])
@@ -123,27 +136,38 @@ def test_close_to_the_unquantized_model(fp8_checkpoint, fmt) -> None:
     assert agree >= 0.7
 
 
+def _first_tokens_agree(outputs: list[list[int]], expected: list[list[int]]) -> float:
+    """The fraction of prompts whose first 4 greedy tokens are the same."""
+    return sum(a[:4] == b[:4] for a, b in zip(outputs, expected)) / len(expected)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 kernels run on CUDA")
 @pytest.mark.parametrize(("arch", "fmt"), [("qwen3", "fp8"), ("qwen3", "compressed-tensors"), ("qwen3_moe", "fp8")])  # fmt: skip
-def test_cuda_fp8_greedy_agrees_with_the_dequantized_twin(fp8_checkpoint, tmp_path, arch, fmt):
-    """The FP8 engine on CUDA (Triton / cuBLASLt FP8 GEMMs, the decode GEMV, FP8 experts, CUDA
-    graphs, bf16) against the bf16 twin holding the same dequantized weights: only the W8A8
-    activation rounding and the kernels' sum order differ, so most greedy continuations agree on
-    their first tokens. The agreement is printed (-s) for the record."""
+def test_cuda_fp8_greedy_tokens(fp8_checkpoint, tmp_path, arch, fmt):
+    """The FP8 engine on CUDA (cuBLASLt / Triton FP8 GEMMs for a batch of 32, the decode GEMV one
+    prompt at a time, FP8 experts, CUDA graphs, bf16) against its own arithmetic in fp32 (the
+    torch W8A8 reference on the CPU). A tiny random model's greedy tokens are fragile (near-tied
+    logits), so the bar is relative: the FP8 engine must agree with its fp32 reference about as
+    often as the bf16 twin (same dequantized weights, no FP8 activations) agrees with its own
+    fp32 run, which measures what bf16 alone costs; a wrong kernel agrees almost never. The
+    agreement with the bf16 twin, the issue's figure, is printed (-s)."""
     _, fp8_dir, _ = fp8_checkpoint(arch, fmt)
     twin = write_dequantized_twin(fp8_dir, str(tmp_path / "twin"))
-    prompts = random_prompts([5, 9, 13, 17, 21, 25, 29, 33] * 2, seed=11)
-    fp8 = cuda_llm(fp8_dir, dtype="bfloat16", num_kv_blocks=64)
-    expected = greedy(cuda_llm(twin, dtype="bfloat16", num_kv_blocks=64), prompts)
-    # A batch of 16 (cuBLASLt / Triton FP8 GEMMs), then one prompt at a time (the GEMV).
+    prompts = random_prompts([5, 9, 13, 17, 21, 25, 29, 33] * 4, seed=11)
+    fp8 = cuda_llm(fp8_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=32)
+    twin_cuda = greedy(
+        cuda_llm(twin, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=32), prompts
+    )
+    baseline = _first_tokens_agree(twin_cuda, greedy(make_llm(twin), prompts))
+    reference = greedy(make_llm(fp8_dir), prompts)
     for name, outputs in (
         ("batched", greedy(fp8, prompts)),
         ("one by one", [greedy(fp8, [p])[0] for p in prompts]),
     ):
-        first = sum(a[:4] == b[:4] for a, b in zip(outputs, expected)) / len(prompts)
-        same = sum(x == y for a, b in zip(outputs, expected) for x, y in zip(a, b))
+        agree = _first_tokens_agree(outputs, reference)
         print(
-            f"{arch} {fmt} {name}: the first 4 tokens agree on {first:.0%} of prompts, "
-            f"{same / (len(prompts) * MAX_TOKENS):.0%} of all tokens"
+            f"{arch} {fmt} {name}: first 4 greedy tokens equal on {agree:.0%} of prompts to the "
+            f"fp32 FP8 reference ({baseline:.0%} for the bf16 twin against its fp32 run), on "
+            f"{_first_tokens_agree(outputs, twin_cuda):.0%} to the bf16 twin"
         )
-        assert first >= 0.75, name
+        assert agree >= baseline - 0.2, name
