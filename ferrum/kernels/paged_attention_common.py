@@ -56,9 +56,18 @@ def _attend_kv_range(
 ):
     """Online-softmax accumulation of keys at positions [kv_lo, kv_hi) into (acc, m_i, l_i).
 
-    A row sees key positions <= its q_pos, and with WINDOW > 0 only those > q_pos - WINDOW."""
+    A row sees key positions <= its q_pos, and with WINDOW > 0 only those > q_pos - WINDOW.
+    An FP8 cache is widened to fp16 (exact for e4m3, one hardware conversion per pair of
+    values; bf16 has none on Hopper) and both products run in fp16: the query is saturated to
+    fp16's +-65504 and the probabilities keep fp16's finer rounding. Otherwise the products run
+    in the query's dtype."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    if k_cache_ptr.dtype.element_ty.is_fp8():
+        dot_dtype = tl.float16
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    else:
+        dot_dtype = q.dtype
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + offs_n
         in_range = pos < kv_hi
@@ -70,7 +79,7 @@ def _attend_kv_range(
         )
         k = tl.load(
             k_cache_ptr + slot_offs[None, :] + offs_d[:, None], mask=in_range[None, :], other=0.0
-        ).to(q.dtype)  # [HEAD_DIM, BLOCK_N]; an FP8 cache is widened to the query's dtype
+        ).to(dot_dtype)  # [HEAD_DIM, BLOCK_N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         visible = (pos[None, :] <= q_pos[:, None]) & in_range[None, :]
         if WINDOW > 0:
@@ -82,8 +91,8 @@ def _attend_kv_range(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_cache_ptr + slot_offs[:, None] + offs_d[None, :], mask=in_range[:, None], other=0.0
-        ).to(q.dtype)  # [BLOCK_N, HEAD_DIM]
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=DOT_PRECISION)
+        ).to(dot_dtype)  # [BLOCK_N, HEAD_DIM]
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ferrum.entrypoints.llm import LLM
+from ferrum.sampling_params import SamplingParams
 from tests.utils.fp8_checkpoints import (
     fake_quantize_activations,
     write_dequantized_twin,
@@ -136,38 +138,40 @@ def test_close_to_the_unquantized_model(fp8_checkpoint, fmt) -> None:
     assert agree >= 0.7
 
 
-def _first_tokens_agree(outputs: list[list[int]], expected: list[list[int]]) -> float:
-    """The fraction of prompts whose first 4 greedy tokens are the same."""
-    return sum(a[:4] == b[:4] for a, b in zip(outputs, expected)) / len(expected)
+def _twin_agrees(twin: LLM, prompts: list[list[int]], outputs: list[list[int]]) -> float:
+    """The fraction of the generated tokens that are also the twin's most likely token after
+    the same prefix (teacher forcing: one disagreement does not change what follows)."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    results = twin.generate(
+        [{"prompt_token_ids": p + o} for p, o in zip(prompts, outputs)], params, use_tqdm=False
+    )
+    ranks = [
+        result.prompt_logprobs[i][token].rank
+        for result, p, o in zip(results, prompts, outputs)
+        for i, token in enumerate(o, start=len(p))
+    ]
+    return sum(rank == 1 for rank in ranks) / len(ranks)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 kernels run on CUDA")
 @pytest.mark.parametrize(("arch", "fmt"), [("qwen3", "fp8"), ("qwen3", "compressed-tensors"), ("qwen3_moe", "fp8")])  # fmt: skip
-def test_cuda_fp8_greedy_tokens(fp8_checkpoint, tmp_path, arch, fmt):
+def test_cuda_fp8_greedy_tokens_are_the_twins_choice(fp8_checkpoint, tmp_path, arch, fmt):
     """The FP8 engine on CUDA (cuBLASLt / Triton FP8 GEMMs for a batch of 32, the decode GEMV one
-    prompt at a time, FP8 experts, CUDA graphs, bf16) against its own arithmetic in fp32 (the
-    torch W8A8 reference on the CPU). A tiny random model's greedy tokens are fragile (near-tied
-    logits), so the bar is relative: the FP8 engine must agree with its fp32 reference about as
-    often as the bf16 twin (same dequantized weights, no FP8 activations) agrees with its own
-    fp32 run, which measures what bf16 alone costs; a wrong kernel agrees almost never. The
-    agreement with the bf16 twin, the issue's figure, is printed (-s)."""
+    prompt at a time, FP8 experts, CUDA graphs, bf16) against the bf16 twin holding the same
+    dequantized weights: most generated tokens are the twin's own greedy choice after the same
+    prefix. A tiny random model has near-tied logits, and W8A8 rounds each activation by up to
+    2^-4, so the twin's choice is not always kept (the CPU test against the unquantized model
+    bounds the same agreement at 0.7 in fp32); a wrong scale, layout or kernel agrees with it at
+    chance level, a few percent. The figures are printed (-s) for the record."""
     _, fp8_dir, _ = fp8_checkpoint(arch, fmt)
-    twin = write_dequantized_twin(fp8_dir, str(tmp_path / "twin"))
+    twin_dir = write_dequantized_twin(fp8_dir, str(tmp_path / "twin"))
     prompts = random_prompts([5, 9, 13, 17, 21, 25, 29, 33] * 4, seed=11)
     fp8 = cuda_llm(fp8_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=32)
-    twin_cuda = greedy(
-        cuda_llm(twin, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=32), prompts
-    )
-    baseline = _first_tokens_agree(twin_cuda, greedy(make_llm(twin), prompts))
-    reference = greedy(make_llm(fp8_dir), prompts)
+    twin = cuda_llm(twin_dir, dtype="bfloat16", num_kv_blocks=128, max_num_seqs=32)
     for name, outputs in (
-        ("batched", greedy(fp8, prompts)),
-        ("one by one", [greedy(fp8, [p])[0] for p in prompts]),
+        ("a batch of 32", greedy(fp8, prompts)),
+        ("one prompt at a time", [greedy(fp8, [p])[0] for p in prompts]),
     ):
-        agree = _first_tokens_agree(outputs, reference)
-        print(
-            f"{arch} {fmt} {name}: first 4 greedy tokens equal on {agree:.0%} of prompts to the "
-            f"fp32 FP8 reference ({baseline:.0%} for the bf16 twin against its fp32 run), on "
-            f"{_first_tokens_agree(outputs, twin_cuda):.0%} to the bf16 twin"
-        )
-        assert agree >= baseline - 0.2, name
+        agree = _twin_agrees(twin, prompts, outputs)
+        print(f"{arch} {fmt}, {name}: {agree:.0%} of the tokens are the bf16 twin's choice")
+        assert agree >= 0.5, name
