@@ -254,6 +254,21 @@ def test_run_workloads_writes_every_figure(tiny_model: str, tmp_path: Path) -> N
     assert nano["elapsed_time"] > 0 and nano["temperature"] == 0.6
 
 
+def test_run_workloads_long_context_rows(tiny_model: str, tmp_path: Path) -> None:
+    """`long` (32 x 4,000-token prompts, 128 out) and `decode8k` (decode rate at 8k context),
+    scaled down: every output token is counted and the decode rate comes from the two runs."""
+    out = tmp_path / "long.json"
+    command = [sys.executable, str(RUN_WORKLOADS), "--model", tiny_model, *ENGINE_FLAGS]
+    command += ["--scale", "0.01", "--workloads", "long,decode8k", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    long, decode = (json.loads(out.read_text())["workloads"][n] for n in ("long", "decode8k"))
+    assert (long["num_prompts"], long["input_len"]) == (1, 40)
+    assert long["num_output_tokens"] == 1 and long["output_tokens_per_second"] > 0
+    assert (decode["num_prompts"], decode["context_len"], decode["decode_steps"]) == (1, 80, 1)
+    assert decode["t_prefill_s"] > 0 and decode["decode_tokens_per_second"] > 0
+
+
 def test_run_workloads_rejects_unknown_workload(tiny_model: str, tmp_path: Path) -> None:
     spec = importlib.util.spec_from_file_location("run_workloads", RUN_WORKLOADS)
     assert spec is not None and spec.loader is not None
