@@ -43,7 +43,7 @@ def main() -> int:
     vocab = engine.config.model_config.vocab_size
     prompts, _ = workloads.batch(args.num_prompts, args.input_len, 1, seed=7)
     params = SamplingParams(
-        max_tokens=4096 - args.input_len - 8,
+        max_tokens=engine.config.model_config.max_model_len - args.input_len - 8,
         ignore_eos=True,
         temperature=args.temperature,
         output_kind=RequestOutputKind.FINAL_ONLY,

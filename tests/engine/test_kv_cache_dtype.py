@@ -5,6 +5,7 @@ stays on the full-precision path's tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
@@ -41,6 +42,7 @@ def test_unsupported_kv_cache_dtypes_are_named(value: str) -> None:
         LLM(DEFAULT_MODEL_DIR, kv_cache_dtype=value, **ENGINE)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter runs without CUDA")
 def test_fp8_kv_cache_refuses_the_triton_interpreter() -> None:
     with pytest.raises(ValueError, match="Triton's CPU interpreter does not convert FP8"):
         LLM(DEFAULT_MODEL_DIR, kv_cache_dtype="fp8", **(ENGINE | {"kernel_backend": "triton"}))
