@@ -17,9 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from benchmarks.dummy_engine import engine_parser, make_llm
+from benchmarks.dummy_engine import engine_parser, make_llm, start_decoding
 from ferrum.bench import workloads
-from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
 
 def timed(phases: dict[str, float], name: str, fn):
@@ -42,21 +41,11 @@ def main() -> int:
     engine = llm.llm_engine
     vocab = engine.config.model_config.vocab_size
     prompts, _ = workloads.batch(args.num_prompts, args.input_len, 1, seed=7)
-    params = SamplingParams(
-        max_tokens=engine.config.model_config.max_model_len - args.input_len - 8,
-        ignore_eos=True,
-        temperature=args.temperature,
-        output_kind=RequestOutputKind.FINAL_ONLY,
+    max_tokens = engine.config.model_config.max_model_len - args.input_len - 8
+    req_ids = start_decoding(
+        engine, workloads.fold_to_vocab(prompts, vocab), max_tokens, args.temperature
     )
-    for i, prompt in enumerate(workloads.fold_to_vocab(prompts, vocab)):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     core = engine.core
-    while core.scheduler.num_waiting or any(
-        r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running
-    ):
-        engine.step()
-    for _ in range(5):
-        engine.step()
 
     if args.wall_only:
         start = time.perf_counter()
@@ -64,7 +53,7 @@ def main() -> int:
             engine.step()
         wall = (time.perf_counter() - start) / args.steps
         print(f"batch {args.num_prompts}: {wall * 1e3:.3f} ms per decode step (wall only)")
-        engine.abort_request([str(i) for i in range(args.num_prompts)])
+        engine.abort_request(req_ids)
         return 0
     phases: dict[str, float] = defaultdict(float)
     runner = core.executor.runner
@@ -93,7 +82,7 @@ def main() -> int:
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
     )
-    engine.abort_request([str(i) for i in range(args.num_prompts)])
+    engine.abort_request(req_ids)
     return 0
 
 
