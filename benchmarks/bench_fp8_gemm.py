@@ -18,7 +18,7 @@ those as ferrum/kernels/fp8_gemm_configs/*.json for this device (buckets take cu
 scaled_mm, where it was faster). --gemv-sweep times a grid of GEMV tiles at each M <= 16 and
 prints the best per shape, M and format.
 Usage: python benchmarks/bench_fp8_gemm.py [--m 1,8,64,256,2048,8192] [--sweep [--save]]
-       [--out file.json]
+       [--gemv-sweep [--formats block,channel] [--save-gemv DIR]] [--out file.json]
 """
 
 # ruff: noqa: E402
@@ -36,7 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
-from ferrum.kernels.fp8_gemm_config import DEFAULT_BUCKETS, Fp8GemmConfig, save_buckets
+from ferrum.kernels.fp8_gemm_config import (
+    DEFAULT_BUCKETS,
+    Fp8GemmConfig,
+    get_fp8_gemm_buckets,
+    save_buckets,
+)
 from ferrum.kernels.fp8_gemv import fp8_gemv
 from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
 from ferrum.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
@@ -122,7 +127,7 @@ def row_fns(x: torch.Tensor, w: Weights) -> dict:
             b: dataclasses.replace(c, backend="triton")
             for b, c in DEFAULT_BUCKETS[fmt].items()
             if c.backend != "gemv"
-        }  # fmt: skip
+        }
         for fmt in ("channel", "block")
     )
     gemv = {}
@@ -242,6 +247,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.save and not args.sweep:
         parser.error("--save needs --sweep")
+    if args.save_gemv is not None and not args.gemv_sweep:
+        parser.error("--save-gemv needs --gemv-sweep")
     shapes = [
         (name, *map(int, nk.split("x")))
         for name, nk in (s.split(":") for s in args.shapes.split(","))
@@ -280,10 +287,11 @@ def main() -> int:
                     best = run_gemv_sweep(x, weights, fmt, args.iters)
                     row[f"gemv_sweep_{fmt}"] = best
                     print(f"  gemv sweep {fmt}: {best}", flush=True)
+                    # cuBLASLt and the Triton GEMM: at M = 1 the *_linear rows run a GEMV too.
                     others = [
-                        r["us"]
-                        for rname, r in row["rows"].items()
-                        if rname.startswith(fmt) and "gemv" not in rname and "us" in r
+                        row["rows"][rname]["us"]
+                        for rname in (f"{fmt}_scaled_mm", f"{fmt}_triton")
+                        if "us" in row["rows"].get(rname, {})
                     ]
                     if best and others and best["us"] < min(others):
                         gemv_wins.setdefault(fmt, {})[m] = best["config"]
@@ -311,7 +319,7 @@ def main() -> int:
                     print(f"saved {save_buckets(fmt, n, k, device_name, buckets)}")
         if args.save_gemv is not None:
             for fmt, per_m in gemv_wins.items():
-                buckets = dict(DEFAULT_BUCKETS[fmt])
+                buckets = dict(get_fp8_gemm_buckets(fmt, n, k, device_name))
                 buckets.update({m: Fp8GemmConfig(**c) for m, c in per_m.items()})
                 buckets = dict(sorted(buckets.items()))
                 path = save_buckets(fmt, n, k, device_name, buckets, args.save_gemv)
@@ -319,7 +327,8 @@ def main() -> int:
         del weights
         torch.cuda.empty_cache()
     if args.out is not None:
-        meta = {"device": device_name, "torch": torch.__version__, "args": vars(args) | {"out": str(args.out)}}  # fmt: skip
+        arguments = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        meta = {"device": device_name, "torch": torch.__version__, "args": arguments}
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     return 0
 

@@ -19,6 +19,8 @@ CONFIG_DIR = Path(__file__).parent / "fp8_gemm_configs"
 SCALE_FORMATS = ("block", "channel")
 BACKENDS = ("triton", "scaled_mm", "gemv")
 QUANT_MODES = ("fused", "separate")
+# Rows and columns of weight covered by one block scale (and the activation group).
+SCALE_BLOCK = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,30 @@ def parse_buckets(data: object, where: str) -> Buckets:
     return dict(sorted(buckets.items()))
 
 
+def check_gemv_tiles(block_scales: bool, block_n: int, block_k: int) -> None:
+    """Raises ValueError unless fp8_gemv can run this tile: block-scaled weights need a program's
+    rows within one scale block (BLOCK_N divides it) and K steps of whole scale groups."""
+    for name, value in (("BLOCK_N", block_n), ("BLOCK_K", block_k)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+    if block_scales and (SCALE_BLOCK % block_n or block_k % SCALE_BLOCK):
+        raise ValueError(
+            f"block-scaled GEMV needs BLOCK_N dividing {SCALE_BLOCK} and BLOCK_K a multiple of "
+            f"{SCALE_BLOCK}, got BLOCK_N={block_n} BLOCK_K={block_k}"
+        )
+
+
+def _check_gemv_buckets(scale_format: str, buckets: Buckets, where: str) -> None:
+    """A GEMV bucket of block-scaled weights needs rows within one scale block and K steps of
+    whole scale groups (fp8_gemv); checked when a file is read or written, not at a forward."""
+    for bound, config in buckets.items():
+        if config.backend == "gemv":
+            try:
+                check_gemv_tiles(scale_format == "block", config.BLOCK_N, config.BLOCK_K)
+            except ValueError as e:
+                raise ValueError(f"{where}[{bound}]: {e}") from e
+
+
 @functools.cache
 def get_fp8_gemm_buckets(scale_format: str, n: int, k: int, device_name: str | None) -> Buckets:
     """The tuned buckets for this weight shape on the named device, else the defaults."""
@@ -119,7 +145,9 @@ def get_fp8_gemm_buckets(scale_format: str, n: int, k: int, device_name: str | N
     if device_name:
         path = config_path(scale_format, n, k, device_name)
         if path.is_file():
-            return parse_buckets(json.loads(path.read_text()), str(path))
+            buckets = parse_buckets(json.loads(path.read_text()), str(path))
+            _check_gemv_buckets(scale_format, buckets, str(path))
+            return buckets
     return DEFAULT_BUCKETS[scale_format]
 
 
@@ -143,7 +171,7 @@ def save_buckets(
     directory = CONFIG_DIR if directory is None else directory
     path = directory / config_path(scale_format, n, k, device_name).name
     data = {str(b): dataclasses.asdict(buckets[b]) for b in sorted(buckets)}
-    parse_buckets(data, str(path))
+    _check_gemv_buckets(scale_format, parse_buckets(data, str(path)), str(path))
     directory.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path

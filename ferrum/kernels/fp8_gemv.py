@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
 from ferrum.kernels.fp8_quant import (
     AMAX_FLOOR,
     FP8_DTYPE,
@@ -100,17 +101,6 @@ def _fp8_gemv_kernel(
     tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _check_tiles(block_scales: bool, block_n: int, block_k: int) -> None:
-    for name, value in (("BLOCK_N", block_n), ("BLOCK_K", block_k)):
-        if value < 1 or value & (value - 1):
-            raise ValueError(f"{name} must be a power of two, got {value}")
-    if block_scales and (GROUP_SIZE % block_n or block_k % GROUP_SIZE):
-        raise ValueError(
-            f"block-scaled GEMV needs BLOCK_N dividing {GROUP_SIZE} and BLOCK_K a multiple of "
-            f"{GROUP_SIZE}, got BLOCK_N={block_n} BLOCK_K={block_k}"
-        )
-
-
 def fp8_gemv(
     x: torch.Tensor,  # [M, K] fp16/bf16/fp32, stride(1) == 1
     weight: torch.Tensor,  # [N, K] fp8, stride(1) == 1
@@ -144,9 +134,19 @@ def fp8_gemv(
         )
     if weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous():
         raise ValueError(f"weight_scale must be contiguous float32, got {weight_scale.dtype}")
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"bias must be [{n}], got {list(bias.shape)}")
-    _check_tiles(block_scales, block_n, block_k)
+    if weight.device != x.device or weight_scale.device != x.device:
+        raise ValueError(f"weight and weight_scale must be on {x.device}")
+    if bias is not None and (
+        tuple(bias.shape) != (n,)
+        or bias.dtype not in _IN_DTYPES
+        or bias.device != x.device
+        or not bias.is_contiguous()
+    ):
+        raise ValueError(
+            f"bias must be a contiguous [{n}] fp16/bf16/fp32 tensor on {x.device}, got "
+            f"{list(bias.shape)} {bias.dtype} on {bias.device}, strides {bias.stride()}"
+        )
+    check_gemv_tiles(block_scales, block_n, block_k)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out

@@ -74,3 +74,21 @@ def test_invalid_configs_name_the_field() -> None:
         parse_buckets({"8": {"BLOCK_Q": 16}}, "f")
     with pytest.raises(ValueError, match=r"f\[8\]: BLOCK_M"):
         parse_buckets({"8": {"BLOCK_M": 8}}, "f")
+
+
+def test_block_gemv_tiles_are_checked_when_read_or_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wide = {1: Fp8GemmConfig("gemv", BLOCK_N=256, BLOCK_K=512)}
+    with pytest.raises(ValueError, match=r"\[1\]: block-scaled GEMV needs BLOCK_N dividing 128"):
+        save_buckets("block", 256, 512, "GPU", wide, tmp_path)
+    path = save_buckets("channel", 256, 512, "GPU", wide, tmp_path)  # any tile: per-channel
+    (tmp_path / path.name.replace("channel", "block")).write_text(path.read_text())
+    monkeypatch.setattr(fp8_gemm_config, "CONFIG_DIR", tmp_path)
+    get_fp8_gemm_buckets.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="BLOCK_N dividing 128"):
+            get_fp8_gemm_buckets("block", 256, 512, "GPU")
+        assert get_fp8_gemm_buckets("channel", 256, 512, "GPU") == wide
+    finally:
+        get_fp8_gemm_buckets.cache_clear()

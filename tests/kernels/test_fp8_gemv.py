@@ -30,7 +30,7 @@ def _weights(n: int, k: int, block: bool, device: torch.device, seed: int = 0):
 
 
 # N = 200 leaves a partial BLOCK_N tile and a partial 128-row scale block; K = 640 with BLOCK_K
-# 256 leaves a partial K step of 128 columns (block) and 640 % 256 = 128 (channel).
+# 256 or 512 leaves a partial K step of whole scale groups.
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("block_n,block_k", [(16, 256), (8, 128), (32, 512)])
 def test_block_gemv_matches_reference(m, block_n, block_k, device) -> None:
@@ -43,6 +43,7 @@ def test_block_gemv_matches_reference(m, block_n, block_k, device) -> None:
     _close(out, ref, 2e-3)
 
 
+# K = 200: BLOCK_K 256 covers it in one partial step, 64 in four (the last partial).
 @pytest.mark.parametrize("m", [1, 2])
 @pytest.mark.parametrize("block_n,block_k", [(16, 256), (4, 64)])
 def test_channel_gemv_matches_reference(m, block_n, block_k, device) -> None:
@@ -92,6 +93,9 @@ def test_gemv_checks_its_arguments(device) -> None:
         fp8_gemv(x, weight, scale, torch.float32, False, 16, 64)
     with pytest.raises(ValueError, match="x must be"):
         fp8_gemv(x.t(), weight, scale, torch.float32, True, 16, 128)
+    strided = torch.zeros(128, 2, device=device)[:, 0]
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        fp8_gemv(x, weight, scale, torch.float32, True, 16, 128, bias=strided)
     with pytest.raises(ValueError, match="power of two"):
         Fp8GemmConfig(backend="gemv", BLOCK_N=12)
     with pytest.raises(ValueError, match=">= 16"):
