@@ -19,7 +19,8 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,  # [num_tokens, top_k] integer expert ids
 ) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u), where e = topk_ids[t, j] and
-    (g, u) = split(w13[e] @ hidden[t]). Expert matmuls run in the input dtype; the weighted sum
+    (g, u) = split(w13[e] @ hidden[t]). Expert matmuls run in the weights' dtype (the input's,
+    or float32 for dequantized FP8 experts) and round to the input dtype; the weighted sum
     accumulates in float32. Returns [num_tokens, hidden_size] in hidden's dtype. A pair whose
     expert id lies outside [0, num_experts) contributes zero (another rank's expert).
     """
@@ -35,9 +36,9 @@ def fused_moe_ref(
         flat_pos = torch.nonzero(flat_ids == expert).squeeze(1)
         token_idx = torch.div(flat_pos, top_k, rounding_mode="floor")
         x = hidden[token_idx]
-        gate_up = torch.matmul(x, w13[expert].t())
+        gate_up = torch.matmul(x.to(w13.dtype), w13[expert].t()).to(hidden.dtype)
         act = silu_and_mul_ref(gate_up)
-        y = torch.matmul(act, w2[expert].t())
+        y = torch.matmul(act.to(w2.dtype), w2[expert].t()).to(hidden.dtype)
         weights = topk_weights.reshape(-1)[flat_pos].float()
         out.index_add_(0, token_idx, y.float() * weights[:, None])
     return out.to(hidden.dtype)
@@ -62,12 +63,13 @@ def fused_moe_fp8_ref(
     w13_scale: torch.Tensor,  # [num_experts, 2 * intermediate_size / 128, hidden_size / 128]
     w2_scale: torch.Tensor,  # [num_experts, hidden_size / 128, intermediate_size / 128]
 ) -> torch.Tensor:
-    """`fused_moe_ref` in fp32 over the FP8 experts dequantized per 128x128 block, rounded to
-    hidden's dtype (the activations are not quantized: the experts are weight-only FP8)."""
+    """`fused_moe_ref` over the FP8 experts dequantized per 128x128 block in float32: each
+    expert matmul runs in fp32 and rounds to hidden's dtype, as the kernels' do (the activations
+    are not quantized: the experts are weight-only FP8)."""
     return fused_moe_ref(
-        hidden.float(),
+        hidden,
         dequantize_experts(w13, w13_scale, torch.float32),
         dequantize_experts(w2, w2_scale, torch.float32),
         topk_weights,
         topk_ids,
-    ).to(hidden.dtype)
+    )

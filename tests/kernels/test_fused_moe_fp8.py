@@ -65,6 +65,32 @@ def test_fp8_experts_match_reference(path, num_tokens, dtype, device) -> None:
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=0)
 
 
+def test_small_path_caps_fp8_tiles_at_one_scale_block(device) -> None:
+    """GEMV tiles wider than 128 rows would span two scale rows: they are cut to 128."""
+    hidden, inter, num_experts, top_k = 256, 384, 4, 2
+    gen = torch.Generator().manual_seed(7)
+    w13, s13 = fp8_experts(num_experts, 2 * inter, hidden, gen)
+    w2, s2 = fp8_experts(num_experts, hidden, inter, gen)
+    x = torch.randn(3, hidden, generator=gen).to(device)
+    weights, ids = select_experts(torch.randn(3, num_experts, generator=gen), top_k, True)
+    weights, ids = weights.to(device), ids.to(device)
+    w13, s13, w2, s2 = (t.to(device) for t in (w13, s13, w2, s2))
+    wide = SMALL | {"GATE_UP_BLOCK_N": 512, "DOWN_BLOCK_N": 256}
+    out = fused_moe(
+        x,
+        w13,
+        w2,
+        weights,
+        ids,
+        small_config=wide,
+        small_batch_max_tokens=8,
+        w13_scale=s13,
+        w2_scale=s2,
+    )
+    expected = fused_moe_fp8_ref(x, w13, w2, weights, ids, s13, s2)
+    torch.testing.assert_close(out, expected, atol=1e-5 * expected.abs().max().item(), rtol=0)
+
+
 def test_reference_dequantizes_per_block() -> None:
     gen = torch.Generator().manual_seed(0)
     w, s = fp8_experts(2, 256, 128, gen)
