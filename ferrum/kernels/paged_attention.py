@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.kernels.kv_cache_write import write_kv_cache
 from ferrum.kernels.paged_attention_common import (
     _LOG2E,
@@ -30,6 +31,7 @@ from ferrum.kernels.paged_attention_common import (
     _check_block_n,
     _dot_precision,
     _window_constexpr,
+    split_kv_max_programs,
 )
 from ferrum.kernels.paged_attention_split_kv import (
     SplitKVWorkspace,
@@ -50,6 +52,7 @@ __all__ = [
     "paged_attention",
     "paged_attention_split_kv",
     "paged_attention_unified",
+    "split_kv_max_programs",
     "split_kv_workspace_shapes",
     "use_split_kv",
     "write_kv_cache",
@@ -250,7 +253,10 @@ def paged_attention(
     num_kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else 1
     window = _window_constexpr(sliding_window)
     max_context = min(max_seq_len, window) if window else max_seq_len
-    if use_split_kv(num_reqs, query.shape[0], num_kv_heads, max_query_len, max_context, workspace):
+    fp8_cache = kv_cache.dtype == FP8_KV_DTYPE
+    if use_split_kv(
+        num_reqs, query.shape[0], num_kv_heads, max_query_len, max_context, workspace, fp8_cache
+    ):
         assert workspace is not None
         return paged_attention_split_kv(
             query,

@@ -29,6 +29,14 @@ SPLIT_KV_TARGET_PROGRAMS = 512
 SPLIT_KV_MAX_SPLITS = 32
 # ... unless no context can be longer than this (two key tiles: one pass is as fast).
 SPLIT_KV_MIN_SEQ_LEN = 128
+# An FP8 cache costs a program more work per byte read (widening each key and value), so its
+# decode batches split into this many times more programs (more warps in flight on each SM).
+SPLIT_KV_FP8_FACTOR = 4
+
+
+def split_kv_max_programs(fp8_cache: bool) -> int:
+    """Single-pass programs below which a decode batch splits its contexts."""
+    return SPLIT_KV_MAX_PROGRAMS * (SPLIT_KV_FP8_FACTOR if fp8_cache else 1)
 
 
 @triton.jit

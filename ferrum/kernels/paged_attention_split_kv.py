@@ -16,10 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.kernels.paged_attention_common import (
     _LOG2E,
     _NEG_BIG,
-    SPLIT_KV_MAX_PROGRAMS,
+    SPLIT_KV_FP8_FACTOR,
     SPLIT_KV_MAX_SPLITS,
     SPLIT_KV_MIN_SEQ_LEN,
     SPLIT_KV_TARGET_PROGRAMS,
@@ -28,6 +29,7 @@ from ferrum.kernels.paged_attention_common import (
     _check_block_n,
     _dot_precision,
     _window_constexpr,
+    split_kv_max_programs,
 )
 
 
@@ -230,9 +232,13 @@ def allocate_split_kv_workspace(
     )
 
 
-def default_num_splits(num_reqs: int, num_kv_heads: int, max_splits: int) -> int:
-    """Parts per request so that the batch has about SPLIT_KV_TARGET_PROGRAMS programs."""
-    wanted = triton.cdiv(SPLIT_KV_TARGET_PROGRAMS, max(num_reqs * num_kv_heads, 1))
+def default_num_splits(
+    num_reqs: int, num_kv_heads: int, max_splits: int, fp8_cache: bool = False
+) -> int:
+    """Parts per request so that the batch has about SPLIT_KV_TARGET_PROGRAMS programs
+    (SPLIT_KV_FP8_FACTOR times more over an FP8 cache)."""
+    target = SPLIT_KV_TARGET_PROGRAMS * (SPLIT_KV_FP8_FACTOR if fp8_cache else 1)
+    wanted = triton.cdiv(target, max(num_reqs * num_kv_heads, 1))
     return max(1, min(max_splits, triton.next_power_of_2(wanted)))
 
 
@@ -272,7 +278,10 @@ def paged_attention_split_kv(
             f"num_reqs {num_reqs} exceeds workspace max_num_seqs {workspace.max_num_seqs}"
         )
     if num_splits is None:
-        num_splits = default_num_splits(num_reqs, kv_cache.shape[3], workspace.max_splits)
+        fp8_cache = kv_cache.dtype == FP8_KV_DTYPE
+        num_splits = default_num_splits(
+            num_reqs, kv_cache.shape[3], workspace.max_splits, fp8_cache
+        )
     if not 1 <= num_splits <= workspace.max_splits:
         raise ValueError(
             f"num_splits must be in [1, workspace max_splits={workspace.max_splits}], "
@@ -361,14 +370,15 @@ def use_split_kv(
     max_query_len: int,
     max_seq_len: int,
     workspace: SplitKVWorkspace | None,
+    fp8_cache: bool = False,
 ) -> bool:
     """True for a decode-only batch too small to fill the GPU (fewer than
-    SPLIT_KV_MAX_PROGRAMS single-pass programs) whose contexts may be longer than
+    `split_kv_max_programs(fp8_cache)` single-pass programs) whose contexts may be longer than
     SPLIT_KV_MIN_SEQ_LEN, when the workspace holds it."""
     if workspace is None or max_query_len != 1 or num_tokens != num_reqs:
         return False
     return (
         max_seq_len > SPLIT_KV_MIN_SEQ_LEN
         and num_reqs <= workspace.max_num_seqs
-        and num_reqs * num_kv_heads < SPLIT_KV_MAX_PROGRAMS
+        and num_reqs * num_kv_heads < split_kv_max_programs(fp8_cache)
     )

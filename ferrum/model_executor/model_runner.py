@@ -188,16 +188,17 @@ class ModelRunner:
         if self.kernel_backend != "triton" or self.device.type != "cuda":
             return None
         from ferrum.kernels.paged_attention import (
-            SPLIT_KV_MAX_PROGRAMS,
             allocate_split_kv_workspace,
+            split_kv_max_programs,
         )
 
         model_config = self.config.model_config
         num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, self.tp_size)
         num_heads = model_config.num_attention_heads // self.tp_size
-        # Batches of at least SPLIT_KV_MAX_PROGRAMS / num_kv_heads requests take one pass.
+        # Batches of at least split_kv_max_programs / num_kv_heads requests take one pass.
+        max_programs = split_kv_max_programs(self.kv_cache_dtype == FP8_KV_DTYPE)
         max_num_seqs = min(
-            self.config.scheduler_config.max_num_seqs, -(-SPLIT_KV_MAX_PROGRAMS // num_kv_heads)
+            self.config.scheduler_config.max_num_seqs, -(-max_programs // num_kv_heads)
         )
         return allocate_split_kv_workspace(
             max_num_seqs, num_heads, model_config.head_dim, self.device

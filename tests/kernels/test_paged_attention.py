@@ -16,10 +16,12 @@ from ferrum.kernels.paged_attention import (
     paged_attention,
     paged_attention_split_kv,
     paged_attention_unified,
+    split_kv_max_programs,
     split_kv_workspace_shapes,
     use_split_kv,
     write_kv_cache,
 )
+from ferrum.kernels.paged_attention_common import SPLIT_KV_FP8_FACTOR
 
 TOL = {
     torch.float32: dict(atol=1e-4, rtol=1e-4),
@@ -215,6 +217,17 @@ def test_use_split_kv_heuristic() -> None:
     assert not use_split_kv(4, 4, 2, 1, 2048, None)
     many = allocate_split_kv_workspace(SPLIT_KV_MAX_PROGRAMS, 4, 32, "cpu", max_splits=1)
     assert not use_split_kv(SPLIT_KV_MAX_PROGRAMS, SPLIT_KV_MAX_PROGRAMS, 1, 1, 2048, many)
+
+
+def test_fp8_caches_split_into_more_programs() -> None:
+    """32 requests x 8 KV heads fill 256 single-pass programs: one pass over a bf16 cache, split
+    over an FP8 one (its programs do more work per byte), into 4x the parts."""
+    ws = allocate_split_kv_workspace(128, 32, 128, "cpu")
+    assert not use_split_kv(32, 32, 8, 1, 8192, ws)
+    assert use_split_kv(32, 32, 8, 1, 8192, ws, fp8_cache=True)
+    assert not use_split_kv(128, 128, 8, 1, 8192, ws, fp8_cache=True)  # 1,024 programs
+    assert split_kv_max_programs(True) == SPLIT_KV_FP8_FACTOR * split_kv_max_programs(False)
+    assert default_num_splits(16, 8, 32, fp8_cache=True) == 4 * default_num_splits(16, 8, 32)
 
 
 def test_default_num_splits_fills_the_gpu() -> None:
