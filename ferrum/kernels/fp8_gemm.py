@@ -189,6 +189,35 @@ def _check_operands(
     return m, n, k
 
 
+def check_fp8_operands(
+    a: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,
+    block_scales: bool,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    a_scale: torch.Tensor | None = None,
+) -> tuple[int, int, int]:
+    """(M, N, K) after the checks every FP8 product shares: the operands (`_check_operands`)
+    and contiguous fp32 scales, with block_scales weight_scale_inv [ceil(N / 128), K / 128] (K a
+    multiple of 128) and a_scale [M, K / 128], else weight_scale [N, 1] and a_scale [M, 1]."""
+    m, n, k = _check_operands(a, weight, bias, out_dtype, a_scale)
+    if block_scales:
+        if k % GROUP_SIZE:
+            raise ValueError(f"K must be a multiple of {GROUP_SIZE} for block scales, got {k}")
+        name, scale_shape = "weight_scale_inv", (-(-n // GROUP_SIZE), k // GROUP_SIZE)
+    else:
+        name, scale_shape = "weight_scale", (n, 1)
+    _check_tensor(name, weight_scale, scale_shape, (torch.float32,), a.device)
+    if a_scale is not None:
+        a_scale_shape = (m, scale_shape[1]) if block_scales else (m, 1)
+        _check_tensor("a_scale", a_scale, a_scale_shape, (torch.float32,), a.device)
+    for label, t in ((name, weight_scale), ("a_scale", a_scale)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"{label} must be contiguous")
+    return m, n, k
+
+
 def _launch(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -246,26 +275,11 @@ def w8a8_block_fp8_matmul(
 ) -> torch.Tensor:
     """Returns out [M, N] of out_dtype: the block-scaled product (module docstring). K must be a
     multiple of 128 (the activation groups and weight blocks align); N is free (edge blocks)."""
-    m, n, k = _check_operands(a, weight, bias, out_dtype, a_scale)
-    if k % GROUP_SIZE:
-        raise ValueError(f"K must be a multiple of {GROUP_SIZE} for block scales, got {k}")
+    check_fp8_operands(a, weight, weight_scale_inv, True, bias, out_dtype, a_scale)
     if config.BLOCK_K != GROUP_SIZE:
         raise ValueError(
             f"config.BLOCK_K must be {GROUP_SIZE} for block scales, got {config.BLOCK_K}"
         )
-    groups = k // GROUP_SIZE
-    _check_tensor(
-        "weight_scale_inv",
-        weight_scale_inv,
-        (-(-n // GROUP_SIZE), groups),
-        (torch.float32,),
-        a.device,
-    )
-    if a_scale is not None:
-        _check_tensor("a_scale", a_scale, (m, groups), (torch.float32,), a.device)
-    for name, t in (("weight_scale_inv", weight_scale_inv), ("a_scale", a_scale)):
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
     return _launch(a, a_scale, weight, weight_scale_inv, bias, out_dtype, config, True)
 
 
@@ -280,11 +294,5 @@ def w8a8_channel_fp8_matmul(
 ) -> torch.Tensor:
     """Returns out [M, N] of out_dtype: the per-token x per-channel scaled product (module
     docstring). Any M, N, K >= 1."""
-    m, n, _ = _check_operands(a, weight, bias, out_dtype, a_scale)
-    _check_tensor("weight_scale", weight_scale, (n, 1), (torch.float32,), a.device)
-    if a_scale is not None:
-        _check_tensor("a_scale", a_scale, (m, 1), (torch.float32,), a.device)
-    for name, t in (("weight_scale", weight_scale), ("a_scale", a_scale)):
-        if t is not None and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    check_fp8_operands(a, weight, weight_scale, False, bias, out_dtype, a_scale)
     return _launch(a, a_scale, weight, weight_scale, bias, out_dtype, config, False)

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels.fp8_gemm import check_fp8_operands
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
 from ferrum.kernels.fp8_quant import (
     AMAX_FLOOR,
-    FP8_DTYPE,
     FP8_MAX,
     GROUP_SIZE,
     fp8_scale_of,
@@ -119,36 +119,10 @@ def fp8_gemv(
         raise ValueError(
             f"x must be [M, K] fp16/bf16/fp32 with stride(1) == 1, got {tuple(x.shape)} {x.dtype}"
         )
-    if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1:
-        raise ValueError(f"weight must be [N, K] {FP8_DTYPE} with stride(1) == 1")
-    m, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"weight must have K={k} columns, got {tuple(weight.shape)}")
-    if block_scales and k % GROUP_SIZE:
-        raise ValueError(f"block-scaled weights need K a multiple of {GROUP_SIZE}, got {k}")
-    scale_shape = (triton.cdiv(n, GROUP_SIZE), k // GROUP_SIZE) if block_scales else (n, 1)
-    if tuple(weight_scale.shape) != scale_shape:
-        raise ValueError(
-            f"weight_scale must be {list(scale_shape)}, got {list(weight_scale.shape)}"
-        )
-    if weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous():
-        raise ValueError(f"weight_scale must be contiguous float32, got {weight_scale.dtype}")
-    if weight.device != x.device or weight_scale.device != x.device:
-        raise ValueError(f"weight and weight_scale must be on {x.device}")
-    if bias is not None and (
-        tuple(bias.shape) != (n,)
-        or bias.dtype not in _IN_DTYPES
-        or bias.device != x.device
-        or not bias.is_contiguous()
-    ):
-        raise ValueError(
-            f"bias must be a contiguous [{n}] fp16/bf16/fp32 tensor on {x.device}, got "
-            f"{list(bias.shape)} {bias.dtype} on {bias.device}, strides {bias.stride()}"
-        )
+    m, n, k = check_fp8_operands(x, weight, weight_scale, block_scales, bias, out_dtype)
     check_gemv_tiles(block_scales, block_n, block_k)
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
-    if m == 0 or n == 0:
+    if m == 0:
         return out
     _fp8_gemv_kernel[(m * triton.cdiv(n, block_n),)](
         out,

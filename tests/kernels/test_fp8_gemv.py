@@ -94,7 +94,7 @@ def test_gemv_checks_its_arguments(device) -> None:
     with pytest.raises(ValueError, match="x must be"):
         fp8_gemv(x.t(), weight, scale, torch.float32, True, 16, 128)
     strided = torch.zeros(128, 2, device=device)[:, 0]
-    with pytest.raises(ValueError, match="bias must be a contiguous"):
+    with pytest.raises(ValueError, match="bias must be contiguous"):
         fp8_gemv(x, weight, scale, torch.float32, True, 16, 128, bias=strided)
     with pytest.raises(ValueError, match="power of two"):
         Fp8GemmConfig(backend="gemv", BLOCK_N=12)
