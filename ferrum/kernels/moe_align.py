@@ -29,7 +29,22 @@ _MAX_SPANS = 256
 _FILL_BLOCK = 1024
 
 
-@triton.jit
+# Every runtime integer follows the step's token count, and Triton would compile a variant for
+# each pattern of "is 1 / is a multiple of 16" among them: far more than start-up can run.
+# Unspecialised, the variants depend on the constexprs only (fixed per model and tile config).
+COUNT_RUNTIME_INTS = ("num_pairs", "num_experts", "num_slots", "chunks_per_span", "slots_per_span")
+SCATTER_RUNTIME_INTS = (
+    "num_pairs",
+    "num_experts",
+    "num_spans",
+    "num_blocks",
+    "block_m",
+    "chunks_per_span",
+    "blocks_per_span",
+)
+
+
+@triton.jit(do_not_specialize=COUNT_RUNTIME_INTS)
 def _moe_align_count_kernel(
     counts_ptr,  # [num_spans, num_experts] int32
     sorted_pair_ids_ptr,  # [num_slots] int32
@@ -65,7 +80,7 @@ def _moe_align_count_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCATTER_RUNTIME_INTS)
 def _moe_align_scatter_kernel(
     sorted_pair_ids_ptr,  # [num_slots] int32
     expert_ids_ptr,  # [num_blocks] int32

@@ -23,6 +23,7 @@ from ferrum.distributed.pipeline_group import PipelineGroup
 from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.kv.kv_cache_spec import layer_group_ids
 from ferrum.logger import init_logger
+from ferrum.model_executor.compile_watch import start_up_compiles, watch_serving_compiles
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
 from ferrum.model_executor.gpu_memory_profile import profile_gpu_kv_budget
 from ferrum.model_executor.grammar_bitmask import GrammarBitmaskBuffers
@@ -252,8 +253,9 @@ class ModelRunner:
         """Compiles the Triton kernel variants a first request would otherwise wait for
         (`warm_up.py`: every token bucket, both parities, multi-request prefill). Writes KV only
         into blocks that no request holds yet."""
-        if self.kernel_backend != "triton" or self.device.type != "cuda":
+        if not self._compiles_triton():
             return
+        start_up_compiles()
         start = time.perf_counter()
         num_forwards, max_tokens = self.run_warm_up_batches(num_blocks)
         torch.cuda.synchronize(self.device)
@@ -285,17 +287,21 @@ class ModelRunner:
 
     def uses_cuda_graphs(self) -> bool:
         """Graphs need CUDA and the Triton kernels (the torch MoE path syncs with the host)."""
-        return (
-            self.device.type == "cuda"
-            and self.kernel_backend == "triton"
-            and not self.config.device_config.enforce_eager
-        )
+        return self._compiles_triton() and not self.config.device_config.enforce_eager
+
+    def _compiles_triton(self) -> bool:
+        return self.kernel_backend == "triton" and self.device.type == "cuda"
 
     def capture_cuda_graphs(self) -> None:
         """Captures decode graphs for batch sizes up to max_num_seqs and single-request prefill
-        graphs for chunks of up to 512 tokens (the KV cache must be bound)."""
-        if not self.uses_cuda_graphs():
-            return
+        graphs for chunks of up to 512 tokens (the KV cache must be bound). Start-up ends here:
+        a Triton kernel compiled from now on is logged (`compile_watch.py`)."""
+        if self.uses_cuda_graphs():
+            self._capture_cuda_graphs()
+        if self._compiles_triton():
+            watch_serving_compiles()
+
+    def _capture_cuda_graphs(self) -> None:
         sched = self.config.scheduler_config
         self.cuda_graphs = CUDAGraphRunner(
             self.model,

@@ -254,3 +254,28 @@ def test_bad_input_names_the_field(field, change) -> None:
     change(args)
     with pytest.raises(ValueError, match=field):
         fused_moe(**args)
+
+
+@pytest.mark.parametrize(
+    "kernel, unspecialised",
+    [
+        (moe_align_module._moe_align_count_kernel, moe_align_module.COUNT_RUNTIME_INTS),
+        (moe_align_module._moe_align_scatter_kernel, moe_align_module.SCATTER_RUNTIME_INTS),
+    ],
+)
+def test_align_kernels_leave_every_runtime_integer_unspecialised(kernel, unspecialised) -> None:
+    # Each of them follows the step's token count: specialised, an arbitrary count could need a
+    # variant the start-up warm-up never compiled (issue 20: no compilation while serving).
+    import inspect
+
+    params = inspect.signature(kernel.fn).parameters.values()
+    runtime_ints = {
+        p.name
+        for p in params
+        if not p.name.endswith("_ptr") and "constexpr" not in str(p.annotation)
+    }
+    assert runtime_ints == set(unspecialised)
+    if hasattr(kernel, "params"):  # compiled: the JIT function's own flags
+        assert {p.name for p in kernel.params if p.do_not_specialize} == runtime_ints
+    else:  # the interpreter keeps the decorator's arguments
+        assert set(kernel.kwargs["do_not_specialize"]) == runtime_ints

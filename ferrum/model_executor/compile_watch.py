@@ -1,0 +1,118 @@
+"""Reports every Triton kernel variant this process compiles after start-up.
+
+Start-up (the warm-up batches and CUDA graph capture) is meant to compile every variant serving
+can reach; a variant compiled later made the request that reached it wait for the compiler. The
+watch hooks Triton's post-compile hook (process-wide, chained after any hook already set), logs
+each such variant once with its specialisation (argument types, which integers were 1 or a
+multiple of 16), and keeps the list for benchmarks and tests. Triton's interpreter compiles
+nothing, so on the CPU the list stays empty.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ferrum.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CompiledVariant:
+    kernel: str  # the @triton.jit function's qualified name
+    description: str  # Triton's repr: launch options and each argument's specialised type
+
+
+class CompileWatch:
+    """Collects the variants compiled while armed; `install` once per process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed = False
+        self._variants: list[CompiledVariant] = []
+        self._installed = False
+
+    def install(self) -> None:
+        """Chains `record` into Triton's post-compile hook (idempotent)."""
+        if self._installed:
+            return
+        from triton import knobs
+
+        previous: Callable[..., Any] | None = knobs.runtime.jit_post_compile_hook
+
+        def hook(**kwargs: Any) -> Any:
+            self.record(kwargs["fn"].name, describe_variant(kwargs))
+            return previous(**kwargs) if previous is not None else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+        self._installed = True
+
+    def arm(self) -> None:
+        """From now on every compiled variant counts as compiled while serving."""
+        with self._lock:
+            self._armed = True
+
+    def disarm(self) -> None:
+        """A runner of this process is starting up: its compiles are start-up's."""
+        with self._lock:
+            self._armed = False
+
+    def record(self, kernel: str, description: str) -> None:
+        with self._lock:
+            if not self._armed:
+                return
+            self._variants.append(CompiledVariant(kernel, description))
+        logger.warning(
+            "Triton compiled %s while serving: start-up did not warm this variant up, so the "
+            "step that needed it waited for the compiler (%s)",
+            kernel,
+            description,
+        )
+
+    def variants(self) -> list[CompiledVariant]:
+        """The variants compiled since `arm`, in compile order."""
+        with self._lock:
+            return list(self._variants)
+
+
+def describe_variant(hook_kwargs: dict[str, Any]) -> str:
+    """`kernel(arg: type, ...)` from the hook's arguments: a constexpr (and an integer
+    specialised to 1) as `name=value`, an argument specialised as 16-aligned (a pointer) or a
+    multiple of 16 (an integer) marked `%16`. Triton's own repr when its layout is unknown."""
+    try:
+        compile_info = hook_kwargs["compile"]
+        signature: dict[str, str] = compile_info["signature"]
+        constants: dict[tuple[int, ...], Any] = compile_info["constants"]
+        attrs: dict[tuple[int, ...], Any] = compile_info["configs"][0]
+        parts = []
+        for i, (name, ty) in enumerate(signature.items()):
+            if (i,) in constants:
+                parts.append(f"{name}={constants[(i,)]}")
+            else:
+                parts.append(f"{name}: {ty}{' %16' if attrs.get((i,)) else ''}")
+        return f"{hook_kwargs['fn'].name}({', '.join(parts)})"
+    except (KeyError, IndexError, TypeError, AttributeError):
+        return str(hook_kwargs.get("repr"))
+
+
+# Triton's hook is process-wide, so the watch is too.
+COMPILE_WATCH = CompileWatch()
+
+
+def start_up_compiles() -> None:
+    """Called by the model runner before its warm-up."""
+    COMPILE_WATCH.disarm()
+
+
+def watch_serving_compiles() -> None:
+    """Called by the model runner when start-up has compiled what it will: installs the hook
+    and arms it."""
+    COMPILE_WATCH.install()
+    COMPILE_WATCH.arm()
+
+
+def compiled_while_serving() -> list[CompiledVariant]:
+    return COMPILE_WATCH.variants()

@@ -1,0 +1,112 @@
+"""The watch that reports Triton kernels compiled after start-up, and (on a GPU) that serving
+an engine's steps of arbitrary token counts compiles none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrum.model_executor import compile_watch
+from ferrum.model_executor.compile_watch import CompileWatch, describe_variant
+
+
+class _FnInfo:
+    name = "_kernel"
+
+
+def _hook_kwargs() -> dict:
+    return {
+        "fn": _FnInfo(),
+        "repr": "triton's repr",
+        "compile": {
+            "signature": {"x_ptr": "*bf16", "n": "i32", "m": "i32", "one": "constexpr"},
+            "constants": {(3,): 1},
+            "configs": [
+                {(0,): [["tt.divisibility", 16]], (1,): [], (2,): [["tt.divisibility", 16]]}
+            ],
+        },
+    }
+
+
+def test_describes_constants_and_multiples_of_16() -> None:
+    assert (
+        describe_variant(_hook_kwargs()) == "_kernel(x_ptr: *bf16 %16, n: i32, m: i32 %16, one=1)"
+    )
+
+
+def test_falls_back_to_tritons_repr_for_an_unknown_layout() -> None:
+    kwargs = _hook_kwargs()
+    del kwargs["compile"]["configs"]
+    assert describe_variant(kwargs) == "triton's repr"
+
+
+def test_records_only_while_armed() -> None:
+    watch = CompileWatch()
+    watch.record("_start_up_kernel", "compiled by the warm-up")
+    watch.arm()
+    watch.record("_late_kernel", "compiled while serving")
+    watch.disarm()
+    watch.record("_next_runner_kernel", "another runner's start-up")
+    assert [v.kernel for v in watch.variants()] == ["_late_kernel"]
+
+
+def test_install_chains_the_hook_already_set(monkeypatch) -> None:
+    from triton import knobs
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw))
+    watch = CompileWatch()
+    watch.install()
+    watch.install()  # idempotent: still one link
+    watch.arm()
+    kwargs = _hook_kwargs()
+    knobs.runtime.jit_post_compile_hook(**kwargs)
+    assert len(seen) == 1 and seen[0] is not None
+    assert [v.kernel for v in watch.variants()] == ["_kernel"]
+
+
+def _forget_compiled_kernels() -> None:
+    """Empties the in-memory variants of every ferrum Triton kernel, so this process compiles
+    (or loads from Triton's disk cache) each one again, through the post-compile hook."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("ferrum.kernels"):
+            continue
+        for value in vars(module).values():
+            if isinstance(value, JITFunction):
+                value.device_caches.clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, model) -> None:
+    import random
+
+    from ferrum import SamplingParams
+    from tests.utils.tiny_llm import cuda_llm, random_prompts
+
+    _forget_compiled_kernels()
+    llm = cuda_llm(
+        tiny_checkpoint(model),
+        dtype="bfloat16",
+        num_kv_blocks=512,
+        max_model_len=512,
+        max_num_batched_tokens=256,
+        max_num_seqs=32,
+    )
+    before = len(compile_watch.compiled_while_serving())
+    rng = random.Random(0)
+    # Rounds of prompts of random lengths arriving together: chunked prefills beside decodes
+    # make steps of nearly every token count up to the budget.
+    for round_index in range(6):
+        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 32))]
+        prompts = [{"prompt_token_ids": p} for p in random_prompts(lengths, seed=round_index)]
+        params = [
+            SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randint(1, 24), ignore_eos=True)
+            for i in range(len(prompts))
+        ]
+        llm.generate(prompts, params, use_tqdm=False)
+    assert compile_watch.compiled_while_serving()[before:] == []
