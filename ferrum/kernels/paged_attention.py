@@ -59,7 +59,9 @@ __all__ = [
 ]
 
 
-@triton.jit
+# The block table's row stride is the widest table of the step's requests: any value, so Triton
+# would compile a variant per "1 / multiple of 16 / other" class of it at each tile config.
+@triton.jit(do_not_specialize=("stride_bt_req",))
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     query_ptr,  # [num_tokens, num_heads, head_dim]

@@ -31,6 +31,7 @@ class TritonKernels:
     paged_attention: Callable[..., torch.Tensor]
     moe_router: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
+    dense_linear: Callable[..., torch.Tensor]
     fp8_block_linear: Callable[..., torch.Tensor]
     fp8_channel_linear: Callable[..., torch.Tensor]
     causal_conv1d_prefill: Callable[..., torch.Tensor]
@@ -71,6 +72,7 @@ def load_kernels(kernel_backend: str) -> TritonKernels | None:
         raise ValueError(f"kernel_backend: must be 'torch' or 'triton', got {kernel_backend!r}")
     from ferrum.kernels import activation, fused_moe, moe_router, paged_attention, rms_norm
     from ferrum.kernels.causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
+    from ferrum.kernels.dense_linear import dense_linear
     from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
     from ferrum.kernels.gated_delta_rule_decode import gated_delta_rule_decode
     from ferrum.kernels.gated_delta_rule_prefill import gated_delta_rule_prefill
@@ -84,6 +86,7 @@ def load_kernels(kernel_backend: str) -> TritonKernels | None:
         paged_attention=paged_attention.paged_attention,
         moe_router=moe_router.moe_router,
         fused_moe=fused_moe.fused_moe,
+        dense_linear=dense_linear,
         fp8_block_linear=fp8_block_linear,
         fp8_channel_linear=fp8_channel_linear,
         causal_conv1d_prefill=causal_conv1d_prefill,

@@ -14,8 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrum.entrypoints.llm import LLM
-from ferrum.sampling_params import SamplingParams
 from tests.utils.fp8_checkpoints import (
     fake_quantize_activations,
     write_dequantized_twin,
@@ -23,7 +21,14 @@ from tests.utils.fp8_checkpoints import (
 )
 from tests.utils.model_step import Seq, load, prompt, run_step
 from tests.utils.tiny_checkpoints import hf_logits, load_hf_model
-from tests.utils.tiny_llm import MAX_TOKENS, cuda_llm, greedy, make_llm, random_prompts
+from tests.utils.tiny_llm import (
+    MAX_TOKENS,
+    cuda_llm,
+    greedy,
+    make_llm,
+    random_prompts,
+    teacher_forced_agreement,
+)
 
 # Every projection's input size is a multiple of 128 and the merged q|k|v and gate|up shards
 # start on 128-row boundaries (q 256, k 128, v 128; gate 256, up 256), as in real Qwen3/Llama.
@@ -141,21 +146,6 @@ def test_close_to_the_unquantized_model(fp8_checkpoint, fmt) -> None:
     assert agree >= 0.7
 
 
-def _twin_agrees(twin: LLM, prompts: list[list[int]], outputs: list[list[int]]) -> float:
-    """The fraction of the generated tokens that are also the twin's most likely token after
-    the same prefix (teacher forcing: one disagreement does not change what follows)."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-    results = twin.generate(
-        [{"prompt_token_ids": p + o} for p, o in zip(prompts, outputs)], params, use_tqdm=False
-    )
-    ranks = [
-        result.prompt_logprobs[i][token].rank
-        for result, p, o in zip(results, prompts, outputs)
-        for i, token in enumerate(o, start=len(p))
-    ]
-    return sum(rank == 1 for rank in ranks) / len(ranks)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 kernels run on CUDA")
 @pytest.mark.parametrize(("arch", "fmt"), [("qwen3", "fp8"), ("qwen3", "compressed-tensors"), ("qwen3_moe", "fp8")])  # fmt: skip
 def test_cuda_fp8_greedy_tokens_are_the_twins_choice(fp8_checkpoint, tmp_path, arch, fmt):
@@ -175,6 +165,6 @@ def test_cuda_fp8_greedy_tokens_are_the_twins_choice(fp8_checkpoint, tmp_path, a
         ("a batch of 32", greedy(fp8, prompts)),
         ("one prompt at a time", [greedy(fp8, [p])[0] for p in prompts]),
     ):
-        agree = _twin_agrees(twin, prompts, outputs)
+        agree = teacher_forced_agreement(twin, prompts, outputs)
         print(f"{arch} {fmt}, {name}: {agree:.0%} of the tokens are the bf16 twin's choice")
         assert agree >= 0.5, name

@@ -93,7 +93,6 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, model) -> No
         tiny_checkpoint(model),
         dtype="bfloat16",
         num_kv_blocks=512,
-        max_model_len=512,
         max_num_batched_tokens=256,
         max_num_seqs=32,
     )
@@ -102,7 +101,7 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, model) -> No
     # Rounds of prompts of random lengths arriving together: chunked prefills beside decodes
     # make steps of nearly every token count up to the budget.
     for round_index in range(6):
-        lengths = [rng.randint(1, 300) for _ in range(rng.randint(1, 32))]
+        lengths = [rng.randint(1, 200) for _ in range(rng.randint(1, 32))]
         prompts = [{"prompt_token_ids": p} for p in random_prompts(lengths, seed=round_index)]
         params = [
             SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randint(1, 24), ignore_eos=True)

@@ -44,3 +44,20 @@ def cuda_llm(path: str, **kwargs) -> LLM:
         max_num_seqs=16,
     )
     return LLM(path, **(defaults | kwargs))
+
+
+def teacher_forced_agreement(
+    reference: LLM, prompts: list[list[int]], outputs: list[list[int]]
+) -> float:
+    """The fraction of the generated tokens that are also `reference`'s most likely token after
+    the same prefix (teacher forcing: one disagreement does not change what follows)."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    results = reference.generate(
+        [{"prompt_token_ids": p + o} for p, o in zip(prompts, outputs)], params, use_tqdm=False
+    )
+    ranks = [
+        result.prompt_logprobs[i][token].rank
+        for result, p, o in zip(results, prompts, outputs)
+        for i, token in enumerate(o, start=len(p))
+    ]
+    return sum(rank == 1 for rank in ranks) / len(ranks)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.linear import check_shape, new_parameter, set_weight_loader
 from ferrum.model_executor.weight_loader import CheckpointTensor, materialize
 
@@ -73,9 +74,11 @@ class LMHead(nn.Module):
         hidden_size: int,
         tied_to: VocabEmbedding | None = None,
         tp_group: TensorParallelGroup | None = None,
+        kernels: TritonKernels | None = None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self._linear = torch.nn.functional.linear if kernels is None else kernels.dense_linear
         self.tp_group = tp_group or TensorParallelGroup()
         if tied_to is None:
             # Holds and loads its rows exactly as an embedding of the same vocabulary would.
@@ -86,7 +89,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[n, hidden_size] -> [n, vocab_size] float32, the same on every rank."""
-        logits = torch.nn.functional.linear(hidden_states, self.weight).float()
+        logits = self._linear(hidden_states, self.weight).float()
         if self.tp_group.world_size == 1:
             return logits
         logits = self.tp_group.all_gather(logits, dim=-1)

@@ -260,7 +260,9 @@ class LlamaForCausalLM(nn.Module):
         if self.stage.is_last:
             tied = arch.tie_word_embeddings and self.stage.is_first
             tied_to = self.model.embed_tokens if tied else None
-            self.lm_head = LMHead(arch.vocab_size, arch.hidden_size, tied_to, self.tp_group)
+            self.lm_head = LMHead(
+                arch.vocab_size, arch.hidden_size, tied_to, self.tp_group, kernels
+            )
 
     def make_model(self) -> nn.Module:
         """The decoder stack; it must have `embed_tokens` and `layers` (each with

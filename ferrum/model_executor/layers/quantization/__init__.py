@@ -35,9 +35,14 @@ def get_linear_method(
     quant_config: QuantConfig | None, kernels: TritonKernels | None, module_names: Sequence[str]
 ) -> LinearMethod | None:
     """The method of a linear layer that loads the checkpoint modules `module_names` (one, or
-    each shard of a merged layer: q_proj, k_proj, v_proj); None keeps it in the model dtype."""
+    each shard of a merged layer: q_proj, k_proj, v_proj). Unquantized layers keep the model
+    dtype: with the Triton kernels through DenseLinearMethod, else with no method (F.linear)."""
     if quant_config is None or not _quantized(quant_config, module_names):
-        return None
+        if kernels is None:
+            return None
+        from ferrum.model_executor.layers.quantization.dense import DenseLinearMethod
+
+        return DenseLinearMethod(kernels)
     from ferrum.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
     return Fp8LinearMethod(quant_config, kernels, "/".join(module_names))

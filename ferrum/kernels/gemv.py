@@ -1,0 +1,111 @@
+"""Triton GEMV for fp16/bf16 weights at one activation row: out = x @ W^T (+ bias).
+
+At one row a linear layer is a read of W, and cuBLAS's kernels read it below HBM speed at some of
+the decode shapes (benchmarks/bench_gemv.py). Program p computes out[m, n0:n0 + BLOCK_N] for
+m = p % M (rows vary fastest, so programs reading one W tile run together and share it in L2),
+n0 = (p // M) * BLOCK_N: it streams W's [BLOCK_N, BLOCK_K] tiles through CUDA cores, multiplying
+in fp32 per lane and summing once at the end. Rows past the first re-read W, so only decode
+batches of one row take it (dense_linear.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
+
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _gemv_kernel(
+    out_ptr,  # [M, N]
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    bias_ptr,  # [N], read when HAS_BIAS
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = (pid % M).to(tl.int64)
+    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    # Rows past N read row N - 1 again (stores are masked), so full tiles need no load mask.
+    safe_n = tl.minimum(offs_n, N - 1)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + row * stride_xm + offs_k
+    w_ptrs = w_ptr + safe_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = offs_k < K - k0
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = tl.sum(acc, 1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], stride(1) == 1, W's dtype
+    weight: torch.Tensor,  # [N, K] fp16/bf16, stride(1) == 1
+    block_n: int,
+    block_k: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """[M, N] in x's dtype: x @ weight^T + bias, fp32 sums."""
+    if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES or weight.stride(1) != 1:
+        raise ValueError(
+            f"weight must be [N, K] fp16/bf16 with stride(1) == 1, got "
+            f"{tuple(weight.shape)} {weight.dtype}"
+        )
+    n, k = weight.shape
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != weight.dtype or x.stride(1) != 1:
+        raise ValueError(
+            f"x must be [M, {k}] {weight.dtype} with stride(1) == 1, got {tuple(x.shape)} {x.dtype}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype):
+        raise ValueError(f"bias must be [{n}] {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    check_gemv_tiles(False, block_n, block_k)
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    _gemv_kernel[(m * triton.cdiv(n, block_n),)](
+        out,
+        x,
+        weight,
+        weight if bias is None else bias,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,29 @@
+"""The model-dtype weight format on the Triton backend: the layer's weight stays as loaded and its
+product runs `kernels.dense_linear` (the one-row GEMV where it was measured faster, else
+F.linear). On the torch backend a layer keeps no method and calls F.linear itself."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferrum.model_executor.kernel_backend import TritonKernels
+from ferrum.model_executor.layers.linear import new_parameter
+from ferrum.model_executor.layers.quantization.base import GeneratorFor
+
+
+class DenseLinearMethod:
+    def __init__(self, kernels: TritonKernels) -> None:
+        self._linear = kernels.dense_linear
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
+        layer.weight = new_parameter(output_size, input_size)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        return None
+
+    def fill_dummy_weights(self, layer: nn.Module, std: float, generator: GeneratorFor) -> None:
+        return None  # the generic dummy initialisation fills `weight`
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._linear(x, layer.weight, bias)
