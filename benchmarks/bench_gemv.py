@@ -30,9 +30,9 @@ from ferrum.kernels.gemv_config import GemvTile, get_gemv_tiles, save_gemv_tiles
 L2_FLUSH_BYTES = 256 << 20
 MAX_COPIES = 16
 SWEEP = {
-    "BLOCK_N": (4, 8, 16, 32),
-    "BLOCK_K": (256, 512, 1024),
-    "num_warps": (4, 8),
+    "BLOCK_N": (1, 2, 4, 8, 16),
+    "BLOCK_K": (512, 1024, 2048, 4096),
+    "num_warps": (2, 4, 8),
     "num_stages": (1, 2, 3),
 }
 
