@@ -2,8 +2,6 @@
 
 One activation row on a GPU whose tile table (gemv_config) lists the weight's shape runs the
 GEMV (gemv.py), which was measured faster than cuBLAS there; everything else runs F.linear.
-`silu_mul_linear` is a SwiGLU MLP's down projection with its activation: fused into the GEMV
-where the GEMV runs, else the activation kernel and then F.linear.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ferrum.kernels.activation import silu_and_mul
 from ferrum.kernels.gemv import WEIGHT_DTYPES, gemv
 from ferrum.kernels.gemv_config import GemvTile, get_gemv_tiles
 
@@ -23,11 +20,9 @@ def _device_name(device_index: int) -> str:
     return torch.cuda.get_device_name(device_index)
 
 
-def gemv_tile_for(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> GemvTile | None:
-    """The GEMV's tile when x is one row (of K values, 2K gated) on a GPU and W's shape is in
-    the device's table."""
-    width = weight.shape[-1] * (2 if gated else 1)
-    if not x.is_cuda or x.numel() != width or x.dtype != weight.dtype:
+def gemv_tile_for(x: torch.Tensor, weight: torch.Tensor) -> GemvTile | None:
+    """The GEMV's tile when x is one row on a GPU and W's shape is in the device's table."""
+    if not x.is_cuda or x.numel() != weight.shape[-1] or x.dtype != weight.dtype:
         return None
     if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2 or weight.stride(1) != 1:
         return None
@@ -54,26 +49,3 @@ def dense_linear(
         bias=bias,
     )
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def silu_mul_linear(
-    gate_up: torch.Tensor,  # [..., 2K]: gate | up
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:
-    """[..., N]: (silu(gate) * up) @ W^T + bias, the activation rounded as activation.py does."""
-    tile = gemv_tile_for(gate_up, weight, gated=True)
-    if tile is None:
-        act = silu_and_mul(gate_up.reshape(-1, gate_up.shape[-1]))
-        return F.linear(act, weight, bias).view(*gate_up.shape[:-1], weight.shape[0])
-    out = gemv(
-        gate_up.reshape(1, -1),
-        weight,
-        tile.BLOCK_N,
-        tile.BLOCK_K,
-        tile.num_warps,
-        tile.num_stages,
-        bias=bias,
-        gated=True,
-    )
-    return out.view(*gate_up.shape[:-1], weight.shape[0])

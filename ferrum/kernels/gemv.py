@@ -6,10 +6,6 @@ m = p % M (rows vary fastest, so programs reading one W tile run together and sh
 n0 = (p // M) * BLOCK_N: it streams W's [BLOCK_N, BLOCK_K] tiles through CUDA cores, multiplying
 in fp32 per lane and summing once at the end. Rows past the first re-read W, so only decode
 batches of one row take it (dense_linear.py).
-
-GATED: x is a SwiGLU MLP's [gate | up] row ([M, 2K]) and the product's input is
-silu(gate) * up, computed as activation.py does (the same two roundings to x's dtype), so the
-down projection needs no separate activation launch and equals the unfused pair exactly.
 """
 
 from __future__ import annotations
@@ -36,7 +32,6 @@ def _gemv_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -53,20 +48,13 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            x = tl.load(x_ptrs).to(tl.float32)
+            x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
-            if GATED:
-                up = tl.load(x_ptrs + K).to(tl.float32)
         else:
             k_mask = offs_k < K - k0
-            x = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
             w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-            if GATED:
-                up = tl.load(x_ptrs + K, mask=k_mask, other=0.0).to(tl.float32)
-        if GATED:
-            act = (x / (1.0 + tl.exp(-x))).to(x_ptr.dtype.element_ty).to(tl.float32)
-            x = (act * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out = tl.sum(acc, 1)
@@ -76,28 +64,24 @@ def _gemv_kernel(
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K] ([M, 2K] gated), stride(1) == 1, W's dtype
+    x: torch.Tensor,  # [M, K], stride(1) == 1, W's dtype
     weight: torch.Tensor,  # [N, K] fp16/bf16, stride(1) == 1
     block_n: int,
     block_k: int,
     num_warps: int = 4,
     num_stages: int = 2,
     bias: torch.Tensor | None = None,  # [N]
-    gated: bool = False,
 ) -> torch.Tensor:
-    """[M, N] in x's dtype: x @ weight^T + bias, fp32 sums; `gated`: silu(gate) * up for x,
-    x = [gate | up]."""
+    """[M, N] in x's dtype: x @ weight^T + bias, fp32 sums."""
     if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES or weight.stride(1) != 1:
         raise ValueError(
             f"weight must be [N, K] fp16/bf16 with stride(1) == 1, got "
             f"{tuple(weight.shape)} {weight.dtype}"
         )
     n, k = weight.shape
-    width = 2 * k if gated else k
-    if x.dim() != 2 or x.shape[1] != width or x.dtype != weight.dtype or x.stride(1) != 1:
+    if x.dim() != 2 or x.shape[1] != k or x.dtype != weight.dtype or x.stride(1) != 1:
         raise ValueError(
-            f"x must be [M, {width}] {weight.dtype} with stride(1) == 1, got {tuple(x.shape)} "
-            f"{x.dtype}"
+            f"x must be [M, {k}] {weight.dtype} with stride(1) == 1, got {tuple(x.shape)} {x.dtype}"
         )
     if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype):
         raise ValueError(f"bias must be [{n}] {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
@@ -118,7 +102,6 @@ def gemv(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        GATED=gated,
         EVEN_K=k % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -32,7 +32,6 @@ class TritonKernels:
     moe_router: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
     dense_linear: Callable[..., torch.Tensor]
-    silu_mul_linear: Callable[..., torch.Tensor]
     fp8_block_linear: Callable[..., torch.Tensor]
     fp8_channel_linear: Callable[..., torch.Tensor]
     causal_conv1d_prefill: Callable[..., torch.Tensor]
@@ -73,7 +72,7 @@ def load_kernels(kernel_backend: str) -> TritonKernels | None:
         raise ValueError(f"kernel_backend: must be 'torch' or 'triton', got {kernel_backend!r}")
     from ferrum.kernels import activation, fused_moe, moe_router, paged_attention, rms_norm
     from ferrum.kernels.causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
-    from ferrum.kernels.dense_linear import dense_linear, silu_mul_linear
+    from ferrum.kernels.dense_linear import dense_linear
     from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
     from ferrum.kernels.gated_delta_rule_decode import gated_delta_rule_decode
     from ferrum.kernels.gated_delta_rule_prefill import gated_delta_rule_prefill
@@ -88,7 +87,6 @@ def load_kernels(kernel_backend: str) -> TritonKernels | None:
         moe_router=moe_router.moe_router,
         fused_moe=fused_moe.fused_moe,
         dense_linear=dense_linear,
-        silu_mul_linear=silu_mul_linear,
         fp8_block_linear=fp8_block_linear,
         fp8_channel_linear=fp8_channel_linear,
         causal_conv1d_prefill=causal_conv1d_prefill,

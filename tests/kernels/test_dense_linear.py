@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import ferrum.kernels.dense_linear as dense_linear_module
-from ferrum.kernels.activation import silu_and_mul
-from ferrum.kernels.dense_linear import dense_linear, gemv_tile_for, silu_mul_linear
+from ferrum.kernels.dense_linear import dense_linear, gemv_tile_for
 from ferrum.kernels.gemv_config import GemvTile
 from ferrum.model_executor.kernel_backend import load_kernels
 from ferrum.model_executor.layers.linear import Linear
@@ -73,27 +72,12 @@ def test_one_row_takes_the_gemv_and_more_rows_f_linear(gemv_calls) -> None:
     assert gemv_tile_for(torch.randn(1, 96, device="cuda"), w) is None  # fp32 x, bf16 W
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_silu_mul_linear_is_the_activation_then_the_product(rows, gemv_calls) -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(rows)
-    gate_up = torch.randn(rows, 64, generator=gen).to(device, torch.float16)
-    w = (torch.randn(24, 32, generator=gen) * 0.1).to(device, torch.float16)
-    b = torch.randn(24, generator=gen).to(device, torch.float16)
-    got = silu_mul_linear(gate_up, w, b)
-    expected = torch.nn.functional.linear(silu_and_mul(gate_up).float(), w.float(), b.float())
-    assert got.shape == (rows, 24) and got.dtype == torch.float16
-    torch.testing.assert_close(got.float(), expected, atol=5e-3, rtol=5e-3)
-    # Only one row on a GPU takes the (gated) GEMV.
-    assert gemv_calls == ([(24, 32)] if device == "cuda" and rows == 1 else [])
-
-
 @needs_cuda
 def test_batch_one_decode_through_the_gemv_keeps_the_tokens(
     tiny_checkpoint, gemv_calls, monkeypatch
 ) -> None:
-    """Every projection (the down projection with its SiLU fused) and the LM head of one-prompt
-    decode steps run the GEMV (captured in the CUDA graphs); its tokens are the F.linear engine's greedy choices after the same prefix.
+    """Every projection and the LM head of one-prompt decode steps run the GEMV (captured in
+    the CUDA graphs); its tokens are the F.linear engine's greedy choices after the same prefix.
     fp16 rounds the two differently, so a near-tie of the random tiny model may flip: a wrong
     GEMV agrees at chance level."""
     from tests.utils.tiny_llm import cuda_llm, greedy, random_prompts, teacher_forced_agreement

@@ -65,19 +65,3 @@ def test_tile_file_round_trip_keeps_other_shapes(tmp_path) -> None:
 def test_malformed_tile_files_name_the_entry(data, message) -> None:
     with pytest.raises(ValueError, match=message):
         parse_tiles(data, "gemv_configs/X.json")
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=CUDA_ONLY)])
-@pytest.mark.parametrize("m, n, k", [(1, 37, 100), (2, 16, 64)])
-def test_gated_equals_the_activation_kernel_then_the_gemv(device, dtype, m, n, k) -> None:
-    from ferrum.kernels.activation import silu_and_mul
-
-    gen = torch.Generator().manual_seed(n + k)
-    gate_up = (torch.randn(m, 2 * k, generator=gen) * 2).to(device, dtype)
-    w = (torch.randn(n, k, generator=gen) * 0.1).to(device, dtype)
-    fused = gemv(gate_up, w, block_n=8, block_k=32, gated=True)
-    unfused = gemv(silu_and_mul(gate_up), w, block_n=8, block_k=32)
-    # The same roundings and the same order of sums: equal.
-    assert torch.equal(fused, unfused)
-    with pytest.raises(ValueError, match=f"x must be \\[M, {2 * k}\\]"):
-        gemv(gate_up[:, :k], w, 8, 32, gated=True)

@@ -25,7 +25,6 @@ from ferrum.model_executor.layers.parallel_linear import (
     RowParallelLinear,
 )
 from ferrum.model_executor.layers.quantization import get_linear_method
-from ferrum.model_executor.layers.quantization.dense import DenseLinearMethod
 from ferrum.model_executor.layers.rotary import RotaryEmbedding
 from ferrum.model_executor.pipeline_stage import (
     PipelineStage,
@@ -83,21 +82,9 @@ class LlamaMLP(nn.Module):
             size, arch.hidden_size, bias, tp_group, quant_method=down
         )
         self.act_fn = get_act_and_mul(arch.hidden_act, kernels)
-        # A model-dtype down projection on one rank takes its SiLU activation with it (fused
-        # into the one-row GEMV where that runs).
-        fuse = (
-            kernels is not None
-            and arch.hidden_act == "silu"
-            and isinstance(down, DenseLinearMethod)
-            and self.down_proj.tp_group.world_size == 1
-        )
-        self._silu_mul_down = kernels.silu_mul_linear if fuse else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self._silu_mul_down is not None:
-            return self._silu_mul_down(gate_up, self.down_proj.weight, self.down_proj.bias)
-        return self.down_proj(self.act_fn(gate_up))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
