@@ -1,0 +1,113 @@
+"""Causal prefill attention of one long prompt: ferrum's paged kernel against torch's SDPA.
+
+One request whose chunk is its whole prompt (--seq-len queries over --seq-len keys, the KV in
+16-token blocks scattered over a shuffled pool), Qwen3-8B's heads by default (32 query heads, 8 KV
+heads, head_dim 128), bf16. The references are `scaled_dot_product_attention(is_causal=True)` on
+contiguous [1, heads, seq, head_dim] tensors, forced to each backend that takes them (flash, cuDNN,
+efficient); K and V are repeated to the query heads outside the timing. Prints milliseconds and
+TFLOP/s (causal: 2 * seq^2 * head_dim * heads).
+Usage: python benchmarks/bench_prefill_attention.py [--seq-len 8000] [--out file.json]
+"""
+
+# ruff: noqa: E402
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ferrum.kernels.paged_attention import paged_attention
+
+BLOCK_SIZE = 16
+
+
+def time_ms(fn, iters: int) -> float:
+    for _ in range(2):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=8000)
+    parser.add_argument("--num-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    seq, heads, kv_heads, dim = args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    query = torch.randn(seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    keys = torch.randn(seq, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    values = torch.randn(seq, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    num_blocks = -(-seq // BLOCK_SIZE)
+    pool = torch.randperm(num_blocks, device="cuda", generator=gen) + 1
+    kv_cache = torch.zeros(2, num_blocks + 1, BLOCK_SIZE, kv_heads, dim, device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    slots = (pool[torch.arange(seq, device="cuda") // BLOCK_SIZE] * BLOCK_SIZE) + torch.arange(seq, device="cuda") % BLOCK_SIZE  # fmt: skip
+    kv_cache[0].view(-1, kv_heads, dim)[slots] = keys
+    kv_cache[1].view(-1, kv_heads, dim)[slots] = values
+    scale = dim**-0.5
+    out = torch.empty_like(query)
+    paged = dict(
+        query=query,
+        kv_cache=kv_cache,
+        block_tables=pool.view(1, -1).to(torch.int32),
+        query_start_loc=torch.tensor([0, seq], device="cuda", dtype=torch.int32),
+        seq_lens=torch.tensor([seq], device="cuda", dtype=torch.int32),
+        max_query_len=seq,
+        max_seq_len=seq,
+        scale=scale,
+        out=out,
+    )
+    q4 = query.transpose(0, 1).unsqueeze(0).contiguous()
+    group = heads // kv_heads
+    k4 = keys.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+    v4 = values.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+    flops = 2 * seq * seq * dim * heads  # causal: half of 4 * seq^2 * dim * heads
+    results = {"seq_len": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "rows": {}}
+
+    def record(name: str, fn) -> None:
+        try:
+            ms = time_ms(fn, args.iters)
+        except RuntimeError as exc:  # a backend this build or shape does not take
+            results["rows"][name] = {"unsupported": str(exc).splitlines()[0][:200]}
+            print(f"{name:12s} unsupported: {str(exc).splitlines()[0][:120]}")
+            return
+        results["rows"][name] = {"ms": ms, "tflops": flops / ms / 1e9}
+        print(f"{name:12s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+
+    record("ferrum", lambda: paged_attention(**paged))
+    reference = None
+    for name, backend in (
+        ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+        ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION),
+        ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ):
+        with sdpa_kernel(backend):
+            record(name, lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale))  # noqa: B023  # fmt: skip
+            if reference is None and "ms" in results["rows"][name]:
+                reference = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+    if reference is not None:
+        paged_attention(**paged)
+        err = (out.transpose(0, 1).unsqueeze(0).float() - reference.float()).abs().max().item()
+        results["ferrum_max_abs_err_vs_sdpa"] = err
+        print(f"ferrum against SDPA: max abs err {err:.2e}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

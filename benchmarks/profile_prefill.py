@@ -1,0 +1,78 @@
+"""Where a long prompt's prefill goes: attention against GEMMs against everything else.
+
+Runs one --input-len prompt (1 output token) twice untimed, then once under the torch profiler,
+and sums the CUDA kernels into attention (ferrum's paged-attention kernels), GEMMs (cuBLAS /
+cuBLASLt / nvjet / the GEMV and MoE GEMMs) and the rest; prints the shares, the wall time and the
+top kernels. Usage: python benchmarks/profile_prefill.py --model benchmarks/models/qwen3-8b
+--input-len 8000 --max-model-len 10240 [engine flags]
+"""
+
+# ruff: noqa: E402
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from benchmarks.dummy_engine import engine_parser, make_llm
+from ferrum.bench import workloads
+from ferrum.sampling_params import SamplingParams
+
+GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "gemv", "_moe_", "sm90_xmma", "matmul")
+
+
+def kind_of(kernel: str) -> str:
+    name = kernel.lower()
+    if "attention" in name:
+        return "attention"
+    if any(marker in name for marker in GEMM_MARKERS):
+        return "gemm"
+    return "other"
+
+
+def main() -> int:
+    parser = engine_parser(__doc__.splitlines()[0])
+    parser.set_defaults(input_len=8000)
+    args = parser.parse_args()
+    llm = make_llm(args)
+    vocab = llm.llm_engine.config.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def prefill(seed: int) -> float:
+        prompt = workloads.fold_to_vocab([workloads.lat_prompt(seed, args.input_len)], vocab)[0]
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    walls = [prefill(seed) for seed in (1, 2)]  # distinct prompts: no prefix-cache hit
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        walls.append(prefill(3))
+    totals: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        us = event.self_device_time_total
+        if us <= 0 or event.key.startswith(("Memcpy", "Memset", "aten::", "cuda")):
+            continue
+        totals[kind_of(event.key)] += us
+        per_kernel[event.key] += us
+    device_ms = sum(totals.values()) / 1e3
+    print(
+        f"{args.input_len}-token prompt, 1 token out: wall {[round(w * 1e3, 1) for w in walls]} ms"
+    )
+    print(f"kernels {device_ms:.1f} ms: " + ", ".join(
+        f"{kind} {us / 1e3:.1f} ms ({us / 1e3 / device_ms:.0%})" for kind, us in sorted(totals.items())
+    ))  # fmt: skip
+    for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {us / 1e3:8.2f} ms  {kind_of(name):9s} {name[:90]}")
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
