@@ -61,6 +61,16 @@ def main() -> int:
     if args.model is None:
         parser.error("--model is required")
     engine_args = EngineArgs.from_cli_args(args, args.model)
+    in_process = (
+        engine_args.tensor_parallel_size == 1
+        and engine_args.pipeline_parallel_size == 1
+        and engine_args.data_parallel_size == 1
+        and engine_args.distributed_executor_backend in (None, "uni")
+    )
+    if not in_process:
+        parser.error(
+            "the compile lists are read in this process: run with one GPU and the uni executor"
+        )
     start = time.perf_counter()
     llm = LLM(**vars(engine_args))
     report = {"model": args.model, "engine_init_s": time.perf_counter() - start, "cases": {}}

@@ -106,7 +106,7 @@ def measure_shape(n: int, k: int, tile: GemvTile, do_sweep: bool, iters: int) ->
     weights = [w.clone() for _ in range(copies)]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     expected = F.linear(x.float(), w.float())
-    got = gemv(x, w, tile.BLOCK_N, tile.BLOCK_K).float()
+    got = gemv(x, w, *dataclasses.astuple(tile)).float()
     row: dict = {
         "N": n,
         "K": k,
@@ -118,6 +118,10 @@ def measure_shape(n: int, k: int, tile: GemvTile, do_sweep: bool, iters: int) ->
     }
     if do_sweep:
         row["sweep"] = sweep(x, weights, iters)
+        if row["sweep"]:
+            best = GemvTile(**row["sweep"]["tile"])
+            got = gemv(x, w, *dataclasses.astuple(best)).float()
+            row["sweep"]["max_abs_err"] = (got - expected).abs().max().item()
     return row
 
 
@@ -163,7 +167,9 @@ def main() -> int:
         results.append(row)
         torch.cuda.empty_cache()
     if args.save:
-        print(f"saved {save_gemv_tiles(device_name, winners)} ({len(winners)} shapes)")
+        losers = frozenset(shapes) - frozenset(winners)
+        path = save_gemv_tiles(device_name, winners, drop=losers)
+        print(f"saved {path} ({len(winners)} shapes; {len(losers)} dropped as slower)")
     if args.out is not None:
         payload = {"device": device_name, "torch": torch.__version__, "results": results}
         args.out.write_text(json.dumps(payload, indent=1))

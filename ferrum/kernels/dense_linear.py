@@ -21,8 +21,12 @@ def _device_name(device_index: int) -> str:
 
 
 def gemv_tile_for(x: torch.Tensor, weight: torch.Tensor) -> GemvTile | None:
-    """The GEMV's tile when x is one row on a GPU and W's shape is in the device's table."""
-    if not x.is_cuda or x.numel() != weight.shape[-1] or x.dtype != weight.dtype:
+    """The GEMV's tile when x is one contiguous row on a GPU and W's shape is in the device's
+    table."""
+    k = weight.shape[-1]
+    if not x.is_cuda or x.numel() != k or x.shape[-1] != k or x.stride(-1) != 1:
+        return None
+    if x.dtype != weight.dtype:
         return None
     if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2 or weight.stride(1) != 1:
         return None

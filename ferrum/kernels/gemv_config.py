@@ -75,11 +75,17 @@ def get_gemv_tiles(device_name: str) -> GemvTiles:
     return parse_tiles(json.loads(path.read_text()), str(path))
 
 
-def save_gemv_tiles(device_name: str, tiles: GemvTiles, directory: Path | None = None) -> Path:
-    """Writes `tiles` as the device's file, replacing the shapes it names and keeping the
-    others already there."""
+def save_gemv_tiles(
+    device_name: str,
+    tiles: GemvTiles,
+    directory: Path | None = None,
+    drop: frozenset[tuple[int, int]] = frozenset(),
+) -> Path:
+    """Writes `tiles` as the device's file, replacing the shapes it names, removing the shapes
+    in `drop` (measured, and slower than cuBLAS) and keeping the others already there."""
     path = config_path(device_name, directory)
     merged = parse_tiles(json.loads(path.read_text()), str(path)) if path.is_file() else {}
+    merged = {shape: tile for shape, tile in merged.items() if shape not in drop}
     merged.update(tiles)
     data = {f"N{n}_K{k}": dataclasses.asdict(merged[n, k]) for n, k in sorted(merged)}
     path.parent.mkdir(parents=True, exist_ok=True)

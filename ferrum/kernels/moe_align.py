@@ -29,9 +29,10 @@ _MAX_SPANS = 256
 _FILL_BLOCK = 1024
 
 
-# Every runtime integer follows the step's token count, and Triton would compile a variant for
-# each pattern of "is 1 / is a multiple of 16" among them: far more than start-up can run.
-# Unspecialised, the variants depend on the constexprs only (fixed per model and tile config).
+# Most runtime integers follow the step's token count (num_experts is fixed per model, block_m
+# per tile config), and Triton would compile a variant for each pattern of "is 1 / is a multiple
+# of 16" among them: far more than start-up can run. Unspecialised, the variants depend on the
+# constexprs only (fixed per model and tile config).
 COUNT_RUNTIME_INTS = ("num_pairs", "num_experts", "num_slots", "chunks_per_span", "slots_per_span")
 SCATTER_RUNTIME_INTS = (
     "num_pairs",

@@ -4,8 +4,9 @@ Start-up (the warm-up batches and CUDA graph capture) is meant to compile every 
 can reach; a variant compiled later made the request that reached it wait for the compiler. The
 watch hooks Triton's post-compile hook (process-wide, chained after any hook already set), logs
 each such variant once with its specialisation (argument types, which integers were 1 or a
-multiple of 16), and keeps the list for benchmarks and tests. Triton's interpreter compiles
-nothing, so on the CPU the list stays empty.
+multiple of 16), and keeps the list for benchmarks and tests. It is diagnostics only: a Triton
+without the hook (before 3.4), or a hook that fails, never stops a compile or a launch. Triton's
+interpreter compiles nothing, so on the CPU the list stays empty.
 """
 
 from __future__ import annotations
@@ -23,32 +24,45 @@ logger = init_logger(__name__)
 @dataclass(frozen=True, slots=True)
 class CompiledVariant:
     kernel: str  # the @triton.jit function's qualified name
-    description: str  # Triton's repr: launch options and each argument's specialised type
+    description: str  # the kernel's arguments as specialised (describe_variant)
 
 
 class CompileWatch:
-    """Collects the variants compiled while armed; `install` once per process."""
+    """Collects the variants compiled while armed, over the life of the process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._armed = False
         self._variants: list[CompiledVariant] = []
-        self._installed = False
+        self._hook: Callable[..., Any] | None = None
 
-    def install(self) -> None:
-        """Chains `record` into Triton's post-compile hook (idempotent)."""
-        if self._installed:
-            return
-        from triton import knobs
+    def install(self) -> bool:
+        """Chains `record` into Triton's post-compile hook, again if something replaced it since;
+        False (logged once) where this Triton has no such hook."""
+        with self._lock:
+            try:
+                from triton import knobs
 
-        previous: Callable[..., Any] | None = knobs.runtime.jit_post_compile_hook
+                current = knobs.runtime.jit_post_compile_hook
+            except (ImportError, AttributeError):
+                if self._hook is None:
+                    logger.info("this Triton has no post-compile hook: compiles are not watched")
+                    self._hook = _UNAVAILABLE
+                return False
+            if self._hook is not None and current is self._hook:
+                return True
+            previous = current
 
-        def hook(**kwargs: Any) -> Any:
-            self.record(kwargs["fn"].name, describe_variant(kwargs))
-            return previous(**kwargs) if previous is not None else None
+            def hook(**kwargs: Any) -> Any:
+                try:
+                    self.record(kwargs["fn"].name, describe_variant(kwargs))
+                except Exception:  # diagnostics must never fail a compile
+                    logger.debug("compile watch: could not record a compile", exc_info=True)
+                return previous(**kwargs) if previous is not None else None
 
-        knobs.runtime.jit_post_compile_hook = hook
-        self._installed = True
+            knobs.runtime.jit_post_compile_hook = hook
+            self._hook = hook
+            return True
 
     def arm(self) -> None:
         """From now on every compiled variant counts as compiled while serving."""
@@ -73,9 +87,13 @@ class CompileWatch:
         )
 
     def variants(self) -> list[CompiledVariant]:
-        """The variants compiled since `arm`, in compile order."""
+        """Every variant compiled while armed in this process, in compile order."""
         with self._lock:
             return list(self._variants)
+
+
+def _UNAVAILABLE(**kwargs: Any) -> None:
+    """Marks a watch whose Triton has no post-compile hook."""
 
 
 def describe_variant(hook_kwargs: dict[str, Any]) -> str:
@@ -103,15 +121,15 @@ COMPILE_WATCH = CompileWatch()
 
 
 def start_up_compiles() -> None:
-    """Called by the model runner before its warm-up."""
+    """Called by the model runner when it starts building (and again before its warm-up)."""
     COMPILE_WATCH.disarm()
 
 
 def watch_serving_compiles() -> None:
-    """Called by the model runner when start-up has compiled what it will: installs the hook
-    and arms it."""
-    COMPILE_WATCH.install()
-    COMPILE_WATCH.arm()
+    """Called by the model runner when start-up has compiled what it will: (re)installs the
+    hook and arms it."""
+    if COMPILE_WATCH.install():
+        COMPILE_WATCH.arm()
 
 
 def compiled_while_serving() -> list[CompiledVariant]:

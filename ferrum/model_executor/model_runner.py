@@ -62,7 +62,7 @@ from ferrum.model_executor.warm_up import warm_up_batches
 from ferrum.parallel_config import kv_heads_per_rank
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from ferrum.structured_output import StructuredOutputMatcher
+from ferrum.structured_output import StructuredOutputMatcher, apply_token_bitmask_, bitmask_width
 
 if TYPE_CHECKING:
     from ferrum.kernels.paged_attention import SplitKVWorkspace
@@ -101,6 +101,7 @@ class ModelRunner:
         pp_group: PipelineGroup | None = None,
     ) -> None:
         self.config = config
+        start_up_compiles()
         if device.type == "cuda":
             # Triton launches, CUDA graphs and memory profiling use the current device: this
             # runner's (a data-parallel replica's core runs on cuda:i * tp). "cuda" alone is
@@ -258,6 +259,8 @@ class ModelRunner:
         start_up_compiles()
         start = time.perf_counter()
         num_forwards, max_tokens = self.run_warm_up_batches(num_blocks)
+        if self.pp_group.is_last:
+            self._warm_up_grammar_bitmask()
         torch.cuda.synchronize(self.device)
         logger.info(
             "kernel warm-up: %d forwards of 1 to %d tokens in %.2f s",
@@ -282,8 +285,20 @@ class ModelRunner:
                 query_lens, self.block_size, len(self.kv_cache_groups), self._recurrent_groups
             )
             batch = self.inputs.prepare(requests, num_scheduled, sum(query_lens), {})
-            self._run_stage(batch, sum(query_lens))
+            hidden_states = self._run_stage(batch, sum(query_lens))
+            # Logits run outside the CUDA graphs; one row takes the LM head's own GEMV variant.
+            if hidden_states is not None and len(hidden_states) == 1:
+                self.model.compute_logits(hidden_states)
         return len(batches), max_tokens
+
+    def _warm_up_grammar_bitmask(self) -> None:
+        """xgrammar's Triton kernel masks the sampled rows of constrained steps; Triton compiles
+        it per row-count class (1, a multiple of 16, other), so one batch of each runs here."""
+        width = bitmask_width(self.vocab_size)
+        for rows in (1, 2, 16):
+            logits = torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device)
+            allow_all = torch.full((rows, width), -1, dtype=torch.int32, device=self.device)
+            apply_token_bitmask_(logits, allow_all)
 
     def uses_cuda_graphs(self) -> bool:
         """Graphs need CUDA and the Triton kernels (the torch MoE path syncs with the host)."""

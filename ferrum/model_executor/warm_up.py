@@ -7,8 +7,12 @@ warm-up ran it first. What picks a variant, and so what the batches below cover:
 - Triton's specialisation of integer arguments: a count that is 1, or a multiple of 16, gets its
   own compiled kernel, so every size is run at an even and at an odd token count;
 - several requests in one batch (variable-length prefill attention), from 256 tokens up.
-Decode batch sizes and single-request prefill chunks up to 512 tokens are also compiled by CUDA
-graph capture, which runs after this.
+Integers that follow a step's shape in other ways (the MoE align's spans and blocks, the block
+table's width, the split-KV count) are left unspecialised in their kernels, so no batch here
+needs to match them. The runner also computes the logits of the one-token batch: logits run
+outside the CUDA graphs, and one row takes the LM head's GEMV. Decode batch sizes and
+single-request prefill chunks up to 512 tokens are also compiled by CUDA graph capture, which
+runs after this; `compile_watch.py` logs any variant compiled later.
 """
 
 from __future__ import annotations

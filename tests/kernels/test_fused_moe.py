@@ -264,8 +264,8 @@ def test_bad_input_names_the_field(field, change) -> None:
     ],
 )
 def test_align_kernels_leave_every_runtime_integer_unspecialised(kernel, unspecialised) -> None:
-    # Each of them follows the step's token count: specialised, an arbitrary count could need a
-    # variant the start-up warm-up never compiled (issue 20: no compilation while serving).
+    # No variant may depend on the step's token count, which most of them follow: specialised,
+    # an arbitrary count could need a variant the start-up warm-up never compiled.
     import inspect
 
     params = inspect.signature(kernel.fn).parameters.values()

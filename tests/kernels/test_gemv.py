@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from ferrum.kernels.gemv import gemv
-from ferrum.kernels.gemv_config import GemvTile, parse_tiles, save_gemv_tiles
+from ferrum.kernels.gemv_config import (
+    CONFIG_DIR,
+    GemvTile,
+    get_gemv_tiles,
+    parse_tiles,
+    save_gemv_tiles,
+)
 
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 runs only on CUDA")
 
@@ -44,12 +50,36 @@ def test_rejects_mismatched_operands() -> None:
         gemv(torch.zeros(1, 16, dtype=torch.float16), w, 8, 24)
 
 
-def test_tile_file_round_trip_keeps_other_shapes(tmp_path) -> None:
-    save_gemv_tiles("Some GPU", {(4096, 4096): GemvTile(8, 512)}, tmp_path)
-    path = save_gemv_tiles("Some GPU", {(6144, 4096): GemvTile(16, 1024, 8, 3)}, tmp_path)
+def test_tile_file_round_trip_keeps_other_shapes_and_drops_losers(tmp_path) -> None:
+    save_gemv_tiles("Some GPU", {(4096, 4096): GemvTile(8, 512), (8, 8): GemvTile(1, 8)}, tmp_path)
+    path = save_gemv_tiles(
+        "Some GPU", {(6144, 4096): GemvTile(16, 1024, 8, 3)}, tmp_path, drop=frozenset({(8, 8)})
+    )
     assert path.name == "Some_GPU.json"
     tiles = parse_tiles(json.loads(path.read_text()), str(path))
     assert tiles == {(4096, 4096): GemvTile(8, 512), (6144, 4096): GemvTile(16, 1024, 8, 3)}
+
+
+def test_the_shipped_tile_files_parse() -> None:
+    files = sorted(CONFIG_DIR.glob("*.json"))
+    assert files
+    for path in files:
+        assert parse_tiles(json.loads(path.read_text()), str(path))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_every_shipped_tile_of_this_gpu_matches_f_linear() -> None:
+    tiles = get_gemv_tiles(torch.cuda.get_device_name())
+    if not tiles:
+        pytest.skip("no tile table for this GPU")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for (n, k), tile in tiles.items():
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        got = gemv(x, w, tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages)
+        expected = torch.nn.functional.linear(x.float(), w.float())
+        torch.testing.assert_close(got.float(), expected, atol=3e-2, rtol=2e-2, msg=f"{n}x{k}")
+        del w
 
 
 @pytest.mark.parametrize(

@@ -56,13 +56,37 @@ def test_install_chains_the_hook_already_set(monkeypatch) -> None:
     seen = []
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw))
     watch = CompileWatch()
-    watch.install()
-    watch.install()  # idempotent: still one link
+    assert watch.install()
+    assert watch.install()  # idempotent: still one link
     watch.arm()
-    kwargs = _hook_kwargs()
-    knobs.runtime.jit_post_compile_hook(**kwargs)
-    assert len(seen) == 1 and seen[0] is not None
+    knobs.runtime.jit_post_compile_hook(**_hook_kwargs())
+    assert len(seen) == 1
     assert [v.kernel for v in watch.variants()] == ["_kernel"]
+
+
+def test_install_again_rechains_after_the_hook_was_replaced(monkeypatch) -> None:
+    from triton import knobs
+
+    watch = CompileWatch()
+    watch.install()
+    watch.arm()
+    replaced = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: replaced.append(1))
+    assert watch.install()
+    knobs.runtime.jit_post_compile_hook(**_hook_kwargs())
+    assert replaced == [1] and len(watch.variants()) == 1
+
+
+def test_a_failing_record_never_fails_the_compile(monkeypatch) -> None:
+    from triton import knobs
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw))
+    watch = CompileWatch()
+    watch.install()
+    watch.arm()
+    knobs.runtime.jit_post_compile_hook(no_fn_here=True)  # record cannot read the kernel
+    assert len(seen) == 1 and watch.variants() == []
 
 
 def _forget_compiled_kernels() -> None:
@@ -80,32 +104,60 @@ def _forget_compiled_kernels() -> None:
                 value.device_caches.clear()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
-def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, model) -> None:
-    import random
+class _EveryShapeTable:
+    """A GEMV tile table listing every weight shape; the LM head (N = vocab) gets a tile of its
+    own, as on a real table, so its variant is not one the projections compiled."""
 
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def get(self, shape: tuple[int, int]):
+        from ferrum.kernels.gemv_config import GemvTile
+
+        return GemvTile(2, 32) if shape[0] == self.vocab_size else GemvTile(4, 64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "gemma3", "qwen3_5"])
+def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch, model) -> None:
+    import json
+    import random
+    from pathlib import Path
+
+    import ferrum.kernels.dense_linear as dense_linear_module
     from ferrum import SamplingParams
+    from ferrum.kernels.rms_norm import _rms_norm_kernel
     from tests.utils.tiny_llm import cuda_llm, random_prompts
 
+    path = tiny_checkpoint(model)
+    config = json.loads((Path(path) / "config.json").read_text())
+    vocab_size = config.get("text_config", config)["vocab_size"]
+    table = _EveryShapeTable(vocab_size)
+    monkeypatch.setattr(dense_linear_module, "get_gemv_tiles", lambda name: table)
     _forget_compiled_kernels()
     llm = cuda_llm(
-        tiny_checkpoint(model),
-        dtype="bfloat16",
-        num_kv_blocks=512,
-        max_num_batched_tokens=256,
-        max_num_seqs=32,
+        path, dtype="bfloat16", num_kv_blocks=512, max_num_batched_tokens=256, max_num_seqs=32
     )
     before = len(compile_watch.compiled_while_serving())
     rng = random.Random(0)
-    # Rounds of prompts of random lengths arriving together: chunked prefills beside decodes
-    # make steps of nearly every token count up to the budget.
-    for round_index in range(6):
-        lengths = [rng.randint(1, 200) for _ in range(rng.randint(1, 32))]
+
+    def serve_round(round_index: int) -> None:
+        # Prompts of random lengths arriving together: chunked prefills beside decodes make
+        # steps of nearly every token count up to the budget; one-prompt rounds decode alone.
+        num_prompts = 1 if round_index % 3 == 0 else rng.randint(2, 32)
+        lengths = [rng.randint(1, 200) for _ in range(num_prompts)]
         prompts = [{"prompt_token_ids": p} for p in random_prompts(lengths, seed=round_index)]
         params = [
             SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randint(1, 24), ignore_eos=True)
-            for i in range(len(prompts))
+            for i in range(num_prompts)
         ]
         llm.generate(prompts, params, use_tqdm=False)
-    assert compile_watch.compiled_while_serving()[before:] == []
+
+    for round_index in range(6):
+        serve_round(round_index)
+    assert [v.description for v in compile_watch.compiled_while_serving()[before:]] == []
+    # The watch does see a compile: a kernel whose variants are forgotten compiles again.
+    _rms_norm_kernel.device_caches.clear()
+    serve_round(6)
+    late = compile_watch.compiled_while_serving()[before:]
+    assert late and {v.kernel for v in late} == {"_rms_norm_kernel"}
