@@ -118,7 +118,7 @@ class _EveryShapeTable:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "gemma3", "qwen3_5"])
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
 def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch, model) -> None:
     import json
     import random
@@ -156,8 +156,9 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch,
     for round_index in range(6):
         serve_round(round_index)
     assert [v.description for v in compile_watch.compiled_while_serving()[before:]] == []
-    # The watch does see a compile: a kernel whose variants are forgotten compiles again.
+    # The watch does see a compile: a kernel whose variants are forgotten compiles again in
+    # the eager prefill of a round of several prompts.
     _rms_norm_kernel.device_caches.clear()
-    serve_round(6)
+    serve_round(7)
     late = compile_watch.compiled_while_serving()[before:]
     assert late and {v.kernel for v in late} == {"_rms_norm_kernel"}
