@@ -2,7 +2,7 @@
 
 Start-up (the warm-up batches and CUDA graph capture) is meant to compile every variant serving
 can reach; a variant compiled later made the request that reached it wait for the compiler. The
-watch hooks Triton's post-compile hook (process-wide, chained after any hook already set), logs
+watch hooks Triton's post-compile hook (process-wide, in front of any hook already set), logs
 each such variant once with its specialisation (argument types, which integers were 1 or a
 multiple of 16), and keeps the list for benchmarks and tests. It is diagnostics only: a Triton
 without the hook (before 3.4), or a hook that fails, never stops a compile or a launch. Triton's
@@ -54,10 +54,13 @@ class CompileWatch:
             previous = current
 
             def hook(**kwargs: Any) -> Any:
-                try:
-                    self.record(kwargs["fn"].name, describe_variant(kwargs))
-                except Exception:  # diagnostics must never fail a compile
-                    logger.debug("compile watch: could not record a compile", exc_info=True)
+                # Only the newest link records: an older one may still be called through a
+                # hook that wrapped it before this install.
+                if self._hook is hook:
+                    try:
+                        self.record(kwargs["fn"].name, describe_variant(kwargs))
+                    except Exception:  # diagnostics must never fail a compile
+                        logger.debug("compile watch: could not record a compile", exc_info=True)
                 return previous(**kwargs) if previous is not None else None
 
             knobs.runtime.jit_post_compile_hook = hook

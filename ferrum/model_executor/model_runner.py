@@ -252,8 +252,9 @@ class ModelRunner:
 
     def warm_up(self, num_blocks: int | list[int]) -> None:
         """Compiles the Triton kernel variants a first request would otherwise wait for
-        (`warm_up.py`: every token bucket, both parities, multi-request prefill). Writes KV only
-        into blocks that no request holds yet."""
+        (`warm_up.py`: every token bucket, both parities, multi-request prefill, the one-row
+        logits; then xgrammar's bitmask kernel). Writes KV only into blocks that no request
+        holds yet."""
         if not self._compiles_triton():
             return
         start_up_compiles()

@@ -64,6 +64,16 @@ def test_install_chains_the_hook_already_set(monkeypatch) -> None:
     assert [v.kernel for v in watch.variants()] == ["_kernel"]
 
 
+@pytest.fixture(autouse=True)
+def _restore_tritons_hook(monkeypatch):
+    """Every test here leaves Triton's process-wide post-compile hook as it found it."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", knobs.runtime.jit_post_compile_hook)
+
+
 def test_install_again_rechains_after_the_hook_was_replaced(monkeypatch) -> None:
     from triton import knobs
 
@@ -75,6 +85,20 @@ def test_install_again_rechains_after_the_hook_was_replaced(monkeypatch) -> None
     assert watch.install()
     knobs.runtime.jit_post_compile_hook(**_hook_kwargs())
     assert replaced == [1] and len(watch.variants()) == 1
+
+
+def test_a_hook_that_wrapped_ours_does_not_record_twice(monkeypatch) -> None:
+    from triton import knobs
+
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
+    watch = CompileWatch()
+    watch.install()
+    watch.arm()
+    ours = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: ours(**kw)  # another library wraps it
+    watch.install()  # chains in front of the wrapper, which still calls the old link
+    knobs.runtime.jit_post_compile_hook(**_hook_kwargs())
+    assert len(watch.variants()) == 1
 
 
 def test_a_failing_record_never_fails_the_compile(monkeypatch) -> None:
