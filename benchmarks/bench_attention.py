@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from benchmarks.gpu_timing import launches_ms
 from ferrum.kernels.paged_attention import paged_attention_unified
 
 BLOCK_SIZE = 16
@@ -50,16 +51,7 @@ def make_inputs(args: argparse.Namespace) -> dict:
 
 
 def time_us(inputs: dict, config: dict, iters: int) -> float:
-    run = lambda: paged_attention_unified(**inputs, **config)  # noqa: E731
-    for _ in range(3):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
+    return launches_ms(lambda: paged_attention_unified(**inputs, **config), iters, 3) * 1e3
 
 
 def main() -> int:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_timing import graph_us
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
 from ferrum.kernels.fp8_gemm_config import (
     DEFAULT_BUCKETS,
@@ -73,26 +74,6 @@ def make_weights(n: int, k: int) -> Weights:
         block=[(block[0].clone(), block[1].clone()) for _ in range(copies)],
         channel=[(channel[0].clone(), channel[1].clone()) for _ in range(copies)],
     )
-
-
-def time_us(fn, num_copies: int, iters: int) -> float:
-    """GPU microseconds per call: a graph of `iters` calls cycling the weight copies."""
-    for i in range(num_copies):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fn(i % num_copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (3 * iters)
 
 
 def block_scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -190,7 +171,7 @@ def run_gemv_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -
     for bn, bk, nw, ns in itertools.product((8, 16, 32), (512, 1024), (4, 8), (1, 2)):
         config = Fp8GemmConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
         try:
-            us = time_us(gemv_fn(x, w, scale_format, config), len(w.bf16), iters)
+            us = graph_us(gemv_fn(x, w, scale_format, config), len(w.bf16), iters)
         except Exception as exc:  # a tile the compiler rejects
             print(f"    skip {config}: {type(exc).__name__}")
             continue
@@ -218,7 +199,7 @@ def run_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dic
     best = None
     for config in sweep_configs(x.shape[0]):
         try:
-            us = time_us(sweep_fn(x, w, scale_format, config), len(w.bf16), iters)
+            us = graph_us(sweep_fn(x, w, scale_format, config), len(w.bf16), iters)
         except Exception as exc:  # a tile the compiler rejects (shared memory)
             print(f"    skip {config}: {type(exc).__name__}")
             continue
@@ -270,7 +251,7 @@ def main() -> int:
                 if errors[rname] != errors[rname]:  # nan: the path raised
                     row["rows"][rname] = {"unsupported": True}
                     continue
-                us = time_us(fn, len(weights.bf16), args.iters)
+                us = graph_us(fn, len(weights.bf16), args.iters)
                 nbytes = bytes_bf16 if rname == "bf16_mm" else bytes_fp8
                 row["rows"][rname] = {
                     "us": us, "tflops": 2 * m * n * k / us / 1e6, "gbps": nbytes / us / 1e3,

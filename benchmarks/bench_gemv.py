@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
+from benchmarks.gpu_timing import graph_us
 from ferrum.kernels.gemv import gemv
 from ferrum.kernels.gemv_config import GemvTile, get_gemv_tiles, save_gemv_tiles
 
@@ -55,26 +56,6 @@ def model_shapes(config_path: Path) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def time_us(fn, num_copies: int, iters: int) -> float:
-    """GPU microseconds per call: a graph of `iters` calls cycling the weight copies."""
-    for i in range(num_copies):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fn(i % num_copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (3 * iters)
-
-
 def gemv_fn(x: torch.Tensor, weights: list[torch.Tensor], tile: GemvTile):
     tiles = (tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages)
     return lambda i: gemv(x, weights[i], *tiles)
@@ -85,7 +66,7 @@ def sweep(x: torch.Tensor, weights: list[torch.Tensor], iters: int) -> dict:
     for values in itertools.product(*SWEEP.values()):
         tile = GemvTile(**dict(zip(SWEEP, values)))
         try:
-            us = time_us(gemv_fn(x, weights, tile), len(weights), iters)
+            us = graph_us(gemv_fn(x, weights, tile), len(weights), iters)
         except Exception as exc:  # a tile the compiler rejects
             print(f"    skip {tile}: {type(exc).__name__}")
             continue
@@ -111,9 +92,9 @@ def measure_shape(n: int, k: int, tile: GemvTile, do_sweep: bool, iters: int) ->
         "N": n,
         "K": k,
         "weight_bytes": 2 * n * k,
-        "f_linear_us": time_us(lambda i: F.linear(x, weights[i]), copies, iters),
+        "f_linear_us": graph_us(lambda i: F.linear(x, weights[i]), copies, iters),
         "gemv_max_abs_err": (got - expected).abs().max().item(),
-        "gemv_us": time_us(gemv_fn(x, weights, tile), copies, iters),
+        "gemv_us": graph_us(gemv_fn(x, weights, tile), copies, iters),
         "gemv_tile": dataclasses.asdict(tile),
     }
     if do_sweep:

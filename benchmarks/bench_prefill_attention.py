@@ -21,21 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from benchmarks.gpu_timing import launches_ms
 from ferrum.kernels.paged_attention import paged_attention
 
 BLOCK_SIZE = 16
-
-
-def time_ms(fn, iters: int) -> float:
-    for _ in range(2):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> int:
@@ -80,7 +69,7 @@ def main() -> int:
 
     def record(name: str, fn) -> None:
         try:
-            ms = time_ms(fn, args.iters)
+            ms = launches_ms(fn, args.iters)
         except RuntimeError as exc:  # a backend this build or shape does not take
             results["rows"][name] = {"unsupported": str(exc).splitlines()[0][:200]}
             print(f"{name:12s} unsupported: {str(exc).splitlines()[0][:120]}")
