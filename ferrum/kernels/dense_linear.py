@@ -6,18 +6,12 @@ GEMV (gemv.py), which was measured faster than cuBLAS there; everything else run
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
+from ferrum.kernels import cuda_device_name
 from ferrum.kernels.gemv import WEIGHT_DTYPES, gemv
 from ferrum.kernels.gemv_config import GemvTile, get_gemv_tiles
-
-
-@functools.cache
-def _device_name(device_index: int) -> str:
-    return torch.cuda.get_device_name(device_index)
 
 
 def gemv_tile_for(x: torch.Tensor, weight: torch.Tensor) -> GemvTile | None:
@@ -30,7 +24,7 @@ def gemv_tile_for(x: torch.Tensor, weight: torch.Tensor) -> GemvTile | None:
         return None
     if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2 or weight.stride(1) != 1:
         return None
-    tiles = get_gemv_tiles(_device_name(x.device.index or 0))
+    tiles = get_gemv_tiles(cuda_device_name(x.device))
     return tiles.get((weight.shape[0], weight.shape[1]))
 
 

@@ -17,6 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ferrum.kernels import cuda_device_name
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
 from ferrum.kernels.fp8_gemm_config import Buckets, Fp8GemmConfig, get_fp8_gemm_buckets, pick
 from ferrum.kernels.fp8_gemv import fp8_gemv
@@ -25,14 +26,9 @@ from ferrum.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_
 _ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
-@functools.cache
-def _device_name(device_index: int) -> str:
-    return torch.cuda.get_device_name(device_index)
-
-
 def _buckets(scale_format: str, x: torch.Tensor, n: int, k: int) -> Buckets:
     """The tuned buckets of this shape on x's GPU (fp8_gemm_configs/), else the defaults."""
-    name = _device_name(x.device.index or 0) if x.is_cuda else None
+    name = cuda_device_name(x.device)
     return get_fp8_gemm_buckets(scale_format, n, k, name)
 
 

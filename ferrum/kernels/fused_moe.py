@@ -21,13 +21,11 @@ the weights act as dequantized in fp32, as in `fused_moe_fp8_ref`.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels import FLOAT_DTYPES, cuda_device_name
 from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED, get_configs, pick
 from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS, small_batch_moe
 from ferrum.kernels.moe_align import moe_align_block_size
@@ -151,11 +149,6 @@ def _moe_combine_kernel(
 def get_config(num_tokens: int) -> dict[str, int]:
     """The grouped path's default tile config (no tuned file) for a batch of num_tokens."""
     return pick(DEFAULT_GROUPED, num_tokens)
-
-
-@functools.cache
-def _device_name(device: torch.device) -> str | None:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
 
 def _tile(block: int, dim: int) -> int:
@@ -355,7 +348,7 @@ def fused_moe(
         num_experts,
         inter,
         hidden_size,
-        _device_name(hidden.device),
+        cuda_device_name(hidden.device),
         fp8=w13_scale is not None,
     )
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
