@@ -38,16 +38,14 @@ class CompileWatch:
 
     def install(self) -> bool:
         """Chains `record` into Triton's post-compile hook, again if something replaced it since;
-        False (logged once) where this Triton has no such hook."""
+        False where this Triton has no such hook (each runner's start-up logs it once)."""
         with self._lock:
             try:
                 from triton import knobs
 
                 current = knobs.runtime.jit_post_compile_hook
             except (ImportError, AttributeError):
-                if self._hook is None:
-                    logger.info("this Triton has no post-compile hook: compiles are not watched")
-                    self._hook = _UNAVAILABLE
+                logger.info("this Triton has no post-compile hook: compiles are not watched")
                 return False
             if self._hook is not None and current is self._hook:
                 return True
@@ -93,10 +91,6 @@ class CompileWatch:
         """Every variant compiled while armed in this process, in compile order."""
         with self._lock:
             return list(self._variants)
-
-
-def _UNAVAILABLE(**kwargs: Any) -> None:
-    """Marks a watch whose Triton has no post-compile hook."""
 
 
 def describe_variant(hook_kwargs: dict[str, Any]) -> str:
