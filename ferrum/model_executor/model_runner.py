@@ -12,7 +12,6 @@ forward runs.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +26,7 @@ from ferrum.model_executor.compile_watch import start_up_compiles, watch_serving
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
 from ferrum.model_executor.gpu_memory_profile import profile_gpu_kv_budget
 from ferrum.model_executor.grammar_bitmask import GrammarBitmaskBuffers
-from ferrum.model_executor.input_batch import InputBuffers, StepInputs, profile_batch
+from ferrum.model_executor.input_batch import InputBuffers, StepInputs
 from ferrum.model_executor.kernel_backend import resolve_kernel_backend
 from ferrum.model_executor.kv_cache_sizing import (
     allocate_kv_caches,
@@ -58,11 +57,11 @@ from ferrum.model_executor.sampling_metadata import (
     SamplingRow,
     sampling_staging,
 )
-from ferrum.model_executor.warm_up import warm_up_batches
+from ferrum.model_executor.warm_up import warm_up_runner
 from ferrum.parallel_config import kv_heads_per_rank
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from ferrum.structured_output import StructuredOutputMatcher, apply_token_bitmask_, bitmask_width
+from ferrum.structured_output import StructuredOutputMatcher
 
 if TYPE_CHECKING:
     from ferrum.kernels.paged_attention import SplitKVWorkspace
@@ -252,54 +251,9 @@ class ModelRunner:
 
     def warm_up(self, num_blocks: int | list[int]) -> None:
         """Compiles the Triton kernel variants a first request would otherwise wait for
-        (`warm_up.py`: every token bucket, both parities, multi-request prefill, the one-row
-        logits; then xgrammar's bitmask kernel). Writes KV only into blocks that no request
-        holds yet."""
-        if not self._compiles_triton():
-            return
-        start_up_compiles()
-        start = time.perf_counter()
-        num_forwards, max_tokens = self.run_warm_up_batches(num_blocks)
-        if self.pp_group.is_last:
-            self._warm_up_grammar_bitmask()
-        torch.cuda.synchronize(self.device)
-        logger.info(
-            "kernel warm-up: %d forwards of 1 to %d tokens in %.2f s",
-            num_forwards,
-            max_tokens,
-            time.perf_counter() - start,
-        )
-
-    @torch.inference_mode()
-    def run_warm_up_batches(self, num_blocks: int | list[int]) -> tuple[int, int]:
-        """One forward per batch of `warm_up_batches`; returns (forwards, most tokens)."""
-        sched = self.config.scheduler_config
-        if not isinstance(num_blocks, int):  # the smallest attention pool
-            num_blocks = min(n for n, g in zip(num_blocks, self.kv_cache_groups) if not g.recurrent)
-        max_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
-        # Block 0 stays free: profile_batch places prompts from block 1.
-        batches = warm_up_batches(
-            max_tokens, self.block_size, num_blocks - 1, max_requests=sched.max_num_seqs
-        )
-        for query_lens in batches:
-            requests, num_scheduled = profile_batch(
-                query_lens, self.block_size, len(self.kv_cache_groups), self._recurrent_groups
-            )
-            batch = self.inputs.prepare(requests, num_scheduled, sum(query_lens), {})
-            hidden_states = self._run_stage(batch, sum(query_lens))
-            # Logits run outside the CUDA graphs; one row takes the LM head's own GEMV variant.
-            if hidden_states is not None and len(hidden_states) == 1:
-                self.model.compute_logits(hidden_states)
-        return len(batches), max_tokens
-
-    def _warm_up_grammar_bitmask(self) -> None:
-        """xgrammar's Triton kernel masks the sampled rows of constrained steps; Triton compiles
-        it per row-count class (1, a multiple of 16, other), so one batch of each runs here."""
-        width = bitmask_width(self.vocab_size)
-        for rows in (1, 2, 16):
-            logits = torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device)
-            allow_all = torch.full((rows, width), -1, dtype=torch.int32, device=self.device)
-            apply_token_bitmask_(logits, allow_all)
+        (`warm_up.py`). Writes KV only into blocks that no request holds yet."""
+        if self._compiles_triton():
+            warm_up_runner(self, num_blocks)
 
     def uses_cuda_graphs(self) -> bool:
         """Graphs need CUDA and the Triton kernels (the torch MoE path syncs with the host)."""

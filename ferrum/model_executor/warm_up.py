@@ -1,4 +1,5 @@
-"""The batches the model runner runs once at start-up so that serving compiles no Triton kernel.
+"""What the model runner runs once at start-up, and runs it, so that serving compiles no Triton
+kernel.
 
 A kernel variant is compiled the first time a launch needs it, inside a user's request unless the
 warm-up ran it first. What picks a variant, and so what the batches below cover:
@@ -16,6 +17,21 @@ runs after this; `compile_watch.py` logs any variant compiled later.
 """
 
 from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ferrum.logger import init_logger
+from ferrum.model_executor.compile_watch import start_up_compiles
+from ferrum.model_executor.input_batch import profile_batch
+from ferrum.structured_output import apply_token_bitmask_, bitmask_width
+
+if TYPE_CHECKING:
+    from ferrum.model_executor.model_runner import ModelRunner
+
+logger = init_logger(__name__)
 
 # Single-request prefills up to this many tokens; above it, batches of up to 4 requests.
 _SINGLE_REQUEST_MAX = 128
@@ -51,3 +67,53 @@ def _split(total: int, num_requests: int) -> list[int]:
         return [total]
     base, extra = divmod(total, num_requests)
     return [base + (i < extra) for i in range(num_requests)]
+
+
+def warm_up_runner(runner: ModelRunner, num_blocks: int | list[int]) -> None:
+    """Runs `warm_up_batches` through the runner (and, on the last pipeline stage, xgrammar's
+    bitmask kernel); its compiles count as start-up's."""
+    start_up_compiles()
+    start = time.perf_counter()
+    num_forwards, max_tokens = run_warm_up_batches(runner, num_blocks)
+    if runner.pp_group.is_last:
+        _warm_up_grammar_bitmask(runner)
+    torch.cuda.synchronize(runner.device)
+    logger.info(
+        "kernel warm-up: %d forwards of 1 to %d tokens in %.2f s",
+        num_forwards,
+        max_tokens,
+        time.perf_counter() - start,
+    )
+
+
+@torch.inference_mode()
+def run_warm_up_batches(runner: ModelRunner, num_blocks: int | list[int]) -> tuple[int, int]:
+    """One forward per batch of `warm_up_batches`; returns (forwards, most tokens)."""
+    sched = runner.config.scheduler_config
+    if not isinstance(num_blocks, int):  # the smallest attention pool
+        num_blocks = min(n for n, g in zip(num_blocks, runner.kv_cache_groups) if not g.recurrent)
+    max_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
+    # Block 0 stays free: profile_batch places prompts from block 1.
+    batches = warm_up_batches(
+        max_tokens, runner.block_size, num_blocks - 1, max_requests=sched.max_num_seqs
+    )
+    for query_lens in batches:
+        requests, num_scheduled = profile_batch(
+            query_lens, runner.block_size, len(runner.kv_cache_groups), runner._recurrent_groups
+        )
+        batch = runner.inputs.prepare(requests, num_scheduled, sum(query_lens), {})
+        hidden_states = runner._run_stage(batch, sum(query_lens))
+        # Logits run outside the CUDA graphs; one row takes the LM head's own GEMV variant.
+        if hidden_states is not None and len(hidden_states) == 1:
+            runner.model.compute_logits(hidden_states)
+    return len(batches), max_tokens
+
+
+def _warm_up_grammar_bitmask(runner: ModelRunner) -> None:
+    """xgrammar's Triton kernel masks the sampled rows of constrained steps; Triton compiles it
+    per row-count class (1, a multiple of 16, other), so one batch of each runs here."""
+    width = bitmask_width(runner.vocab_size)
+    for rows in (1, 2, 16):
+        logits = torch.zeros(rows, runner.vocab_size, dtype=torch.float32, device=runner.device)
+        allow_all = torch.full((rows, width), -1, dtype=torch.int32, device=runner.device)
+        apply_token_bitmask_(logits, allow_all)

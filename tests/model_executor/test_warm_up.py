@@ -1,7 +1,7 @@
 import pytest
 
 from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED
-from ferrum.model_executor.warm_up import MULTI_REQUESTS, warm_up_batches
+from ferrum.model_executor.warm_up import MULTI_REQUESTS, run_warm_up_batches, warm_up_batches
 
 
 def test_every_power_of_two_runs_at_both_parities_up_to_the_step_budget() -> None:
@@ -48,7 +48,7 @@ def test_the_batches_run_through_a_runner_and_leave_generation_unchanged(tiny_ch
     expected = engine().generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     # As at start-up: the warm-up forwards run before any request.
     llm = engine()
-    forwards, max_tokens = llm.llm_engine.core.executor.runner.run_warm_up_batches(80)
+    forwards, max_tokens = run_warm_up_batches(llm.llm_engine.core.executor.runner, 80)
     # 1, 2, 4, 3, ..., 128, 127 tokens in one request; 256 and 255 in four.
     assert (forwards, max_tokens) == (16, 256)
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
