@@ -142,7 +142,7 @@ class _EveryShapeTable:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "gemma3", "qwen3_5"])
 def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch, model) -> None:
     import json
     import random

@@ -3,7 +3,9 @@
 The cache per layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, bound once by the
 model runner through `bind_kv_cache`. Built with Triton kernels, the layer fuses RoPE, the
 optional Qwen3 q/k norm and the KV-cache write into one launch before paged attention; without,
-it runs the torch references.
+it runs the torch references. On a GPU, a step of long fresh prompts (no cached context) attends
+through torch's SDPA instead of the paged kernel (`kernels/sdpa_prefill.py`), unless the layer has
+a sliding window or an FP8 cache (whose prefill reads the rounded keys and values back).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from ferrum.kernels.rotary_kv_ref import qk_norm_rope_ref
+from ferrum.kernels.sdpa_prefill import sdpa_prefill, takes_sdpa_prefill
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.layernorm import RMSNorm
 
@@ -117,6 +121,16 @@ class Attention(nn.Module):
             eps=eps,
         )
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if (
+            self.sliding_window is None
+            and kv_cache.dtype != FP8_KV_DTYPE
+            and takes_sdpa_prefill(
+                query, attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
+            )
+        ):
+            return sdpa_prefill(
+                query, key, value, attn_metadata.query_start_loc_cpu, self.scale, out
+            )
         return self.kernels.paged_attention(
             query,
             kv_cache,
