@@ -1,7 +1,7 @@
 """Where a long prompt's prefill goes: attention against GEMMs against everything else.
 
 Runs one --input-len prompt (1 output token) twice untimed, then once under the torch profiler,
-and sums the CUDA kernels into attention (ferrum's paged-attention kernels), GEMMs (cuBLAS /
+and sums the CUDA kernels into attention (ferrum's paged kernels, SDPA's cuDNN / flash ones), GEMMs (cuBLAS /
 cuBLASLt / nvjet / the GEMV and MoE GEMMs) and the rest (the MoE router, align and combine
 among it); prints the shares, the wall time and the top kernels.
 Usage: python benchmarks/profile_prefill.py --model benchmarks/models/qwen3-8b --input-len 8000
@@ -23,11 +23,13 @@ from ferrum.bench import workloads
 from ferrum.sampling_params import SamplingParams
 
 GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "gemv", "sm90_xmma", "matmul")
+# ferrum's paged kernels, SDPA's cuDNN ("..._sdpa_..._flash_fprop") and flash ("flash_fwd") ones.
+ATTENTION_MARKERS = ("attention", "sdpa", "flash", "fmha")
 
 
 def kind_of(kernel: str) -> str:
     name = kernel.lower()
-    if "attention" in name:
+    if any(marker in name for marker in ATTENTION_MARKERS):
         return "attention"
     if any(marker in name for marker in GEMM_MARKERS):
         return "gemm"
