@@ -1,9 +1,9 @@
 """Where a long prompt's prefill goes: attention against GEMMs against everything else.
 
 Runs one --input-len prompt (1 output token) twice untimed, then once under the torch profiler,
-and sums the CUDA kernels into attention (ferrum's paged kernels, SDPA's cuDNN / flash ones), GEMMs (cuBLAS /
-cuBLASLt / nvjet / the GEMV and MoE GEMMs) and the rest (the MoE router, align and combine
-among it); prints the shares, the wall time and the top kernels.
+and sums the CUDA kernels into attention (ferrum's paged kernels, SDPA's cuDNN / flash ones),
+GEMMs (cuBLAS / cuBLASLt / nvjet / the GEMV and MoE GEMMs) and the rest (the MoE router, align
+and combine among it); prints the shares, the wall time and the top kernels.
 Usage: python benchmarks/profile_prefill.py --model benchmarks/models/qwen3-8b --input-len 8000
 --max-model-len 10240 [engine flags]
 """
