@@ -3,16 +3,18 @@
 A request whose chunk is its whole context (no prefix-cache hit, first chunk) needs no paged KV:
 its rotated q, k and v are at hand. On the H100, cuDNN's attention ran an 8,000-token prompt at
 Qwen3 shapes in 0.86 ms a layer against 2.14 ms for ferrum's Triton kernel and 1.64 ms for
-FlashAttention-2 (benchmarks/bench_prefill_attention.py). The layer takes this path only when
-every request of the step is fresh and at least SDPA_PREFILL_MIN_TOKENS long (`takes_sdpa_prefill`):
-such chunks are never replayed from a CUDA graph (those hold at most 512 tokens). Each request
-runs on its own: q as [1, heads, L, head_dim], k and v repeated to the query heads (the layout the
+FlashAttention-2 (benchmarks/bench_prefill_attention.py). The layer sends each request that is
+fresh and at least SDPA_PREFILL_MIN_TOKENS long through SDPA, and the runs of other requests
+between them (decodes, later chunks) through the paged kernel (`long_prefill_segments`). Such
+steps are never replayed from a CUDA graph (those hold at most 512 tokens). Each request runs on
+its own: q as [1, heads, L, head_dim], k and v repeated to the query heads (the layout the
 benchmark measured), the output copied back into the step's [tokens, heads, head_dim].
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -24,29 +26,42 @@ SDPA_PREFILL_MIN_TOKENS = 2048
 PREFILL_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
 
 
-def takes_sdpa_prefill(
-    query: torch.Tensor, query_start_loc: Sequence[int], seq_lens: Sequence[int]
-) -> bool:
+def sdpa_prefill_applies(query: torch.Tensor, max_query_len: int) -> bool:
     """A GPU step in fp16/bf16 with a head size both backends take (a multiple of 8, at most
-    256), whose every request's chunk is its whole context, at least SDPA_PREFILL_MIN_TOKENS
-    long."""
+    256) whose longest chunk could take SDPA; `long_prefill_segments` then says which do."""
     head_dim = query.shape[-1]
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or not seq_lens:
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if head_dim % 8 or head_dim > 256:
-        return False
-    return fresh_long_chunks(query_start_loc, seq_lens)
+    return head_dim % 8 == 0 and head_dim <= 256 and max_query_len >= SDPA_PREFILL_MIN_TOKENS
 
 
-def fresh_long_chunks(query_start_loc: Sequence[int], seq_lens: Sequence[int]) -> bool:
-    """Every request's chunk is its whole context and at least SDPA_PREFILL_MIN_TOKENS long."""
-    if not seq_lens:
-        return False
+@dataclass(frozen=True)
+class AttentionSegment:
+    """Requests [first, last) of a step, contiguous in token order: long fresh prompts for SDPA
+    (`sdpa`), or other requests (decodes, later chunks, short prompts) for the paged kernel."""
+
+    first: int
+    last: int
+    sdpa: bool
+
+
+def long_prefill_segments(
+    query_start_loc: Sequence[int], seq_lens: Sequence[int]
+) -> list[AttentionSegment]:
+    """The step cut into maximal runs of requests that do and do not take SDPA; empty when none
+    does. A request takes it when its chunk is its whole context (a first chunk without a prefix
+    cache hit) and at least SDPA_PREFILL_MIN_TOKENS long."""
+    segments: list[AttentionSegment] = []
+    any_sdpa = False
     for i, seq_len in enumerate(seq_lens):
         chunk = query_start_loc[i + 1] - query_start_loc[i]
-        if chunk != seq_len or chunk < SDPA_PREFILL_MIN_TOKENS:
-            return False
-    return True
+        sdpa = chunk == seq_len and chunk >= SDPA_PREFILL_MIN_TOKENS
+        any_sdpa = any_sdpa or sdpa
+        if segments and segments[-1].sdpa == sdpa:
+            segments[-1] = AttentionSegment(segments[-1].first, i + 1, sdpa)
+        else:
+            segments.append(AttentionSegment(i, i + 1, sdpa))
+    return segments if any_sdpa else []
 
 
 def sdpa_prefill(

@@ -12,9 +12,9 @@ import ferrum.kernels.sdpa_prefill as sdpa_module
 from ferrum.kernels.attention_ref import paged_attention_ref
 from ferrum.kernels.sdpa_prefill import (
     SDPA_PREFILL_MIN_TOKENS,
-    fresh_long_chunks,
+    long_prefill_segments,
     sdpa_prefill,
-    takes_sdpa_prefill,
+    sdpa_prefill_applies,
 )
 from ferrum.model_executor.cuda_graph import PREFILL_SIZES
 
@@ -28,25 +28,32 @@ def test_graph_replayed_chunks_never_take_it() -> None:
 @pytest.mark.parametrize(
     "query_start_loc, seq_lens, expected",
     [
-        ([0, MIN], [MIN], True),
-        ([0, MIN, 3 * MIN], [MIN, 2 * MIN], True),
-        ([0, MIN - 1], [MIN - 1], False),  # short
-        ([0, MIN], [MIN + 16], False),  # a cached prefix before the chunk
-        ([0, MIN, MIN + 1], [MIN, 40], False),  # a decode beside the prompt
-        ([0], [], False),
+        ([0, MIN], [MIN], [(0, 1, True)]),
+        ([0, MIN, 3 * MIN], [MIN, 2 * MIN], [(0, 2, True)]),
+        ([0, MIN - 1], [MIN - 1], []),  # short
+        ([0, MIN], [MIN + 16], []),  # a cached prefix before the chunk
+        # Decodes, a fresh prompt, a later chunk, a fresh prompt, a short first chunk.
+        (
+            [0, 1, 2, 2 + MIN, 2 + MIN + 100, 2 + 3 * MIN, 2 + 3 * MIN + 7],
+            [40, 90, MIN, MIN + 100, 2 * MIN - 100, 7],
+            [(0, 2, False), (2, 3, True), (3, 4, False), (4, 5, True), (5, 6, False)],
+        ),
+        ([0], [], []),
     ],
 )
-def test_only_steps_of_whole_long_prompts(query_start_loc, seq_lens, expected) -> None:
-    assert fresh_long_chunks(query_start_loc, seq_lens) is expected
+def test_segments_split_the_step_at_long_fresh_prompts(query_start_loc, seq_lens, expected):
+    segments = long_prefill_segments(query_start_loc, seq_lens)
+    assert [(s.first, s.last, s.sdpa) for s in segments] == expected
 
 
-def test_the_cpu_and_fp32_keep_the_paged_path() -> None:
+def test_the_cpu_fp32_and_short_steps_keep_the_paged_path() -> None:
     query = torch.zeros(MIN, 4, 64)
-    assert not takes_sdpa_prefill(query, [0, MIN], [MIN])
+    assert not sdpa_prefill_applies(query, MIN)
     if torch.cuda.is_available():
-        assert not takes_sdpa_prefill(query.cuda(), [0, MIN], [MIN])
-        assert takes_sdpa_prefill(query.cuda().half(), [0, MIN], [MIN])
-        assert not takes_sdpa_prefill(torch.zeros(MIN, 4, 264).cuda().half(), [0, MIN], [MIN])
+        assert not sdpa_prefill_applies(query.cuda(), MIN)
+        assert sdpa_prefill_applies(query.cuda().half(), MIN)
+        assert not sdpa_prefill_applies(query.cuda().half(), MIN - 1)
+        assert not sdpa_prefill_applies(torch.zeros(MIN, 4, 264).cuda().half(), MIN)
 
 
 def _problem(lengths: list[int], dtype: torch.dtype, device: str, heads=4, kv_heads=2, dim=32):
@@ -103,10 +110,12 @@ def test_cudnn_or_flash_agree_with_the_triton_kernel() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(tiny_checkpoint, monkeypatch):
+@pytest.mark.parametrize("budget", [8192, 160])
+def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(tiny_checkpoint, monkeypatch, budget):
     """Long prompts (the threshold lowered to the tiny model's length, eager so no graph holds
     a prefill) through SDPA: the generated tokens are the paged-path engine's greedy choices
-    after the same prefix (bf16 rounds the two paths differently, so a near-tie may flip)."""
+    after the same prefix (bf16 rounds the two paths differently, so a near-tie may flip). The
+    160-token budget mixes decodes, later chunks and short first chunks into SDPA's steps."""
     from tests.utils.tiny_llm import cuda_llm, greedy, random_prompts, teacher_forced_agreement
 
     calls = []
@@ -117,10 +126,80 @@ def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(tiny_checkpoint, mon
         lambda *a, **kw: calls.append(1) or real(*a, **kw),
     )
     path = tiny_checkpoint("qwen3")
-    prompts = random_prompts([70, 90, 120, 150], seed=4)
-    llm = cuda_llm(path, dtype="bfloat16", num_kv_blocks=128, enforce_eager=True)
+    prompts = random_prompts([70, 90, 120, 150, 30, 200], seed=4)
+    engine_args = dict(
+        dtype="bfloat16", num_kv_blocks=128, enforce_eager=True, max_num_batched_tokens=budget
+    )
+    llm = cuda_llm(path, **engine_args)
     outputs = greedy(llm, prompts)
     assert calls
     monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 1 << 30)
-    reference = cuda_llm(path, dtype="bfloat16", num_kv_blocks=128, enforce_eager=True)
+    reference = cuda_llm(path, **engine_args)
     assert teacher_forced_agreement(reference, prompts, outputs) >= 0.9
+
+
+def _paged_reference_kernel(
+    query, kv_cache, block_tables, query_start_loc, seq_lens, max_q, max_s, scale, out, *_, **kw
+):
+    """The paged kernel's contract on the CPU, through the torch reference."""
+    assert kw.get("sliding_window") is None
+    assert max_q == max(
+        int(b - a) for a, b in zip(query_start_loc[:-1], query_start_loc[1:])
+    ) and max_s == int(seq_lens.max())
+    expected = paged_attention_ref(
+        query, kv_cache, block_tables, query_start_loc.tolist(), seq_lens.tolist(), scale
+    )
+    return out.copy_(expected)
+
+
+def test_a_mixed_step_equals_the_paged_reference(monkeypatch) -> None:
+    """Decodes, long fresh prompts, a later chunk and a short first chunk in one step: the layer
+    sends the fresh prompts through SDPA and the runs between them through the paged kernel,
+    each onto its own rows."""
+    from types import SimpleNamespace
+
+    from ferrum.model_executor.layers.attention import Attention
+
+    monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 32)
+    monkeypatch.setattr(
+        "ferrum.model_executor.layers.attention.sdpa_prefill",
+        lambda *a: sdpa_prefill(*a, backends=[SDPBackend.MATH]),
+    )
+    heads, kv_heads, dim, block = 4, 2, 16, 16
+    # (context length, chunk length) per request, in token order.
+    requests = [(40, 1), (23, 1), (33, 33), (50, 50), (70, 30), (45, 45), (9, 9), (60, 1)]
+    gen = torch.Generator().manual_seed(0)
+    blocks = [-(-n // block) for n, _ in requests]
+    cache = torch.randn(2, sum(blocks) + 1, block, kv_heads, dim, generator=gen)
+    tables = torch.zeros(len(requests), max(blocks), dtype=torch.int32)
+    next_block = 1
+    for i, count in enumerate(blocks):
+        tables[i, :count] = torch.arange(next_block, next_block + count, dtype=torch.int32)
+        next_block += count
+    starts, keys, values = [0], [], []
+    for i, (context, chunk) in enumerate(requests):
+        starts.append(starts[-1] + chunk)
+        positions = torch.arange(context - chunk, context)
+        slots = tables[i, positions // block].long() * block + positions % block
+        keys.append(cache[0].view(-1, kv_heads, dim)[slots])
+        values.append(cache[1].view(-1, kv_heads, dim)[slots])
+    query = torch.randn(starts[-1], heads, dim, generator=gen)
+    seq_lens = [context for context, _ in requests]
+    metadata = SimpleNamespace(
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=(tables,),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    segments = long_prefill_segments(starts, seq_lens)
+    assert [s.sdpa for s in segments] == [False, True, False, True, False]
+    layer = Attention(
+        heads, dim, kv_heads, 0.25, SimpleNamespace(paged_attention=_paged_reference_kernel)
+    )
+    layer.bind_kv_cache(cache)
+    out = layer._attend_by_segments(
+        query, torch.cat(keys), torch.cat(values), metadata, segments, torch.full_like(query, 7.0)
+    )
+    expected = paged_attention_ref(query, cache, tables, starts, seq_lens, 0.25)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

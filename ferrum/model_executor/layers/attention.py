@@ -3,9 +3,10 @@
 The cache per layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, bound once by the
 model runner through `bind_kv_cache`. Built with Triton kernels, the layer fuses RoPE, the
 optional Qwen3 q/k norm and the KV-cache write into one launch before paged attention; without,
-it runs the torch references. On a GPU, a step of long fresh prompts (no cached context) attends
-through torch's SDPA instead of the paged kernel (`kernels/sdpa_prefill.py`), unless the layer has
-a sliding window or an FP8 cache (whose prefill reads the rounded keys and values back).
+it runs the torch references. On a GPU, long fresh prompts (no cached context) attend through
+torch's SDPA instead of the paged kernel (`kernels/sdpa_prefill.py`), the step's other requests
+through the paged kernel, unless the layer has a sliding window or an FP8 cache (whose prefill
+reads the rounded keys and values back).
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from torch import nn
 from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from ferrum.kernels.rotary_kv_ref import qk_norm_rope_ref
-from ferrum.kernels.sdpa_prefill import sdpa_prefill, takes_sdpa_prefill
+from ferrum.kernels.sdpa_prefill import (
+    AttentionSegment,
+    long_prefill_segments,
+    sdpa_prefill,
+    sdpa_prefill_applies,
+)
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.layernorm import RMSNorm
 
@@ -124,13 +130,13 @@ class Attention(nn.Module):
         if (
             self.sliding_window is None
             and kv_cache.dtype != FP8_KV_DTYPE
-            and takes_sdpa_prefill(
-                query, attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
-            )
+            and sdpa_prefill_applies(query, attn_metadata.max_query_len)
         ):
-            return sdpa_prefill(
-                query, key, value, attn_metadata.query_start_loc_cpu, self.scale, out
+            segments = long_prefill_segments(
+                attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
             )
+            if segments:
+                return self._attend_by_segments(query, key, value, attn_metadata, segments, out)
         return self.kernels.paged_attention(
             query,
             kv_cache,
@@ -144,3 +150,43 @@ class Attention(nn.Module):
             self.split_kv_workspace,
             sliding_window=self.sliding_window,
         )
+
+    def _attend_by_segments(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        segments: list[AttentionSegment],
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        """Long fresh prompts through SDPA, the runs of requests between them through the paged
+        kernel, each onto its rows of `out`. Only for layers without a window (see forward)."""
+        assert self.kernels is not None and self.kv_cache is not None
+        starts, seq_lens = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
+        group = self.kv_cache_group
+        for segment in segments:
+            first, last = segment.first, segment.last
+            rows = slice(starts[first], starts[last])
+            if segment.sdpa:
+                local_starts = [start - starts[first] for start in starts[first : last + 1]]
+                sdpa_prefill(
+                    query[rows], key[rows], value[rows], local_starts, self.scale, out[rows]
+                )
+                continue
+            query_start_loc = attn_metadata.query_start_loc[first : last + 1]
+            if first:
+                query_start_loc = query_start_loc - starts[first]
+            self.kernels.paged_attention(
+                query[rows],
+                self.kv_cache,
+                attn_metadata.block_tables[group][first:last],
+                query_start_loc,
+                attn_metadata.seq_lens[first:last],
+                max(starts[i + 1] - starts[i] for i in range(first, last)),
+                max(seq_lens[first:last]),
+                self.scale,
+                out[rows],
+                self.split_kv_workspace,
+            )
+        return out
