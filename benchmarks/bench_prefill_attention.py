@@ -5,12 +5,16 @@ One request whose chunk is its whole prompt (--seq-len queries over --seq-len ke
 heads, head_dim 128), bf16. The references are `scaled_dot_product_attention(is_causal=True)` on
 contiguous [1, heads, seq, head_dim] tensors, forced to each backend that takes them (flash, cuDNN,
 efficient); K and V are repeated to the query heads outside the timing. Prints milliseconds and
-TFLOP/s (causal: 2 * seq^2 * head_dim * heads).
-Usage: python benchmarks/bench_prefill_attention.py [--seq-len 8000] [--out file.json]
+TFLOP/s (causal: 2 * seq^2 * head_dim * heads). --prefix-len P puts P cached tokens before the
+chunk (a later chunk of a long prompt; SDPA's rows are then left out: its causal mask is aligned
+top-left). --sweep also times the paged kernel at each key tile, warp count and pipeline depth.
+Usage: python benchmarks/bench_prefill_attention.py [--seq-len 8000] [--prefix-len 0] [--sweep]
+[--out file.json]
 """
 
 # ruff: noqa: E402
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.gpu_timing import launches_ms
-from ferrum.kernels.paged_attention import paged_attention
+from ferrum.kernels.paged_attention import paged_attention, paged_attention_unified
 
 BLOCK_SIZE = 16
 
@@ -33,18 +37,21 @@ def main() -> int:
     parser.add_argument("--num-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--prefix-len", type=int, default=0)
+    parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     seq, heads, kv_heads, dim = args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim
+    context = args.prefix_len + seq
     gen = torch.Generator(device="cuda").manual_seed(0)
     query = torch.randn(seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    keys = torch.randn(seq, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    values = torch.randn(seq, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    num_blocks = -(-seq // BLOCK_SIZE)
+    keys = torch.randn(context, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    values = torch.randn(context, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)  # fmt: skip
+    num_blocks = -(-context // BLOCK_SIZE)
     pool = torch.randperm(num_blocks, device="cuda", generator=gen) + 1
     kv_cache = torch.zeros(2, num_blocks + 1, BLOCK_SIZE, kv_heads, dim, device="cuda", dtype=torch.bfloat16)  # fmt: skip
-    slots = (pool[torch.arange(seq, device="cuda") // BLOCK_SIZE] * BLOCK_SIZE) + torch.arange(seq, device="cuda") % BLOCK_SIZE  # fmt: skip
+    slots = (pool[torch.arange(context, device="cuda") // BLOCK_SIZE] * BLOCK_SIZE) + torch.arange(context, device="cuda") % BLOCK_SIZE  # fmt: skip
     kv_cache[0].view(-1, kv_heads, dim)[slots] = keys
     kv_cache[1].view(-1, kv_heads, dim)[slots] = values
     scale = dim**-0.5
@@ -54,9 +61,9 @@ def main() -> int:
         kv_cache=kv_cache,
         block_tables=pool.view(1, -1).to(torch.int32),
         query_start_loc=torch.tensor([0, seq], device="cuda", dtype=torch.int32),
-        seq_lens=torch.tensor([seq], device="cuda", dtype=torch.int32),
+        seq_lens=torch.tensor([context], device="cuda", dtype=torch.int32),
         max_query_len=seq,
-        max_seq_len=seq,
+        max_seq_len=context,
         scale=scale,
         out=out,
     )
@@ -64,20 +71,39 @@ def main() -> int:
     group = heads // kv_heads
     k4 = keys.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
     v4 = values.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
-    flops = 2 * seq * seq * dim * heads  # causal: half of 4 * seq^2 * dim * heads
-    results = {"seq_len": seq, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "rows": {}}
+    # Query i sees prefix_len + i + 1 keys: 4 * dim * heads flops per (query, key) pair.
+    flops = 4 * dim * heads * (seq * args.prefix_len + seq * seq / 2)
+    results = {
+        "seq_len": seq,
+        "prefix_len": args.prefix_len,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": dim,
+        "rows": {},
+    }
 
     def record(name: str, fn) -> None:
         try:
             ms = launches_ms(fn, args.iters)
-        except RuntimeError as exc:  # a backend this build or shape does not take
+        except (
+            Exception
+        ) as exc:  # a backend or tile this build or shape does not take (Triton: OutOfResources)
             results["rows"][name] = {"unsupported": str(exc).splitlines()[0][:200]}
-            print(f"{name:12s} unsupported: {str(exc).splitlines()[0][:120]}")
+            print(f"{name:22s} unsupported: {str(exc).splitlines()[0][:120]}")
             return
         results["rows"][name] = {"ms": ms, "tflops": flops / ms / 1e9}
-        print(f"{name:12s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+        print(f"{name:22s} {ms:8.3f} ms  {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
 
     record("ferrum", lambda: paged_attention(**paged))
+    if args.sweep:
+        unified = {k: v for k, v in paged.items() if k != "max_seq_len"}
+        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+            tile = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+            record(f"ferrum n{block_n} w{warps} s{stages}", lambda: paged_attention_unified(**unified, **tile))  # noqa: B023  # fmt: skip
+    if args.prefix_len:
+        if args.out is not None:
+            args.out.write_text(json.dumps(results, indent=1))
+        return 0
     reference = None
     for name, backend in (
         ("sdpa_flash", SDPBackend.FLASH_ATTENTION),
