@@ -85,9 +85,8 @@ def main() -> int:
     def record(name: str, fn) -> None:
         try:
             ms = launches_ms(fn, args.iters)
-        except (
-            Exception
-        ) as exc:  # a backend or tile this build or shape does not take (Triton: OutOfResources)
+        # A backend or tile this build or shape does not take (Triton raises OutOfResources).
+        except Exception as exc:
             results["rows"][name] = {"unsupported": str(exc).splitlines()[0][:200]}
             print(f"{name:22s} unsupported: {str(exc).splitlines()[0][:120]}")
             return
