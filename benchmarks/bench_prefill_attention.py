@@ -4,8 +4,9 @@ One request whose chunk is its whole prompt (--seq-len queries over --seq-len ke
 16-token blocks scattered over a shuffled pool), Qwen3-8B's heads by default (32 query heads, 8 KV
 heads, head_dim 128), bf16. The references are `scaled_dot_product_attention(is_causal=True)` on
 contiguous [1, heads, seq, head_dim] tensors, forced to each backend that takes them (flash, cuDNN,
-efficient); K and V are repeated to the query heads outside the timing. Prints milliseconds and
-TFLOP/s (causal: 2 * seq^2 * head_dim * heads). --prefix-len P puts P cached tokens before the
+efficient); K and V are repeated to the query heads outside the timing. The `sdpa_prefill` rows
+time ferrum's SDPA path (kernels/sdpa_prefill.py) on the layer's own strided views. Prints
+milliseconds and TFLOP/s (causal: 2 * seq^2 * head_dim * heads). --prefix-len P puts P cached tokens before the
 chunk (a later chunk of a long prompt; SDPA's rows are then left out: its causal mask is aligned
 top-left). --sweep also times the paged kernel at each key tile, warp count and pipeline depth.
 Usage: python benchmarks/bench_prefill_attention.py [--seq-len 8000] [--prefix-len 0] [--sweep]
@@ -27,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.gpu_timing import launches_ms
 from ferrum.kernels.paged_attention import paged_attention, paged_attention_unified
+from ferrum.kernels.sdpa_prefill import PREFILL_BACKENDS, sdpa_prefill
 
 BLOCK_SIZE = 16
 
@@ -45,9 +47,11 @@ def main() -> int:
     seq, heads, kv_heads, dim = args.seq_len, args.num_heads, args.num_kv_heads, args.head_dim
     context = args.prefix_len + seq
     gen = torch.Generator(device="cuda").manual_seed(0)
-    query = torch.randn(seq, heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    keys = torch.randn(context, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-    values = torch.randn(context, kv_heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen)  # fmt: skip
+    # Views of one packed projection output, as the models hand them to the attention layer.
+    qkv = torch.randn(context, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16, generator=gen)  # fmt: skip
+    query, keys, values = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    query = query[args.prefix_len :].view(seq, heads, dim)
+    keys, values = keys.view(context, kv_heads, dim), values.view(context, kv_heads, dim)
     num_blocks = -(-context // BLOCK_SIZE)
     pool = torch.randperm(num_blocks, device="cuda", generator=gen) + 1
     kv_cache = torch.zeros(2, num_blocks + 1, BLOCK_SIZE, kv_heads, dim, device="cuda", dtype=torch.bfloat16)  # fmt: skip
@@ -103,6 +107,14 @@ def main() -> int:
         if args.out is not None:
             args.out.write_text(json.dumps(results, indent=1))
         return 0
+    # ferrum's SDPA path as the layer runs it on a step of this one prompt (no copies), per
+    # backend, then with its backend order.
+    for name, backends in (
+        ("sdpa_prefill cudnn", [SDPBackend.CUDNN_ATTENTION]),
+        ("sdpa_prefill flash", [SDPBackend.FLASH_ATTENTION]),
+        ("sdpa_prefill", PREFILL_BACKENDS),
+    ):
+        record(name, lambda: sdpa_prefill(query, keys, values, [0, seq], scale, None, backends))  # noqa: B023  # fmt: skip
     reference = None
     for name, backend in (
         ("sdpa_flash", SDPBackend.FLASH_ATTENTION),

@@ -7,8 +7,7 @@ FlashAttention-2 (benchmarks/bench_prefill_attention.py). The layer sends each r
 fresh and at least SDPA_PREFILL_MIN_TOKENS long through SDPA, and the runs of other requests
 between them (decodes, later chunks) through the paged kernel (`long_prefill_segments`). Such
 steps are never replayed from a CUDA graph (those hold at most 512 tokens). Each request runs on
-its own: q as [1, heads, L, head_dim], k and v repeated to the query heads (the layout the
-benchmark measured), the output copied back into the step's [tokens, heads, head_dim].
+its own, on [1, heads, L, head_dim] views of the step's rows, the KV heads not repeated.
 """
 
 from __future__ import annotations
@@ -70,19 +69,25 @@ def sdpa_prefill(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     query_start_loc: Sequence[int],  # [num_reqs + 1], on the host
     scale: float,
-    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    out: torch.Tensor | None,  # [num_tokens, num_heads, head_dim]
     backends: Sequence[SDPBackend] = PREFILL_BACKENDS,
 ) -> torch.Tensor:
-    """Writes and returns `out`: each request's causal attention over its own tokens."""
+    """Each request's causal attention over its own tokens, written into and returned as `out`;
+    with `out=None` (one request only) SDPA's own output is returned, saving the copy."""
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
         # The loop over requests is host code: a graph would replay the capture's lengths.
         raise RuntimeError("sdpa_prefill cannot be captured in a CUDA graph")
-    group = query.shape[1] // key.shape[1]
+    if out is None and len(query_start_loc) != 2:
+        raise ValueError(f"out: None takes one request, got {len(query_start_loc) - 1}")
     with sdpa_kernel(list(backends), set_priority=True):
         for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
-            q = query[start:end].transpose(0, 1).contiguous().unsqueeze(0)
-            k = key[start:end].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-            v = value[start:end].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-            out[start:end].copy_(o[0].transpose(0, 1))
+            # [1, heads, tokens, head_dim] views of the step's rows: no copies; the backends
+            # take these strides and KV heads shared by a group of query heads.
+            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            o = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=True
+            )[0].transpose(0, 1)
+            if out is None:
+                return o.contiguous()  # a no-op when SDPA wrote the query's token-major layout
+            out[start:end].copy_(o)
     return out

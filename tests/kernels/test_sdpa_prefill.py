@@ -59,9 +59,10 @@ def test_the_cpu_fp32_and_short_steps_keep_the_paged_path() -> None:
 def _problem(lengths: list[int], dtype: torch.dtype, device: str, heads=4, kv_heads=2, dim=32):
     gen = torch.Generator().manual_seed(sum(lengths))
     total = sum(lengths)
-    q = torch.randn(total, heads, dim, generator=gen).to(device, dtype)
-    k = torch.randn(total, kv_heads, dim, generator=gen).to(device, dtype)
-    v = torch.randn(total, kv_heads, dim, generator=gen).to(device, dtype)
+    # Views of one packed projection output, as the models hand them to the layer.
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=gen).to(device, dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = q.view(total, heads, dim), k.view(total, kv_heads, dim), v.view(total, kv_heads, dim)
     # The same keys and values in a paged cache of 16-token blocks, each request on its own.
     blocks = [-(-n // 16) for n in lengths]
     cache = torch.zeros(2, sum(blocks) + 1, 16, kv_heads, dim, dtype=dtype, device=device)
@@ -86,6 +87,12 @@ def test_equals_the_paged_reference_on_the_cpu() -> None:
     out = sdpa_prefill(q, k, v, starts, 0.3, torch.empty_like(q), backends=[SDPBackend.MATH])
     expected = paged_attention_ref(q, cache, tables, starts, lengths, 0.3)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # One request, no `out`: SDPA's own output, token-major and contiguous.
+    alone = sdpa_prefill(q[:37], k[:37], v[:37], [0, 37], 0.3, None, backends=[SDPBackend.MATH])
+    assert alone.shape == (37, 4, 32) and alone.is_contiguous()
+    torch.testing.assert_close(alone, expected[:37], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="out: None takes one request, got 2"):
+        sdpa_prefill(q, k, v, starts, 0.3, None, backends=[SDPBackend.MATH])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -203,3 +210,17 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch) -> None:
     )
     expected = paged_attention_ref(query, cache, tables, starts, seq_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # A step of one long fresh prompt: SDPA's own output, nothing copied into `out`.
+    rows = slice(starts[2], starts[3])
+    alone = SimpleNamespace(
+        query_start_loc=None,
+        seq_lens=None,
+        block_tables=(tables[2:3],),
+        query_start_loc_cpu=[0, 33],
+        seq_lens_cpu=[33],
+    )
+    segments = long_prefill_segments([0, 33], [33])
+    out = layer._attend_by_segments(
+        query[rows], torch.cat(keys)[rows], torch.cat(values)[rows], alone, segments, None
+    )
+    torch.testing.assert_close(out, expected[rows], atol=1e-5, rtol=1e-5)

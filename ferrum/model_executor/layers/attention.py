@@ -164,6 +164,8 @@ class Attention(nn.Module):
         kernel, each onto its rows of `out`. Only for layers without a window (see forward)."""
         assert self.kernels is not None and self.kv_cache is not None
         starts, seq_lens = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
+        if len(seq_lens) == 1 and starts[1] == query.shape[0]:  # one prompt: no copy into out
+            return sdpa_prefill(query, key, value, starts, self.scale, None)
         group = self.kv_cache_group
         for segment in segments:
             first, last = segment.first, segment.last
