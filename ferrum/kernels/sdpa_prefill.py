@@ -7,7 +7,9 @@ FlashAttention-2 (benchmarks/bench_prefill_attention.py). The layer sends each r
 fresh and at least SDPA_PREFILL_MIN_TOKENS long through SDPA, and the runs of other requests
 between them (decodes, later chunks) through the paged kernel (`long_prefill_segments`). Such
 steps are never replayed from a CUDA graph (those hold at most 512 tokens). Each request runs on
-its own, on [1, heads, L, head_dim] views of the step's rows, the KV heads not repeated.
+its own, the KV heads not repeated. cuDNN builds an execution plan per shape (tens of ms, a
+compile in the serving path), so each chunk is copied into a buffer of one fixed layout, padded to
+one of a few lengths (`padded_length`), whose plans the runner builds at start-up.
 """
 
 from __future__ import annotations
@@ -26,12 +28,21 @@ PREFILL_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
 
 
 def sdpa_prefill_applies(query: torch.Tensor, max_query_len: int) -> bool:
-    """A GPU step in fp16/bf16 with a head size both backends take (a multiple of 8, at most
-    256) whose longest chunk could take SDPA; `long_prefill_segments` then says which do."""
-    head_dim = query.shape[-1]
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    return head_dim % 8 == 0 and head_dim <= 256 and max_query_len >= SDPA_PREFILL_MIN_TOKENS
+    """A step whose longest chunk could take SDPA, on a query SDPA takes (`sdpa_takes`);
+    `long_prefill_segments` then says which requests do."""
+    return max_query_len >= SDPA_PREFILL_MIN_TOKENS and sdpa_takes(
+        query.device, query.dtype, query.shape[-1]
+    )
+
+
+def sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """A GPU, fp16/bf16, and a head size both backends take (a multiple of 8, at most 256)."""
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    )
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,23 @@ def long_prefill_segments(
     return segments if any_sdpa else []
 
 
+def padded_length(length: int) -> int:
+    """`length` rounded up to an eighth of its power-of-two octave (2,048-4,096 in steps of 256,
+    4,096-8,192 in steps of 512, ...): the lengths SDPA runs at, at most 12.5% over."""
+    step = 1 << max(length.bit_length() - 4, 0)
+    return -(-length // step) * step
+
+
+def padded_lengths(max_tokens: int) -> list[int]:
+    """Every `padded_length` of a chunk of SDPA_PREFILL_MIN_TOKENS to `max_tokens` tokens."""
+    lengths: list[int] = []
+    length = SDPA_PREFILL_MIN_TOKENS
+    while length <= max_tokens:
+        lengths.append(padded_length(length))
+        length = lengths[-1] + 1
+    return lengths
+
+
 def sdpa_prefill(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], after RoPE
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], after RoPE
@@ -73,21 +101,58 @@ def sdpa_prefill(
     backends: Sequence[SDPBackend] = PREFILL_BACKENDS,
 ) -> torch.Tensor:
     """Each request's causal attention over its own tokens, written into and returned as `out`;
-    with `out=None` (one request only) SDPA's own output is returned, saving the copy."""
+    with `out=None` (one request only) the rows of SDPA's own output are returned."""
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
         # The loop over requests is host code: a graph would replay the capture's lengths.
         raise RuntimeError("sdpa_prefill cannot be captured in a CUDA graph")
     if out is None and len(query_start_loc) != 2:
         raise ValueError(f"out: None takes one request, got {len(query_start_loc) - 1}")
+    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[2]
     with sdpa_kernel(list(backends), set_priority=True):
         for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
-            # [1, heads, tokens, head_dim] views of the step's rows: no copies; the backends
-            # take these strides and KV heads shared by a group of query heads.
-            q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+            length = end - start
+            q, k, v = packed_qkv(padded_length(length), heads, kv_heads, head_dim, query)
+            # Rows past `length` are zeros: causal, no real query sees their keys, and their
+            # outputs are dropped (zeros, not garbage: a NaN value times a zero weight is NaN).
+            for dst, src in ((q, query), (k, key), (v, value)):
+                dst[:length].copy_(src[start:end])
+                dst[length:].zero_()
             o = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=True
-            )[0].transpose(0, 1)
+                *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
+            )[0].transpose(0, 1)[:length]
             if out is None:
                 return o.contiguous()  # a no-op when SDPA wrote the query's token-major layout
             out[start:end].copy_(o)
     return out
+
+
+def packed_qkv(
+    length: int, heads: int, kv_heads: int, head_dim: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[length, heads | kv_heads | kv_heads, head_dim] views of one new token-major buffer: SDPA
+    always sees this layout, so cuDNN builds one plan per padded length (at start-up, see
+    `warm_up_sdpa_prefill`), whatever the model's projection layout."""
+    packed = like.new_empty(length, heads + 2 * kv_heads, head_dim)
+    return packed.split([heads, kv_heads, kv_heads], dim=1)
+
+
+def warm_up_sdpa_prefill(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    scale: float,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_tokens: int,
+) -> int:
+    """Runs SDPA once at every padded length up to `max_tokens`, so that cuDNN builds (and torch
+    caches) each length's execution plan before serving; returns the number of lengths."""
+    lengths = padded_lengths(max_tokens)
+    for length in lengths:
+        query = torch.zeros(length, heads, head_dim, dtype=dtype, device=device)
+        key = torch.zeros(length, kv_heads, head_dim, dtype=dtype, device=device)
+        sdpa_prefill(query, key, key, [0, length], scale, None)
+    return len(lengths)

@@ -11,7 +11,8 @@ warm-up ran it first. What picks a variant, and so what the batches below cover:
 Integers that follow a step's shape in other ways (the MoE align's spans and blocks, the block
 table's width, the split-KV count) are left unspecialised in their kernels, so no batch here
 needs to match them. The runner also computes the logits of the one-token batch: logits run
-outside the CUDA graphs, and one row takes the LM head's GEMV. Decode batch sizes and
+outside the CUDA graphs, and one row takes the LM head's GEMV. cuDNN's attention builds a plan
+per shape, so SDPA's prefill runs once at each of its padded lengths. Decode batch sizes and
 single-request prefill chunks up to 512 tokens are also compiled by CUDA graph capture, which
 runs after this; `compile_watch.py` logs any variant compiled later.
 """
@@ -23,9 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ferrum.kernels.sdpa_prefill import warm_up_sdpa_prefill
 from ferrum.logger import init_logger
 from ferrum.model_executor.compile_watch import start_up_compiles
 from ferrum.model_executor.input_batch import profile_batch
+from ferrum.model_executor.layers.attention import Attention
 from ferrum.structured_output import apply_token_bitmask_, bitmask_width
 
 if TYPE_CHECKING:
@@ -75,13 +78,15 @@ def warm_up_runner(runner: ModelRunner, num_blocks: int | list[int]) -> None:
     start_up_compiles()
     start = time.perf_counter()
     num_forwards, max_tokens = run_warm_up_batches(runner, num_blocks)
+    sdpa_plans = _warm_up_sdpa_prefill(runner, max_tokens)
     if runner.pp_group.is_last:
         _warm_up_grammar_bitmask(runner)
     torch.cuda.synchronize(runner.device)
     logger.info(
-        "kernel warm-up: %d forwards of 1 to %d tokens in %.2f s",
+        "kernel warm-up: %d forwards of 1 to %d tokens, %d SDPA prefill lengths in %.2f s",
         num_forwards,
         max_tokens,
+        sdpa_plans,
         time.perf_counter() - start,
     )
 
@@ -107,6 +112,20 @@ def run_warm_up_batches(runner: ModelRunner, num_blocks: int | list[int]) -> tup
         if hidden_states is not None and len(hidden_states) == 1:
             runner.model.compute_logits(hidden_states)
     return len(batches), max_tokens
+
+
+@torch.inference_mode()
+def _warm_up_sdpa_prefill(runner: ModelRunner, max_tokens: int) -> int:
+    """cuDNN builds an execution plan per shape on first use: runs SDPA at each padded prefill
+    length for each distinct attention shape that takes it (kernels/sdpa_prefill.py)."""
+    shapes = {
+        module.sdpa_prefill_shape()
+        for module in runner.model.modules()
+        if isinstance(module, Attention)
+    }
+    return sum(
+        warm_up_sdpa_prefill(*shape, max_tokens=max_tokens) for shape in shapes if shape is not None
+    )
 
 
 def _warm_up_grammar_bitmask(runner: ModelRunner) -> None:

@@ -13,6 +13,8 @@ from ferrum.kernels.attention_ref import paged_attention_ref
 from ferrum.kernels.sdpa_prefill import (
     SDPA_PREFILL_MIN_TOKENS,
     long_prefill_segments,
+    padded_length,
+    padded_lengths,
     sdpa_prefill,
     sdpa_prefill_applies,
 )
@@ -56,6 +58,15 @@ def test_the_cpu_fp32_and_short_steps_keep_the_paged_path() -> None:
         assert not sdpa_prefill_applies(torch.zeros(MIN, 4, 264).cuda().half(), MIN)
 
 
+def test_padded_lengths_are_few_and_close() -> None:
+    assert padded_lengths(8192) == [*range(2048, 4097, 256), *range(4608, 8193, 512)]
+    assert padded_lengths(8000)[-1] == 8192 and padded_lengths(MIN - 1) == []
+    for length in range(MIN, 20_000):
+        padded = padded_length(length)
+        assert length <= padded <= 1.125 * length
+        assert padded in padded_lengths(max(length, 8192))
+
+
 def _problem(lengths: list[int], dtype: torch.dtype, device: str, heads=4, kv_heads=2, dim=32):
     gen = torch.Generator().manual_seed(sum(lengths))
     total = sum(lengths)
@@ -93,6 +104,16 @@ def test_equals_the_paged_reference_on_the_cpu() -> None:
     torch.testing.assert_close(alone, expected[:37], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="out: None takes one request, got 2"):
         sdpa_prefill(q, k, v, starts, 0.3, None, backends=[SDPBackend.MATH])
+
+
+def test_padding_never_reads_the_rows_after_a_request() -> None:
+    """37 tokens run padded to 40: the step's rows after the request (here NaN) stay out."""
+    q, k, v, cache, tables, starts = _problem([37], torch.float32, "cpu")
+    expected = paged_attention_ref(q, cache, tables, starts, [37], 0.3)
+    nan = torch.full((8, *q.shape[1:]), float("nan"))
+    q, k, v = (torch.cat([x, nan[:, : x.shape[1]]]) for x in (q, k, v))
+    out = sdpa_prefill(q, k, v, starts, 0.3, None, backends=[SDPBackend.MATH])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -24,6 +24,7 @@ from ferrum.kernels.sdpa_prefill import (
     long_prefill_segments,
     sdpa_prefill,
     sdpa_prefill_applies,
+    sdpa_takes,
 )
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.layernorm import RMSNorm
@@ -81,6 +82,23 @@ class Attention(nn.Module):
         self.kv_cache = kv_cache
         self.split_kv_workspace = split_kv_workspace
         self.kv_cache_group = kv_cache_group
+
+    def sdpa_prefill_shape(self) -> tuple[int, int, int, float, torch.dtype, torch.device] | None:
+        """(heads, KV heads, head_dim, scale, dtype, device) when long fresh prompts take SDPA in
+        this layer (see forward), for the runner's start-up to build SDPA's plans; else None."""
+        cache = self.kv_cache
+        if self.kernels is None or self.sliding_window is not None or cache is None:
+            return None
+        if cache.dtype == FP8_KV_DTYPE or not sdpa_takes(cache.device, cache.dtype, self.head_dim):
+            return None
+        return (
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.scale,
+            cache.dtype,
+            cache.device,
+        )
 
     def forward(
         self,
