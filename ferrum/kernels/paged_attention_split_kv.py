@@ -48,8 +48,11 @@ def _context_start(seq_len, WINDOW: tl.constexpr):
 
 
 # Eager steps size the block table to their widest request and pick num_splits per batch:
-# neither is specialised (see paged_attention.py).
-@triton.jit(do_not_specialize=("stride_bt_req", "num_splits"))
+# neither is specialised, nor the metadata pointers' alignment (see paged_attention.py).
+@triton.jit(
+    do_not_specialize=("stride_bt_req", "num_splits"),
+    do_not_specialize_on_alignment=("block_tables_ptr", "seq_lens_ptr"),
+)
 def _paged_attention_split_kernel(
     partial_out_ptr,  # [max_num_seqs, num_heads, max_splits, head_dim] fp32
     partial_max_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
@@ -138,7 +141,7 @@ def _paged_attention_split_kernel(
     tl.store(partial_sum_ptr + pm_offs, l_i, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=("num_splits",))
+@triton.jit(do_not_specialize=("num_splits",), do_not_specialize_on_alignment=("seq_lens_ptr",))
 def _split_kv_reduce_kernel(
     out_ptr,  # [num_reqs, num_heads, head_dim]
     partial_out_ptr,  # [max_num_seqs, num_heads, max_splits, head_dim] fp32

@@ -7,9 +7,9 @@ FlashAttention-2 (benchmarks/bench_prefill_attention.py). The layer sends each r
 fresh and at least SDPA_PREFILL_MIN_TOKENS long through SDPA, and the runs of other requests
 between them (decodes, later chunks) through the paged kernel (`long_prefill_segments`). Such
 steps are never replayed from a CUDA graph (those hold at most 512 tokens). Each request runs on
-its own, the KV heads not repeated. cuDNN builds an execution plan per shape (tens of ms, a
-compile in the serving path), so each chunk is copied into a buffer of one fixed layout, padded to
-one of a few lengths (`padded_length`), whose plans the runner builds at start-up.
+its own, the KV heads not repeated. cuDNN builds an execution plan per shape (a compile in the
+serving path), so each chunk is copied into a buffer of one fixed layout, padded to one of a few
+lengths (`padded_length`), whose plans the runner builds at start-up.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Shortest chunk that takes SDPA; CUDA graphs replay prefill chunks of at most 512 tokens.
@@ -107,16 +109,10 @@ def sdpa_prefill(
         raise RuntimeError("sdpa_prefill cannot be captured in a CUDA graph")
     if out is None and len(query_start_loc) != 2:
         raise ValueError(f"out: None takes one request, got {len(query_start_loc) - 1}")
-    heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[2]
     with sdpa_kernel(list(backends), set_priority=True):
         for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
             length = end - start
-            q, k, v = packed_qkv(padded_length(length), heads, kv_heads, head_dim, query)
-            # Rows past `length` are zeros: causal, no real query sees their keys, and their
-            # outputs are dropped (zeros, not garbage: a NaN value times a zero weight is NaN).
-            for dst, src in ((q, query), (k, key), (v, value)):
-                dst[:length].copy_(src[start:end])
-                dst[length:].zero_()
+            q, k, v = pack_padded(query[start:end], key[start:end], value[start:end])
             o = F.scaled_dot_product_attention(
                 *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
                 is_causal=True,
@@ -129,14 +125,100 @@ def sdpa_prefill(
     return out
 
 
-def packed_qkv(
-    length: int, heads: int, kv_heads: int, head_dim: int, like: torch.Tensor
+def pack_padded(
+    query: torch.Tensor,  # [length, heads, head_dim], one request's rows
+    key: torch.Tensor,  # [length, kv_heads, head_dim]
+    value: torch.Tensor,  # [length, kv_heads, head_dim]
+    use_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[length, heads | kv_heads | kv_heads, head_dim] views of one new token-major buffer: SDPA
-    always sees this layout, so cuDNN builds one plan per padded length (at start-up, see
-    `warm_up_sdpa_prefill`), whatever the model's projection layout."""
-    packed = like.new_empty(length, heads + 2 * kv_heads, head_dim)
+    """q, k and v copied into one new [padded_length, heads | kv_heads | kv_heads, head_dim]
+    token-major buffer (one Triton launch on a GPU), rows past `length` zero: causal, no real
+    query sees their keys and their outputs are dropped (zeros, not garbage: a NaN value times
+    a zero weight is NaN). SDPA always sees this layout, so cuDNN needs one plan per padded
+    length (built at start-up, `warm_up_sdpa_prefill`), whatever the projections' layout.
+    `use_kernel` (default: on a GPU) picks the Triton kernel over torch's copies."""
+    length, heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    padded = padded_length(length)
+    packed = query.new_empty(padded, heads + 2 * kv_heads, head_dim)
+    if query.is_cuda if use_kernel is None else use_kernel:
+        _pack_padded_kernel[(triton.cdiv(padded, _PACK_ROWS), heads + 2 * kv_heads)](
+            packed,
+            query,
+            key,
+            value,
+            length,
+            padded,
+            query.stride(0),
+            query.stride(1),
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            packed.stride(0),
+            HEADS=heads,
+            KV_HEADS=kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_T=_PACK_ROWS,
+        )
+    else:
+        packed[length:].zero_()
+        for dst, src in zip(
+            packed[:length].split([heads, kv_heads, kv_heads], 1), (query, key, value)
+        ):
+            dst.copy_(src)
     return packed.split([heads, kv_heads, kv_heads], dim=1)
+
+
+_PACK_ROWS = 32
+
+
+# The lengths follow the prompts: never specialised, so serving compiles no variant.
+@triton.jit(do_not_specialize=("length", "padded"))
+def _pack_padded_kernel(
+    packed_ptr,  # [padded, HEADS + 2 * KV_HEADS, HEAD_DIM], token-major
+    q_ptr,  # [length, HEADS, HEAD_DIM]
+    k_ptr,  # [length, KV_HEADS, HEAD_DIM]
+    v_ptr,  # [length, KV_HEADS, HEAD_DIM]
+    length,
+    padded,
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_packed_tok,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Program (t, h): rows [t * BLOCK_T, +BLOCK_T) of packed head h (q heads, then k, then v)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    dims = tl.arange(0, BLOCK_D)
+    if head < HEADS:
+        src = q_ptr + rows[:, None].to(tl.int64) * stride_q_tok + head * stride_q_head
+    elif head < HEADS + KV_HEADS:
+        src = k_ptr + rows[:, None].to(tl.int64) * stride_k_tok + (head - HEADS) * stride_k_head
+    else:
+        src = (
+            v_ptr
+            + rows[:, None].to(tl.int64) * stride_v_tok
+            + (head - HEADS - KV_HEADS) * stride_v_head
+        )
+    in_dims = dims[None, :] < HEAD_DIM
+    x = tl.load(src + dims[None, :], mask=(rows[:, None] < length) & in_dims, other=0.0)
+    dst = (
+        packed_ptr
+        + rows[:, None].to(tl.int64) * stride_packed_tok
+        + head * HEAD_DIM
+        + dims[None, :]
+    )
+    tl.store(dst, x, mask=(rows[:, None] < padded) & in_dims)
 
 
 def warm_up_sdpa_prefill(

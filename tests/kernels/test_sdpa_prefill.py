@@ -13,6 +13,7 @@ from ferrum.kernels.attention_ref import paged_attention_ref
 from ferrum.kernels.sdpa_prefill import (
     SDPA_PREFILL_MIN_TOKENS,
     long_prefill_segments,
+    pack_padded,
     padded_length,
     padded_lengths,
     sdpa_prefill,
@@ -104,6 +105,23 @@ def test_equals_the_paged_reference_on_the_cpu() -> None:
     torch.testing.assert_close(alone, expected[:37], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="out: None takes one request, got 2"):
         sdpa_prefill(q, k, v, starts, 0.3, None, backends=[SDPBackend.MATH])
+
+
+@pytest.mark.parametrize("head_dim", [32, 24])
+def test_the_pack_kernel_equals_torchs_copies(device, head_dim) -> None:
+    """Strided views of a packed projection (3 query heads, 1 KV head) into the padded buffer:
+    the Triton kernel (interpreted on the CPU) and torch's copies agree, padding rows zero."""
+    gen = torch.Generator().manual_seed(head_dim)
+    qkv = torch.randn(45, 5 * head_dim, generator=gen).to(device)
+    q, k, v = qkv.split([3 * head_dim, head_dim, head_dim], dim=-1)
+    views = q.view(45, 3, head_dim)[:37], k.view(45, 1, head_dim)[:37], v.view(45, 1, head_dim)[:37]
+    kernel = pack_padded(*views, use_kernel=True)
+    copies = pack_padded(*views, use_kernel=False)
+    for a, b, src in zip(kernel, copies, views):
+        assert a.shape == b.shape == (40, src.shape[1], head_dim)
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+        torch.testing.assert_close(a[:37], src, atol=0, rtol=0)
+        assert not a[37:].any()
 
 
 def test_padding_never_reads_the_rows_after_a_request() -> None:

@@ -142,17 +142,28 @@ class _EveryShapeTable:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "gemma3", "qwen3_5"])
+@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3+sdpa"])
 def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch, model) -> None:
+    """ "+sdpa": prompts of 64+ tokens take SDPA's prefill, which splits steps around them."""
     import json
     import random
     from pathlib import Path
 
     import ferrum.kernels.dense_linear as dense_linear_module
+    import ferrum.kernels.sdpa_prefill as sdpa_module
     from ferrum import SamplingParams
     from ferrum.kernels.rms_norm import _rms_norm_kernel
     from tests.utils.tiny_llm import cuda_llm, random_prompts
 
+    sdpa_calls = []
+    if model.endswith("+sdpa"):
+        model = model.removesuffix("+sdpa")
+        monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 64)
+        real = sdpa_module.sdpa_prefill
+        monkeypatch.setattr(
+            "ferrum.model_executor.layers.attention.sdpa_prefill",
+            lambda *a, **kw: sdpa_calls.append(1) or real(*a, **kw),
+        )
     path = tiny_checkpoint(model)
     config = json.loads((Path(path) / "config.json").read_text())
     vocab_size = config.get("text_config", config)["vocab_size"]
@@ -180,6 +191,8 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch,
     for round_index in range(6):
         serve_round(round_index)
     assert [v.description for v in compile_watch.compiled_while_serving()[before:]] == []
+    if sdpa_module.SDPA_PREFILL_MIN_TOKENS == 64:
+        assert sdpa_calls
     # The watch does see a compile: a kernel whose variants are forgotten compiles again in
     # the eager prefill of a round of several prompts.
     _rms_norm_kernel.device_caches.clear()
