@@ -5,10 +5,10 @@ One request whose chunk is its whole prompt (--seq-len queries over --seq-len ke
 heads, head_dim 128), bf16. The references are `scaled_dot_product_attention(is_causal=True)` on
 contiguous [1, heads, seq, head_dim] tensors, forced to each backend that takes them (flash, cuDNN,
 efficient); K and V are repeated to the query heads outside the timing. The `sdpa_prefill` rows
-time ferrum's SDPA path (kernels/sdpa_prefill.py) on the layer's own strided views. Prints
-milliseconds and TFLOP/s (causal: 2 * seq^2 * head_dim * heads). --prefix-len P puts P cached tokens before the
-chunk (a later chunk of a long prompt; SDPA's rows are then left out: its causal mask is aligned
-top-left). --sweep also times the paged kernel at each key tile, warp count and pipeline depth.
+time ferrum's SDPA path (kernels/sdpa_prefill.py) as the layer runs it on a step of this one
+prompt: the copy into its padded buffer included. Prints milliseconds and TFLOP/s (causal:
+2 * seq^2 * head_dim * heads). --prefix-len P puts P cached tokens before the chunk (a later chunk
+of a long prompt; SDPA's rows are then left out: its causal mask is aligned top-left). --sweep also times the paged kernel at each key tile, warp count and pipeline depth.
 Usage: python benchmarks/bench_prefill_attention.py [--seq-len 8000] [--prefix-len 0] [--sweep]
 [--out file.json]
 """
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.runtime.errors import OutOfResources
 
 from benchmarks.gpu_timing import launches_ms
 from ferrum.kernels.paged_attention import paged_attention, paged_attention_unified
@@ -89,8 +90,8 @@ def main() -> int:
     def record(name: str, fn) -> None:
         try:
             ms = launches_ms(fn, args.iters)
-        # A backend or tile this build or shape does not take (Triton raises OutOfResources).
-        except Exception as exc:
+        # A backend or tile this build or shape does not take.
+        except (RuntimeError, OutOfResources) as exc:
             results["rows"][name] = {"unsupported": str(exc).splitlines()[0][:200]}
             print(f"{name:22s} unsupported: {str(exc).splitlines()[0][:120]}")
             return
@@ -107,7 +108,7 @@ def main() -> int:
         if args.out is not None:
             args.out.write_text(json.dumps(results, indent=1))
         return 0
-    # ferrum's SDPA path as the layer runs it on a step of this one prompt (no copies), per
+    # ferrum's SDPA path as the layer runs it on a step of this one prompt (packed, padded), per
     # backend, then with its backend order.
     for name, backends in (
         ("sdpa_prefill cudnn", [SDPBackend.CUDNN_ATTENTION]),

@@ -14,13 +14,12 @@ lengths (`padded_length`), whose plans the runner builds at start-up.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Shortest chunk that takes SDPA; CUDA graphs replay prefill chunks of at most 512 tokens.
@@ -29,22 +28,27 @@ SDPA_PREFILL_MIN_TOKENS = 2048
 PREFILL_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
 
 
-def sdpa_prefill_applies(query: torch.Tensor, max_query_len: int) -> bool:
-    """A step whose longest chunk could take SDPA, on a query SDPA takes (`sdpa_takes`);
-    `long_prefill_segments` then says which requests do."""
-    return max_query_len >= SDPA_PREFILL_MIN_TOKENS and sdpa_takes(
-        query.device, query.dtype, query.shape[-1]
-    )
+def long_chunk_in_step(max_query_len: int) -> bool:
+    """Whether a step's longest chunk is long enough for SDPA (`long_prefill_segments` then says
+    which requests take it)."""
+    return max_query_len >= SDPA_PREFILL_MIN_TOKENS
 
 
 def sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """A GPU, fp16/bf16, and a head size both backends take (a multiple of 8, at most 256)."""
+    """An Ampere or newer GPU (cuDNN's and flash's fused attention need sm80), fp16/bf16, and a
+    head size both backends take (a multiple of 8, at most 256)."""
     return (
         device.type == "cuda"
         and dtype in (torch.float16, torch.bfloat16)
         and head_dim % 8 == 0
         and head_dim <= 256
+        and _sm80_or_newer(device.index)
     )
+
+
+@functools.cache
+def _sm80_or_newer(device_index: int | None) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,8 @@ def sdpa_prefill(
             if out is None:
                 return o.contiguous()  # a no-op when SDPA wrote the query's token-major layout
             out[start:end].copy_(o)
+            # Freed before the next request's buffer: the peak stays one padded request.
+            del q, k, v, o
     return out
 
 
@@ -129,39 +135,22 @@ def pack_padded(
     query: torch.Tensor,  # [length, heads, head_dim], one request's rows
     key: torch.Tensor,  # [length, kv_heads, head_dim]
     value: torch.Tensor,  # [length, kv_heads, head_dim]
-    use_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v copied into one new [padded_length, heads | kv_heads | kv_heads, head_dim]
-    token-major buffer (one Triton launch on a GPU), rows past `length` zero: causal, no real
+    token-major buffer, rows past `length` zero: causal, no real
     query sees their keys and their outputs are dropped (zeros, not garbage: a NaN value times
     a zero weight is NaN). SDPA always sees this layout, so cuDNN needs one plan per padded
     length (built at start-up, `warm_up_sdpa_prefill`), whatever the projections' layout.
-    `use_kernel` (default: on a GPU) picks the Triton kernel over torch's copies."""
+    On a GPU one Triton launch (`kernels/pack_padded.py`) does what the torch copies here do."""
     length, heads, head_dim = query.shape
     kv_heads = key.shape[1]
     padded = padded_length(length)
     packed = query.new_empty(padded, heads + 2 * kv_heads, head_dim)
-    if query.is_cuda if use_kernel is None else use_kernel:
-        _pack_padded_kernel[(triton.cdiv(padded, _PACK_ROWS), heads + 2 * kv_heads)](
-            packed,
-            query,
-            key,
-            value,
-            length,
-            padded,
-            query.stride(0),
-            query.stride(1),
-            key.stride(0),
-            key.stride(1),
-            value.stride(0),
-            value.stride(1),
-            packed.stride(0),
-            HEADS=heads,
-            KV_HEADS=kv_heads,
-            HEAD_DIM=head_dim,
-            BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_T=_PACK_ROWS,
-        )
+    if query.is_cuda:
+        # Imported here: a CPU engine on the torch backend need not have Triton.
+        from ferrum.kernels.pack_padded import pack_padded_rows
+
+        pack_padded_rows(packed, query, key, value)
     else:
         packed[length:].zero_()
         for dst, src in zip(
@@ -169,56 +158,6 @@ def pack_padded(
         ):
             dst.copy_(src)
     return packed.split([heads, kv_heads, kv_heads], dim=1)
-
-
-_PACK_ROWS = 32
-
-
-# The lengths follow the prompts: never specialised, so serving compiles no variant.
-@triton.jit(do_not_specialize=("length", "padded"))
-def _pack_padded_kernel(
-    packed_ptr,  # [padded, HEADS + 2 * KV_HEADS, HEAD_DIM], token-major
-    q_ptr,  # [length, HEADS, HEAD_DIM]
-    k_ptr,  # [length, KV_HEADS, HEAD_DIM]
-    v_ptr,  # [length, KV_HEADS, HEAD_DIM]
-    length,
-    padded,
-    stride_q_tok,
-    stride_q_head,
-    stride_k_tok,
-    stride_k_head,
-    stride_v_tok,
-    stride_v_head,
-    stride_packed_tok,
-    HEADS: tl.constexpr,
-    KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
-    """Program (t, h): rows [t * BLOCK_T, +BLOCK_T) of packed head h (q heads, then k, then v)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head = tl.program_id(1)
-    dims = tl.arange(0, BLOCK_D)
-    if head < HEADS:
-        src = q_ptr + rows[:, None].to(tl.int64) * stride_q_tok + head * stride_q_head
-    elif head < HEADS + KV_HEADS:
-        src = k_ptr + rows[:, None].to(tl.int64) * stride_k_tok + (head - HEADS) * stride_k_head
-    else:
-        src = (
-            v_ptr
-            + rows[:, None].to(tl.int64) * stride_v_tok
-            + (head - HEADS - KV_HEADS) * stride_v_head
-        )
-    in_dims = dims[None, :] < HEAD_DIM
-    x = tl.load(src + dims[None, :], mask=(rows[:, None] < length) & in_dims, other=0.0)
-    dst = (
-        packed_ptr
-        + rows[:, None].to(tl.int64) * stride_packed_tok
-        + head * HEAD_DIM
-        + dims[None, :]
-    )
-    tl.store(dst, x, mask=(rows[:, None] < padded) & in_dims)
 
 
 def warm_up_sdpa_prefill(
@@ -231,7 +170,8 @@ def warm_up_sdpa_prefill(
     max_tokens: int,
 ) -> int:
     """Runs SDPA once at every padded length up to `max_tokens`, so that cuDNN builds (and torch
-    caches) each length's execution plan before serving; returns the number of lengths."""
+    caches) each length's execution plan before serving; returns the number of lengths. torch
+    keeps those plans per thread: serving must run forwards on the thread that ran this."""
     lengths = padded_lengths(max_tokens)
     for length in lengths:
         query = torch.zeros(length, heads, head_dim, dtype=dtype, device=device)

@@ -73,8 +73,9 @@ def _split(total: int, num_requests: int) -> list[int]:
 
 
 def warm_up_runner(runner: ModelRunner, num_blocks: int | list[int]) -> None:
-    """Runs `warm_up_batches` through the runner (and, on the last pipeline stage, xgrammar's
-    bitmask kernel); its compiles count as start-up's."""
+    """Runs `warm_up_batches` through the runner, SDPA's prefill at each padded length (cuDNN's
+    plans) and, on the last pipeline stage, xgrammar's bitmask kernel; its compiles count as
+    start-up's."""
     start_up_compiles()
     start = time.perf_counter()
     num_forwards, max_tokens = run_warm_up_batches(runner, num_blocks)

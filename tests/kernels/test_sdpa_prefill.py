@@ -12,12 +12,13 @@ import ferrum.kernels.sdpa_prefill as sdpa_module
 from ferrum.kernels.attention_ref import paged_attention_ref
 from ferrum.kernels.sdpa_prefill import (
     SDPA_PREFILL_MIN_TOKENS,
+    long_chunk_in_step,
     long_prefill_segments,
     pack_padded,
     padded_length,
     padded_lengths,
     sdpa_prefill,
-    sdpa_prefill_applies,
+    sdpa_takes,
 )
 from ferrum.model_executor.cuda_graph import PREFILL_SIZES
 
@@ -49,14 +50,39 @@ def test_segments_split_the_step_at_long_fresh_prompts(query_start_loc, seq_lens
     assert [(s.first, s.last, s.sdpa) for s in segments] == expected
 
 
-def test_the_cpu_fp32_and_short_steps_keep_the_paged_path() -> None:
-    query = torch.zeros(MIN, 4, 64)
-    assert not sdpa_prefill_applies(query, MIN)
+def test_only_gpus_half_precision_and_long_chunks_take_it() -> None:
+    cpu, fp32, bf16 = torch.device("cpu"), torch.float32, torch.bfloat16
+    assert long_chunk_in_step(MIN) and not long_chunk_in_step(MIN - 1)
+    assert not sdpa_takes(cpu, bf16, 128)
     if torch.cuda.is_available():
-        assert not sdpa_prefill_applies(query.cuda(), MIN)
-        assert sdpa_prefill_applies(query.cuda().half(), MIN)
-        assert not sdpa_prefill_applies(query.cuda().half(), MIN - 1)
-        assert not sdpa_prefill_applies(torch.zeros(MIN, 4, 264).cuda().half(), MIN)
+        gpu = torch.device("cuda", torch.cuda.current_device())
+        assert not sdpa_takes(gpu, fp32, 128)
+        assert sdpa_takes(gpu, bf16, 128) == (torch.cuda.get_device_capability() >= (8, 0))
+        assert not sdpa_takes(gpu, bf16, 264) and not sdpa_takes(gpu, bf16, 100)
+
+
+@pytest.mark.parametrize(
+    "window, cache_dtype, kernels, expected",
+    [
+        (None, torch.bfloat16, True, True),
+        (1024, torch.bfloat16, True, False),  # a sliding window keeps the paged kernel
+        (None, torch.float8_e4m3fn, True, False),  # so does an FP8 cache
+        (None, torch.bfloat16, False, False),  # and the torch reference path
+    ],
+)
+def test_which_layers_take_it(monkeypatch, window, cache_dtype, kernels, expected) -> None:
+    """The layer's rule, with the device check passed (this may run without a GPU)."""
+    from types import SimpleNamespace
+
+    from ferrum.model_executor.layers import attention as attention_module
+
+    monkeypatch.setattr(attention_module, "sdpa_takes", lambda device, dtype, head_dim: True)
+    layer = attention_module.Attention(
+        4, 16, 2, 0.25, SimpleNamespace() if kernels else None, sliding_window=window
+    )
+    layer.bind_kv_cache(torch.zeros(2, 3, 16, 2, 16, dtype=cache_dtype))
+    assert layer.takes_sdpa_prefill() is expected
+    assert (layer.sdpa_prefill_shape() is not None) is expected
 
 
 def test_padded_lengths_are_few_and_close() -> None:
@@ -108,30 +134,24 @@ def test_equals_the_paged_reference_on_the_cpu() -> None:
 
 
 @pytest.mark.parametrize("head_dim", [32, 24])
-def test_the_pack_kernel_equals_torchs_copies(device, head_dim) -> None:
-    """Strided views of a packed projection (3 query heads, 1 KV head) into the padded buffer:
-    the Triton kernel (interpreted on the CPU) and torch's copies agree, padding rows zero."""
+def test_the_pack_kernel_equals_torchs_copies(head_dim) -> None:
+    """Strided views of a packed projection (3 query heads, 1 KV head), 37 rows padded to 40:
+    the Triton kernel (interpreted on the CPU) writes what torch's copies do, and zeros over
+    padding rows that held NaN."""
+    from ferrum.kernels.pack_padded import pack_padded_rows
+
     gen = torch.Generator().manual_seed(head_dim)
-    qkv = torch.randn(45, 5 * head_dim, generator=gen).to(device)
+    qkv = torch.randn(45, 5 * head_dim, generator=gen)
     q, k, v = qkv.split([3 * head_dim, head_dim, head_dim], dim=-1)
     views = q.view(45, 3, head_dim)[:37], k.view(45, 1, head_dim)[:37], v.view(45, 1, head_dim)[:37]
-    kernel = pack_padded(*views, use_kernel=True)
-    copies = pack_padded(*views, use_kernel=False)
-    for a, b, src in zip(kernel, copies, views):
+    copies = pack_padded(*views)  # on the CPU: torch's copies
+    packed = torch.full((padded_length(37), 5, head_dim), float("nan"))
+    pack_padded_rows(packed, *views)
+    for a, b, src in zip(packed.split([3, 1, 1], dim=1), copies, views):
         assert a.shape == b.shape == (40, src.shape[1], head_dim)
         torch.testing.assert_close(a, b, atol=0, rtol=0)
         torch.testing.assert_close(a[:37], src, atol=0, rtol=0)
         assert not a[37:].any()
-
-
-def test_padding_never_reads_the_rows_after_a_request() -> None:
-    """37 tokens run padded to 40: the step's rows after the request (here NaN) stay out."""
-    q, k, v, cache, tables, starts = _problem([37], torch.float32, "cpu")
-    expected = paged_attention_ref(q, cache, tables, starts, [37], 0.3)
-    nan = torch.full((8, *q.shape[1:]), float("nan"))
-    q, k, v = (torch.cat([x, nan[:, : x.shape[1]]]) for x in (q, k, v))
-    out = sdpa_prefill(q, k, v, starts, 0.3, None, backends=[SDPBackend.MATH])
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -156,12 +176,18 @@ def test_cudnn_or_flash_agree_with_the_triton_kernel() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("budget", [8192, 160])
-def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(tiny_checkpoint, monkeypatch, budget):
+@pytest.mark.parametrize(
+    "model, budget", [("qwen3", 8192), ("qwen3", 160), ("gemma3", 160), ("qwen3_5", 160)]
+)
+def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(
+    tiny_checkpoint, monkeypatch, model, budget
+):
     """Long prompts (the threshold lowered to the tiny model's length, eager so no graph holds
     a prefill) through SDPA: the generated tokens are the paged-path engine's greedy choices
     after the same prefix (bf16 rounds the two paths differently, so a near-tie may flip). The
-    160-token budget mixes decodes, later chunks and short first chunks into SDPA's steps."""
+    160-token budget mixes decodes, later chunks and short first chunks into SDPA's steps;
+    gemma3 mixes sliding-window layers (paged) with global ones (SDPA), qwen3_5 gated attention
+    layers with DeltaNet ones."""
     from tests.utils.tiny_llm import cuda_llm, greedy, random_prompts, teacher_forced_agreement
 
     calls = []
@@ -171,7 +197,7 @@ def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(tiny_checkpoint, mon
         "ferrum.model_executor.layers.attention.sdpa_prefill",
         lambda *a, **kw: calls.append(1) or real(*a, **kw),
     )
-    path = tiny_checkpoint("qwen3")
+    path = tiny_checkpoint(model)
     prompts = random_prompts([70, 90, 120, 150, 30, 200], seed=4)
     engine_args = dict(
         dtype="bfloat16", num_kv_blocks=128, enforce_eager=True, max_num_batched_tokens=budget
@@ -198,12 +224,15 @@ def _paged_reference_kernel(
     return out.copy_(expected)
 
 
-def test_a_mixed_step_equals_the_paged_reference(monkeypatch) -> None:
+@pytest.mark.parametrize("paged", ["reference", "triton"])
+def test_a_mixed_step_equals_the_paged_reference(monkeypatch, paged) -> None:
     """Decodes, long fresh prompts, a later chunk and a short first chunk in one step: the layer
     sends the fresh prompts through SDPA and the runs between them through the paged kernel,
-    each onto its own rows."""
+    each onto its own rows. "triton": the real kernels (interpreted on the CPU) on slices of
+    the metadata, the decode-only runs through the split-KV path."""
     from types import SimpleNamespace
 
+    from ferrum.kernels.paged_attention import allocate_split_kv_workspace, paged_attention
     from ferrum.model_executor.layers.attention import Attention
 
     monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 32)
@@ -213,11 +242,12 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch) -> None:
     )
     heads, kv_heads, dim, block = 4, 2, 16, 16
     # (context length, chunk length) per request, in token order.
-    requests = [(40, 1), (23, 1), (33, 33), (50, 50), (70, 30), (45, 45), (9, 9), (60, 1)]
+    requests = [(300, 1), (200, 1), (33, 33), (50, 50), (70, 30), (45, 45), (9, 9), (260, 1)]
     gen = torch.Generator().manual_seed(0)
     blocks = [-(-n // block) for n, _ in requests]
     cache = torch.randn(2, sum(blocks) + 1, block, kv_heads, dim, generator=gen)
-    tables = torch.zeros(len(requests), max(blocks), dtype=torch.int32)
+    # An odd table width: slices at most requests are not 16-byte aligned.
+    tables = torch.zeros(len(requests), max(blocks) + 3, dtype=torch.int32)
     next_block = 1
     for i, count in enumerate(blocks):
         tables[i, :count] = torch.arange(next_block, next_block + count, dtype=torch.int32)
@@ -240,16 +270,14 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch) -> None:
     )
     segments = long_prefill_segments(starts, seq_lens)
     assert [s.sdpa for s in segments] == [False, True, False, True, False]
-    layer = Attention(
-        heads, dim, kv_heads, 0.25, SimpleNamespace(paged_attention=_paged_reference_kernel)
-    )
-    layer.bind_kv_cache(cache)
-    out = layer._attend_by_segments(
-        query, torch.cat(keys), torch.cat(values), metadata, segments, torch.full_like(query, 7.0)
-    )
+    kernel = _paged_reference_kernel if paged == "reference" else paged_attention
+    layer = Attention(heads, dim, kv_heads, 0.25, SimpleNamespace(paged_attention=kernel))
+    workspace = allocate_split_kv_workspace(8, heads, dim, "cpu") if paged == "triton" else None
+    layer.bind_kv_cache(cache, workspace)
+    out = layer._attend_by_segments(query, torch.cat(keys), torch.cat(values), metadata, segments)
     expected = paged_attention_ref(query, cache, tables, starts, seq_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    # A step of one long fresh prompt: SDPA's own output, nothing copied into `out`.
+    # A step of one long fresh prompt: SDPA's own output returned, no copy.
     rows = slice(starts[2], starts[3])
     alone = SimpleNamespace(
         query_start_loc=None,
@@ -260,6 +288,22 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch) -> None:
     )
     segments = long_prefill_segments([0, 33], [33])
     out = layer._attend_by_segments(
-        query[rows], torch.cat(keys)[rows], torch.cat(values)[rows], alone, segments, None
+        query[rows], torch.cat(keys)[rows], torch.cat(values)[rows], alone, segments
     )
     torch.testing.assert_close(out, expected[rows], atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_imports_without_triton() -> None:
+    """Triton is only a GPU engine's dependency: the runner (which warms SDPA up) and the
+    attention layer must not import it, nor this module's pack kernel."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import ferrum.model_executor.model_runner, ferrum.entrypoints.llm; "
+        "print('triton' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.strip() == "False"

@@ -21,9 +21,9 @@ from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from ferrum.kernels.rotary_kv_ref import qk_norm_rope_ref
 from ferrum.kernels.sdpa_prefill import (
     AttentionSegment,
+    long_chunk_in_step,
     long_prefill_segments,
     sdpa_prefill,
-    sdpa_prefill_applies,
     sdpa_takes,
 )
 from ferrum.model_executor.kernel_backend import TritonKernels
@@ -83,21 +83,32 @@ class Attention(nn.Module):
         self.split_kv_workspace = split_kv_workspace
         self.kv_cache_group = kv_cache_group
 
-    def sdpa_prefill_shape(self) -> tuple[int, int, int, float, torch.dtype, torch.device] | None:
-        """(heads, KV heads, head_dim, scale, dtype, device) when long fresh prompts take SDPA in
-        this layer (see forward), for the runner's start-up to build SDPA's plans; else None."""
+    def takes_sdpa_prefill(self) -> bool:
+        """Whether long fresh prompts attend through SDPA here: Triton kernels, no sliding
+        window, a bound bf16/fp16 cache (an FP8 cache's prefill reads the rounded keys back) on
+        a GPU SDPA's fused backends take."""
         cache = self.kv_cache
-        if self.kernels is None or self.sliding_window is not None or cache is None:
+        return (
+            self.kernels is not None
+            and self.sliding_window is None
+            and cache is not None
+            and cache.dtype != FP8_KV_DTYPE
+            and sdpa_takes(cache.device, cache.dtype, self.head_dim)
+        )
+
+    def sdpa_prefill_shape(self) -> tuple[int, int, int, float, torch.dtype, torch.device] | None:
+        """(heads, KV heads, head_dim, scale, dtype, device) when `takes_sdpa_prefill`, for the
+        runner's start-up to build SDPA's plans; else None."""
+        if not self.takes_sdpa_prefill():
             return None
-        if cache.dtype == FP8_KV_DTYPE or not sdpa_takes(cache.device, cache.dtype, self.head_dim):
-            return None
+        assert self.kv_cache is not None
         return (
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
             self.scale,
-            cache.dtype,
-            cache.device,
+            self.kv_cache.dtype,
+            self.kv_cache.device,
         )
 
     def forward(
@@ -144,17 +155,13 @@ class Attention(nn.Module):
             k_norm_weight=k_norm_weight,
             eps=eps,
         )
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if (
-            self.sliding_window is None
-            and kv_cache.dtype != FP8_KV_DTYPE
-            and sdpa_prefill_applies(query, attn_metadata.max_query_len)
-        ):
+        if long_chunk_in_step(attn_metadata.max_query_len) and self.takes_sdpa_prefill():
             segments = long_prefill_segments(
                 attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
             )
             if segments:
-                return self._attend_by_segments(query, key, value, attn_metadata, segments, out)
+                return self._attend_by_segments(query, key, value, attn_metadata, segments)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         return self.kernels.paged_attention(
             query,
             kv_cache,
@@ -176,14 +183,15 @@ class Attention(nn.Module):
         value: torch.Tensor,
         attn_metadata: AttentionMetadata,
         segments: list[AttentionSegment],
-        out: torch.Tensor,
     ) -> torch.Tensor:
         """Long fresh prompts through SDPA, the runs of requests between them through the paged
-        kernel, each onto its rows of `out`. Only for layers without a window (see forward)."""
+        kernel, each onto its own rows of the output. Only where `takes_sdpa_prefill` (no
+        window: the paged calls pass none)."""
         assert self.kernels is not None and self.kv_cache is not None
         starts, seq_lens = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
-        if len(seq_lens) == 1 and starts[1] == query.shape[0]:  # one prompt: no copy into out
+        if len(seq_lens) == 1 and starts[1] == query.shape[0]:  # one prompt: SDPA's own output
             return sdpa_prefill(query, key, value, starts, self.scale, None)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         group = self.kv_cache_group
         for segment in segments:
             first, last = segment.first, segment.last
