@@ -134,24 +134,24 @@ def test_equals_the_paged_reference_on_the_cpu() -> None:
 
 
 @pytest.mark.parametrize("head_dim", [32, 24])
-def test_the_pack_kernel_equals_torchs_copies(head_dim) -> None:
+def test_the_pack_kernel_writes_rows_then_zeros(device, head_dim) -> None:
     """Strided views of a packed projection (3 query heads, 1 KV head), 37 rows padded to 40:
-    the Triton kernel (interpreted on the CPU) writes what torch's copies do, and zeros over
-    padding rows that held NaN."""
+    the Triton kernel (interpreted on the CPU) copies the rows and zeros the padding rows (which
+    held NaN); on the CPU torch's copies in `pack_padded` write the same."""
     from ferrum.kernels.pack_padded import pack_padded_rows
 
     gen = torch.Generator().manual_seed(head_dim)
-    qkv = torch.randn(45, 5 * head_dim, generator=gen)
+    qkv = torch.randn(45, 5 * head_dim, generator=gen).to(device)
     q, k, v = qkv.split([3 * head_dim, head_dim, head_dim], dim=-1)
     views = q.view(45, 3, head_dim)[:37], k.view(45, 1, head_dim)[:37], v.view(45, 1, head_dim)[:37]
-    copies = pack_padded(*views)  # on the CPU: torch's copies
-    packed = torch.full((padded_length(37), 5, head_dim), float("nan"))
+    packed = torch.full((padded_length(37), 5, head_dim), float("nan"), device=device)
     pack_padded_rows(packed, *views)
-    for a, b, src in zip(packed.split([3, 1, 1], dim=1), copies, views):
-        assert a.shape == b.shape == (40, src.shape[1], head_dim)
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-        torch.testing.assert_close(a[:37], src, atol=0, rtol=0)
-        assert not a[37:].any()
+    expected = torch.zeros(40, 5, head_dim, device=device)
+    expected[:37] = torch.cat(views, dim=1)
+    torch.testing.assert_close(packed, expected, atol=0, rtol=0)
+    copies = pack_padded(*(x.cpu() for x in views))
+    for part, reference in zip(copies, expected.cpu().split([3, 1, 1], dim=1)):
+        torch.testing.assert_close(part, reference, atol=0, rtol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -225,7 +225,7 @@ def _paged_reference_kernel(
 
 
 @pytest.mark.parametrize("paged", ["reference", "triton"])
-def test_a_mixed_step_equals_the_paged_reference(monkeypatch, paged) -> None:
+def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> None:
     """Decodes, long fresh prompts, a later chunk and a short first chunk in one step: the layer
     sends the fresh prompts through SDPA and the runs between them through the paged kernel,
     each onto its own rows. "triton": the real kernels (interpreted on the CPU) on slices of
@@ -259,11 +259,13 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch, paged) -> None:
         slots = tables[i, positions // block].long() * block + positions % block
         keys.append(cache[0].view(-1, kv_heads, dim)[slots])
         values.append(cache[1].view(-1, kv_heads, dim)[slots])
-    query = torch.randn(starts[-1], heads, dim, generator=gen)
+    query = torch.randn(starts[-1], heads, dim, generator=gen).to(device)
+    cache, tables = cache.to(device), tables.to(device)
+    keys, values = [x.to(device) for x in keys], [x.to(device) for x in values]
     seq_lens = [context for context, _ in requests]
     metadata = SimpleNamespace(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=(tables,),
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,
@@ -272,7 +274,7 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch, paged) -> None:
     assert [s.sdpa for s in segments] == [False, True, False, True, False]
     kernel = _paged_reference_kernel if paged == "reference" else paged_attention
     layer = Attention(heads, dim, kv_heads, 0.25, SimpleNamespace(paged_attention=kernel))
-    workspace = allocate_split_kv_workspace(8, heads, dim, "cpu") if paged == "triton" else None
+    workspace = allocate_split_kv_workspace(8, heads, dim, device) if paged == "triton" else None
     layer.bind_kv_cache(cache, workspace)
     out = layer._attend_by_segments(query, torch.cat(keys), torch.cat(values), metadata, segments)
     expected = paged_attention_ref(query, cache, tables, starts, seq_lens, 0.25)
