@@ -8,7 +8,8 @@ efficient); K and V are repeated to the query heads outside the timing. The `sdp
 time ferrum's SDPA path (kernels/sdpa_prefill.py) as the layer runs it on a step of this one
 prompt: the copy into its padded buffer included. Prints milliseconds and TFLOP/s (causal:
 2 * seq^2 * head_dim * heads). --prefix-len P puts P cached tokens before the chunk (a later chunk
-of a long prompt; SDPA's rows are then left out: its causal mask is aligned top-left). --sweep also times the paged kernel at each key tile, warp count and pipeline depth.
+of a long prompt; SDPA's rows are then left out: its causal mask is aligned top-left). --sweep
+also times the paged kernel at each key tile, warp count and pipeline depth.
 Usage: python benchmarks/bench_prefill_attention.py [--seq-len 8000] [--prefix-len 0] [--sweep]
 [--out file.json]
 """

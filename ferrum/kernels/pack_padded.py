@@ -1,6 +1,6 @@
 """Triton copy of one request's q, k and v rows into SDPA's padded token-major buffer
 (`sdpa_prefill.pack_padded`, whose torch copies are the reference): one launch instead of three
-strided copies and three fills."""
+strided copies and a fill."""
 
 from __future__ import annotations
 
@@ -43,8 +43,21 @@ def pack_padded_rows(
     )
 
 
-# The lengths follow the prompts: never specialised, so serving compiles no variant.
-@triton.jit(do_not_specialize=("length", "padded"))
+# The lengths follow the prompts, and the strides the projections' layout (the warm-up packs
+# contiguous tensors): none is specialised, so serving compiles no variant the warm-up did not.
+@triton.jit(
+    do_not_specialize=(
+        "length",
+        "padded",
+        "stride_q_tok",
+        "stride_q_head",
+        "stride_k_tok",
+        "stride_k_head",
+        "stride_v_tok",
+        "stride_v_head",
+        "stride_packed_tok",
+    )
+)
 def _pack_padded_kernel(
     packed_ptr,  # [padded, HEADS + 2 * KV_HEADS, HEAD_DIM], token-major
     q_ptr,  # [length, HEADS, HEAD_DIM]

@@ -137,9 +137,8 @@ def pack_padded(
     value: torch.Tensor,  # [length, kv_heads, head_dim]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v copied into one new [padded_length, heads | kv_heads | kv_heads, head_dim]
-    token-major buffer, rows past `length` zero: causal, no real
-    query sees their keys and their outputs are dropped (zeros, not garbage: a NaN value times
-    a zero weight is NaN). SDPA always sees this layout, so cuDNN needs one plan per padded
+    token-major buffer, rows past `length` zero: causal, no real query sees their keys and
+    their outputs are dropped (zeros, not garbage: a NaN value times a zero weight is NaN). SDPA always sees this layout, so cuDNN needs one plan per padded
     length (built at start-up, `warm_up_sdpa_prefill`), whatever the projections' layout.
     On a GPU one Triton launch (`kernels/pack_padded.py`) does what the torch copies here do."""
     length, heads, head_dim = query.shape

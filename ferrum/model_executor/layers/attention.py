@@ -3,10 +3,11 @@
 The cache per layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, bound once by the
 model runner through `bind_kv_cache`. Built with Triton kernels, the layer fuses RoPE, the
 optional Qwen3 q/k norm and the KV-cache write into one launch before paged attention; without,
-it runs the torch references. On a GPU, long fresh prompts (no cached context) attend through
-torch's SDPA instead of the paged kernel (`kernels/sdpa_prefill.py`), the step's other requests
-through the paged kernel, unless the layer has a sliding window or an FP8 cache (whose prefill
-reads the rounded keys and values back).
+it runs the torch references. On an sm80+ GPU, long fresh prompts (no cached context) attend
+through torch's SDPA instead of the paged kernel (`kernels/sdpa_prefill.py`), the step's other
+requests through the paged kernel, unless the layer has a sliding window, an FP8 cache (whose
+prefill reads the rounded keys and values back) or a head size SDPA's fused backends do not
+take (a multiple of 8 up to 256); see `takes_sdpa_prefill`.
 """
 
 from __future__ import annotations
