@@ -54,30 +54,41 @@ def _sm80_or_newer(device_index: int | None) -> bool:
 @dataclass(frozen=True)
 class AttentionSegment:
     """Requests [first, last) of a step, contiguous in token order: long fresh prompts for SDPA
-    (`sdpa`), or other requests (decodes, later chunks, short prompts) for the paged kernel."""
+    (`sdpa`), or other requests (decodes, later chunks, short prompts) for the paged kernel,
+    with their longest chunk and context."""
 
     first: int
     last: int
     sdpa: bool
+    max_query_len: int
+    max_seq_len: int
 
 
 def long_prefill_segments(
     query_start_loc: Sequence[int], seq_lens: Sequence[int]
-) -> list[AttentionSegment]:
+) -> tuple[AttentionSegment, ...]:
     """The step cut into maximal runs of requests that do and do not take SDPA; empty when none
     does. A request takes it when its chunk is its whole context (a first chunk without a prefix
-    cache hit) and at least SDPA_PREFILL_MIN_TOKENS long."""
+    cache hit) and at least SDPA_PREFILL_MIN_TOKENS long. Built once per step, with the step's
+    metadata (input_batch.py)."""
     segments: list[AttentionSegment] = []
     any_sdpa = False
     for i, seq_len in enumerate(seq_lens):
         chunk = query_start_loc[i + 1] - query_start_loc[i]
         sdpa = chunk == seq_len and chunk >= SDPA_PREFILL_MIN_TOKENS
         any_sdpa = any_sdpa or sdpa
-        if segments and segments[-1].sdpa == sdpa:
-            segments[-1] = AttentionSegment(segments[-1].first, i + 1, sdpa)
+        last = segments[-1] if segments else None
+        if last is not None and last.sdpa == sdpa:
+            segments[-1] = AttentionSegment(
+                last.first,
+                i + 1,
+                sdpa,
+                max(last.max_query_len, chunk),
+                max(last.max_seq_len, seq_len),
+            )
         else:
-            segments.append(AttentionSegment(i, i + 1, sdpa))
-    return segments if any_sdpa else []
+            segments.append(AttentionSegment(i, i + 1, sdpa, chunk, seq_len))
+    return tuple(segments) if any_sdpa else ()
 
 
 def padded_length(length: int) -> int:

@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ferrum.kernels.sdpa_prefill import long_chunk_in_step, long_prefill_segments
 from ferrum.model_executor.attention_metadata import AttentionMetadata
 from ferrum.model_executor.staging_buffer import StagingBuffer, staging_bytes
 
@@ -235,6 +236,11 @@ class InputBuffers:
             slot_mapping=tuple(mapping for _, mapping in slot_mappings),
             query_start_loc_cpu=query_start_loc_list,
             seq_lens_cpu=seq_lens_list,
+            prefill_segments=(
+                long_prefill_segments(query_start_loc_list, seq_lens_list)
+                if pad_to is None and long_chunk_in_step(max_query_len)
+                else ()
+            ),
         )
         return StepInputs(
             input_ids=input_ids,

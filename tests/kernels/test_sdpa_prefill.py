@@ -48,6 +48,10 @@ def test_graph_replayed_chunks_never_take_it() -> None:
 def test_segments_split_the_step_at_long_fresh_prompts(query_start_loc, seq_lens, expected):
     segments = long_prefill_segments(query_start_loc, seq_lens)
     assert [(s.first, s.last, s.sdpa) for s in segments] == expected
+    # Each run carries its longest chunk and context, for the paged kernel's bounds.
+    for s in segments:
+        chunks = [query_start_loc[i + 1] - query_start_loc[i] for i in range(s.first, s.last)]
+        assert (s.max_query_len, s.max_seq_len) == (max(chunks), max(seq_lens[s.first : s.last]))
 
 
 def test_only_gpus_half_precision_and_long_chunks_take_it() -> None:

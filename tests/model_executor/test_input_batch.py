@@ -132,3 +132,23 @@ def test_each_kv_cache_group_gets_its_own_tables_and_slots() -> None:
 
     requests, scheduled = profile_batch([5], BLOCK, num_kv_groups=2)
     assert requests["0"].block_ids == ([1, 2], [1, 2])
+
+
+def test_a_step_with_a_long_fresh_prompt_carries_its_sdpa_segments(monkeypatch) -> None:
+    """Built once per step (the layers only read them): the decode, then the fresh prompt that
+    SDPA takes, then the later chunk, with each run's longest chunk and context."""
+    import ferrum.kernels.sdpa_prefill as sdpa_module
+
+    monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 8)
+    requests = {
+        "decode": Req(list(range(200, 206)), [5, 6], num_computed_tokens=5),
+        "fresh": Req(list(range(100, 110)), [7, 3, 9]),
+        "chunk": Req(list(range(300, 312)), [1, 2, 4], num_computed_tokens=4),
+    }
+    scheduled = {"decode": 1, "fresh": 10, "chunk": 8}
+    meta = make_buffers().prepare(requests, scheduled, 19, {}).attn_metadata
+    assert [
+        (s.first, s.last, s.sdpa, s.max_query_len, s.max_seq_len) for s in meta.prefill_segments
+    ] == [(0, 1, False, 1, 6), (1, 2, True, 10, 10), (2, 3, False, 8, 12)]
+    monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 11)
+    assert make_buffers().prepare(requests, scheduled, 19, {}).attn_metadata.prefill_segments == ()

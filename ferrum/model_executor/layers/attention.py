@@ -12,6 +12,7 @@ take (a multiple of 8 up to 256); see `takes_sdpa_prefill`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,8 +23,6 @@ from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from ferrum.kernels.rotary_kv_ref import qk_norm_rope_ref
 from ferrum.kernels.sdpa_prefill import (
     AttentionSegment,
-    long_chunk_in_step,
-    long_prefill_segments,
     sdpa_prefill,
     sdpa_takes,
 )
@@ -156,12 +155,10 @@ class Attention(nn.Module):
             k_norm_weight=k_norm_weight,
             eps=eps,
         )
-        if long_chunk_in_step(attn_metadata.max_query_len) and self.takes_sdpa_prefill():
-            segments = long_prefill_segments(
-                attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
+        if attn_metadata.prefill_segments and self.takes_sdpa_prefill():
+            return self._attend_by_segments(
+                query, key, value, attn_metadata, attn_metadata.prefill_segments
             )
-            if segments:
-                return self._attend_by_segments(query, key, value, attn_metadata, segments)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         return self.kernels.paged_attention(
             query,
@@ -183,14 +180,14 @@ class Attention(nn.Module):
         key: torch.Tensor,
         value: torch.Tensor,
         attn_metadata: AttentionMetadata,
-        segments: list[AttentionSegment],
+        segments: Sequence[AttentionSegment],
     ) -> torch.Tensor:
         """Long fresh prompts through SDPA, the runs of requests between them through the paged
         kernel, each onto its own rows of the output. Only where `takes_sdpa_prefill` (no
         window: the paged calls pass none)."""
         assert self.kernels is not None and self.kv_cache is not None
-        starts, seq_lens = attn_metadata.query_start_loc_cpu, attn_metadata.seq_lens_cpu
-        if len(seq_lens) == 1 and starts[1] == query.shape[0]:  # one prompt: SDPA's own output
+        starts = attn_metadata.query_start_loc_cpu
+        if len(starts) == 2 and starts[1] == query.shape[0]:  # one prompt: SDPA's own output
             return sdpa_prefill(query, key, value, starts, self.scale, None)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         group = self.kv_cache_group
@@ -212,8 +209,8 @@ class Attention(nn.Module):
                 attn_metadata.block_tables[group][first:last],
                 query_start_loc,
                 attn_metadata.seq_lens[first:last],
-                max(starts[i + 1] - starts[i] for i in range(first, last)),
-                max(seq_lens[first:last]),
+                segment.max_query_len,
+                segment.max_seq_len,
                 self.scale,
                 out[rows],
                 self.split_kv_workspace,
