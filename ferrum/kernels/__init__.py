@@ -17,3 +17,9 @@ def cuda_device_name(device: torch.device) -> str | None:
     """The GPU's name, which keys the tuned-config files (spaces become underscores there);
     None off CUDA."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
+
+
+@functools.cache
+def cuda_capability(device_index: int | None) -> tuple[int, int]:
+    """The GPU's compute capability (major, minor); None is the current device."""
+    return torch.cuda.get_device_capability(device_index)

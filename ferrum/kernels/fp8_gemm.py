@@ -14,12 +14,11 @@ Then out = (acc (+ bias[n])).to(out dtype).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels import cuda_capability
 from ferrum.kernels.fp8_gemm_config import Fp8GemmConfig
 from ferrum.kernels.fp8_quant import (
     AMAX_FLOOR,
@@ -133,11 +132,6 @@ def _fp8_gemm_kernel(
 MIN_CUDA_CAPABILITY = (8, 9)
 
 
-@functools.cache
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def _check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...], dtypes, device) -> None:
     if tuple(t.shape) != shape or t.dtype not in dtypes or t.device != device:
         names = "/".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -161,10 +155,10 @@ def _check_operands(
         )
     if (a.dtype == FP8_DTYPE) != (a_scale is not None):
         raise ValueError("a_scale must be given exactly when a is float8_e4m3fn")
-    if a.is_cuda and _cuda_capability(a.device.index or 0) < MIN_CUDA_CAPABILITY:
+    if a.is_cuda and cuda_capability(a.device.index) < MIN_CUDA_CAPABILITY:
         raise ValueError(
             f"FP8 GEMMs need CUDA compute capability >= {MIN_CUDA_CAPABILITY} (Ada, Hopper), "
-            f"{a.device} has {_cuda_capability(a.device.index or 0)}"
+            f"{a.device} has {cuda_capability(a.device.index)}"
         )
     m, k = a.shape
     if weight.dim() != 2 or weight.dtype != FP8_DTYPE or weight.stride(1) != 1:

@@ -12,12 +12,10 @@ of 16 row-wise; of 128 block-wise, on Hopper); elsewhere that bucket's Triton ti
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from ferrum.kernels import cuda_device_name
+from ferrum.kernels import cuda_capability, cuda_device_name
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
 from ferrum.kernels.fp8_gemm_config import Buckets, Fp8GemmConfig, get_fp8_gemm_buckets, pick
 from ferrum.kernels.fp8_gemv import fp8_gemv
@@ -87,11 +85,6 @@ def _gemv(
     )
 
 
-@functools.cache
-def _is_hopper(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
 def block_scaled_mm_takes(x: torch.Tensor, n: int, k: int) -> bool:
     """Whether cuBLASLt's 1x128 x 128x128 block-scaled GEMM serves x [M, K] @ W[N, K]^T."""
     return (
@@ -100,7 +93,7 @@ def block_scaled_mm_takes(x: torch.Tensor, n: int, k: int) -> bool:
         and n % 128 == 0
         and k % 128 == 0
         and hasattr(F, "scaled_mm")
-        and _is_hopper(x.device.index or 0)
+        and cuda_capability(x.device.index) == (9, 0)
     )
 
 

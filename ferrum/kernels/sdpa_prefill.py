@@ -14,13 +14,14 @@ lengths (`padded_length`), whose plans the runner builds at start-up.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ferrum.kernels import cuda_capability
 
 # Shortest chunk that takes SDPA; CUDA graphs replay prefill chunks of at most 512 tokens.
 SDPA_PREFILL_MIN_TOKENS = 2048
@@ -42,13 +43,8 @@ def sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
         and dtype in (torch.float16, torch.bfloat16)
         and head_dim % 8 == 0
         and head_dim <= 256
-        and _sm80_or_newer(device.index)
+        and cuda_capability(device.index) >= (8, 0)
     )
-
-
-@functools.cache
-def _sm80_or_newer(device_index: int | None) -> bool:
-    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 @dataclass(frozen=True)
