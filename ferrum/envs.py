@@ -42,6 +42,12 @@ def debug_fail_on_token() -> int | None:
     return token_id if token_id >= 0 else None
 
 
+def debug_no_pdl() -> bool:
+    """FERRUM_DEBUG_NO_PDL=1: kernels launch without programmatic dependent launch (kernels/pdl.py),
+    for A/B timing and for ruling it out when chasing a race."""
+    return _get("FERRUM_DEBUG_NO_PDL", "0") == "1"
+
+
 def _positive_int(name: str) -> int | None:
     try:
         n = int(_get(name, ""))

@@ -13,7 +13,8 @@ import ferrum
 PACKAGE = Path(ferrum.__file__).parent
 # The layer of each top-level module or subpackage of ferrum, bottom up.
 LAYERS = [
-    {"kernels"},
+    # envs (a leaf: it imports only os) sits with kernels, whose PDL switch it reads.
+    {"kernels", "envs"},
     {
         "request",
         "config",
@@ -22,7 +23,6 @@ LAYERS = [
         "recovery_config",
         "model_arch",
         "quant_config",
-        "envs",
         "logger",
         "sampling_params",
         "outputs",

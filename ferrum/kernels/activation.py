@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
 
 _BLOCK = 1024
 
@@ -24,8 +25,11 @@ def _silu_and_mul_kernel(
     stride_out,
     stride_x,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (t, c): columns [c * BLOCK, (c + 1) * BLOCK) of token t."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -60,7 +64,16 @@ def silu_and_mul(
         )
     if num_tokens > 0 and inter > 0:
         grid = (num_tokens, triton.cdiv(inter, _BLOCK))
+        pdl = uses_pdl(x.device)
         _silu_and_mul_kernel[grid](
-            out, x, inter, out.stride(0), x.stride(0), BLOCK=_BLOCK, num_warps=4
+            out,
+            x,
+            inter,
+            out.stride(0),
+            x.stride(0),
+            BLOCK=_BLOCK,
+            USE_PDL=pdl,
+            num_warps=4,
+            launch_pdl=pdl,
         )
     return out

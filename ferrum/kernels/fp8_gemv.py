@@ -30,8 +30,21 @@ from ferrum.kernels.fp8_quant import (
     fp8_scale_of,
     quantize_fp8_tile,
 )
+from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
 
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _block_scaled_chunk(
+    x, w_s, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr
+):
+    """A [BLOCK_K] fp32 chunk of the row quantized per group of GROUP columns, each group's codes
+    times its activation scale and its weight block's scale w_s [BLOCK_K // GROUP]."""
+    NUM_GROUPS: tl.constexpr = x.shape[0] // GROUP
+    xg = tl.reshape(x, (NUM_GROUPS, GROUP))
+    q, a_s = quantize_fp8_tile(xg, tl.max(tl.abs(xg), 1)[:, None], FP8_MAX, AMAX_FLOOR)
+    return tl.reshape(q.to(tl.float32) * (a_s * w_s[:, None]), (x.shape[0],))
 
 
 @triton.jit
@@ -54,7 +67,9 @@ def _fp8_gemv_kernel(
     AMAX_FLOOR: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     row = (pid % M).to(tl.int64)
     pid_n = pid // M
@@ -63,37 +78,46 @@ def _fp8_gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # The first weight tile (and its scales) is read before the wait: weights are never written
+    # while serving.
+    w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
     if BLOCK_SCALES:
         NUM_GROUPS: tl.constexpr = BLOCK_K // GROUP
         num_k_groups = K // GROUP
         s_row = w_scale_ptr + ((pid_n * BLOCK_N) // GROUP) * num_k_groups
         offs_g = tl.arange(0, NUM_GROUPS)
-        for k0 in range(0, K, BLOCK_K):
+        w_s = tl.load(s_row + offs_g, mask=offs_g < num_k_groups, other=0.0)
+        pdl_wait(USE_PDL)
+        x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        x_eff = _block_scaled_chunk(x, w_s, GROUP, FP8_MAX, AMAX_FLOOR)
+        acc = w.to(tl.float32) * x_eff[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w_ptrs += BLOCK_K
             k_mask = offs_k < K - k0
             x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            xg = tl.reshape(x, (NUM_GROUPS, GROUP))
-            q, a_s = quantize_fp8_tile(xg, tl.max(tl.abs(xg), 1)[:, None], FP8_MAX, AMAX_FLOOR)
             g_mask = offs_g < num_k_groups - k0 // GROUP
             w_s = tl.load(s_row + k0 // GROUP + offs_g, mask=g_mask, other=0.0)
-            x_eff = tl.reshape(q.to(tl.float32) * (a_s * w_s[:, None]), (BLOCK_K,))
+            x_eff = _block_scaled_chunk(x, w_s, GROUP, FP8_MAX, AMAX_FLOOR)
             acc += w.to(tl.float32) * x_eff[None, :]
-            w_ptrs += BLOCK_K
         out = tl.sum(acc, 1)
     else:
+        pdl_wait(USE_PDL)
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_row + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         row_amax = tl.max(amax, 0)
-        for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        q, _ = quantize_fp8_tile(x, row_amax, FP8_MAX, AMAX_FLOOR)
+        acc = w.to(tl.float32) * q.to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w_ptrs += BLOCK_K
             k_mask = offs_k < K - k0
             x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             q, _ = quantize_fp8_tile(x, row_amax, FP8_MAX, AMAX_FLOOR)
             acc += w.to(tl.float32) * q.to(tl.float32)[None, :]
-            w_ptrs += BLOCK_K
         w_s = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
         out = tl.sum(acc, 1) * fp8_scale_of(row_amax, FP8_MAX, AMAX_FLOOR) * w_s
     if HAS_BIAS:
@@ -124,6 +148,7 @@ def fp8_gemv(
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return out
+    pdl = uses_pdl(x.device)
     _fp8_gemv_kernel[(m * triton.cdiv(n, block_n),)](
         out,
         x,
@@ -143,7 +168,9 @@ def fp8_gemv(
         AMAX_FLOOR=AMAX_FLOOR,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     return out

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.fused_moe_config import DEFAULT_SMALL, pick
+from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
 
 # Batches of at most this many tokens take the small-batch GEMV path (no align).
 SMALL_BATCH_MAX_TOKENS = 8
@@ -68,10 +69,13 @@ def _moe_gate_up_gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (p, n): act[p, n*BLOCK_N..] = silu(g) * u, (g, u) = w13[e, (n | I + n)] @ x[t] for
     t = p // top_k, e = topk_ids[p]. Products accumulate per lane in fp32, summed once at the end.
     A pair whose e lies outside [0, num_experts) reads no weights (its act row is zero)."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     pair = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
@@ -132,10 +136,13 @@ def _moe_down_combine_gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (t, n): out[t, n*BLOCK_N..] = sum over j = 0..k-1 in order, in fp32, of
     topk_weights[p] * round(w2[e] @ act[p]) for p = t * top_k + j, e = topk_ids[p]; pairs
     whose e lies outside [0, num_experts) read no weights and add zero."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -202,7 +209,13 @@ def small_batch_moe(
     num_pairs = flat_ids.numel()
     inter = w2.shape[2]
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    pdl = uses_pdl(hidden.device)
+    launch = {
+        "USE_PDL": pdl,
+        "num_warps": config["num_warps"],
+        "num_stages": config["num_stages"],
+        "launch_pdl": pdl,
+    }
     fp8 = w13_scale is not None
     s13 = w13 if w13_scale is None else w13_scale
     s2 = w2 if w2_scale is None else w2_scale

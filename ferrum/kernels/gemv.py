@@ -15,8 +15,18 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
+from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
 
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _load_along_k(ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+    """A [BLOCK_K] chunk of the row or a [BLOCK_N, BLOCK_K] weight tile, zero past k_left
+    columns (nothing masked with EVEN_K)."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=offs_k < k_left, other=0.0)
 
 
 @triton.jit
@@ -35,7 +45,9 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     row = (pid % M).to(tl.int64)
     offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -45,18 +57,17 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + row * stride_xm + offs_k
     w_ptrs = w_ptr + safe_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_mask = offs_k < K - k0
-            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    # The first weight tile is read before the wait (weights are never written while serving).
+    w = _load_along_k(w_ptrs, offs_k, K, EVEN_K)
+    pdl_wait(USE_PDL)
+    x = _load_along_k(x_ptrs, offs_k, K, EVEN_K)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        x = _load_along_k(x_ptrs, offs_k, K - k0, EVEN_K)
+        w = _load_along_k(w_ptrs, offs_k, K - k0, EVEN_K)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, 1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -90,6 +101,7 @@ def gemv(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    pdl = uses_pdl(x.device)
     _gemv_kernel[(m * triton.cdiv(n, block_n),)](
         out,
         x,
@@ -105,7 +117,9 @@ def gemv(
         EVEN_K=k % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     return out

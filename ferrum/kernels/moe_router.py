@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
 
 MAX_EXPERTS = 8192
 
@@ -30,8 +31,11 @@ def _moe_router_kernel(
     RENORMALIZE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program t routes token t: top_k rounds of (max, lowest index attaining it, mask it out)."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
     e_mask = offs_e < num_experts
@@ -91,6 +95,7 @@ def moe_router(
     if num_tokens == 0:
         return topk_weights, topk_ids
     block_e = triton.next_power_of_2(num_experts)
+    pdl = uses_pdl(device)
     _moe_router_kernel[(num_tokens,)](
         topk_weights,
         topk_ids,
@@ -102,6 +107,8 @@ def moe_router(
         RENORMALIZE=renormalize,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
+        USE_PDL=pdl,
         num_warps=1 if block_e <= 512 else 4,
+        launch_pdl=pdl,
     )
     return topk_weights, topk_ids

@@ -31,6 +31,7 @@ from ferrum.kernels.paged_attention_common import (
     _window_constexpr,
     split_kv_max_programs,
 )
+from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
 
 
 @triton.jit
@@ -82,6 +83,7 @@ def _paged_attention_split_kernel(
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (part, kv_head, req) of a decode batch (token i belongs to request i).
 
@@ -91,6 +93,8 @@ def _paged_attention_split_kernel(
     m = max_k s_k and l = sum_k exp2(s_k - m), with s the scores scaled by scale * log2(e).
     Parts past the context store nothing.
     """
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     part = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.program_id(2)
@@ -159,9 +163,12 @@ def _split_kv_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program (req, head): out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p, M = max_p m_p,
     over the parts inside the context."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -315,6 +322,7 @@ def paged_attention_split_kv(
     group = num_heads // num_kv_heads
     block_m = max(16, triton.next_power_of_2(group))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    pdl = uses_pdl(query.device)
     _paged_attention_split_kernel[(num_splits, num_kv_heads, num_reqs)](
         ws_out,
         ws_max,
@@ -344,7 +352,9 @@ def paged_attention_split_kv(
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(query.dtype),
         WINDOW=window,
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     _split_kv_reduce_kernel[(num_reqs, num_heads)](
         out,
@@ -363,7 +373,9 @@ def paged_attention_split_kv(
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
         WINDOW=window,
+        USE_PDL=pdl,
         num_warps=1 if head_dim <= 64 else 2,
+        launch_pdl=pdl,
     )
     return out
 

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
 
 MAX_HIDDEN = 65536
 
@@ -29,11 +30,15 @@ def _rms_norm_kernel(
     stride_res,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program r normalises row r (after residual[r] += x[r] when HAS_RESIDUAL)."""
+    pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res_ptrs = residual_ptr + row * stride_res + offs
@@ -44,7 +49,6 @@ def _rms_norm_kernel(
         x = summed.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
     normed = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(
         out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask
     )
@@ -93,6 +97,7 @@ def _launch(
     if num_rows == 0:
         return
     block = triton.next_power_of_2(hidden)
+    pdl = uses_pdl(x.device)
     _rms_norm_kernel[(num_rows,)](
         out,
         x,
@@ -105,7 +110,9 @@ def _launch(
         residual.stride(0) if residual is not None else 0,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        USE_PDL=pdl,
         num_warps=min(16, max(1, block // 512)),
+        launch_pdl=pdl,
     )
 
 

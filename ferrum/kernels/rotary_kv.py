@@ -17,6 +17,7 @@ import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.kv_cache_write import check_cache_args, to_cache_dtype
+from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
 
 MAX_HEAD_DIM = 512
 
@@ -90,8 +91,11 @@ def _rotary_kv_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Program t: rotate q[t] and k[t] in place, then write k[t] and v[t] to the cache slot."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     if HAS_POSITIONS:
         row = tl.load(positions_ptr + tok)
@@ -253,6 +257,7 @@ def rotary_kv(
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    pdl = uses_pdl(device)
     _rotary_kv_kernel[(num_tokens,)](
         query,
         key,
@@ -286,5 +291,7 @@ def rotary_kv(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
+        USE_PDL=pdl,
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
+        launch_pdl=pdl,
     )
