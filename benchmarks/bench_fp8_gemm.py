@@ -160,6 +160,18 @@ def sweep_configs(m: int) -> list[Fp8GemmConfig]:
     ]
 
 
+# (BLOCK_N, BLOCK_K) of the GEMV sweep: 8-32 rows of 512-1024 columns, and longer K tiles of
+# fewer rows (16 KB or less of FP8 weights a tile, as the bf16 GEMV's fastest tiles read).
+GEMV_SWEEP_TILES = (
+    *itertools.product((8, 16, 32), (512, 1024)),
+    (2, 4096),
+    (4, 1024),
+    (4, 2048),
+    (4, 4096),
+    (8, 2048),
+)
+
+
 def gemv_fn(x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConfig):
     weights = w.block if scale_format == "block" else w.channel
     tiles = (config.BLOCK_N, config.BLOCK_K, config.num_warps, config.num_stages)
@@ -168,7 +180,7 @@ def gemv_fn(x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConfi
 
 def run_gemv_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dict:
     best = None
-    for bn, bk, nw, ns in itertools.product((8, 16, 32), (512, 1024), (4, 8), (1, 2)):
+    for (bn, bk), nw, ns in itertools.product(GEMV_SWEEP_TILES, (4, 8), (1, 2)):
         config = Fp8GemmConfig("gemv", BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
         try:
             us = graph_us(gemv_fn(x, w, scale_format, config), len(w.bf16), iters)

@@ -50,7 +50,9 @@ def model_shapes(config_path: Path) -> dict[str, tuple[int, int]]:
         "o": (hidden, heads * head_dim),
         "lm_head": (cfg["vocab_size"], hidden),
     }
-    if not cfg.get("num_experts"):
+    if cfg.get("num_experts"):
+        shapes["router"] = (cfg["num_experts"], hidden)
+    else:
         shapes["gate_up"] = (2 * cfg["intermediate_size"], hidden)
         shapes["down"] = (hidden, cfg["intermediate_size"])
     return shapes
@@ -113,6 +115,9 @@ def main() -> int:
         default="benchmarks/models/qwen3-8b",
         help="comma-separated model folders (their config.json gives the shapes)",
     )
+    parser.add_argument(
+        "--only", default=None, help="comma-separated layer names to measure (e.g. router)"
+    )
     parser.add_argument("--iters", type=int, default=50, help="calls per CUDA graph")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--save", action="store_true", help="with --sweep: write the winners")
@@ -128,7 +133,8 @@ def main() -> int:
     shapes: dict[tuple[int, int], list[str]] = {}
     for folder in args.models.split(","):
         for name, nk in model_shapes(Path(folder) / "config.json").items():
-            shapes.setdefault(nk, []).append(f"{Path(folder).name}:{name}")
+            if args.only is None or name in args.only.split(","):
+                shapes.setdefault(nk, []).append(f"{Path(folder).name}:{name}")
     tuned = get_gemv_tiles(device_name)
     results, winners = [], {}
     for (n, k), names in shapes.items():

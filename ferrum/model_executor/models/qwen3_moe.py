@@ -14,7 +14,7 @@ from ferrum.model_arch import ModelArchConfig
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.fused_moe import DOWN, GATE_UP, FusedMoE
 from ferrum.model_executor.layers.linear import Linear
-from ferrum.model_executor.layers.quantization import get_moe_method
+from ferrum.model_executor.layers.quantization import get_linear_method, get_moe_method
 from ferrum.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP, layer_prefix
 from ferrum.model_executor.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 from ferrum.model_executor.pipeline_stage import PipelineStage
@@ -43,7 +43,12 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     ) -> None:
         super().__init__()
         # The router stays in the model dtype (as in Qwen's FP8 checkpoints).
-        self.gate = Linear(arch.hidden_size, arch.num_experts, bias=False)
+        self.gate = Linear(
+            arch.hidden_size,
+            arch.num_experts,
+            bias=False,
+            quant_method=get_linear_method(None, kernels, [f"{prefix}.gate"]),
+        )
         self.experts = FusedMoE(
             num_experts=arch.num_experts,
             top_k=arch.num_experts_per_tok,
