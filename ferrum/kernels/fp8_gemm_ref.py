@@ -1,4 +1,5 @@
-"""Torch reference for the W8A8 FP8 GEMMs: dequantize both operands to fp32, then matmul."""
+"""Torch references for the FP8 GEMMs: W8A8 (dequantize both operands to fp32, then matmul) and
+the weight-only product of the one-row GEMV (the activations as given)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,19 @@ def w8a8_block_fp8_matmul_ref(
         a, a_scale = per_token_group_quant_fp8_ref(a)
     a_f = dequantize_per_token_group_ref(a, a_scale)
     return _finish(a_f, dequantize_weight_block(weight, weight_scale_inv), bias, out_dtype)
+
+
+def fp8_weight_only_matmul_ref(
+    a: torch.Tensor,  # [M, K] fp16/bf16/fp32
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [ceil(N / 128), K / 128] (block_scales) or [N, 1] fp32
+    block_scales: bool,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """(a @ dequant(weight)^T + bias).to(out_dtype), computed in fp32 (fp8_gemv's product)."""
+    dequantize = dequantize_weight_block if block_scales else dequantize_weight_per_channel
+    return _finish(a.float(), dequantize(weight, weight_scale), bias, out_dtype)
 
 
 def w8a8_channel_fp8_matmul_ref(

@@ -1,18 +1,20 @@
-"""Triton W8A8 FP8 (e4m3fn) GEMV for decode-sized batches: out = A @ W^T, one row of A a program.
+"""Triton FP8 (e4m3fn) weight GEMV for one activation row: out = x @ dequant(W)^T.
 
-At a few rows a GEMM is a read of W: tensor-core tiles of 16+ rows and cuBLASLt's kernels leave
-HBM idle there, so this kernel streams W [N, K] through CUDA cores instead. Program p computes
-out[m, n0:n0 + BLOCK_N] for m = p % M (rows vary fastest, so the programs that read one W tile run
-together and share it in L2), n0 = (p // M) * BLOCK_N, accumulating per lane in fp32 and summing
-once at the end. The activations are quantized in the kernel with fp8_quant's math, so the
-result is the W8A8 GEMM's (fp8_gemm_ref) up to the order of the fp32 sums:
+At one row a linear layer is a read of W: tensor-core tiles of 16+ rows and cuBLASLt's kernels
+leave HBM idle there, so this kernel streams W [N, K] through CUDA cores instead. Program p
+computes out[m, n0:n0 + BLOCK_N] for m = p % M (rows vary fastest, so the programs that read one
+W tile run together and share it in L2), n0 = (p // M) * BLOCK_N, accumulating per lane in fp32
+and summing once at the end.
+
+The activations stay in their dtype (weight-only FP8, as the small-batch MoE GEMVs run): the
+result is the fp32 product with the dequantized weights (`fp8_weight_only_matmul_ref`) up to the
+order of the sums. It differs from the W8A8 GEMMs of larger batches by their activation rounding
+(up to 2^-4 of each value), and is the closer of the two to the unquantized layer.
 
 Block scales (w_scale [ceil(N / 128), K / 128]): BLOCK_N divides 128, so a program's rows share one
-scale row, and BLOCK_K is a multiple of 128. Each group g of 128 columns of a row is quantized
-(q_g, a_scale_g) and enters the sum as q_g * (a_scale_g * w_scale[n0 // 128, g]): the scales are
-applied to the activation, once per column rather than once per weight.
-Per-channel scales (w_scale [N, 1]): a first pass over the row gives its abs-max, the second sums
-q * w; out = sum * a_scale * w_scale[n].
+scale row, and BLOCK_K is a multiple of 128. Column k of the row enters the sum as
+x[k] * w_scale[n0 // 128, k // 128]: the scales are applied to the activation, once per column
+rather than once per weight. Per-channel scales (w_scale [N, 1]): out = sum(x * w) * w_scale[n].
 """
 
 from __future__ import annotations
@@ -23,28 +25,19 @@ import triton.language as tl
 
 from ferrum.kernels.fp8_gemm import check_fp8_operands
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
-from ferrum.kernels.fp8_quant import (
-    AMAX_FLOOR,
-    FP8_MAX,
-    GROUP_SIZE,
-    fp8_scale_of,
-    quantize_fp8_tile,
-)
+from ferrum.kernels.fp8_quant import GROUP_SIZE
 from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
 
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _block_scaled_chunk(
-    x, w_s, GROUP: tl.constexpr, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr
-):
-    """A [BLOCK_K] fp32 chunk of the row quantized per group of GROUP columns, each group's codes
-    times its activation scale and its weight block's scale w_s [BLOCK_K // GROUP]."""
+def _block_scaled_chunk(x, w_s, GROUP: tl.constexpr):
+    """A [BLOCK_K] fp32 chunk of the row, each group of GROUP columns times its weight block's
+    scale w_s [BLOCK_K // GROUP]."""
     NUM_GROUPS: tl.constexpr = x.shape[0] // GROUP
-    xg = tl.reshape(x, (NUM_GROUPS, GROUP))
-    q, a_s = quantize_fp8_tile(xg, tl.max(tl.abs(xg), 1)[:, None], FP8_MAX, AMAX_FLOOR)
-    return tl.reshape(q.to(tl.float32) * (a_s * w_s[:, None]), (x.shape[0],))
+    xg = tl.reshape(x, (NUM_GROUPS, GROUP)) * w_s[:, None]
+    return tl.reshape(xg, (x.shape[0],))
 
 
 @triton.jit
@@ -63,8 +56,6 @@ def _fp8_gemv_kernel(
     BLOCK_SCALES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     GROUP: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    AMAX_FLOOR: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -87,39 +78,24 @@ def _fp8_gemv_kernel(
         s_row = w_scale_ptr + ((pid_n * BLOCK_N) // GROUP) * num_k_groups
         offs_g = tl.arange(0, NUM_GROUPS)
         w_s = tl.load(s_row + offs_g, mask=offs_g < num_k_groups, other=0.0)
-        pdl_wait(USE_PDL)
-        x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        x_eff = _block_scaled_chunk(x, w_s, GROUP, FP8_MAX, AMAX_FLOOR)
-        acc = w.to(tl.float32) * x_eff[None, :]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w_ptrs += BLOCK_K
-            k_mask = offs_k < K - k0
-            x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    pdl_wait(USE_PDL)
+    x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    if BLOCK_SCALES:
+        x = _block_scaled_chunk(x, w_s, GROUP)
+    acc = w.to(tl.float32) * x[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w_ptrs += BLOCK_K
+        k_mask = offs_k < K - k0
+        x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if BLOCK_SCALES:
             g_mask = offs_g < num_k_groups - k0 // GROUP
             w_s = tl.load(s_row + k0 // GROUP + offs_g, mask=g_mask, other=0.0)
-            x_eff = _block_scaled_chunk(x, w_s, GROUP, FP8_MAX, AMAX_FLOOR)
-            acc += w.to(tl.float32) * x_eff[None, :]
-        out = tl.sum(acc, 1)
-    else:
-        pdl_wait(USE_PDL)
-        amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_row + k0 + offs_k, mask=offs_k < K - k0, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        row_amax = tl.max(amax, 0)
-        x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        q, _ = quantize_fp8_tile(x, row_amax, FP8_MAX, AMAX_FLOOR)
-        acc = w.to(tl.float32) * q.to(tl.float32)[None, :]
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            w_ptrs += BLOCK_K
-            k_mask = offs_k < K - k0
-            x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            q, _ = quantize_fp8_tile(x, row_amax, FP8_MAX, AMAX_FLOOR)
-            acc += w.to(tl.float32) * q.to(tl.float32)[None, :]
-        w_s = tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
-        out = tl.sum(acc, 1) * fp8_scale_of(row_amax, FP8_MAX, AMAX_FLOOR) * w_s
+            x = _block_scaled_chunk(x, w_s, GROUP)
+        acc += w.to(tl.float32) * x[None, :]
+    out = tl.sum(acc, 1)
+    if not BLOCK_SCALES:
+        out *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -137,8 +113,7 @@ def fp8_gemv(
     num_stages: int = 2,
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """[M, N] out_dtype: x quantized per group of 128 (block_scales) or per row (per-channel
-    weight scales) times W^T, plus bias."""
+    """[M, N] out_dtype: x times the dequantized W^T (fp32 sums), plus bias."""
     if x.dim() != 2 or x.dtype not in _IN_DTYPES or x.stride(1) != 1:
         raise ValueError(
             f"x must be [M, K] fp16/bf16/fp32 with stride(1) == 1, got {tuple(x.shape)} {x.dtype}"
@@ -164,8 +139,6 @@ def fp8_gemv(
         BLOCK_SCALES=block_scales,
         HAS_BIAS=bias is not None,
         GROUP=GROUP_SIZE,
-        FP8_MAX=FP8_MAX,
-        AMAX_FLOOR=AMAX_FLOOR,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         USE_PDL=pdl,

@@ -1,10 +1,10 @@
 """FP8 linear: out = x @ W^T (+ bias) for an FP8 weight, the GEMM picked per batch size.
 
-x [..., K] fp16/bf16 is quantized dynamically (per token-group of 128 for block-scaled weights,
-per token for per-channel weights) and the output has x's dtype. The buckets (fp8_gemm_config)
-choose, per number of rows M: the GEMV (fp8_gemv, decode-sized M), the fused Triton GEMM
-(quantizes its own activation tiles), a quantization pass then the Triton GEMM, or a
-quantization pass then cuBLASLt ("scaled_mm"):
+The output has x's dtype. The buckets (fp8_gemm_config) choose, per number of rows M: the GEMV
+(fp8_gemv, decode-sized M, one row by default; weight-only: x is not quantized), or with x
+[..., K] fp16/bf16 quantized dynamically (per token-group of 128 for block-scaled weights, per
+token for per-channel weights): the fused Triton GEMM (quantizes its own activation tiles), a
+quantization pass then the Triton GEMM, or a quantization pass then cuBLASLt ("scaled_mm"):
 torch._scaled_mm row-wise for per-channel weights, F.scaled_mm BlockWise1x128 x BlockWise128x128
 for block weights. cuBLASLt runs only where it takes the operands (bf16 output; N and K multiples
 of 16 row-wise; of 128 block-wise, on Hopper); elsewhere that bucket's Triton tile runs instead.
@@ -43,7 +43,8 @@ def fp8_block_linear(
     bias: torch.Tensor | None = None,  # [N]
     buckets: Buckets | None = None,
 ) -> torch.Tensor:
-    """Returns [..., N] in x's dtype: x quantized per token-group of 128, block-scaled GEMM."""
+    """Returns [..., N] in x's dtype: x quantized per token-group of 128, block-scaled GEMM (the
+    GEMV bucket: weight-only)."""
     n, k = weight.shape
     x2 = _rows(x, k)
     config = pick(_buckets("block", x, n, k) if buckets is None else buckets, x2.shape[0])
@@ -135,7 +136,8 @@ def fp8_channel_linear(
     bias: torch.Tensor | None = None,  # [N]
     buckets: Buckets | None = None,
 ) -> torch.Tensor:
-    """Returns [..., N] in x's dtype: x quantized per token, per-channel scaled GEMM."""
+    """Returns [..., N] in x's dtype: x quantized per token, per-channel scaled GEMM (the GEMV
+    bucket: weight-only)."""
     n, k = weight.shape
     x2 = _rows(x, k)
     config = pick(_buckets("channel", x, n, k) if buckets is None else buckets, x2.shape[0])

@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from ferrum.kernels.fp8_gemm_config import Fp8GemmConfig
-from ferrum.kernels.fp8_gemm_ref import w8a8_block_fp8_matmul_ref, w8a8_channel_fp8_matmul_ref
+from ferrum.kernels.fp8_gemm_ref import (
+    fp8_weight_only_matmul_ref,
+    w8a8_block_fp8_matmul_ref,
+    w8a8_channel_fp8_matmul_ref,
+)
 from ferrum.kernels.fp8_linear import (
     block_scaled_mm_takes,
     fp8_block_linear,
@@ -86,8 +90,8 @@ def test_default_buckets_run(device: torch.device) -> None:
 )
 @pytest.mark.parametrize("m", [1, 3, 64, 300])
 def test_block_linear_cublas_matches_reference(m: int) -> None:
-    """Default buckets take cuBLASLt's block-scaled GEMM for bf16; M is padded to 4 inside and
-    K = 384 has 3 scale columns (padded to 4)."""
+    """Default buckets take cuBLASLt's block-scaled GEMM for bf16 from two rows on (one row takes
+    the GEMV); M is padded to 4 inside and K = 384 has 3 scale columns (padded to 4)."""
     gen = torch.Generator().manual_seed(m)
     weight, scale_inv = (
         t.cuda() for t in quantize_weight_block(torch.randn(256, 384, generator=gen) * 0.05)
@@ -98,7 +102,10 @@ def test_block_linear_cublas_matches_reference(m: int) -> None:
     assert not block_scaled_mm_takes(x.half(), 256, 384)
     assert not block_scaled_mm_takes(x, 192, 384)
     out = fp8_block_linear(x, weight, scale_inv, bias)
-    ref = w8a8_block_fp8_matmul_ref(x, weight, scale_inv, torch.bfloat16, bias=bias)
+    if m == 1:  # one row takes the weight-only GEMV
+        ref = fp8_weight_only_matmul_ref(x, weight, scale_inv, True, torch.bfloat16, bias=bias)
+    else:
+        ref = w8a8_block_fp8_matmul_ref(x, weight, scale_inv, torch.bfloat16, bias=bias)
     _close(out, ref, 2e-2)
 
 
