@@ -63,10 +63,10 @@ def gemv_fn(x: torch.Tensor, weights: list[torch.Tensor], tile: GemvTile):
     return lambda i: gemv(x, weights[i], *tiles)
 
 
-def sweep(x: torch.Tensor, weights: list[torch.Tensor], iters: int) -> dict:
+def sweep(x: torch.Tensor, weights: list[torch.Tensor], iters: int, grid: dict) -> dict:
     best: dict = {}
-    for values in itertools.product(*SWEEP.values()):
-        tile = GemvTile(**dict(zip(SWEEP, values)))
+    for values in itertools.product(*grid.values()):
+        tile = GemvTile(**dict(zip(grid, values)))
         try:
             us = graph_us(gemv_fn(x, weights, tile), len(weights), iters)
         except Exception as exc:  # a tile the compiler rejects
@@ -81,7 +81,7 @@ def tb_per_s(n: int, k: int, us: float) -> float:
     return 2 * n * k / us / 1e6
 
 
-def measure_shape(n: int, k: int, tile: GemvTile, do_sweep: bool, iters: int) -> dict:
+def measure_shape(n: int, k: int, tile: GemvTile, grid: dict | None, iters: int) -> dict:
     """F.linear and the GEMV (`tile`, and the sweep's best) at one row of a bf16 [n, k] weight."""
     copies = max(1, min(MAX_COPIES, -(-L2_FLUSH_BYTES // (2 * n * k))))
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -99,8 +99,8 @@ def measure_shape(n: int, k: int, tile: GemvTile, do_sweep: bool, iters: int) ->
         "gemv_us": graph_us(gemv_fn(x, weights, tile), copies, iters),
         "gemv_tile": dataclasses.asdict(tile),
     }
-    if do_sweep:
-        row["sweep"] = sweep(x, weights, iters)
+    if grid is not None:
+        row["sweep"] = sweep(x, weights, iters, grid)
         if row["sweep"]:
             best = GemvTile(**row["sweep"]["tile"])
             got = gemv(x, w, *dataclasses.astuple(best)).float()
@@ -120,6 +120,12 @@ def main() -> int:
     )
     parser.add_argument("--iters", type=int, default=50, help="calls per CUDA graph")
     parser.add_argument("--sweep", action="store_true")
+    for name in SWEEP:
+        parser.add_argument(
+            f"--{name.lower().replace('_', '-')}",
+            default=None,
+            help=f"with --sweep: comma-separated {name} values (default {SWEEP[name]})",
+        )
     parser.add_argument("--save", action="store_true", help="with --sweep: write the winners")
     parser.add_argument(
         "--min-gain", type=float, default=0.03, help="--save: the GEMV must be this much faster"
@@ -128,6 +134,14 @@ def main() -> int:
     args = parser.parse_args()
     if args.save and not args.sweep:
         parser.error("--save needs --sweep")
+    grid = None
+    if args.sweep:
+        grid = {
+            name: tuple(int(v) for v in getattr(args, name.lower()).split(","))
+            if getattr(args, name.lower()) is not None
+            else values
+            for name, values in SWEEP.items()
+        }
     device_name = torch.cuda.get_device_name()
     print(f"{device_name}, torch {torch.__version__}, timings: CUDA graph of {args.iters} calls")
     shapes: dict[tuple[int, int], list[str]] = {}
@@ -138,7 +152,7 @@ def main() -> int:
     tuned = get_gemv_tiles(device_name)
     results, winners = [], {}
     for (n, k), names in shapes.items():
-        row = measure_shape(n, k, tuned.get((n, k), GemvTile(8, 512)), args.sweep, args.iters)
+        row = measure_shape(n, k, tuned.get((n, k), GemvTile(8, 512)), grid, args.iters)
         row["shapes"] = names
         best = row.get("sweep", {})
         if best and best["us"] * (1 + args.min_gain) < row["f_linear_us"]:
