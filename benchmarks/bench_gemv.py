@@ -134,6 +134,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.save and not args.sweep:
         parser.error("--save needs --sweep")
+    narrowed = [name for name in SWEEP if getattr(args, name.lower()) is not None]
+    if narrowed and not args.sweep:
+        parser.error(f"--{narrowed[0].lower().replace('_', '-')} needs --sweep")
     grid = None
     if args.sweep:
         grid = {
@@ -149,6 +152,8 @@ def main() -> int:
         for name, nk in model_shapes(Path(folder) / "config.json").items():
             if args.only is None or name in args.only.split(","):
                 shapes.setdefault(nk, []).append(f"{Path(folder).name}:{name}")
+    if not shapes:
+        parser.error(f"--only {args.only}: no such layer (qkv, o, gate_up, down, lm_head, router)")
     tuned = get_gemv_tiles(device_name)
     results, winners = [], {}
     for (n, k), names in shapes.items():

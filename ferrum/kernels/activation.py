@@ -12,7 +12,12 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
-from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
+from ferrum.kernels.pdl import (
+    pdl_launch_dependents,
+    pdl_launch_options,
+    pdl_wait,
+    uses_pdl,
+)
 
 _BLOCK = 1024
 
@@ -74,6 +79,6 @@ def silu_and_mul(
             BLOCK=_BLOCK,
             USE_PDL=pdl,
             num_warps=4,
-            launch_pdl=pdl,
+            **pdl_launch_options(pdl),
         )
     return out

@@ -28,8 +28,8 @@ class Fp8GemmConfig:
     """One launch choice. backend "scaled_mm" (cuBLASLt: row-wise for per-channel weights,
     block-wise on Hopper for block weights; bf16 output only, else the Triton tile below runs);
     "gemv": fp8_gemv, one activation row a program (BLOCK_N x BLOCK_K weight tiles, weight-only:
-    the activations are not quantized; BLOCK_M, GROUP_M and quant unused). quant "fused": the Triton GEMM
-    quantizes its activation tiles itself; "separate": a quantization pass writes fp8
+    the activations are not quantized; BLOCK_M, GROUP_M and quant unused). quant "fused": the
+    Triton GEMM quantizes its activation tiles itself; "separate": a quantization pass writes fp8
     activations first."""
 
     backend: str = "triton"

@@ -1,4 +1,5 @@
-"""Triton FP8 (e4m3fn) weight GEMV for one activation row: out = x @ dequant(W)^T.
+"""Triton FP8 (e4m3fn) weight GEMV for decode-sized batches (the buckets give it one row):
+out = x @ dequant(W)^T.
 
 At one row a linear layer is a read of W: tensor-core tiles of 16+ rows and cuBLASLt's kernels
 leave HBM idle there, so this kernel streams W [N, K] through CUDA cores instead. Program p
@@ -26,7 +27,12 @@ import triton.language as tl
 from ferrum.kernels.fp8_gemm import check_fp8_operands
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
 from ferrum.kernels.fp8_quant import GROUP_SIZE
-from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
+from ferrum.kernels.pdl import (
+    pdl_launch_dependents,
+    pdl_launch_options,
+    pdl_wait,
+    uses_pdl,
+)
 
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -144,6 +150,6 @@ def fp8_gemv(
         USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
-        launch_pdl=pdl,
+        **pdl_launch_options(pdl),
     )
     return out

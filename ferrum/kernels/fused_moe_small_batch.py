@@ -19,7 +19,12 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.fused_moe_config import DEFAULT_SMALL, pick
-from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
+from ferrum.kernels.pdl import (
+    pdl_launch_dependents,
+    pdl_launch_options,
+    pdl_wait,
+    uses_pdl,
+)
 
 # Batches of at most this many tokens take the small-batch GEMV path (no align).
 SMALL_BATCH_MAX_TOKENS = 8
@@ -214,7 +219,7 @@ def small_batch_moe(
         "USE_PDL": pdl,
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
-        "launch_pdl": pdl,
+        **pdl_launch_options(pdl),
     }
     fp8 = w13_scale is not None
     s13 = w13 if w13_scale is None else w13_scale

@@ -15,7 +15,12 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
-from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
+from ferrum.kernels.pdl import (
+    pdl_launch_dependents,
+    pdl_launch_options,
+    pdl_wait,
+    uses_pdl,
+)
 
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -120,6 +125,6 @@ def gemv(
         USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
-        launch_pdl=pdl,
+        **pdl_launch_options(pdl),
     )
     return out

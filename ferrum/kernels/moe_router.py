@@ -14,7 +14,12 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
-from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
+from ferrum.kernels.pdl import (
+    pdl_launch_dependents,
+    pdl_launch_options,
+    pdl_wait,
+    uses_pdl,
+)
 
 MAX_EXPERTS = 8192
 
@@ -109,6 +114,6 @@ def moe_router(
         BLOCK_K=triton.next_power_of_2(top_k),
         USE_PDL=pdl,
         num_warps=1 if block_e <= 512 else 4,
-        launch_pdl=pdl,
+        **pdl_launch_options(pdl),
     )
     return topk_weights, topk_ids

@@ -31,7 +31,12 @@ from ferrum.kernels.paged_attention_common import (
     _window_constexpr,
     split_kv_max_programs,
 )
-from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
+from ferrum.kernels.pdl import (
+    pdl_launch_dependents,
+    pdl_launch_options,
+    pdl_wait,
+    uses_pdl,
+)
 
 
 @triton.jit
@@ -354,7 +359,7 @@ def paged_attention_split_kv(
         WINDOW=window,
         USE_PDL=pdl,
         num_warps=4,
-        launch_pdl=pdl,
+        **pdl_launch_options(pdl),
     )
     _split_kv_reduce_kernel[(num_reqs, num_heads)](
         out,
@@ -375,7 +380,7 @@ def paged_attention_split_kv(
         WINDOW=window,
         USE_PDL=pdl,
         num_warps=1 if head_dim <= 64 else 2,
-        launch_pdl=pdl,
+        **pdl_launch_options(pdl),
     )
     return out
 

@@ -1,10 +1,12 @@
 """Programmatic dependent launch (PDL): on Hopper and later a kernel starts while the kernel before
 it in the stream is still finishing.
 
-A kernel launched with `launch_pdl=True` may start once every program of the kernel before it
+A kernel launched with PDL (`**pdl_launch_options(pdl)`) may start once every program of the kernel before it
 has called `pdl_launch_dependents` (or exited). Its `pdl_wait` returns once that kernel has
-finished and its writes are visible. The decode path's kernels launch this way, so a step's
-kernels start early and wait on the device instead of paying each launch and ramp-up in turn.
+finished and its writes are visible. The kernels a decode step chains (norms, GEMVs, RoPE/KV write,
+split-KV attention, SiLU-and-mul, the MoE router and small-batch experts) launch this way wherever
+they run, so a step's kernels start early and wait on the device instead of paying each launch
+and ramp-up in turn.
 A GEMV loads its first weight tile before the wait, overlapping the previous kernel's tail.
 
 Invariants of a kernel launched with PDL:
@@ -16,8 +18,8 @@ Invariants of a kernel launched with PDL:
 
 Kernels call `pdl_launch_dependents` first, so the next kernel is queued as soon as this one's
 last program has started; its programs take free slots and wait there.
-Off the GPU (Triton's interpreter), before sm90, and with FERRUM_DEBUG_NO_PDL=1 (an A/B switch)
-kernels launch plainly and both calls compile to nothing.
+Off the GPU (Triton's interpreter), before sm90, on ROCm, with a Triton before 3.4, and with
+FERRUM_DEBUG_NO_PDL=1 (an A/B switch) kernels launch plainly and both calls compile to nothing.
 """
 
 from __future__ import annotations
@@ -27,24 +29,50 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ferrum import envs
 from ferrum.kernels import cuda_capability
 
-# Programmatic dependent launch needs Hopper's griddepcontrol instructions.
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    TRITON_HAS_PDL = True
+except ImportError:  # a Triton without griddepcontrol (before 3.4): kernels launch plainly
+    TRITON_HAS_PDL = False
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+
+# Programmatic dependent launch needs Hopper's griddepcontrol instructions (NVIDIA only).
 MIN_PDL_CAPABILITY = (9, 0)
 
 
 @functools.cache
 def _device_takes_pdl(device_index: int | None) -> bool:
-    return cuda_capability(device_index) >= MIN_PDL_CAPABILITY and not envs.debug_no_pdl()
+    return (
+        TRITON_HAS_PDL
+        and torch.version.hip is None
+        and cuda_capability(device_index) >= MIN_PDL_CAPABILITY
+        and not envs.debug_no_pdl()
+    )
 
 
 def uses_pdl(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: a CUDA GPU of sm90 or later, unless
-    FERRUM_DEBUG_NO_PDL=1."""
+    """Whether kernels on `device` launch with PDL: an NVIDIA GPU of sm90 or later and a Triton
+    with griddepcontrol, unless FERRUM_DEBUG_NO_PDL=1."""
     return device.type == "cuda" and _device_takes_pdl(device.index)
+
+
+def pdl_launch_options(pdl: bool) -> dict[str, bool]:
+    """The launch keyword for a kernel given USE_PDL=pdl (none without PDL, so a Triton that
+    predates the option never sees it)."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit

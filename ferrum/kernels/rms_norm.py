@@ -12,7 +12,12 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
-from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
+from ferrum.kernels.pdl import (
+    pdl_launch_dependents,
+    pdl_launch_options,
+    pdl_wait,
+    uses_pdl,
+)
 
 MAX_HIDDEN = 65536
 
@@ -37,6 +42,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    # Read before the wait: norm weights are never written while serving.
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
@@ -112,7 +118,7 @@ def _launch(
         BLOCK=block,
         USE_PDL=pdl,
         num_warps=min(16, max(1, block // 512)),
-        launch_pdl=pdl,
+        **pdl_launch_options(pdl),
     )
 
 

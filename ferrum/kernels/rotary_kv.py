@@ -17,7 +17,12 @@ import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.kv_cache_write import check_cache_args, to_cache_dtype
-from ferrum.kernels.pdl import pdl_launch_dependents, pdl_wait, uses_pdl
+from ferrum.kernels.pdl import (
+    pdl_launch_dependents,
+    pdl_launch_options,
+    pdl_wait,
+    uses_pdl,
+)
 
 MAX_HEAD_DIM = 512
 
@@ -293,5 +298,5 @@ def rotary_kv(
         HALF_PAD=triton.next_power_of_2(half),
         USE_PDL=pdl,
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
-        launch_pdl=pdl,
+        **pdl_launch_options(pdl),
     )

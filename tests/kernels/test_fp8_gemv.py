@@ -12,7 +12,7 @@ from ferrum.kernels.fp8_gemm_ref import fp8_weight_only_matmul_ref
 from ferrum.kernels.fp8_gemv import fp8_gemv
 from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
 from ferrum.kernels.fp8_weight import quantize_weight_block, quantize_weight_per_channel
-from tests.utils.fp8_inputs import cuda_only, random_input, representable
+from tests.utils.fp8_inputs import cuda_only, random_input
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
@@ -35,7 +35,7 @@ def _weights(n: int, k: int, block: bool, device: torch.device, seed: int = 0):
 def test_block_gemv_matches_reference(m, block_n, block_k, device) -> None:
     n, k = 200, 640
     weight, scale = _weights(n, k, True, device, seed=m)
-    x = representable(m, k, 128, torch.float16, device, seed=m)
+    x = random_input(m, k, torch.float16, device, seed=m)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(device, torch.float16)
     out = fp8_gemv(x, weight, scale, torch.float16, True, block_n, block_k, bias=bias)
     ref = fp8_weight_only_matmul_ref(x, weight, scale, True, torch.float16, bias=bias)
@@ -48,7 +48,7 @@ def test_block_gemv_matches_reference(m, block_n, block_k, device) -> None:
 def test_channel_gemv_matches_reference(m, block_n, block_k, device) -> None:
     n, k = 72, 200
     weight, scale = _weights(n, k, False, device, seed=m)
-    x = representable(m, k, k, torch.float32, device, seed=m)
+    x = random_input(m, k, torch.float32, device, seed=m)
     out = fp8_gemv(x, weight, scale, torch.float32, False, block_n, block_k)
     ref = fp8_weight_only_matmul_ref(x, weight, scale, False, torch.float32)
     _close(out, ref, 1e-5)
@@ -58,12 +58,12 @@ def test_linear_layers_take_the_gemv_bucket(device) -> None:
     gemv = Fp8GemmConfig(backend="gemv", BLOCK_N=16, BLOCK_K=256)
     other = Fp8GemmConfig(quant="separate", BLOCK_M=16, BLOCK_N=32, num_stages=2)
     weight, scale = _weights(256, 384, True, device)
-    x = representable(2, 384, 128, torch.float16, device, seed=4).view(1, 2, 384)
+    x = random_input(2, 384, torch.float16, device, seed=4).view(1, 2, 384)
     out = fp8_block_linear(x, weight, scale, buckets={2: gemv, 64: other})
     ref = fp8_weight_only_matmul_ref(x.view(2, 384), weight, scale, True, torch.float16)
     _close(out.view(2, 256), ref, 2e-3)
     weight, scale = _weights(96, 160, False, device)
-    x = representable(1, 160, 160, torch.float16, device, seed=5)
+    x = random_input(1, 160, torch.float16, device, seed=5)
     out = fp8_channel_linear(x, weight, scale, buckets={1: gemv, 64: other})
     _close(out, fp8_weight_only_matmul_ref(x, weight, scale, False, torch.float16), 2e-3)
 

@@ -53,39 +53,85 @@ def test_off_the_gpu_kernels_launch_plainly() -> None:
     assert not pdl.uses_pdl(torch.device("cpu"))
 
 
-def test_every_pdl_kernel_waits_before_any_return() -> None:
-    kernels = [
-        k for k in _jit_kernels_with_pdl() if not k[0].endswith((":pdl_wait", "_dependents"))
-    ]
+# Before its wait a PDL kernel may load only through these (weights and their scales, never
+# written while serving), indexed by offsets (names starting with "offs").
+WEIGHT_POINTERS = {"weight_ptr", "w_ptrs", "s_row"}
+
+
+def _pointer_names(call: ast.Call) -> set[str]:
+    return {
+        n.id
+        for n in ast.walk(call.args[0])
+        if isinstance(n, ast.Name) and not n.id.startswith("offs")
+    }
+
+
+def _called_name(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def _is_pdl_wait(stmt: ast.stmt) -> bool:
+    return (
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Call)
+        and _called_name(stmt.value) == "pdl_wait"
+    )
+
+
+def test_every_pdl_kernel_waits_first_at_its_top_level() -> None:
+    """Each kernel taking USE_PDL lets the next one launch, then calls pdl_wait as a statement of
+    its body (so every program reaches it); before that it stores nothing, returns nowhere and
+    loads only weights."""
+    kernels = [k for k in _jit_kernels_with_pdl() if not k[0].endswith(("pdl_wait", "_dependents"))]
     names = {name.split(":")[1] for name, _ in kernels}
     assert {"_gemv_kernel", "_fp8_gemv_kernel", "_rms_norm_kernel"} <= names
+    assert len(kernels) >= 10
     for name, fn in kernels:
-        waits = _calls(fn, "pdl_wait")
-        assert waits, f"{name} takes USE_PDL but never calls pdl_wait"
-        assert _calls(fn, "pdl_launch_dependents"), f"{name} never lets the next kernel launch"
-        first_wait = min(call.lineno for call in waits)
-        early = [
-            n.lineno for n in ast.walk(fn) if isinstance(n, ast.Return) and n.lineno < first_wait
-        ]
-        assert not early, f"{name} returns (line {early}) before its first pdl_wait"
+        body = [
+            stmt
+            for stmt in fn.body
+            if not isinstance(stmt, ast.Expr) or not isinstance(stmt.value, ast.Constant)
+        ]  # the docstring
+        assert _calls(body[0], "pdl_launch_dependents"), f"{name} must let the next kernel launch"
+        waits = [i for i, stmt in enumerate(body) if _is_pdl_wait(stmt)]
+        assert waits, f"{name} takes USE_PDL but has no top-level pdl_wait"
+        before = ast.Module(body=body[: waits[0]], type_ignores=[])
+        for node in ast.walk(before):
+            assert not isinstance(node, ast.Return), f"{name} returns before its pdl_wait"
+            if not isinstance(node, ast.Call):
+                continue
+            called = _called_name(node)
+            assert "store" not in called and "atomic" not in called, f"{name}: {called} pre-wait"
+            if "load" in called:
+                loaded = _pointer_names(node)
+                assert loaded <= WEIGHT_POINTERS, f"{name} loads {loaded} before its pdl_wait"
 
 
 def test_every_pdl_launch_passes_the_same_flag_to_the_kernel() -> None:
+    """A launch with USE_PDL=flag also takes **pdl_launch_options(flag), and the reverse."""
     launches = 0
     for path in sorted(KERNEL_DIR.glob("*.py")):
-        tree = ast.parse(path.read_text())
-        for call in [n for n in ast.walk(tree) if isinstance(n, ast.Call)]:
-            keywords = {k.arg: ast.unparse(k.value) for k in call.keywords if k.arg}
-            if "launch_pdl" in keywords:
+        if path.name == "pdl.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                keywords = node.keywords
+                flag = [ast.unparse(k.value) for k in keywords if k.arg == "USE_PDL"]
+                spread = [ast.unparse(k.value) for k in keywords if k.arg is None]
+            elif isinstance(node, ast.Dict):
+                keys = [None if k is None else ast.unparse(k) for k in node.keys]
+                flag = [ast.unparse(v) for k, v in zip(keys, node.values) if k == "'USE_PDL'"]
+                spread = [ast.unparse(v) for k, v in zip(keys, node.values) if k is None]
+            else:
+                continue
+            options = [s for s in spread if s.startswith("pdl_launch_options(")]
+            if flag or options:
                 launches += 1
-                assert keywords.get("USE_PDL") == keywords["launch_pdl"], (
-                    f"{path.name}:{call.lineno} launches with PDL but passes USE_PDL="
-                    f"{keywords.get('USE_PDL')}"
+                assert options == [f"pdl_launch_options({f})" for f in flag], (
+                    f"{path.name}:{node.lineno}: USE_PDL={flag} with {options}"
                 )
-    # fused_moe_small_batch passes both through one dict, checked here by name.
-    source = (KERNEL_DIR / "fused_moe_small_batch.py").read_text()
-    assert '"USE_PDL": pdl' in source and '"launch_pdl": pdl' in source
-    assert launches >= 8
+    assert launches >= 9
 
 
 def _decode_chain(weights: dict, x: torch.Tensor, kv: dict) -> torch.Tensor:
