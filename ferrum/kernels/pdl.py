@@ -1,13 +1,13 @@
 """Programmatic dependent launch (PDL): on Hopper and later a kernel starts while the kernel before
 it in the stream is still finishing.
 
-A kernel launched with PDL (`**pdl_launch_options(pdl)`) may start once every program of the kernel before it
-has called `pdl_launch_dependents` (or exited). Its `pdl_wait` returns once that kernel has
-finished and its writes are visible. The kernels a decode step chains (norms, GEMVs, RoPE/KV write,
-split-KV attention, SiLU-and-mul, the MoE router and small-batch experts) launch this way wherever
-they run, so a step's kernels start early and wait on the device instead of paying each launch
-and ramp-up in turn.
-A GEMV loads its first weight tile before the wait, overlapping the previous kernel's tail.
+A kernel launched with PDL (`**pdl_launch_options(pdl)`) may start once every program of the
+kernel before it has called `pdl_launch_dependents` (or exited). Its `pdl_wait` returns once that
+kernel has finished and its writes are visible. The kernels a decode step chains (norms, GEMVs,
+RoPE/KV write, split-KV attention, SiLU-and-mul, the MoE router and small-batch experts) launch
+this way wherever they run, so a step's kernels start early and wait on the device instead of
+paying each launch and ramp-up in turn. A GEMV loads its first weight tile before the wait,
+overlapping the previous kernel's tail.
 
 Invariants of a kernel launched with PDL:
 - Before `pdl_wait` it reads only what no kernel writes while serving (weights, scales) and
@@ -18,8 +18,9 @@ Invariants of a kernel launched with PDL:
 
 Kernels call `pdl_launch_dependents` first, so the next kernel is queued as soon as this one's
 last program has started; its programs take free slots and wait there.
-Off the GPU (Triton's interpreter), before sm90, on ROCm, with a Triton before 3.4, and with
-FERRUM_DEBUG_NO_PDL=1 (an A/B switch) kernels launch plainly and both calls compile to nothing.
+Off the GPU (Triton's interpreter), before sm90, on ROCm, with a Triton that lacks griddepcontrol
+(`triton.language.extra.cuda.gdc_wait`), and with FERRUM_DEBUG_NO_PDL=1 (an A/B switch), kernels
+launch plainly and both calls compile to nothing.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     TRITON_HAS_PDL = True
-except ImportError:  # a Triton without griddepcontrol (before 3.4): kernels launch plainly
+except ImportError:  # a Triton without griddepcontrol: kernels launch plainly
     TRITON_HAS_PDL = False
 
     @triton.jit
