@@ -12,12 +12,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
-from ferrum.kernels.pdl import (
-    pdl_launch_dependents,
-    pdl_launch_options,
-    pdl_wait,
-    uses_pdl,
-)
+from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 _BLOCK = 1024
 
@@ -69,7 +64,6 @@ def silu_and_mul(
         )
     if num_tokens > 0 and inter > 0:
         grid = (num_tokens, triton.cdiv(inter, _BLOCK))
-        pdl = uses_pdl(x.device)
         _silu_and_mul_kernel[grid](
             out,
             x,
@@ -77,8 +71,7 @@ def silu_and_mul(
             out.stride(0),
             x.stride(0),
             BLOCK=_BLOCK,
-            USE_PDL=pdl,
             num_warps=4,
-            **pdl_launch_options(pdl),
+            **pdl_launch_args(x.device),
         )
     return out

@@ -27,12 +27,7 @@ import triton.language as tl
 from ferrum.kernels.fp8_gemm import check_fp8_operands
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
 from ferrum.kernels.fp8_quant import GROUP_SIZE
-from ferrum.kernels.pdl import (
-    pdl_launch_dependents,
-    pdl_launch_options,
-    pdl_wait,
-    uses_pdl,
-)
+from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -129,7 +124,6 @@ def fp8_gemv(
     out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    pdl = uses_pdl(x.device)
     _fp8_gemv_kernel[(m * triton.cdiv(n, block_n),)](
         out,
         x,
@@ -147,9 +141,8 @@ def fp8_gemv(
         GROUP=GROUP_SIZE,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl_launch_options(pdl),
+        **pdl_launch_args(x.device),
     )
     return out

@@ -19,12 +19,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.fused_moe_config import DEFAULT_SMALL, pick
-from ferrum.kernels.pdl import (
-    pdl_launch_dependents,
-    pdl_launch_options,
-    pdl_wait,
-    uses_pdl,
-)
+from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 # Batches of at most this many tokens take the small-batch GEMV path (no align).
 SMALL_BATCH_MAX_TOKENS = 8
@@ -214,12 +209,10 @@ def small_batch_moe(
     num_pairs = flat_ids.numel()
     inter = w2.shape[2]
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    pdl = uses_pdl(hidden.device)
     launch = {
-        "USE_PDL": pdl,
         "num_warps": config["num_warps"],
         "num_stages": config["num_stages"],
-        **pdl_launch_options(pdl),
+        **pdl_launch_args(hidden.device),
     }
     fp8 = w13_scale is not None
     s13 = w13 if w13_scale is None else w13_scale

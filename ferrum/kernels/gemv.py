@@ -15,12 +15,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
-from ferrum.kernels.pdl import (
-    pdl_launch_dependents,
-    pdl_launch_options,
-    pdl_wait,
-    uses_pdl,
-)
+from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -106,7 +101,6 @@ def gemv(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    pdl = uses_pdl(x.device)
     _gemv_kernel[(m * triton.cdiv(n, block_n),)](
         out,
         x,
@@ -122,9 +116,8 @@ def gemv(
         EVEN_K=k % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl_launch_options(pdl),
+        **pdl_launch_args(x.device),
     )
     return out

@@ -14,12 +14,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
-from ferrum.kernels.pdl import (
-    pdl_launch_dependents,
-    pdl_launch_options,
-    pdl_wait,
-    uses_pdl,
-)
+from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_EXPERTS = 8192
 
@@ -100,7 +95,6 @@ def moe_router(
     if num_tokens == 0:
         return topk_weights, topk_ids
     block_e = triton.next_power_of_2(num_experts)
-    pdl = uses_pdl(device)
     _moe_router_kernel[(num_tokens,)](
         topk_weights,
         topk_ids,
@@ -112,8 +106,7 @@ def moe_router(
         RENORMALIZE=renormalize,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
-        USE_PDL=pdl,
         num_warps=1 if block_e <= 512 else 4,
-        **pdl_launch_options(pdl),
+        **pdl_launch_args(device),
     )
     return topk_weights, topk_ids

@@ -31,12 +31,7 @@ from ferrum.kernels.paged_attention_common import (
     _window_constexpr,
     split_kv_max_programs,
 )
-from ferrum.kernels.pdl import (
-    pdl_launch_dependents,
-    pdl_launch_options,
-    pdl_wait,
-    uses_pdl,
-)
+from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -327,7 +322,6 @@ def paged_attention_split_kv(
     group = num_heads // num_kv_heads
     block_m = max(16, triton.next_power_of_2(group))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    pdl = uses_pdl(query.device)
     _paged_attention_split_kernel[(num_splits, num_kv_heads, num_reqs)](
         ws_out,
         ws_max,
@@ -357,9 +351,8 @@ def paged_attention_split_kv(
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(query.dtype),
         WINDOW=window,
-        USE_PDL=pdl,
         num_warps=4,
-        **pdl_launch_options(pdl),
+        **pdl_launch_args(query.device),
     )
     _split_kv_reduce_kernel[(num_reqs, num_heads)](
         out,
@@ -378,9 +371,8 @@ def paged_attention_split_kv(
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
         WINDOW=window,
-        USE_PDL=pdl,
         num_warps=1 if head_dim <= 64 else 2,
-        **pdl_launch_options(pdl),
+        **pdl_launch_args(query.device),
     )
     return out
 

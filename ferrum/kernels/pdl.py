@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL): on Hopper and later a kernel starts while the kernel before
 it in the stream is still finishing.
 
-A kernel launched with PDL (`**pdl_launch_options(pdl)`) may start once every program of the
+A kernel launched with PDL (`**pdl_launch_args(device)`) may start once every program of the
 kernel before it has called `pdl_launch_dependents` (or exited). Its `pdl_wait` returns once that
 kernel has finished and its writes are visible. The kernels a decode step chains (norms, GEMVs,
 RoPE/KV write, split-KV attention, SiLU-and-mul, the MoE router and small-batch experts) launch
@@ -70,10 +70,12 @@ def uses_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and _device_takes_pdl(device.index)
 
 
-def pdl_launch_options(pdl: bool) -> dict[str, bool]:
-    """The launch keyword for a kernel given USE_PDL=pdl (none without PDL, so a Triton that
-    predates the option never sees it)."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_launch_args(device: torch.device) -> dict[str, bool]:
+    """The launch arguments of a kernel that takes USE_PDL, on `device`: USE_PDL, and with it
+    `launch_pdl` (only when on, so a Triton that predates the option never sees it)."""
+    if uses_pdl(device):
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False}
 
 
 @triton.jit

@@ -12,12 +12,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
-from ferrum.kernels.pdl import (
-    pdl_launch_dependents,
-    pdl_launch_options,
-    pdl_wait,
-    uses_pdl,
-)
+from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_HIDDEN = 65536
 
@@ -103,7 +98,6 @@ def _launch(
     if num_rows == 0:
         return
     block = triton.next_power_of_2(hidden)
-    pdl = uses_pdl(x.device)
     _rms_norm_kernel[(num_rows,)](
         out,
         x,
@@ -116,9 +110,8 @@ def _launch(
         residual.stride(0) if residual is not None else 0,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
-        USE_PDL=pdl,
         num_warps=min(16, max(1, block // 512)),
-        **pdl_launch_options(pdl),
+        **pdl_launch_args(x.device),
     )
 
 

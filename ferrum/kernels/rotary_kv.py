@@ -17,12 +17,7 @@ import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.kv_cache_write import check_cache_args, to_cache_dtype
-from ferrum.kernels.pdl import (
-    pdl_launch_dependents,
-    pdl_launch_options,
-    pdl_wait,
-    uses_pdl,
-)
+from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_HEAD_DIM = 512
 
@@ -262,7 +257,6 @@ def rotary_kv(
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    pdl = uses_pdl(device)
     _rotary_kv_kernel[(num_tokens,)](
         query,
         key,
@@ -296,7 +290,6 @@ def rotary_kv(
         BLOCK_HQ=triton.next_power_of_2(num_heads),
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
-        USE_PDL=pdl,
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
-        **pdl_launch_options(pdl),
+        **pdl_launch_args(device),
     )

@@ -108,30 +108,41 @@ def test_every_pdl_kernel_waits_first_at_its_top_level() -> None:
                 assert loaded <= WEIGHT_POINTERS, f"{name} loads {loaded} before its pdl_wait"
 
 
+def test_pdl_launch_args_pair_the_flag_with_the_launch_option(monkeypatch) -> None:
+    assert pdl.pdl_launch_args(torch.device("cpu")) == {"USE_PDL": False}
+    monkeypatch.setattr(pdl, "_device_takes_pdl", lambda index: True)
+    assert pdl.pdl_launch_args(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
+
+
 def test_every_pdl_launch_passes_the_same_flag_to_the_kernel() -> None:
-    """A launch with USE_PDL=flag also takes **pdl_launch_options(flag), and the reverse."""
-    launches = 0
+    """No launch sets USE_PDL or launch_pdl by hand: every file with a PDL kernel launches it
+    with **pdl_launch_args(device), which sets both together."""
+    spreads = 0
     for path in sorted(KERNEL_DIR.glob("*.py")):
         if path.name == "pdl.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        has_pdl_kernel = any(
+            isinstance(n, ast.FunctionDef) and "USE_PDL" in [a.arg for a in n.args.args]
+            for n in ast.walk(tree)
+        )
+        found = 0
+        for node in ast.walk(tree):
             if isinstance(node, ast.Call):
-                keywords = node.keywords
-                flag = [ast.unparse(k.value) for k in keywords if k.arg == "USE_PDL"]
-                spread = [ast.unparse(k.value) for k in keywords if k.arg is None]
+                named = [k.arg for k in node.keywords if k.arg is not None]
+                spread = [ast.unparse(k.value) for k in node.keywords if k.arg is None]
             elif isinstance(node, ast.Dict):
-                keys = [None if k is None else ast.unparse(k) for k in node.keys]
-                flag = [ast.unparse(v) for k, v in zip(keys, node.values) if k == "'USE_PDL'"]
-                spread = [ast.unparse(v) for k, v in zip(keys, node.values) if k is None]
+                named = [ast.literal_eval(k) for k in node.keys if isinstance(k, ast.Constant)]
+                spread = [ast.unparse(v) for k, v in zip(node.keys, node.values) if k is None]
             else:
                 continue
-            options = [s for s in spread if s.startswith("pdl_launch_options(")]
-            if flag or options:
-                launches += 1
-                assert options == [f"pdl_launch_options({f})" for f in flag], (
-                    f"{path.name}:{node.lineno}: USE_PDL={flag} with {options}"
-                )
-    assert launches >= 9
+            assert not {"USE_PDL", "launch_pdl"} & set(named), (
+                f"{path.name}:{node.lineno} sets the PDL flag by hand"
+            )
+            found += sum(s.startswith("pdl_launch_args(") for s in spread)
+        assert (found > 0) == has_pdl_kernel, f"{path.name}: PDL kernels without pdl_launch_args"
+        spreads += found
+    assert spreads >= 8
 
 
 def _decode_chain(weights: dict, x: torch.Tensor, kv: dict) -> torch.Tensor:
