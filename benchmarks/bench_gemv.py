@@ -120,11 +120,13 @@ def main() -> int:
     )
     parser.add_argument("--iters", type=int, default=50, help="calls per CUDA graph")
     parser.add_argument("--sweep", action="store_true")
-    for name in SWEEP:
+    for name, values in SWEEP.items():
         parser.add_argument(
             f"--{name.lower().replace('_', '-')}",
-            default=None,
-            help=f"with --sweep: comma-separated {name} values (default {SWEEP[name]})",
+            dest=name,
+            type=lambda text: tuple(int(v) for v in text.split(",")),
+            default=values,
+            help=f"with --sweep: comma-separated {name} values (default {values})",
         )
     parser.add_argument("--save", action="store_true", help="with --sweep: write the winners")
     parser.add_argument(
@@ -134,17 +136,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.save and not args.sweep:
         parser.error("--save needs --sweep")
-    narrowed = [name for name in SWEEP if getattr(args, name.lower()) is not None]
-    if narrowed and not args.sweep:
-        parser.error(f"--{narrowed[0].lower().replace('_', '-')} needs --sweep")
-    grid = None
-    if args.sweep:
-        grid = {
-            name: tuple(int(v) for v in getattr(args, name.lower()).split(","))
-            if getattr(args, name.lower()) is not None
-            else values
-            for name, values in SWEEP.items()
-        }
+    grid = {name: getattr(args, name) for name in SWEEP}
+    if grid != SWEEP and not args.sweep:
+        parser.error("the tile grid flags (--block-n, ...) need --sweep")
     device_name = torch.cuda.get_device_name()
     print(f"{device_name}, torch {torch.__version__}, timings: CUDA graph of {args.iters} calls")
     shapes: dict[tuple[int, int], list[str]] = {}
@@ -157,7 +151,8 @@ def main() -> int:
     tuned = get_gemv_tiles(device_name)
     results, winners = [], {}
     for (n, k), names in shapes.items():
-        row = measure_shape(n, k, tuned.get((n, k), GemvTile(8, 512)), grid, args.iters)
+        tile = tuned.get((n, k), GemvTile(8, 512))
+        row = measure_shape(n, k, tile, grid if args.sweep else None, args.iters)
         row["shapes"] = names
         best = row.get("sweep", {})
         if best and best["us"] * (1 + args.min_gain) < row["f_linear_us"]:
