@@ -33,12 +33,12 @@ _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _block_scaled_chunk(x, w_s, GROUP: tl.constexpr):
-    """A [BLOCK_K] fp32 chunk of the row, each group of GROUP columns times its weight block's
-    scale w_s [BLOCK_K // GROUP]."""
-    NUM_GROUPS: tl.constexpr = x.shape[0] // GROUP
-    xg = tl.reshape(x, (NUM_GROUPS, GROUP)) * w_s[:, None]
-    return tl.reshape(xg, (x.shape[0],))
+def _load_along_k(ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+    """A chunk of the row, of its scales or a weight tile, zero past k_left columns (nothing
+    masked with EVEN_K)."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=offs_k < k_left, other=0.0)
 
 
 @triton.jit
@@ -56,6 +56,7 @@ def _fp8_gemv_kernel(
     stride_om,
     BLOCK_SCALES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -67,38 +68,41 @@ def _fp8_gemv_kernel(
     pid_n = pid // M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    # Rows past N read row N - 1 again (stores are masked), so weight loads need no row mask.
+    safe_n = tl.minimum(offs_n, N - 1)
     offs_k = tl.arange(0, BLOCK_K)
-    x_row = x_ptr + row * stride_xm
-    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + row * stride_xm + offs_k
+    # Weight columns are read 8 to a thread, as the 16-bit row is: the row chunk then lies in the
+    # tile's own column layout, and no step moves it between threads.
+    w_cols = tl.max_contiguous(offs_k, 8)
+    w_ptrs = w_ptr + safe_n[:, None].to(tl.int64) * stride_wn + w_cols[None, :]
+    # Each column's block scale, gathered in the row chunk's own layout (groups of GROUP columns
+    # repeat one address): the scales multiply the chunk without moving it between threads.
+    w_scale_ptrs = w_scale_ptr + ((pid_n * BLOCK_N) // GROUP) * (K // GROUP) + offs_k // GROUP
     # The first weight tile (and its scales) is read before the wait: weights are never written
     # while serving.
-    w = tl.load(w_ptrs, mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    w = _load_along_k(w_ptrs, offs_k[None, :], K, EVEN_K)
     if BLOCK_SCALES:
-        NUM_GROUPS: tl.constexpr = BLOCK_K // GROUP
-        num_k_groups = K // GROUP
-        s_row = w_scale_ptr + ((pid_n * BLOCK_N) // GROUP) * num_k_groups
-        offs_g = tl.arange(0, NUM_GROUPS)
-        w_s = tl.load(s_row + offs_g, mask=offs_g < num_k_groups, other=0.0)
+        w_s = _load_along_k(w_scale_ptrs, offs_k, K, EVEN_K)
     pdl_wait(USE_PDL)
-    x = tl.load(x_row + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+    x = _load_along_k(x_ptrs, offs_k, K, EVEN_K).to(tl.float32)
     if BLOCK_SCALES:
-        x = _block_scaled_chunk(x, w_s, GROUP)
+        x *= w_s
     acc = w.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
+        x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        k_mask = offs_k < K - k0
-        x = tl.load(x_row + k0 + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = _load_along_k(x_ptrs, offs_k, K - k0, EVEN_K).to(tl.float32)
+        w = _load_along_k(w_ptrs, offs_k[None, :], K - k0, EVEN_K)
         if BLOCK_SCALES:
-            g_mask = offs_g < num_k_groups - k0 // GROUP
-            w_s = tl.load(s_row + k0 // GROUP + offs_g, mask=g_mask, other=0.0)
-            x = _block_scaled_chunk(x, w_s, GROUP)
+            w_scale_ptrs += BLOCK_K // GROUP
+            x *= _load_along_k(w_scale_ptrs, offs_k, K - k0, EVEN_K)
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, 1)
     if not BLOCK_SCALES:
-        out *= tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)
+        out *= tl.load(w_scale_ptr + safe_n)
     if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        out += tl.load(bias_ptr + safe_n).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -138,6 +142,7 @@ def fp8_gemv(
         out.stride(0),
         BLOCK_SCALES=block_scales,
         HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0,
         GROUP=GROUP_SIZE,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

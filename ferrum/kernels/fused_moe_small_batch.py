@@ -85,8 +85,11 @@ def _moe_gate_up_gemv_kernel(
     n_mask = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = hidden_ptr + (pair // top_k) * stride_hm + offs_k
+    # FP8 weight columns are read 8 to a thread, as the 16-bit vector is, so the vector chunk
+    # already lies in the tile's column layout (no step moves it between threads).
+    w_cols = tl.max_contiguous(offs_k, 8)
     w_ptrs = (
-        w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        w13_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + w_cols[None, :]
     )
     up_offset = inter * stride_wn
     s_row = w13_scale_ptr + expert * stride_se + ((pid_n * BLOCK_N) // 128) * stride_sn
@@ -156,8 +159,9 @@ def _moe_down_combine_gemv_kernel(
         routed = (expert >= 0) & (expert < num_experts)
         expert = tl.where(routed, expert, 0)
         a_ptrs = act_ptr + pair * stride_am + offs_k
+        w_cols = tl.max_contiguous(offs_k, 8)  # as in the gate/up kernel
         w_ptrs = (
-            w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+            w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + w_cols[None, :]
         )
         s_row = w2_scale_ptr + expert * stride_se + ((pid_n * BLOCK_N) // 128) * stride_sn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

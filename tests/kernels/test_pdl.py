@@ -55,7 +55,7 @@ def test_off_the_gpu_kernels_launch_plainly() -> None:
 
 # Before its wait a PDL kernel may load only through these (weights and their scales, never
 # written while serving), indexed by offsets (names starting with "offs").
-WEIGHT_POINTERS = {"weight_ptr", "w_ptrs", "s_row"}
+WEIGHT_POINTERS = {"weight_ptr", "w_ptrs", "s_row", "w_scale_ptrs"}
 
 
 def _pointer_names(call: ast.Call) -> set[str]:
