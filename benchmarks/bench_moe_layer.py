@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import triton
 
 from ferrum.kernels.fp8_weight import quantize_weight_block
 from ferrum.kernels.fused_moe import fused_moe
@@ -173,18 +174,25 @@ def grouped_mm_moe(
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
 
 
-def sweep_configs() -> list[dict[str, int]]:
-    grid = itertools.product((8, 16, 32), (128, 256), (4, 8, 16), (256, 1024), (4, 8))
+def sweep_configs(top_k: int) -> list[dict[str, int]]:
+    # The down GEMV's tile [DOWN_BLOCK_E, DOWN_BLOCK_N, DOWN_BLOCK_K] spans one choice at a time
+    # (with the wide tiles) or all k choices (with narrow ones).
+    down_tiles = [
+        *((1, n, k) for n, k in itertools.product((4, 8, 16), (256, 1024))),
+        *((triton.next_power_of_2(top_k), n, k) for n, k in itertools.product((4, 8), (128, 256))),
+    ]
+    grid = itertools.product((8, 16, 32), (128, 256), down_tiles, (4, 8))
     return [
         {
             "GATE_UP_BLOCK_N": gate_n,
             "GATE_UP_BLOCK_K": gate_k,
+            "DOWN_BLOCK_E": down_e,
             "DOWN_BLOCK_N": down_n,
             "DOWN_BLOCK_K": down_k,
             "num_warps": warps,
             "num_stages": 2,
         }
-        for gate_n, gate_k, down_n, down_k, warps in grid
+        for gate_n, gate_k, (down_e, down_n, down_k), warps in grid
     ]
 
 
@@ -250,7 +258,7 @@ def main() -> int:
             record(tokens, path, us, active, None)
         if args.sweep and tokens <= SMALL_PATH_MAX_TOKENS:
             best: tuple[float, dict[str, int]] | None = None
-            for config in sweep_configs():
+            for config in sweep_configs(args.top_k):
                 try:
                     us = time_layer_us(
                         layers, hidden, args.top_k, PATH_LIMITS["small"], config, args.replays

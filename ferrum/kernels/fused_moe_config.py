@@ -6,8 +6,8 @@ to two sections, each mapping a batch-size bucket (the most tokens it covers, as
 config:
 - "grouped": BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages (written by
   benchmarks/tune_fused_moe.py --save);
-- "small": GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_N, DOWN_BLOCK_K, num_warps, num_stages
-  (written by benchmarks/bench_moe_layer.py --sweep --save).
+- "small": GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_E, DOWN_BLOCK_N, DOWN_BLOCK_K,
+  num_warps, num_stages (written by benchmarks/bench_moe_layer.py --sweep --save).
 A batch takes the smallest bucket that covers it, or the largest one. A missing section falls
 back to the same shape's file without `_fp8`, then to the defaults below.
 """
@@ -23,6 +23,7 @@ GROUPED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 SMALL_KEYS = (
     "GATE_UP_BLOCK_N",
     "GATE_UP_BLOCK_K",
+    "DOWN_BLOCK_E",
     "DOWN_BLOCK_N",
     "DOWN_BLOCK_K",
     "num_warps",
@@ -39,11 +40,23 @@ DEFAULT_GROUPED: Buckets = {
     1 << 62: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
 }
 # Gate/up GEMV tile [GATE_UP_BLOCK_N rows of gate and of up, GATE_UP_BLOCK_K], down GEMV tile
-# [DOWN_BLOCK_N, DOWN_BLOCK_K]: 16-byte loads along K, several MB of loads in flight per wave.
+# [DOWN_BLOCK_E of a token's expert choices, DOWN_BLOCK_N, DOWN_BLOCK_K]: 16-byte loads along K,
+# several MB of loads in flight per wave. One or two tokens have too few programs to hide a
+# choice's wait on the one before it, so their down tile spans the choices.
 DEFAULT_SMALL: Buckets = {
+    2: {
+        "GATE_UP_BLOCK_N": 8,
+        "GATE_UP_BLOCK_K": 256,
+        "DOWN_BLOCK_E": 8,
+        "DOWN_BLOCK_N": 8,
+        "DOWN_BLOCK_K": 128,
+        "num_warps": 4,
+        "num_stages": 2,
+    },
     1 << 62: {
         "GATE_UP_BLOCK_N": 16,
         "GATE_UP_BLOCK_K": 256,
+        "DOWN_BLOCK_E": 1,
         "DOWN_BLOCK_N": 8,
         "DOWN_BLOCK_K": 1024,
         "num_warps": 4,

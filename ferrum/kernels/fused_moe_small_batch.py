@@ -137,13 +137,17 @@ def _moe_down_combine_gemv_kernel(
     stride_sn,
     W_FP8: tl.constexpr,
     EVEN_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (t, n): out[t, n*BLOCK_N..] = sum over j = 0..k-1 in order, in fp32, of
     topk_weights[p] * round(w2[e] @ act[p]) for p = t * top_k + j, e = topk_ids[p]; pairs
-    whose e lies outside [0, num_experts) read no weights and add zero."""
+    whose e lies outside [0, num_experts) read no weights and add zero.
+
+    BLOCK_E choices are one axis of the tile: each K step reads their experts' [BLOCK_N, BLOCK_K]
+    weight tiles together, so that no choice of the group waits for the one before it."""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -151,30 +155,50 @@ def _moe_down_combine_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden_size
     offs_k = tl.arange(0, BLOCK_K)
+    rows_e = tl.arange(0, BLOCK_E)
     dtype = act_ptr.dtype.element_ty
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(0, top_k):
-        pair = token * top_k + j
-        expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
-        routed = (expert >= 0) & (expert < num_experts)
-        expert = tl.where(routed, expert, 0)
-        a_ptrs = act_ptr + pair * stride_am + offs_k
-        w_cols = tl.max_contiguous(offs_k, 8)  # as in the gate/up kernel
+    for j0 in range(0, top_k, BLOCK_E):
+        choice = j0 + rows_e < top_k
+        pairs = token * top_k + j0 + rows_e
+        experts = tl.load(topk_ids_ptr + pairs, mask=choice, other=-1).to(tl.int64)
+        routed = (experts >= 0) & (experts < num_experts)
+        experts = tl.where(routed, experts, 0)
+        a_ptrs = act_ptr + pairs[:, None] * stride_am + offs_k[None, :]
         w_ptrs = (
-            w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + w_cols[None, :]
+            w2_ptr
+            + experts[:, None, None] * stride_we
+            + offs_n[None, :, None].to(tl.int64) * stride_wn
+            + offs_k[None, None, :]
         )
-        s_row = w2_scale_ptr + expert * stride_se + ((pid_n * BLOCK_N) // 128) * stride_sn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        w_tile_mask = routed[:, None, None] & n_mask[None, :, None]
+        s_ptrs = (
+            w2_scale_ptr
+            + experts[:, None] * stride_se
+            + ((pid_n * BLOCK_N) // 128) * stride_sn
+            + offs_k[None, :] // 128
+        )
+        acc = tl.zeros((BLOCK_E, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
-            a, w_mask = _load_k_chunk(a_ptrs, offs_k, inter - k0, n_mask, EVEN_K)
-            w = tl.load(w_ptrs, mask=w_mask & routed, other=0.0).to(tl.float32)
+            if EVEN_K:
+                a_mask = routed[:, None]
+                w_mask = w_tile_mask
+            else:
+                k_mask = offs_k < inter - k0
+                a_mask = routed[:, None] & k_mask[None, :]
+                w_mask = w_tile_mask & k_mask[None, None, :]
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
             if W_FP8:
-                a = _scale_chunk(a, s_row, offs_k, k0, inter)
-            acc += w * a[None, :]
+                a *= tl.load(s_ptrs + k0 // 128, mask=a_mask, other=0.0)
+            acc += w * a[:, None, :]
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-        y = tl.sum(acc, 1).to(dtype).to(tl.float32)
-        total += y * tl.load(topk_weights_ptr + pair)
+        y = tl.sum(acc, 2).to(dtype).to(tl.float32)  # [BLOCK_E, BLOCK_N]: choice j0 + i in row i
+        weighted = y * tl.load(topk_weights_ptr + pairs, mask=choice, other=0.0)[:, None]
+        # In order: row i picked out exactly (one term plus zeros), then added.
+        for i in tl.static_range(BLOCK_E):
+            total += tl.sum(tl.where(rows_e[:, None] == i, weighted, 0.0), 0)
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -267,6 +291,7 @@ def small_batch_moe(
         s2.stride(1),
         W_FP8=fp8,
         EVEN_K=even_k,
+        BLOCK_E=min(config["DOWN_BLOCK_E"], triton.next_power_of_2(top_k)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         **launch,

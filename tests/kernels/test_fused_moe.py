@@ -27,6 +27,7 @@ PATHS = {"small": 1 << 30, "grouped": 0}
 NARROW_SMALL_CONFIG = {
     "GATE_UP_BLOCK_N": 8,
     "GATE_UP_BLOCK_K": 16,
+    "DOWN_BLOCK_E": 4,
     "DOWN_BLOCK_N": 8,
     "DOWN_BLOCK_K": 16,
     "num_warps": 4,

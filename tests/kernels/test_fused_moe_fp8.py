@@ -20,6 +20,7 @@ GROUPED = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_sta
 SMALL = {
     "GATE_UP_BLOCK_N": 16,
     "GATE_UP_BLOCK_K": 256,  # two 128-column scale blocks a chunk
+    "DOWN_BLOCK_E": 2,
     "DOWN_BLOCK_N": 8,
     "DOWN_BLOCK_K": 256,  # I = 384: the last chunk is half outside K (masked scales)
     "num_warps": 4,
@@ -75,7 +76,7 @@ def test_small_path_caps_fp8_tiles_at_one_scale_block(device) -> None:
     weights, ids = select_experts(torch.randn(3, num_experts, generator=gen), top_k, True)
     weights, ids = weights.to(device), ids.to(device)
     w13, s13, w2, s2 = (t.to(device) for t in (w13, s13, w2, s2))
-    wide = SMALL | {"GATE_UP_BLOCK_N": 512, "DOWN_BLOCK_N": 256}
+    wide = SMALL | {"GATE_UP_BLOCK_N": 512, "DOWN_BLOCK_E": 1, "DOWN_BLOCK_N": 256}
     out = fused_moe(
         x,
         w13,
