@@ -2,11 +2,10 @@
 
 The context of each request is cut into `num_splits` equal ranges (rounded up to whole key tiles)
 processed by separate programs, which write unnormalised partial results to a caller-owned
-workspace. The last program of a (request, KV head) to finish (a counter in the workspace, reset
-by that program) combines the parts with a log-sum-exp reduce and writes the output: one launch.
-The ranges follow each request's actual context length on the device, so the grid depends only on
-the batch shape (CUDA graph safe) and short contexts are split as finely as long ones. Same math
-as `paged_attention_ref`.
+workspace; a second kernel combines them with a log-sum-exp reduce. The ranges follow each
+request's actual context length on the device, so the grid depends only on the batch shape (CUDA
+graph safe) and short contexts are split as finely as long ones. Same math as
+`paged_attention_ref`.
 """
 
 from __future__ import annotations
@@ -59,8 +58,6 @@ def _paged_attention_split_kernel(
     partial_out_ptr,  # [max_num_seqs, num_heads, max_splits, head_dim] fp32
     partial_max_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
     partial_sum_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
-    parts_done_ptr,  # [max_num_seqs, num_heads] int32, zero between launches
-    out_ptr,  # [num_reqs, num_heads, head_dim]
     query_ptr,  # [num_reqs, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -78,9 +75,6 @@ def _paged_attention_split_kernel(
     stride_po_part,
     stride_pm_req,
     stride_pm_head,
-    stride_o_tok,
-    stride_o_head,
-    stride_done_req,
     num_splits,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -97,9 +91,7 @@ def _paged_attention_split_kernel(
     C = _split_length(seq_len - lo, num_splits, BLOCK_N), attends the group's query heads to keys
     [lo + part * C, min(lo + (part + 1) * C, seq_len)) and stores acc = sum_k exp2(s_k - m) v_k,
     m = max_k s_k and l = sum_k exp2(s_k - m), with s the scores scaled by scale * log2(e).
-    Parts past the context store nothing. The last of the group's parts to count itself done in
-    parts_done[req, kv_head] writes out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p,
-    M = max_p m_p, over all the parts, and sets the count back to zero.
+    Parts past the context store nothing.
     """
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
@@ -152,59 +144,62 @@ def _paged_attention_split_kernel(
     tl.store(partial_max_ptr + pm_offs, m_i, mask=row_valid)
     tl.store(partial_sum_ptr + pm_offs, l_i, mask=row_valid)
 
-    num_parts = tl.cdiv(seq_len - context_lo, length)
-    # Every thread's stores precede the count (barrier, then a gpu-scope release); the program
-    # that sees num_parts - 1 acquires the others' and reads them from L2 (.cg: not a stale L1).
-    tl.debug_barrier()
-    done_ptr = parts_done_ptr + req.to(tl.int64) * stride_done_req + kv_head
-    if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == num_parts - 1:
-        tl.store(done_ptr, 0)
-        pm_base = req.to(tl.int64) * stride_pm_req + head * stride_pm_head
-        po_base = req.to(tl.int64) * stride_po_req + head * stride_po_head
-        m_max = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
-        for p in range(0, num_parts):
-            m_p = tl.load(
-                partial_max_ptr + pm_base + p, mask=row_valid, other=0.0, cache_modifier=".cg"
-            )
-            m_max = tl.maximum(m_max, m_p)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        denom = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for p in range(0, num_parts):
-            m_p = tl.load(
-                partial_max_ptr + pm_base + p, mask=row_valid, other=0.0, cache_modifier=".cg"
-            )
-            w = tl.exp2(m_p - m_max)
-            l_p = tl.load(
-                partial_sum_ptr + pm_base + p, mask=row_valid, other=0.0, cache_modifier=".cg"
-            )
-            denom += w * l_p
-            acc_p = tl.load(
-                partial_out_ptr + (po_base + p * stride_po_part)[:, None] + offs_d[None, :],
-                mask=row_valid[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            acc += w[:, None] * acc_p
-        out = acc / tl.where(denom > 0.0, denom, 1.0)[:, None]
-        o_offs = req.to(tl.int64) * stride_o_tok + head * stride_o_head
-        tl.store(
-            out_ptr + o_offs[:, None] + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None],
-        )
+
+@triton.jit(do_not_specialize=("num_splits",), do_not_specialize_on_alignment=("seq_lens_ptr",))
+def _split_kv_reduce_kernel(
+    out_ptr,  # [num_reqs, num_heads, head_dim]
+    partial_out_ptr,  # [max_num_seqs, num_heads, max_splits, head_dim] fp32
+    partial_max_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
+    partial_sum_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
+    seq_lens_ptr,  # [num_reqs] int32
+    stride_o_tok,
+    stride_o_head,
+    stride_po_req,
+    stride_po_head,
+    stride_po_part,
+    stride_pm_req,
+    stride_pm_head,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Program (req, head): out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p, M = max_p m_p,
+    over the parts inside the context."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - _context_start(seq_len, WINDOW)
+    num_parts = tl.cdiv(context_len, _split_length(context_len, num_splits, BLOCK_N))
+    pm_base = req.to(tl.int64) * stride_pm_req + head * stride_pm_head
+    po_base = req.to(tl.int64) * stride_po_req + head * stride_po_head
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    m_max = tl.full([], _NEG_BIG, dtype=tl.float32)
+    for p in range(0, num_parts):
+        m_max = tl.maximum(m_max, tl.load(partial_max_ptr + pm_base + p))
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    denom = tl.full([], 0.0, dtype=tl.float32)
+    for p in range(0, num_parts):
+        w = tl.exp2(tl.load(partial_max_ptr + pm_base + p) - m_max)
+        denom += w * tl.load(partial_sum_ptr + pm_base + p)
+        acc += w * tl.load(partial_out_ptr + po_base + p * stride_po_part + offs_d)
+    out = acc / tl.where(denom > 0.0, denom, 1.0)
+    o_offs = req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True, slots=True)
 class SplitKVWorkspace:
-    """Caller-owned scratch for the split-KV decode path, sized once at start-up: fp32 partial
-    results of up to `max_splits` parts for each of up to `max_num_seqs` decode requests, and the
-    count of parts done per (request, KV head), zero between launches (indexed [req, kv_head]:
-    num_heads columns cover any KV head count)."""
+    """Caller-owned fp32 scratch for the split-KV decode path, sized once at start-up: partial
+    results of up to `max_splits` parts for each of up to `max_num_seqs` decode requests."""
 
     partial_out: torch.Tensor  # [max_num_seqs, num_heads, max_splits, head_dim] fp32
     partial_max: torch.Tensor  # [max_num_seqs, num_heads, max_splits] fp32
     partial_sum: torch.Tensor  # [max_num_seqs, num_heads, max_splits] fp32
-    parts_done: torch.Tensor  # [max_num_seqs, num_heads] int32
 
     @property
     def max_num_seqs(self) -> int:
@@ -240,14 +235,12 @@ def allocate_split_kv_workspace(
     device: torch.device | str,
     max_splits: int = SPLIT_KV_MAX_SPLITS,
 ) -> SplitKVWorkspace:
-    """Allocates the workspace for `split_kv_workspace_shapes(...)` on `device`, its counts
-    zeroed."""
+    """Allocates the workspace for `split_kv_workspace_shapes(...)` on `device`."""
     out_shape, stat_shape = split_kv_workspace_shapes(max_num_seqs, num_heads, head_dim, max_splits)
     return SplitKVWorkspace(
         partial_out=torch.empty(out_shape, dtype=torch.float32, device=device),
         partial_max=torch.empty(stat_shape, dtype=torch.float32, device=device),
         partial_sum=torch.empty(stat_shape, dtype=torch.float32, device=device),
-        parts_done=torch.zeros(stat_shape[:2], dtype=torch.int32, device=device),
     )
 
 
@@ -310,7 +303,6 @@ def paged_attention_split_kv(
         block_n = 64 if head_dim <= 128 else 32
     _check_block_n(block_n)
     ws_out, ws_max, ws_sum = workspace.partial_out, workspace.partial_max, workspace.partial_sum
-    ws_done = workspace.parts_done
     if (
         ws_out.shape[1] != num_heads
         or ws_out.shape[3] != head_dim
@@ -319,10 +311,7 @@ def paged_attention_split_kv(
         or ws_sum.stride() != ws_max.stride()
         or ws_max.stride(2) != 1
         or any(t.dtype != torch.float32 for t in (ws_out, ws_max, ws_sum))
-        or ws_done.shape != ws_out.shape[:2]
-        or ws_done.dtype != torch.int32
-        or ws_done.stride(1) != 1
-        or any(t.device != query.device for t in (ws_out, ws_max, ws_sum, ws_done))
+        or any(t.device != query.device for t in (ws_out, ws_max, ws_sum))
     ):
         raise ValueError(
             "workspace must come from allocate_split_kv_workspace for num_heads="
@@ -337,8 +326,6 @@ def paged_attention_split_kv(
         ws_out,
         ws_max,
         ws_sum,
-        ws_done,
-        out,
         query,
         k_cache,
         v_cache,
@@ -356,9 +343,6 @@ def paged_attention_split_kv(
         ws_out.stride(2),
         ws_max.stride(0),
         ws_max.stride(1),
-        out.stride(0),
-        out.stride(1),
-        ws_done.stride(0),
         num_splits,
         GROUP=group,
         BLOCK_M=block_m,
@@ -368,6 +352,26 @@ def paged_attention_split_kv(
         DOT_PRECISION=_dot_precision(query.dtype),
         WINDOW=window,
         num_warps=4,
+        **pdl_launch_args(query.device),
+    )
+    _split_kv_reduce_kernel[(num_reqs, num_heads)](
+        out,
+        ws_out,
+        ws_max,
+        ws_sum,
+        seq_lens,
+        out.stride(0),
+        out.stride(1),
+        ws_out.stride(0),
+        ws_out.stride(1),
+        ws_out.stride(2),
+        ws_max.stride(0),
+        ws_max.stride(1),
+        num_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_N=block_n,
+        WINDOW=window,
+        num_warps=1 if head_dim <= 64 else 2,
         **pdl_launch_args(query.device),
     )
     return out

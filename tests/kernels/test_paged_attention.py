@@ -182,25 +182,6 @@ def test_split_kv_matches_single_pass_and_reference(
     torch.testing.assert_close(split, reference(b, scale), **TOL[dtype])
 
 
-def test_split_kv_leaves_its_part_counts_zero_for_the_next_launch(device: torch.device) -> None:
-    # The last part of each (request, KV head) reduces and resets its count: launches that reuse
-    # the workspace, with another split count in between, give the same output each time.
-    b = make_batch([1] * 3, [90, 5, 64], 4, 2, 32, 8, torch.float32, device, seed=5)
-    ws = allocate_split_kv_workspace(4, 4, 32, device, max_splits=8)
-    outs = []
-    for num_splits in (8, 3, 8):
-        out = torch.full_like(b.query, float("nan"))
-        paged_attention_split_kv(
-            b.query, b.kv_cache, b.block_tables, b.seq_lens, b.max_seq_len, 0.2, out, ws,
-            num_splits=num_splits, block_n=16,
-        )  # fmt: skip
-        assert ws.parts_done.eq(0).all()
-        outs.append(out)
-    assert torch.equal(outs[0], outs[2])
-    torch.testing.assert_close(outs[1], outs[0], **TOL[torch.float32])
-    torch.testing.assert_close(outs[0], reference(b, 0.2), **TOL[torch.float32])
-
-
 def test_dispatch_takes_split_path_for_small_long_decode_batch(device: torch.device) -> None:
     b = make_batch([1, 1], [150, 33], 4, 2, 32, 8, torch.float32, device, seed=3)
     ws = allocate_split_kv_workspace(2, 4, 32, device, max_splits=SPLIT_KV_MAX_SPLITS)
