@@ -15,12 +15,10 @@ Usage: python benchmarks/bench_moe_layer.py [--tokens 1,2,4,8] [--path small|gro
 
 # ruff: noqa: E402
 import argparse
-import functools
 import itertools
 import json
 import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -176,55 +174,26 @@ def grouped_mm_moe(
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
 
 
-# Gate/up tiles [GATE_UP_BLOCK_N, GATE_UP_BLOCK_K] and down tiles [DOWN_BLOCK_E, DOWN_BLOCK_N,
-# DOWN_BLOCK_K] of the sweep. The down tile spans one choice at a time (the wide tiles) or all k
-# choices (narrow ones: k x N x K lives in registers).
-GATE_UP_TILES = tuple(itertools.product((4, 8, 16, 32), (128, 256, 512, 1024)))
-SWEEP_WARPS = (4, 8)
-
-
-def down_tiles(top_k: int) -> list[tuple[int, int, int]]:
-    return [
+def sweep_configs(top_k: int) -> list[dict[str, int]]:
+    # The down GEMV's tile [DOWN_BLOCK_E, DOWN_BLOCK_N, DOWN_BLOCK_K] spans one choice at a time
+    # (with the wide tiles) or all k choices (with narrow ones).
+    down_tiles = [
         *((1, n, k) for n, k in itertools.product((4, 8, 16), (256, 1024))),
         *((triton.next_power_of_2(top_k), n, k) for n, k in itertools.product((4, 8), (128, 256))),
     ]
-
-
-def with_gate_up(config: dict[str, int], tile: tuple[int, int], warps: int) -> dict[str, int]:
-    return config | {"GATE_UP_BLOCK_N": tile[0], "GATE_UP_BLOCK_K": tile[1], "num_warps": warps}
-
-
-def with_down(config: dict[str, int], tile: tuple[int, int, int]) -> dict[str, int]:
-    return config | {"DOWN_BLOCK_E": tile[0], "DOWN_BLOCK_N": tile[1], "DOWN_BLOCK_K": tile[2]}
-
-
-def sweep_small(
-    time_us: Callable[[dict[str, int]], float],
-    start: dict[str, int],
-    top_k: int,
-    record: Callable[[float, dict[str, int]], None],
-) -> tuple[float, dict[str, int]] | None:
-    """The fastest small-path config found: the two GEMVs are separate kernels, so gate/up tiles
-    (and warps) are swept first around `start`'s down tile, then down tiles around the best."""
-    best: tuple[float, dict[str, int]] | None = None
-
-    def consider(config: dict[str, int]) -> None:
-        nonlocal best
-        try:
-            us = time_us(config)
-        except Exception as exc:  # a config the compiler rejects (e.g. out of registers)
-            print(f"  skip {config}: {type(exc).__name__}")
-            return
-        record(us, config)
-        if best is None or us < best[0]:
-            best = (us, config)
-
-    for tile, warps in itertools.product(GATE_UP_TILES, SWEEP_WARPS):
-        consider(with_gate_up(start, tile, warps))
-    if best is not None:
-        for tile in down_tiles(top_k):
-            consider(with_down(best[1], tile))
-    return best
+    grid = itertools.product((8, 16, 32), (128, 256), down_tiles, (4, 8))
+    return [
+        {
+            "GATE_UP_BLOCK_N": gate_n,
+            "GATE_UP_BLOCK_K": gate_k,
+            "DOWN_BLOCK_E": down_e,
+            "DOWN_BLOCK_N": down_n,
+            "DOWN_BLOCK_K": down_k,
+            "num_warps": warps,
+            "num_stages": 2,
+        }
+        for gate_n, gate_k, (down_e, down_n, down_k), warps in grid
+    ]
 
 
 def paths_for(tokens: int, requested: str | None, fp8: bool) -> list[str]:
@@ -288,19 +257,18 @@ def main() -> int:
             us = time_layer_us(layers, hidden, args.top_k, limit, config, args.replays)
             record(tokens, path, us, active, None)
         if args.sweep and tokens <= SMALL_PATH_MAX_TOKENS:
-            best = sweep_small(
-                functools.partial(
-                    time_layer_us,
-                    layers,
-                    hidden,
-                    args.top_k,
-                    PATH_LIMITS["small"],
-                    replays=args.replays,
-                ),
-                get_small_batch_config(tokens),
-                args.top_k,
-                lambda us, config, t=tokens, a=active: record(t, "small", us, a, config),
-            )
+            best: tuple[float, dict[str, int]] | None = None
+            for config in sweep_configs(args.top_k):
+                try:
+                    us = time_layer_us(
+                        layers, hidden, args.top_k, PATH_LIMITS["small"], config, args.replays
+                    )
+                except Exception as exc:  # a config the compiler rejects (e.g. out of registers)
+                    print(f"  skip {config}: {type(exc).__name__}")
+                    continue
+                record(tokens, "small", us, active, config)
+                if best is None or us < best[0]:
+                    best = (us, config)
             if best is not None:
                 best_small[tokens] = best[1]
                 print(
