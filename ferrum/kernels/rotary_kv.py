@@ -93,7 +93,9 @@ def _rotary_kv_kernel(
     HALF_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program t: rotate q[t] and k[t] in place, then write k[t] and v[t] to the cache slot."""
+    """Program (t, 0): rotate q[t] in place. Program (t, 1): rotate k[t] in place, then write k[t]
+    and v[t] to the cache slot. (Two programs a token halve the serial work of a one-token
+    decode step.)"""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -105,57 +107,60 @@ def _rotary_kv_kernel(
     cos = tl.load(cos_ptr + row * stride_cos + offs_d, mask=offs_d < HALF, other=0.0)
     sin = tl.load(sin_ptr + row * stride_sin + offs_d, mask=offs_d < HALF, other=0.0)
 
-    q1, q2, q_ptrs, q_mask = _norm_rope_heads(
-        query_ptr + tok * stride_q_tok,
-        q_norm_ptr,
-        stride_q_head,
-        num_heads,
-        cos,
-        sin,
-        eps,
-        HALF,
-        HAS_NORM,
-        BLOCK_HQ,
-        HALF_PAD,
-    )
-    tl.store(q_ptrs, q1.to(query_ptr.dtype.element_ty), mask=q_mask)
-    tl.store(q_ptrs + HALF, q2.to(query_ptr.dtype.element_ty), mask=q_mask)
-
-    k1, k2, k_ptrs, k_mask = _norm_rope_heads(
-        key_ptr + tok * stride_k_tok,
-        k_norm_ptr,
-        stride_k_head,
-        num_kv_heads,
-        cos,
-        sin,
-        eps,
-        HALF,
-        HAS_NORM,
-        BLOCK_HK,
-        HALF_PAD,
-    )
-    k1 = k1.to(key_ptr.dtype.element_ty)
-    k2 = k2.to(key_ptr.dtype.element_ty)
-    tl.store(k_ptrs, k1, mask=k_mask)
-    tl.store(k_ptrs + HALF, k2, mask=k_mask)
-
-    slot = tl.load(slot_mapping_ptr + tok)
-    if slot >= 0:
-        offs_h = tl.arange(0, BLOCK_HK)
-        cache_offs = (
-            (slot // block_size) * stride_cache_block
-            + (slot % block_size) * stride_cache_slot
-            + offs_h[:, None] * stride_cache_head
-            + offs_d[None, :]
+    if tl.program_id(1) == 0:
+        q1, q2, q_ptrs, q_mask = _norm_rope_heads(
+            query_ptr + tok * stride_q_tok,
+            q_norm_ptr,
+            stride_q_head,
+            num_heads,
+            cos,
+            sin,
+            eps,
+            HALF,
+            HAS_NORM,
+            BLOCK_HQ,
+            HALF_PAD,
         )
-        cache_dtype = k_cache_ptr.dtype.element_ty
-        tl.store(k_cache_ptr + cache_offs, to_cache_dtype(k1, cache_dtype), mask=k_mask)
-        tl.store(k_cache_ptr + cache_offs + HALF, to_cache_dtype(k2, cache_dtype), mask=k_mask)
-        v_ptrs = value_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
-        v1 = tl.load(v_ptrs, mask=k_mask)
-        v2 = tl.load(v_ptrs + HALF, mask=k_mask)
-        tl.store(v_cache_ptr + cache_offs, to_cache_dtype(v1, cache_dtype), mask=k_mask)
-        tl.store(v_cache_ptr + cache_offs + HALF, to_cache_dtype(v2, cache_dtype), mask=k_mask)
+        tl.store(q_ptrs, q1.to(query_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(q_ptrs + HALF, q2.to(query_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        k1, k2, k_ptrs, k_mask = _norm_rope_heads(
+            key_ptr + tok * stride_k_tok,
+            k_norm_ptr,
+            stride_k_head,
+            num_kv_heads,
+            cos,
+            sin,
+            eps,
+            HALF,
+            HAS_NORM,
+            BLOCK_HK,
+            HALF_PAD,
+        )
+        k1 = k1.to(key_ptr.dtype.element_ty)
+        k2 = k2.to(key_ptr.dtype.element_ty)
+        tl.store(k_ptrs, k1, mask=k_mask)
+        tl.store(k_ptrs + HALF, k2, mask=k_mask)
+
+        slot = tl.load(slot_mapping_ptr + tok)
+        if slot >= 0:
+            offs_h = tl.arange(0, BLOCK_HK)
+            cache_offs = (
+                (slot // block_size) * stride_cache_block
+                + (slot % block_size) * stride_cache_slot
+                + offs_h[:, None] * stride_cache_head
+                + offs_d[None, :]
+            )
+            cache_dtype = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + cache_offs, to_cache_dtype(k1, cache_dtype), mask=k_mask)
+            tl.store(k_cache_ptr + cache_offs + HALF, to_cache_dtype(k2, cache_dtype), mask=k_mask)
+            v_ptrs = (
+                value_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :]
+            )
+            v1 = tl.load(v_ptrs, mask=k_mask)
+            v2 = tl.load(v_ptrs + HALF, mask=k_mask)
+            tl.store(v_cache_ptr + cache_offs, to_cache_dtype(v1, cache_dtype), mask=k_mask)
+            tl.store(v_cache_ptr + cache_offs + HALF, to_cache_dtype(v2, cache_dtype), mask=k_mask)
 
 
 def _check_heads(t: torch.Tensor, name: str, num_tokens: int, head_dim: int) -> None:
@@ -257,7 +262,7 @@ def rotary_kv(
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _rotary_kv_kernel[(num_tokens,)](
+    _rotary_kv_kernel[(num_tokens, 2)](
         query,
         key,
         value,
