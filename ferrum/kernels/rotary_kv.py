@@ -20,6 +20,8 @@ from ferrum.kernels.kv_cache_write import check_cache_args, to_cache_dtype
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_HEAD_DIM = 512
+# Query heads a program rotates (the key heads and the cache write take one more program).
+Q_HEADS_PER_PROGRAM = 8
 
 
 @triton.jit
@@ -93,9 +95,10 @@ def _rotary_kv_kernel(
     HALF_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program (t, 0): rotate q[t] in place. Program (t, 1): rotate k[t] in place, then write k[t]
-    and v[t] to the cache slot. (Two programs a token halve the serial work of a one-token
-    decode step.)"""
+    """Program (t, p) for p < P = cdiv(num_heads, BLOCK_HQ): rotate q[t]'s heads
+    [p * BLOCK_HQ, (p + 1) * BLOCK_HQ) in place. Program (t, P): rotate k[t] in place, then write
+    k[t] and v[t] to the cache slot. (Several programs a token split a one-token decode step's
+    serial work.)"""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -107,12 +110,13 @@ def _rotary_kv_kernel(
     cos = tl.load(cos_ptr + row * stride_cos + offs_d, mask=offs_d < HALF, other=0.0)
     sin = tl.load(sin_ptr + row * stride_sin + offs_d, mask=offs_d < HALF, other=0.0)
 
-    if tl.program_id(1) == 0:
+    first_head = tl.program_id(1) * BLOCK_HQ
+    if first_head < num_heads:
         q1, q2, q_ptrs, q_mask = _norm_rope_heads(
-            query_ptr + tok * stride_q_tok,
+            query_ptr + tok * stride_q_tok + first_head * stride_q_head,
             q_norm_ptr,
             stride_q_head,
-            num_heads,
+            num_heads - first_head,
             cos,
             sin,
             eps,
@@ -262,7 +266,8 @@ def rotary_kv(
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _rotary_kv_kernel[(num_tokens, 2)](
+    block_hq = min(triton.next_power_of_2(num_heads), Q_HEADS_PER_PROGRAM)
+    _rotary_kv_kernel[(num_tokens, triton.cdiv(num_heads, block_hq) + 1)](
         query,
         key,
         value,
@@ -292,7 +297,7 @@ def rotary_kv(
         HALF=half,
         HAS_POSITIONS=positions is not None,
         HAS_NORM=has_norm,
-        BLOCK_HQ=triton.next_power_of_2(num_heads),
+        BLOCK_HQ=block_hq,
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
         num_warps=4 if num_heads * head_dim >= 2048 else 1,

@@ -37,7 +37,13 @@ def _qkv(
 
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "use_norm", "gathered"),
-    [(4, 2, 32, True, False), (6, 3, 64, False, True), (2, 1, 48, True, False)],
+    # 20 heads: three programs of query heads (8, 8 and 4 of 8), then the key program.
+    [
+        (4, 2, 32, True, False),
+        (6, 3, 64, False, True),
+        (2, 1, 48, True, False),
+        (20, 4, 32, True, True),
+    ],
 )
 def test_rotary_kv_matches_reference(
     num_heads: int,
