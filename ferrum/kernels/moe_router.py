@@ -17,8 +17,6 @@ from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_EXPERTS = 8192
-# Up to this many (padded) experts the picks come from one all-pairs compare.
-RANK_SELECT_MAX_EXPERTS = 128
 
 
 @triton.jit
@@ -31,14 +29,11 @@ def _moe_router_kernel(
     stride_lt,
     stride_le,
     RENORMALIZE: tl.constexpr,
-    RANK_SELECT: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program t routes token t: top_k rounds of (max, lowest index attaining it, mask it out),
-    or with RANK_SELECT each expert's place in that order at once (a BLOCK_E x BLOCK_E compare:
-    one pass of reductions instead of three a round)."""
+    """Program t routes token t: top_k rounds of (max, lowest index attaining it, mask it out)."""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -54,28 +49,15 @@ def _moe_router_kernel(
     # index order, and reports their NaN weights.
     keys = tl.where(e_mask, tl.where(probs == probs, probs, -0.5), -1.0)
     offs_k = tl.arange(0, BLOCK_K)
-    if RANK_SELECT:
-        # One pass: expert e's place is the number of experts ahead of it (a larger key, or an
-        # equal key and a lower id); places 0..k-1 are the picks, in the loop's order below.
-        ahead = (keys[None, :] > keys[:, None]) | (
-            (keys[None, :] == keys[:, None]) & (offs_e[None, :] < offs_e[:, None])
-        )
-        place = tl.sum(ahead.to(tl.int32), 1)
-        picked = (place[None, :] == offs_k[:, None]) & (offs_k < top_k)[
-            :, None
-        ]  # [BLOCK_K, BLOCK_E]
-        top_weights = tl.sum(tl.where(picked, probs[None, :], 0.0), 1)
-        top_ids = tl.sum(tl.where(picked, offs_e[None, :], 0), 1).to(tl.int32)
-    else:
-        top_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
-        top_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
-        for j in range(0, top_k):
-            best = tl.max(keys, 0)
-            best_id = tl.min(tl.where(keys == best, offs_e, BLOCK_E), 0)
-            weight = tl.sum(tl.where(offs_e == best_id, probs, 0.0), 0)
-            top_weights = tl.where(offs_k == j, weight, top_weights)
-            top_ids = tl.where(offs_k == j, best_id, top_ids)
-            keys = tl.where(offs_e == best_id, -1.0, keys)
+    top_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
+    top_ids = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for j in range(0, top_k):
+        best = tl.max(keys, 0)
+        best_id = tl.min(tl.where(keys == best, offs_e, BLOCK_E), 0)
+        weight = tl.sum(tl.where(offs_e == best_id, probs, 0.0), 0)
+        top_weights = tl.where(offs_k == j, weight, top_weights)
+        top_ids = tl.where(offs_k == j, best_id, top_ids)
+        keys = tl.where(offs_e == best_id, -1.0, keys)
     if RENORMALIZE:
         top_weights = top_weights / tl.sum(top_weights, 0)
     k_mask = offs_k < top_k
@@ -113,7 +95,6 @@ def moe_router(
     if num_tokens == 0:
         return topk_weights, topk_ids
     block_e = triton.next_power_of_2(num_experts)
-    rank_select = block_e <= RANK_SELECT_MAX_EXPERTS
     _moe_router_kernel[(num_tokens,)](
         topk_weights,
         topk_ids,
@@ -123,10 +104,9 @@ def moe_router(
         router_logits.stride(0),
         router_logits.stride(1),
         RENORMALIZE=renormalize,
-        RANK_SELECT=rank_select,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),
-        num_warps=4 if rank_select or block_e > 512 else 1,
+        num_warps=1 if block_e <= 512 else 4,
         **pdl_launch_args(device),
     )
     return topk_weights, topk_ids
