@@ -162,8 +162,8 @@ def sweep_configs(m: int) -> list[Fp8GemmConfig]:
 
 # (BLOCK_N, BLOCK_K) of the GEMV sweep: 8-32 rows of 512-1024 columns, and longer K tiles of
 # fewer rows (16 KB or less of FP8 weights a tile, as the bf16 GEMV's fastest tiles read). A warp
-# reads 256 columns of a row (8 a thread): tiles of at least num_warps * 256 columns keep a row
-# chunk within the threads that multiply it.
+# reads 256 columns of a row (8 a thread); with at least num_warps * 256 columns a row chunk stays
+# within the threads that multiply it, which tends to help but is not required (the sweep decides).
 GEMV_SWEEP_TILES = (
     *itertools.product((8, 16, 32), (512, 1024)),
     (1, 4096),

@@ -177,10 +177,18 @@ def grouped_mm_moe(
 def sweep_configs(top_k: int) -> list[dict[str, int]]:
     # The down GEMV's tile [DOWN_BLOCK_E, DOWN_BLOCK_N, DOWN_BLOCK_K] spans one choice at a time
     # (with the wide tiles) or all k choices (with narrow ones).
-    down_tiles = [
-        *((1, n, k) for n, k in itertools.product((4, 8, 16), (256, 1024))),
-        *((triton.next_power_of_2(top_k), n, k) for n, k in itertools.product((4, 8), (128, 256))),
-    ]
+    # dict.fromkeys: with k = 1 both halves name one-choice tiles, timed once.
+    down_tiles = list(
+        dict.fromkeys(
+            [
+                *((1, n, k) for n, k in itertools.product((4, 8, 16), (256, 1024))),
+                *(
+                    (triton.next_power_of_2(top_k), n, k)
+                    for n, k in itertools.product((4, 8), (128, 256))
+                ),
+            ]
+        )
+    )
     grid = itertools.product((8, 16, 32), (128, 256), down_tiles, (4, 8))
     return [
         {

@@ -6,8 +6,8 @@ to two sections, each mapping a batch-size bucket (the most tokens it covers, as
 config:
 - "grouped": BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages (written by
   benchmarks/tune_fused_moe.py --save);
-- "small": GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_E, DOWN_BLOCK_N, DOWN_BLOCK_K,
-  num_warps, num_stages (written by benchmarks/bench_moe_layer.py --sweep --save).
+- "small": GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_E (may be left out: 1), DOWN_BLOCK_N,
+  DOWN_BLOCK_K, num_warps, num_stages (written by benchmarks/bench_moe_layer.py --sweep --save).
 A batch takes the smallest bucket that covers it, or the largest one. A missing section falls
 back to the same shape's file without `_fp8`, then to the defaults below.
 """
@@ -29,6 +29,9 @@ SMALL_KEYS = (
     "num_warps",
     "num_stages",
 )
+# A key a section may leave out, and what it means then: small-path files written before
+# DOWN_BLOCK_E existed read one expert choice a down tile.
+OPTIONAL_KEYS = {"DOWN_BLOCK_E": 1}
 Buckets = dict[int, dict[str, int]]
 
 # Small batches take narrow N tiles so that the few active experts still spread their weights
@@ -81,6 +84,8 @@ def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets
     for bound, config in section.items():
         if not str(bound).isdigit() or int(bound) < 1:
             raise ValueError(f"{where}: bucket {bound!r} must be a positive token count")
+        if isinstance(config, dict):
+            config = {k: v for k, v in OPTIONAL_KEYS.items() if k in keys} | config
         if not isinstance(config, dict) or set(config) != set(keys):
             raise ValueError(f"{where}[{bound}]: must have exactly the keys {list(keys)}")
         if not all(type(v) is int and v >= 1 for v in config.values()):

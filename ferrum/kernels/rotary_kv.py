@@ -96,7 +96,7 @@ def _rotary_kv_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Program (t, p) for p < P = cdiv(num_heads, BLOCK_HQ): rotate q[t]'s heads
-    [p * BLOCK_HQ, (p + 1) * BLOCK_HQ) in place. Program (t, P): rotate k[t] in place, then write
+    [p * BLOCK_HQ, min((p + 1) * BLOCK_HQ, num_heads)) in place. Program (t, P): rotate k[t] in place, then write
     k[t] and v[t] to the cache slot. (Several programs a token split a one-token decode step's
     serial work.)"""
     pdl_launch_dependents(USE_PDL)
@@ -214,6 +214,10 @@ def rotary_kv(
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {query.shape}")
     num_tokens, num_heads, head_dim = query.shape
+    if num_heads < 1 or key.dim() != 3 or key.shape[1] < 1:
+        raise ValueError(
+            f"query and key need at least one head, got {tuple(query.shape)} and {tuple(key.shape)}"
+        )
     if head_dim < 2 or head_dim % 2 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be even and in [2, {MAX_HEAD_DIM}], got {head_dim}")
     device = query.device

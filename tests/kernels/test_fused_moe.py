@@ -68,6 +68,41 @@ def test_matches_reference(path, num_tokens, renormalize, dtype, device) -> None
     check(x, w13, w2, weights, ids, path)
 
 
+def test_down_tiles_over_choices_sum_the_choices_in_order(device) -> None:
+    # Each w2 row holds one power of two, so every expert's output is exact; top-k weights of
+    # 1e7, 1 and -1e7 make the fp32 sum over choices depend on its order. Tiles of 1, 2 (7 =
+    # 2 + 2 + 2 + 1 choices) and 8 choices must give the same bits; ids -1 and >= E add nothing.
+    num_tokens, hidden, inter, num_experts, top_k = 2, 32, 16, 9, 7
+    x, w13, _, _ = make_problem(
+        num_tokens, hidden, inter, num_experts, top_k, torch.float32, device
+    )
+    w2 = torch.zeros(num_experts, hidden, inter)
+    w2[:, torch.arange(hidden), torch.arange(hidden) % inter] = 2.0 ** torch.arange(-3, 6).view(
+        -1, 1
+    )
+    w2 = w2.to(device)
+    ids = torch.tensor([[0, 3, 5, -1, 8, 2, 7], [1, 4, 9, 6, 0, 3, 2]], device=device)
+    weights = torch.tensor([[1e7, 1.0, -1e7, 3.0, 1.0, 1e7, -1e7]] * 2, device=device)
+    outs = [
+        fused_moe(
+            x,
+            w13,
+            w2,
+            weights,
+            ids,
+            small_config=NARROW_SMALL_CONFIG | {"DOWN_BLOCK_E": e},
+            small_batch_max_tokens=PATHS["small"],
+        )  # fmt: skip
+        for e in (1, 2, 8)
+    ]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    expected = fused_moe_ref(
+        x, w13, w2, weights.masked_fill((ids < 0) | (ids >= num_experts), 0.0),
+        ids.clamp(0, num_experts - 1),
+    )  # fmt: skip
+    torch.testing.assert_close(outs[0], expected, **TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_pairs_of_experts_held_elsewhere_contribute_zero(path, dtype, device) -> None:
     # Expert parallelism: ids of other ranks' experts arrive as -1 and add nothing.

@@ -12,6 +12,7 @@ GROUPED = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_st
 SMALL = {
     "GATE_UP_BLOCK_N": 8,
     "GATE_UP_BLOCK_K": 128,
+    "DOWN_BLOCK_E": 1,
     "DOWN_BLOCK_N": 4,
     "DOWN_BLOCK_K": 1024,
     "num_warps": 8,
@@ -54,6 +55,13 @@ def test_a_file_with_one_section_falls_back_for_the_other(config_dir) -> None:
     cfg.save_section(8, 16, 32, "GPU", "small", {8: SMALL}, config_dir)
     grouped, small = cfg.get_configs(2, 8, 16, 32, "GPU")
     assert small == SMALL and grouped == cfg.pick(cfg.DEFAULT_GROUPED, 2)
+
+
+def test_a_small_section_without_down_block_e_reads_one_choice_a_tile(config_dir) -> None:
+    # Files written before DOWN_BLOCK_E existed: one expert choice a down tile.
+    old = {k: v for k, v in SMALL.items() if k != "DOWN_BLOCK_E"}
+    cfg.config_path(8, 16, 32, "GPU").write_text(json.dumps({"small": {"8": old}}))
+    assert cfg.get_configs(2, 8, 16, 32, "GPU")[1] == old | {"DOWN_BLOCK_E": 1}
 
 
 def test_fp8_experts_have_their_own_file(config_dir) -> None:
