@@ -27,18 +27,10 @@ import triton.language as tl
 from ferrum.kernels.fp8_gemm import check_fp8_operands
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
 from ferrum.kernels.fp8_quant import GROUP_SIZE
+from ferrum.kernels.gemv import load_along_k
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@triton.jit
-def _load_along_k(ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
-    """A chunk of the row, of its scales or a weight tile, zero past k_left columns (nothing
-    masked with EVEN_K)."""
-    if EVEN_K:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=offs_k < k_left, other=0.0)
 
 
 @triton.jit
@@ -81,22 +73,22 @@ def _fp8_gemv_kernel(
     w_scale_ptrs = w_scale_ptr + ((pid_n * BLOCK_N) // GROUP) * (K // GROUP) + offs_k // GROUP
     # The first weight tile (and its scales) is read before the wait: weights are never written
     # while serving.
-    w = _load_along_k(w_ptrs, offs_k[None, :], K, EVEN_K)
+    w = load_along_k(w_ptrs, offs_k[None, :], K, EVEN_K)
     if BLOCK_SCALES:
-        w_s = _load_along_k(w_scale_ptrs, offs_k, K, EVEN_K)
+        w_s = load_along_k(w_scale_ptrs, offs_k, K, EVEN_K)
     pdl_wait(USE_PDL)
-    x = _load_along_k(x_ptrs, offs_k, K, EVEN_K).to(tl.float32)
+    x = load_along_k(x_ptrs, offs_k, K, EVEN_K).to(tl.float32)
     if BLOCK_SCALES:
         x *= w_s
     acc = w.to(tl.float32) * x[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        x = _load_along_k(x_ptrs, offs_k, K - k0, EVEN_K).to(tl.float32)
-        w = _load_along_k(w_ptrs, offs_k[None, :], K - k0, EVEN_K)
+        x = load_along_k(x_ptrs, offs_k, K - k0, EVEN_K).to(tl.float32)
+        w = load_along_k(w_ptrs, offs_k[None, :], K - k0, EVEN_K)
         if BLOCK_SCALES:
             w_scale_ptrs += BLOCK_K // GROUP
-            x *= _load_along_k(w_scale_ptrs, offs_k, K - k0, EVEN_K)
+            x *= load_along_k(w_scale_ptrs, offs_k, K - k0, EVEN_K)
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, 1)
     if not BLOCK_SCALES:

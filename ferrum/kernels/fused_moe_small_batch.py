@@ -44,7 +44,8 @@ def _load_k_chunk(vec_ptrs, offs_k, k_left, n_mask, EVEN_K: tl.constexpr):
 @triton.jit
 def _scale_chunk(vec, s_row, offs_k, k0, k_size):
     """The vector chunk [BLOCK_K] at columns k0 + offs_k times its 128-column blocks' scales in
-    one row of block scales; columns past k_size read no scale (the vector is zero there)."""
+    one row of block scales (or chunks [E, BLOCK_K] against rows s_row [E, 1], offs_k [1,
+    BLOCK_K]); columns past k_size read no scale (the vector is zero there)."""
     return vec * tl.load(s_row + (k0 + offs_k) // 128, mask=offs_k < k_size - k0, other=0.0)
 
 
@@ -174,11 +175,8 @@ def _moe_down_combine_gemv_kernel(
             + offs_k[None, None, :]
         )
         w_tile_mask = routed[:, None, None] & n_mask[None, :, None]
-        s_ptrs = (
-            w2_scale_ptr
-            + experts[:, None] * stride_se
-            + ((pid_n * BLOCK_N) // 128) * stride_sn
-            + offs_k[None, :] // 128
+        s_rows = (
+            w2_scale_ptr + experts[:, None] * stride_se + ((pid_n * BLOCK_N) // 128) * stride_sn
         )
         acc = tl.zeros((BLOCK_E, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, inter, BLOCK_K):
@@ -192,7 +190,7 @@ def _moe_down_combine_gemv_kernel(
             a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
             if W_FP8:
-                a *= tl.load(s_ptrs + k0 // 128, mask=a_mask, other=0.0)
+                a = _scale_chunk(a, s_rows, offs_k[None, :], k0, inter)
             acc += w * a[:, None, :]
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K

@@ -21,9 +21,9 @@ WEIGHT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _load_along_k(ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
-    """A [BLOCK_K] chunk of the row or a [BLOCK_N, BLOCK_K] weight tile, zero past k_left
-    columns (nothing masked with EVEN_K)."""
+def load_along_k(ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
+    """A [BLOCK_K] chunk of a GEMV's row (or of its scales) or a [BLOCK_N, BLOCK_K] weight tile,
+    zero past k_left columns (nothing masked with EVEN_K)."""
     if EVEN_K:
         return tl.load(ptrs)
     return tl.load(ptrs, mask=offs_k < k_left, other=0.0)
@@ -58,15 +58,15 @@ def _gemv_kernel(
     x_ptrs = x_ptr + row * stride_xm + offs_k
     w_ptrs = w_ptr + safe_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # The first weight tile is read before the wait (weights are never written while serving).
-    w = _load_along_k(w_ptrs, offs_k, K, EVEN_K)
+    w = load_along_k(w_ptrs, offs_k, K, EVEN_K)
     pdl_wait(USE_PDL)
-    x = _load_along_k(x_ptrs, offs_k, K, EVEN_K)
+    x = load_along_k(x_ptrs, offs_k, K, EVEN_K)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        x = _load_along_k(x_ptrs, offs_k, K - k0, EVEN_K)
-        w = _load_along_k(w_ptrs, offs_k, K - k0, EVEN_K)
+        x = load_along_k(x_ptrs, offs_k, K - k0, EVEN_K)
+        w = load_along_k(w_ptrs, offs_k, K - k0, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     out = tl.sum(acc, 1)
     if HAS_BIAS:

@@ -27,10 +27,9 @@ from ferrum.model_executor.layers.fused_moe import FusedMoE
 from ferrum.model_executor.layers.gated_delta_net import GatedDeltaNet
 from ferrum.model_executor.layers.layernorm import GemmaRMSNorm
 from ferrum.model_executor.layers.linear import Linear, MergedLinear
-from ferrum.model_executor.layers.quantization import get_linear_method
 from ferrum.model_executor.layers.rotary import RotaryEmbedding
 from ferrum.model_executor.models.llama import LlamaForCausalLM, LlamaMLP, layer_prefix
-from ferrum.model_executor.models.qwen3_moe import map_expert_name
+from ferrum.model_executor.models.qwen3_moe import map_expert_name, router_gate
 from ferrum.model_executor.pipeline_stage import (
     PipelineStage,
     StageActivations,
@@ -279,12 +278,7 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
 
     def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None, prefix: str) -> None:
         super().__init__()
-        self.gate = Linear(
-            arch.hidden_size,
-            arch.num_experts,
-            bias=False,
-            quant_method=get_linear_method(None, kernels, [f"{prefix}.gate"]),
-        )
+        self.gate = router_gate(arch, kernels, prefix)
         self.experts = FusedMoE(
             num_experts=arch.num_experts,
             top_k=arch.num_experts_per_tok,

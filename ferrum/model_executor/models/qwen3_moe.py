@@ -29,6 +29,17 @@ _PER_EXPERT = re.compile(
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj(\.weight)?$")
 
 
+def router_gate(arch: ModelArchConfig, kernels: TritonKernels | None, prefix: str) -> Linear:
+    """The MoE router's linear layer: in the model dtype (as in Qwen's FP8 checkpoints), on the
+    dense method, so that a one-row step takes the GEMV where it has tiles."""
+    return Linear(
+        arch.hidden_size,
+        arch.num_experts,
+        bias=False,
+        quant_method=get_linear_method(None, kernels, [f"{prefix}.gate"]),
+    )
+
+
 class Qwen3MoeSparseMoeBlock(nn.Module):
     """The router is replicated on every rank; the experts are split (see FusedMoE)."""
 
@@ -42,13 +53,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         prefix: str = "mlp",
     ) -> None:
         super().__init__()
-        # The router stays in the model dtype (as in Qwen's FP8 checkpoints).
-        self.gate = Linear(
-            arch.hidden_size,
-            arch.num_experts,
-            bias=False,
-            quant_method=get_linear_method(None, kernels, [f"{prefix}.gate"]),
-        )
+        self.gate = router_gate(arch, kernels, prefix)
         self.experts = FusedMoE(
             num_experts=arch.num_experts,
             top_k=arch.num_experts_per_tok,
