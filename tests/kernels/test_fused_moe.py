@@ -69,9 +69,10 @@ def test_matches_reference(path, num_tokens, renormalize, dtype, device) -> None
 
 
 def test_down_tiles_over_choices_sum_the_choices_in_order(device) -> None:
-    # Each w2 row holds one power of two, so every expert's output is exact; top-k weights of
-    # 1e7, 1 and -1e7 make the fp32 sum over choices depend on its order. Tiles of 1, 2 (7 =
-    # 2 + 2 + 2 + 1 choices) and 8 choices must give the same bits; ids -1 and >= E add nothing.
+    # Each w2 row holds one power of two and the top-k weights are powers of two, so every
+    # weighted expert output is exact (fused multiply-add or not); weights of 2^24, 1 and -2^24
+    # make the fp32 sum over choices depend on its order. Tiles of 1, 2 (7 = 2 + 2 + 2 + 1
+    # choices) and 8 choices must give the same bits; ids -1 and >= E add nothing.
     num_tokens, hidden, inter, num_experts, top_k = 2, 32, 16, 9, 7
     x, w13, _, _ = make_problem(
         num_tokens, hidden, inter, num_experts, top_k, torch.float32, device
@@ -82,7 +83,8 @@ def test_down_tiles_over_choices_sum_the_choices_in_order(device) -> None:
     )
     w2 = w2.to(device)
     ids = torch.tensor([[0, 3, 5, -1, 8, 2, 7], [1, 4, 9, 6, 0, 3, 2]], device=device)
-    weights = torch.tensor([[1e7, 1.0, -1e7, 3.0, 1.0, 1e7, -1e7]] * 2, device=device)
+    big = 2.0**24
+    weights = torch.tensor([[big, 1.0, -big, 4.0, 0.5, big, -big]] * 2, device=device)
     outs = [
         fused_moe(
             x,
