@@ -13,11 +13,11 @@ Each row is one linear x [M, K] bf16 -> [M, N] bf16 including its activation qua
 Each timing replays a CUDA graph of --iters calls (the engine runs decode in graphs, so launch
 overhead is left out) over enough weight copies to exceed the L2 cache; prints microseconds,
 TFLOP/s (2MNK) and GB/s (weight + activation + output bytes).
---sweep times a grid of Triton tiles per shape, M and format and prints the best; --save writes
-those as ferrum/kernels/fp8_gemm_configs/*.json for this device (buckets take cuBLASLt, backend
-scaled_mm, where it was faster). --gemv-sweep times a grid of GEMV tiles at each M <= 16 and
+--sweep times a grid of Triton tiles (split-K included) per shape, M and format (--formats) and
+prints the best; --save DIR writes the tuned buckets of each shape with the swept M's replaced
+(by cuBLASLt, backend scaled_mm, where it was faster). --gemv-sweep times a grid of GEMV tiles at each M <= 16 and
 prints the best per shape, M and format.
-Usage: python benchmarks/bench_fp8_gemm.py [--m 1,8,64,256,2048,8192] [--sweep [--save]]
+Usage: python benchmarks/bench_fp8_gemm.py [--m 1,8,64,256,2048,8192] [--sweep [--save DIR]]
        [--gemv-sweep [--formats block,channel] [--save-gemv DIR]] [--out file.json]
 """
 
@@ -140,24 +140,48 @@ def check_outputs(x: torch.Tensor, w: Weights) -> dict[str, float]:
     return errors
 
 
-def sweep_configs(m: int) -> list[Fp8GemmConfig]:
+# Output tiles a sweep config may make, times its splits, at most: more only adds partials to
+# sum; the H100's 132 SMs are full well before.
+SWEEP_MAX_PROGRAMS = 1024
+
+
+def sweep_configs(m: int, n: int, k: int) -> list[Fp8GemmConfig]:
+    """The coarse grid for M rows of an N x K weight (4 warps, 4 stages): BLOCK_M the next power
+    of two of M and 64 (or half of it above 64 rows), narrow-to-wide N tiles, split-K where the
+    output tiles are few, activations quantized inside the GEMM or by a pass before it."""
     block_m = min(128, max(16, 1 << (m - 1).bit_length()))
-    block_ms = sorted({block_m, max(16, block_m // 2)} if m > 16 else {16})
-    quants = ("fused", "separate")
-    return [
-        Fp8GemmConfig(
-            quant=q,
-            BLOCK_M=bm,
-            BLOCK_N=bn,
-            BLOCK_K=bk,
-            GROUP_M=1 if m <= 64 else 8,
-            num_warps=nw,
-            num_stages=ns,
-        )  # fmt: skip
-        for q, bm, bn, bk, nw, ns in itertools.product(
-            quants, block_ms, (32, 64, 128, 256), (128,), (4, 8), (3, 4)
+    # 64 rows: Hopper's FP8 wgmma tile, padded at small M (narrower tiles convert W to fp16).
+    block_ms = sorted({block_m, 64} if m <= 64 else {block_m, block_m // 2})
+    configs = []
+    for q, bm, bn, split in itertools.product(
+        ("fused", "separate"), block_ms, (32, 64, 128, 256), (1, 2, 4, 8)
+    ):
+        tiles = -(-m // bm) * -(-n // bn)
+        if tiles * split > SWEEP_MAX_PROGRAMS or split > -(-k // 128) or (bn == 256 and m <= 32):
+            continue
+        configs.append(
+            Fp8GemmConfig(
+                quant=q,
+                BLOCK_M=bm,
+                BLOCK_N=bn,
+                GROUP_M=1 if m <= 64 else 8,
+                num_warps=4,
+                num_stages=4,
+                SPLIT_K=split,
+            )  # fmt: skip
         )
-    ]
+    return configs
+
+
+def refine_configs(best: list[Fp8GemmConfig]) -> list[Fp8GemmConfig]:
+    """Around each of the coarse grid's best: 3 or 5 stages, and 8 warps for wide tiles."""
+    configs = []
+    for config in best:
+        for nw, ns in itertools.product((4, 8), (3, 4, 5)):
+            if (nw, ns) == (4, 4) or (nw == 8 and config.BLOCK_M * config.BLOCK_N < 64 * 128):
+                continue
+            configs.append(dataclasses.replace(config, num_warps=nw, num_stages=ns))
+    return configs
 
 
 # (BLOCK_N, BLOCK_K) of the GEMV sweep: 8-32 rows of 512-1024 columns, and longer K tiles of
@@ -213,16 +237,23 @@ def sweep_fn(x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConf
 
 
 def run_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dict:
-    best = None
-    for config in sweep_configs(x.shape[0]):
-        try:
-            us = graph_us(sweep_fn(x, w, scale_format, config), len(w.bf16), iters)
-        except Exception as exc:  # a tile the compiler rejects (shared memory)
-            print(f"    skip {config}: {type(exc).__name__}")
-            continue
-        if best is None or us < best["us"]:
-            best = {"us": us, "config": dataclasses.asdict(config)}
-    return best or {}
+    """The fastest Triton config: the coarse grid, then its best three refined."""
+    n, k = w.bf16[0].shape
+    timed: list[tuple[float, Fp8GemmConfig]] = []
+    for configs in (sweep_configs(x.shape[0], n, k), None):
+        if configs is None:
+            configs = refine_configs([c for _, c in sorted(timed, key=lambda t: t[0])[:3]])
+        for config in configs:
+            try:
+                us = graph_us(sweep_fn(x, w, scale_format, config), len(w.bf16), iters)
+            except Exception as exc:  # a tile the compiler rejects (shared memory)
+                print(f"    skip {config}: {type(exc).__name__}")
+                continue
+            timed.append((us, config))
+    if not timed:
+        return {}
+    us, config = min(timed, key=lambda t: t[0])
+    return {"us": us, "config": dataclasses.asdict(config)}
 
 
 def main() -> int:
@@ -231,7 +262,14 @@ def main() -> int:
     parser.add_argument("--m", default="1,8,64,256,2048,8192")
     parser.add_argument("--iters", type=int, default=20, help="calls per CUDA graph")
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--save", action="store_true", help="with --sweep: write tuned configs")
+    parser.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="with --sweep: per shape and format, write DIR/ config files: the tuned buckets "
+        "(fp8_gemm_configs/, else the defaults) with each swept M's bucket replaced by its best "
+        "Triton tile, or by cuBLASLt where that was faster",
+    )
     parser.add_argument("--gemv-sweep", action="store_true", help="grid of GEMV tiles, M <= 16")
     parser.add_argument("--formats", default="block,channel", help="scale formats to sweep")
     parser.add_argument(
@@ -243,7 +281,7 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    if args.save and not args.sweep:
+    if args.save is not None and not args.sweep:
         parser.error("--save needs --sweep")
     if args.save_gemv is not None and not args.gemv_sweep:
         parser.error("--save-gemv needs --gemv-sweep")
@@ -294,16 +332,16 @@ def main() -> int:
                     if best and others and best["us"] < min(others):
                         gemv_wins.setdefault(fmt, {})[m] = best["config"]
             if args.sweep:
-                for fmt in ("block", "channel"):
+                for fmt in args.formats.split(","):
                     t0 = time.perf_counter()
                     best = run_sweep(x, weights, fmt, args.iters)
                     row[f"sweep_{fmt}"] = best
                     tuned[fmt][m] = best
                     print(f"  sweep {fmt}: {best} ({time.perf_counter() - t0:.0f} s)", flush=True)
             results.append(row)
-        if args.save:
+        if args.save is not None:
             for fmt, per_m in tuned.items():
-                buckets = {}
+                buckets = dict(get_fp8_gemm_buckets(fmt, n, k, device_name))
                 for m, best in per_m.items():
                     if not best:
                         continue
@@ -313,8 +351,11 @@ def main() -> int:
                     if scaled is not None and scaled < best["us"]:
                         config = dataclasses.replace(config, backend="scaled_mm")
                     buckets[m] = config
-                if buckets:
-                    print(f"saved {save_buckets(fmt, n, k, device_name, buckets)}")
+                if per_m:
+                    path = save_buckets(
+                        fmt, n, k, device_name, dict(sorted(buckets.items())), args.save
+                    )
+                    print(f"saved {path}")
         if args.save_gemv is not None:
             for fmt, per_m in gemv_wins.items():
                 buckets = dict(get_fp8_gemm_buckets(fmt, n, k, device_name))

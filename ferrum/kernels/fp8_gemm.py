@@ -10,6 +10,12 @@ Block scales (Qwen/DeepSeek FP8): a_scale [M, K / 128] per token-group of 128 co
 Per-channel scales (compressed-tensors FP8): a_scale [M, 1] per token, w_scale [N, 1] per output
 channel; out[m, n] = (sum_k a[m, k] w[n, k]) * a_scale[m] * w_scale[n], applied once after K.
 Then out = (acc (+ bias[n])).to(out dtype).
+
+Split-K (config SPLIT_K > 1, for decode-sized M where the output tiles alone cannot fill the
+GPU): program (tile, s) sums its share of the K steps and writes the fp32 partial to a workspace;
+the last of a tile's SPLIT_K programs to arrive (a per-tile counter, reset by that program for the
+next launch) adds the partials in the order s = 0..SPLIT_K-1 and writes the output. The order is
+fixed, so the result does not depend on which program arrives last.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ def _fp8_gemm_kernel(
     w_ptr,  # [N, K] fp8
     w_scale_ptr,  # [ceil(N / GROUP), K // GROUP] (BLOCK_SCALES) or [N, 1] fp32
     bias_ptr,  # [N], read when HAS_BIAS
+    partial_ptr,  # [num_tiles, SPLIT_K, BLOCK_M, BLOCK_N] fp32, used when SPLIT_K > 1
+    counter_ptr,  # [>= num_tiles] int32, zero between launches, used when SPLIT_K > 1
     M,
     N,
     K,
@@ -58,11 +66,14 @@ def _fp8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
-    """Program p: the [BLOCK_M, BLOCK_N] output tile at (pid_m, pid_n), GROUP_M row tiles per
-    column sweep so that neighbouring programs share W tiles in L2. With BLOCK_SCALES,
-    BLOCK_K == GROUP and K % GROUP == 0 (one scale column per K step)."""
+    """Program (p, s): K steps s * steps_per_split onwards of the [BLOCK_M, BLOCK_N] output tile
+    at (pid_m, pid_n), GROUP_M row tiles per column sweep so that neighbouring programs share W
+    tiles in L2. With BLOCK_SCALES, BLOCK_K == GROUP and K % GROUP == 0 (one scale column per K
+    step)."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     group_first_m = (pid // (GROUP_M * num_pid_n)) * GROUP_M
@@ -87,8 +98,13 @@ def _fp8_gemm_kernel(
             a = tl.load(a_ptrs + k, mask=mask_a, other=0.0).to(tl.float32)
             row_amax = tl.maximum(row_amax, tl.max(tl.abs(a), 1))
 
+    steps_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_begin = split * steps_per_split * BLOCK_K
+    k_end = min(K, k_begin + steps_per_split * BLOCK_K)
+    a_ptrs += k_begin
+    w_ptrs += k_begin
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_begin, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
@@ -116,6 +132,50 @@ def _fp8_gemm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
+    if SPLIT_K > 1:
+        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        partials = partial_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+        tl.store(partials + split * (BLOCK_M * BLOCK_N) + tile, acc)
+        # Every thread's partial is written before the count (one thread's release atomic after
+        # the barrier); the last arrival reads the others' partials through L2 after its acquire.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            acc = tl.load(partials + tile, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(partials + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+            tl.store(counter_ptr + pid, 0)
+            _fp8_gemm_epilogue(
+                acc, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n,
+                row_amax, stride_om, BLOCK_SCALES, A_FP8, HAS_BIAS, FP8_MAX, AMAX_FLOOR,
+            )  # fmt: skip
+    else:
+        _fp8_gemm_epilogue(
+            acc, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n,
+            row_amax, stride_om, BLOCK_SCALES, A_FP8, HAS_BIAS, FP8_MAX, AMAX_FLOOR,
+        )  # fmt: skip
+
+
+@triton.jit
+def _fp8_gemm_epilogue(
+    acc,
+    out_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    row_amax,
+    stride_om,
+    BLOCK_SCALES: tl.constexpr,
+    A_FP8: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+):
+    """Stores (acc [* per-token x per-channel scales] [+ bias]) as the output tile."""
     if not BLOCK_SCALES:
         if A_FP8:
             a_s = tl.load(a_scale_ptr + offs_m, mask=mask_m)
@@ -212,6 +272,25 @@ def check_fp8_operands(
     return m, n, k
 
 
+_tile_counters: dict[torch.device, torch.Tensor] = {}
+# Outgrown counters stay allocated: a CUDA graph captured before the growth still points at them.
+_outgrown_counters: list[torch.Tensor] = []
+
+
+def tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
+    """The split-K arrival counters of this device, at least num_tiles of them, all zero between
+    launches (each tile's last program resets its own). Launches on one device run in stream
+    order, so they share them; the first call sizes them (the engine's warm-up, before any CUDA
+    graph capture; a buffer outgrown later is kept, not freed)."""
+    counters = _tile_counters.get(device)
+    if counters is None or counters.numel() < num_tiles:
+        if counters is not None:
+            _outgrown_counters.append(counters)
+        size = max(num_tiles, 1 << 14, 0 if counters is None else 2 * counters.numel())
+        counters = _tile_counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters
+
+
 def _launch(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -227,14 +306,25 @@ def _launch(
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    grid = (triton.cdiv(m, config.BLOCK_M) * triton.cdiv(n, config.BLOCK_N),)
-    _fp8_gemm_kernel[grid](
+    num_tiles = triton.cdiv(m, config.BLOCK_M) * triton.cdiv(n, config.BLOCK_N)
+    if config.SPLIT_K > 1:
+        partials = torch.empty(
+            num_tiles * config.SPLIT_K * config.BLOCK_M * config.BLOCK_N,
+            dtype=torch.float32,
+            device=a.device,
+        )
+        counters = tile_counters(a.device, num_tiles)
+    else:
+        partials = counters = w_scale
+    _fp8_gemm_kernel[(num_tiles, config.SPLIT_K)](
         out,
         a,
         a_scale if a_scale is not None else w_scale,
         weight,
         w_scale,
         bias if bias is not None else w_scale,
+        partials,
+        counters,
         m,
         n,
         k,
@@ -252,6 +342,7 @@ def _launch(
         BLOCK_N=config.BLOCK_N,
         BLOCK_K=config.BLOCK_K,
         GROUP_M=config.GROUP_M,
+        SPLIT_K=config.SPLIT_K,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -21,6 +21,9 @@ BACKENDS = ("triton", "scaled_mm", "gemv")
 QUANT_MODES = ("fused", "separate")
 # Rows and columns of weight covered by one block scale (and the activation group).
 SCALE_BLOCK = 128
+# Split-K partials are summed one after another by one program: more splits than this cost more
+# in the sum than they gain in parallel reads.
+MAX_SPLIT_K = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +33,8 @@ class Fp8GemmConfig:
     "gemv": fp8_gemv, one activation row a program (BLOCK_N x BLOCK_K weight tiles, weight-only:
     the activations are not quantized; BLOCK_M, GROUP_M and quant unused). quant "fused": the
     Triton GEMM quantizes its activation tiles itself; "separate": a quantization pass writes fp8
-    activations first."""
+    activations first. SPLIT_K (Triton only): programs sharing one output tile's K steps, their
+    fp32 partials summed in a fixed order by the last to finish (fp8_gemm)."""
 
     backend: str = "triton"
     quant: str = "separate"
@@ -40,13 +44,16 @@ class Fp8GemmConfig:
     GROUP_M: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    SPLIT_K: int = 1
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES}, got {self.quant!r}")
-        for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"):
+        for name in (
+            "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K"
+        ):  # fmt: skip
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -56,6 +63,8 @@ class Fp8GemmConfig:
                 raise ValueError(f"{name} must be a power of two, got {value}")
             if value < 16 and self.backend != "gemv":
                 raise ValueError(f"{name} must be >= 16 (tl.dot) outside the gemv, got {value}")
+        if self.SPLIT_K > MAX_SPLIT_K:
+            raise ValueError(f"SPLIT_K must be <= {MAX_SPLIT_K}, got {self.SPLIT_K}")
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
 
@@ -64,9 +73,11 @@ Buckets = dict[int, Fp8GemmConfig]
 
 # One row takes the GEMV: on the H100 at Qwen3-8B shapes it is 1.2-2.4x cuBLASLt there, and
 # slower from two rows on (benchmarks/RESULTS.md, issue 13). cuBLASLt wherever it takes the
-# operands above that: it beat these untuned Triton tiles at every M (3-10x at M <= 64). The
-# Triton tiles run where it does not: decode batches take narrow N tiles and quantize their few
-# activation rows inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
+# operands above that: it beat these Triton tiles, untuned and without split-K, at every M (3-10x
+# at M <= 64). Tuned files (bench_fp8_gemm.py --sweep) take split-K Triton tiles where they
+# measured faster: 2-128 rows at Qwen3-8B's shapes on the H100. The Triton tiles here run where
+# cuBLASLt does not: decode batches take narrow N tiles and quantize their few activation rows
+# inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
 _FUSED = ("scaled_mm", "fused")
 _GEMV = Fp8GemmConfig("gemv", BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2)
 DEFAULT_BUCKETS: dict[str, Buckets] = {

@@ -1,9 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
+from ferrum.kernels.fp8_gemm import (
+    tile_counters,
+    w8a8_block_fp8_matmul,
+    w8a8_channel_fp8_matmul,
+)
 from ferrum.kernels.fp8_gemm_config import Fp8GemmConfig
 from ferrum.kernels.fp8_gemm_ref import w8a8_block_fp8_matmul_ref, w8a8_channel_fp8_matmul_ref
 from ferrum.kernels.fp8_quant_ref import per_token_group_quant_fp8_ref, per_token_quant_fp8_ref
@@ -18,6 +24,8 @@ TOL = {torch.float32: 2e-3, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 CONFIGS = [
     Fp8GemmConfig(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=2),
     Fp8GemmConfig(BLOCK_M=32, BLOCK_N=128, GROUP_M=4, num_stages=2),
+    # Three splits: uneven shares of 2-3 K steps, and an empty split where K has only 2 steps.
+    Fp8GemmConfig(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=2, SPLIT_K=3),
 ]
 
 
@@ -40,7 +48,7 @@ def _channel_weight(n: int, k: int, device: torch.device, seed: int = 1):
     return q.to(device), scale.to(device)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["m16n64", "m32n128"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["m16n64", "m32n128", "m16n64s3"])
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("m,n,k", [(1, 192, 256), (37, 200, 384), (70, 128, 128)])
 def test_block_gemm_prequantized(
@@ -76,6 +84,37 @@ def test_channel_gemm_prequantized_and_fused(
     out = w8a8_channel_fp8_matmul(a, weight, scale, torch.float16, config, a_scale=a_scale)
     _assert_close(out, ref)
     _assert_close(w8a8_channel_fp8_matmul(x, weight, scale, torch.float16, config), ref)
+
+
+@pytest.mark.parametrize("block_scales", [True, False], ids=["block", "channel"])
+def test_split_k_sums_partials_in_order_and_resets_its_counters(
+    block_scales: bool, device: torch.device
+) -> None:
+    """Four splits of 2 K steps each: the output is the partials added in split order, whatever
+    the order the programs finished in, and the counters are back at zero for the next launch."""
+    m, n, k = 5, 256, 1024
+    make = _block_weight if block_scales else _channel_weight
+    gemm = w8a8_block_fp8_matmul if block_scales else w8a8_channel_fp8_matmul
+    weight, scale = make(n, k, device, seed=4)
+    x = representable(m, k, 128 if block_scales else k, torch.float32, device, seed=5)
+    split = Fp8GemmConfig(BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=2, SPLIT_K=4)
+    outs = [gemm(x, weight, scale, torch.float32, split) for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])
+    num_tiles = n // 64
+    assert not tile_counters(device, num_tiles)[:num_tiles].any()
+    if not block_scales:  # per-token scales come from the whole row: no per-quarter launches
+        _assert_close(outs[0], w8a8_channel_fp8_matmul_ref(x, weight, scale, torch.float32))
+        return
+    # The same sum by hand: one launch per quarter of K (2 scale groups each), added in order.
+    one = dataclasses.replace(split, SPLIT_K=1)
+    quarters = [
+        gemm(x[:, q * 256 : (q + 1) * 256].contiguous(), weight[:, q * 256 : (q + 1) * 256].contiguous(),
+             scale[:, q * 2 : (q + 1) * 2].contiguous(), torch.float32, one)
+        for q in range(4)
+    ]  # fmt: skip
+    expected = ((quarters[0] + quarters[1]) + quarters[2]) + quarters[3]
+    assert torch.equal(outs[0], expected)
+    assert not torch.equal(outs[0], ((quarters[3] + quarters[2]) + quarters[1]) + quarters[0])
 
 
 def test_strided_activation_rows(device: torch.device) -> None:
