@@ -33,6 +33,11 @@ from ferrum.kernels.paged_attention_common import (
 )
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
+# Warps of a split program over an FP8 cache (a bf16 cache's take 4): at Qwen3-8B's 32 requests x
+# 8k keys on the H100, 2 warps read 2.33 TB/s of FP8 keys and values, 4 warps 1.99 (8 parts,
+# 64-key tiles; benchmarks/RESULTS.md).
+SPLIT_KV_FP8_NUM_WARPS = 2
+
 
 @triton.jit
 def _split_length(context_len, num_splits, BLOCK_N: tl.constexpr):
@@ -289,8 +294,8 @@ def paged_attention_split_kv(
         raise ValueError(
             f"num_reqs {num_reqs} exceeds workspace max_num_seqs {workspace.max_num_seqs}"
         )
+    fp8_cache = kv_cache.dtype == FP8_KV_DTYPE
     if num_splits is None:
-        fp8_cache = kv_cache.dtype == FP8_KV_DTYPE
         num_splits = default_num_splits(
             num_reqs, kv_cache.shape[3], workspace.max_splits, fp8_cache
         )
@@ -351,7 +356,7 @@ def paged_attention_split_kv(
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(query.dtype),
         WINDOW=window,
-        num_warps=4,
+        num_warps=SPLIT_KV_FP8_NUM_WARPS if fp8_cache else 4,
         **pdl_launch_args(query.device),
     )
     _split_kv_reduce_kernel[(num_reqs, num_heads)](
