@@ -39,8 +39,12 @@ from benchmarks.gpu_timing import graph_us
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
 from ferrum.kernels.fp8_gemm_config import (
     DEFAULT_BUCKETS,
+    SCALE_FORMATS,
+    Buckets,
     Fp8GemmConfig,
+    config_path,
     get_fp8_gemm_buckets,
+    parse_buckets,
     save_buckets,
 )
 from ferrum.kernels.fp8_gemv import fp8_gemv
@@ -256,6 +260,15 @@ def run_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dic
     return {"us": us, "config": dataclasses.asdict(config)}
 
 
+def base_buckets(scale_format: str, n: int, k: int, device_name: str, directory: Path) -> Buckets:
+    """What a --save merges into: this shape's file in `directory` when one is there (an earlier
+    save), else the tuned file in fp8_gemm_configs/, else the defaults."""
+    path = directory / config_path(scale_format, n, k, device_name).name
+    if path.is_file():
+        return parse_buckets(json.loads(path.read_text()), str(path))
+    return dict(get_fp8_gemm_buckets(scale_format, n, k, device_name))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=QWEN3_8B, help="name:NxK,... (out x in features)")
@@ -266,9 +279,9 @@ def main() -> int:
         "--save",
         type=Path,
         default=None,
-        help="with --sweep: per shape and format, write DIR/ config files: the tuned buckets "
-        "(fp8_gemm_configs/, else the defaults) with each swept M's bucket replaced by its best "
-        "Triton tile, or by cuBLASLt where that was faster",
+        help="with --sweep: per shape and format, write DIR/ config files: DIR's file of the "
+        "shape (else fp8_gemm_configs/'s, else the defaults) with each swept M's bucket replaced "
+        "by its best Triton tile, or by cuBLASLt where that was faster; GEMV buckets are kept",
     )
     parser.add_argument("--gemv-sweep", action="store_true", help="grid of GEMV tiles, M <= 16")
     parser.add_argument("--formats", default="block,channel", help="scale formats to sweep")
@@ -281,6 +294,9 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    formats = args.formats.split(",")
+    if not set(formats) <= set(SCALE_FORMATS):
+        parser.error(f"--formats must be among {SCALE_FORMATS}, got {args.formats!r}")
     if args.save is not None and not args.sweep:
         parser.error("--save needs --sweep")
     if args.save_gemv is not None and not args.gemv_sweep:
@@ -319,7 +335,7 @@ def main() -> int:
                     flush=True,
                 )
             if args.gemv_sweep and m <= GEMV_MAX_M:
-                for fmt in args.formats.split(","):
+                for fmt in formats:
                     best = run_gemv_sweep(x, weights, fmt, args.iters)
                     row[f"gemv_sweep_{fmt}"] = best
                     print(f"  gemv sweep {fmt}: {best}", flush=True)
@@ -332,7 +348,7 @@ def main() -> int:
                     if best and others and best["us"] < min(others):
                         gemv_wins.setdefault(fmt, {})[m] = best["config"]
             if args.sweep:
-                for fmt in args.formats.split(","):
+                for fmt in formats:
                     t0 = time.perf_counter()
                     best = run_sweep(x, weights, fmt, args.iters)
                     row[f"sweep_{fmt}"] = best
@@ -341,9 +357,12 @@ def main() -> int:
             results.append(row)
         if args.save is not None:
             for fmt, per_m in tuned.items():
-                buckets = dict(get_fp8_gemm_buckets(fmt, n, k, device_name))
+                buckets = base_buckets(fmt, n, k, device_name, args.save)
                 for m, best in per_m.items():
                     if not best:
+                        continue
+                    if buckets.get(m, Fp8GemmConfig()).backend == "gemv":
+                        print(f"  kept the GEMV bucket {m} of {name} {fmt} (--gemv-sweep times it)")
                         continue
                     config = Fp8GemmConfig(**best["config"])
                     row = next(r for r in results if r["shape"] == name and r["M"] == m)

@@ -140,20 +140,16 @@ def _fp8_gemm_kernel(
         # the barrier); the last arrival reads the others' partials through L2 after its acquire.
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            acc = tl.load(partials + tile, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                acc += tl.load(partials + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-            tl.store(counter_ptr + pid, 0)
-            _fp8_gemm_epilogue(
-                acc, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n,
-                row_amax, stride_om, BLOCK_SCALES, A_FP8, HAS_BIAS, FP8_MAX, AMAX_FLOOR,
-            )  # fmt: skip
-    else:
-        _fp8_gemm_epilogue(
-            acc, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n,
-            row_amax, stride_om, BLOCK_SCALES, A_FP8, HAS_BIAS, FP8_MAX, AMAX_FLOOR,
-        )  # fmt: skip
+        if arrived != SPLIT_K - 1:
+            return
+        acc = tl.load(partials + tile, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(partials + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
+        tl.store(counter_ptr + pid, 0)
+    _fp8_gemm_epilogue(
+        acc, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n,
+        row_amax, stride_om, BLOCK_SCALES, A_FP8, HAS_BIAS, FP8_MAX, AMAX_FLOOR,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -279,11 +275,18 @@ _outgrown_counters: list[torch.Tensor] = []
 
 def tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
     """The split-K arrival counters of this device, at least num_tiles of them, all zero between
-    launches (each tile's last program resets its own). Launches on one device run in stream
-    order, so they share them; the first call sizes them (the engine's warm-up, before any CUDA
-    graph capture; a buffer outgrown later is kept, not freed)."""
+    launches (each tile's last program resets its own). Every split-K launch on the device shares
+    them, so split-K GEMMs must run one at a time (one stream: the engine's forward); a buffer
+    outgrown later is kept, not freed. They are sized outside CUDA graph capture (the engine's
+    warm-up runs every batch bucket first): a buffer made during capture would be zeroed only by
+    the graph's replays."""
     counters = _tile_counters.get(device)
     if counters is None or counters.numel() < num_tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"split-K FP8 GEMM: {num_tiles} tile counters are needed during CUDA graph "
+                "capture but were not allocated before it; run this GEMM shape once first"
+            )
         if counters is not None:
             _outgrown_counters.append(counters)
         size = max(num_tiles, 1 << 14, 0 if counters is None else 2 * counters.numel())

@@ -74,8 +74,10 @@ Buckets = dict[int, Fp8GemmConfig]
 # One row takes the GEMV: on the H100 at Qwen3-8B shapes it is 1.2-2.4x cuBLASLt there, and
 # slower from two rows on (benchmarks/RESULTS.md, issue 13). cuBLASLt wherever it takes the
 # operands above that: it beat these Triton tiles, untuned and without split-K, at every M (3-10x
-# at M <= 64). Tuned files (bench_fp8_gemm.py --sweep) take split-K Triton tiles where they
-# measured faster: 2-128 rows at Qwen3-8B's shapes on the H100. The Triton tiles here run where
+# at M <= 64). Tuned files (bench_fp8_gemm.py --sweep) take Triton tiles, split-K for most
+# narrow outputs, where they measured faster: at Qwen3-8B's shapes on the H100, up to 64 rows on
+# every shape and 128 on o and down. A scaled_mm bucket's tile fields are the Triton tile run
+# where cuBLASLt does not take the operands. The Triton tiles here run where
 # cuBLASLt does not: decode batches take narrow N tiles and quantize their few activation rows
 # inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
 _FUSED = ("scaled_mm", "fused")

@@ -33,9 +33,10 @@ from ferrum.kernels.paged_attention_common import (
 )
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
-# Warps of a split program over an FP8 cache (a bf16 cache's take 4): at Qwen3-8B's 32 requests x
-# 8k keys on the H100, 2 warps read 2.33 TB/s of FP8 keys and values, 4 warps 1.99 (8 parts,
-# 64-key tiles; benchmarks/RESULTS.md).
+# Warps of a split program over an FP8 cache with heads of up to 128 (otherwise, and over a bf16
+# cache, 4): at Qwen3-8B's 32 requests x 8k keys on the H100, 2 warps read 2.33 TB/s of FP8 keys
+# and values, 4 warps 1.99 (8 parts, 64-key tiles; benchmarks/RESULTS.md). Wider heads were not
+# measured.
 SPLIT_KV_FP8_NUM_WARPS = 2
 
 
@@ -356,7 +357,7 @@ def paged_attention_split_kv(
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(query.dtype),
         WINDOW=window,
-        num_warps=SPLIT_KV_FP8_NUM_WARPS if fp8_cache else 4,
+        num_warps=SPLIT_KV_FP8_NUM_WARPS if fp8_cache and head_dim <= 128 else 4,
         **pdl_launch_args(query.device),
     )
     _split_kv_reduce_kernel[(num_reqs, num_heads)](

@@ -61,14 +61,16 @@ def test_block_gemm_prequantized(
     _assert_close(out, ref)
 
 
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=["m16n64", "m16n64s3"])
 @pytest.mark.parametrize("m,n,k", [(1, 192, 256), (19, 320, 384)])
 def test_block_gemm_fused_quant(
-    m: int, n: int, k: int, dtype: torch.dtype, device: torch.device
+    m: int, n: int, k: int, config: Fp8GemmConfig, dtype: torch.dtype, device: torch.device
 ) -> None:
+    """Bias added once, also where split-K programs share a tile."""
     weight, scale_inv = _block_weight(n, k, device, seed=2)
     x = representable(m, k, 128, dtype, device)
     bias = torch.randn(n).to(device, dtype)
-    out = w8a8_block_fp8_matmul(x, weight, scale_inv, dtype, CONFIGS[0], bias=bias)
+    out = w8a8_block_fp8_matmul(x, weight, scale_inv, dtype, config, bias=bias)
     _assert_close(out, w8a8_block_fp8_matmul_ref(x, weight, scale_inv, dtype, bias=bias))
 
 
@@ -124,10 +126,11 @@ def test_strided_activation_rows(device: torch.device) -> None:
     _assert_close(out, w8a8_block_fp8_matmul_ref(x, weight, scale_inv, torch.float32))
 
 
-def test_no_rows(device: torch.device) -> None:
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=["m16n64", "m16n64s3"])
+def test_no_rows(config: Fp8GemmConfig, device: torch.device) -> None:
     weight, scale_inv = _block_weight(128, 128, device)
     out = w8a8_block_fp8_matmul(
-        torch.zeros(0, 128, device=device), weight, scale_inv, torch.float16, CONFIGS[0]
+        torch.zeros(0, 128, device=device), weight, scale_inv, torch.float16, config
     )
     assert out.shape == (0, 128) and out.dtype == torch.float16
 

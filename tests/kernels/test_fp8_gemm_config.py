@@ -64,6 +64,13 @@ def test_invalid_configs_name_the_field() -> None:
         Fp8GemmConfig(num_stages=0)
     with pytest.raises(ValueError, match="num_warps must be a power of two"):
         Fp8GemmConfig(num_warps=3)
+    with pytest.raises(ValueError, match="SPLIT_K must be a positive int"):
+        Fp8GemmConfig(SPLIT_K=0)
+    with pytest.raises(ValueError, match="SPLIT_K must be a positive int"):
+        Fp8GemmConfig(SPLIT_K=2.0)
+    with pytest.raises(ValueError, match="SPLIT_K must be <= 16"):
+        Fp8GemmConfig(SPLIT_K=17)
+    assert parse_buckets({"8": {"BLOCK_M": 16}}, "f")[8].SPLIT_K == 1  # files from before it
     with pytest.raises(ValueError, match="scale_format"):
         get_fp8_gemm_buckets("tensor", 1, 1, None)
     with pytest.raises(ValueError, match="non-empty"):
