@@ -76,10 +76,10 @@ Buckets = dict[int, Fp8GemmConfig]
 # operands above that: it beat these Triton tiles, untuned and without split-K, at every M (3-10x
 # at M <= 64). Tuned files (bench_fp8_gemm.py --sweep) take Triton tiles, split-K for most
 # narrow outputs, where they measured faster: at Qwen3-8B's shapes on the H100, up to 64 rows on
-# every shape and 128 on o and down. A scaled_mm bucket's tile fields are the Triton tile run
-# where cuBLASLt does not take the operands. The Triton tiles here run where
-# cuBLASLt does not: decode batches take narrow N tiles and quantize their few activation rows
-# inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
+# every shape and 128 on o and down. A scaled_mm bucket's tile fields are the Triton tile that
+# runs where cuBLASLt does not take the operands. The default Triton tiles below: decode batches
+# take narrow N tiles and quantize their few activation rows inside the GEMM (one launch); larger
+# batches quantize once, then run wide tiles.
 _FUSED = ("scaled_mm", "fused")
 _GEMV = Fp8GemmConfig("gemv", BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2)
 DEFAULT_BUCKETS: dict[str, Buckets] = {
