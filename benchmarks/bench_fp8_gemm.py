@@ -15,8 +15,8 @@ overhead is left out) over enough weight copies to exceed the L2 cache; prints m
 TFLOP/s (2MNK) and GB/s (weight + activation + output bytes).
 --sweep times a grid of Triton tiles (split-K included) per shape, M and format (--formats) and
 prints the best; --save DIR writes the tuned buckets of each shape with the swept M's replaced
-(by cuBLASLt, backend scaled_mm, where it was faster). --gemv-sweep times a grid of GEMV tiles at each M <= 16 and
-prints the best per shape, M and format.
+(by cuBLASLt, backend scaled_mm, where it was faster). --gemv-sweep times a grid of GEMV tiles
+at each M <= 16 and prints the best per shape, M and format.
 Usage: python benchmarks/bench_fp8_gemm.py [--m 1,8,64,256,2048,8192] [--sweep [--save DIR]]
        [--gemv-sweep [--formats block,channel] [--save-gemv DIR]] [--out file.json]
 """
@@ -243,10 +243,9 @@ def sweep_fn(x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConf
 def run_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dict:
     """The fastest Triton config: the coarse grid, then its best three refined."""
     n, k = w.bf16[0].shape
-    timed: list[tuple[float, Fp8GemmConfig]] = []
-    for configs in (sweep_configs(x.shape[0], n, k), None):
-        if configs is None:
-            configs = refine_configs([c for _, c in sorted(timed, key=lambda t: t[0])[:3]])
+
+    def time_configs(configs: list[Fp8GemmConfig]) -> list[tuple[float, Fp8GemmConfig]]:
+        timed = []
         for config in configs:
             try:
                 us = graph_us(sweep_fn(x, w, scale_format, config), len(w.bf16), iters)
@@ -254,6 +253,10 @@ def run_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dic
                 print(f"    skip {config}: {type(exc).__name__}")
                 continue
             timed.append((us, config))
+        return sorted(timed, key=lambda t: t[0])
+
+    coarse = time_configs(sweep_configs(x.shape[0], n, k))
+    timed = coarse + time_configs(refine_configs([c for _, c in coarse[:3]]))
     if not timed:
         return {}
     us, config = min(timed, key=lambda t: t[0])
@@ -261,8 +264,8 @@ def run_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dic
 
 
 def base_buckets(scale_format: str, n: int, k: int, device_name: str, directory: Path) -> Buckets:
-    """What a --save merges into: this shape's file in `directory` when one is there (an earlier
-    save), else the tuned file in fp8_gemm_configs/, else the defaults."""
+    """What --save and --save-gemv merge into: this shape's file in `directory` when one is there
+    (an earlier save), else the tuned file in fp8_gemm_configs/, else the defaults."""
     path = directory / config_path(scale_format, n, k, device_name).name
     if path.is_file():
         return parse_buckets(json.loads(path.read_text()), str(path))
@@ -377,7 +380,7 @@ def main() -> int:
                     print(f"saved {path}")
         if args.save_gemv is not None:
             for fmt, per_m in gemv_wins.items():
-                buckets = dict(get_fp8_gemm_buckets(fmt, n, k, device_name))
+                buckets = base_buckets(fmt, n, k, device_name, args.save_gemv)
                 buckets.update({m: Fp8GemmConfig(**c) for m, c in per_m.items()})
                 buckets = dict(sorted(buckets.items()))
                 path = save_buckets(fmt, n, k, device_name, buckets, args.save_gemv)
