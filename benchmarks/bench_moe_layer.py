@@ -176,16 +176,18 @@ def grouped_mm_moe(
 
 def sweep_configs(top_k: int) -> list[dict[str, int]]:
     # The down GEMV's tile [DOWN_BLOCK_E, DOWN_BLOCK_N, DOWN_BLOCK_K] spans one choice at a time
-    # (with the wide tiles) or all k choices (with narrow ones).
+    # (with the wide tiles) or all k choices (with narrow ones); split tiles (DOWN_SPLIT) run
+    # each choice on programs of their own and sum the choices in a third launch.
     # dict.fromkeys: with k = 1 both halves name one-choice tiles, timed once.
     down_tiles = list(
         dict.fromkeys(
             [
-                *((1, n, k) for n, k in itertools.product((4, 8, 16), (256, 1024))),
+                *((1, 0, n, k) for n, k in itertools.product((4, 8, 16), (256, 1024))),
                 *(
-                    (triton.next_power_of_2(top_k), n, k)
+                    (triton.next_power_of_2(top_k), 0, n, k)
                     for n, k in itertools.product((4, 8), (128, 256))
                 ),
+                *((1, 1, n, k) for n, k in itertools.product((4, 8, 16), (256, 1024))),
             ]
         )
     )
@@ -195,12 +197,13 @@ def sweep_configs(top_k: int) -> list[dict[str, int]]:
             "GATE_UP_BLOCK_N": gate_n,
             "GATE_UP_BLOCK_K": gate_k,
             "DOWN_BLOCK_E": down_e,
+            "DOWN_SPLIT": down_split,
             "DOWN_BLOCK_N": down_n,
             "DOWN_BLOCK_K": down_k,
             "num_warps": warps,
             "num_stages": 2,
         }
-        for gate_n, gate_k, (down_e, down_n, down_k), warps in grid
+        for gate_n, gate_k, (down_e, down_split, down_n, down_k), warps in grid
     ]
 
 

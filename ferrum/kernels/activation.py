@@ -2,7 +2,9 @@
 
 silu(g) = g / (1 + exp(-g)) is computed in fp32 and rounded to the input dtype before the multiply
 by up, whose fp32 product is rounded once more: the roundings of Hugging Face's
-`act_fn(gate_proj(x)) * up_proj(x)` in low precision.
+`act_fn(gate_proj(x)) * up_proj(x)` in low precision. `silu_and_mul_fp8` also writes the output
+rows quantized per token-group of 128 (`Fp8GroupRows`, bit-equal to `per_token_group_quant_fp8`
+of the output), for an FP8 linear layer that reads them in place of its own quantization pass.
 """
 
 from __future__ import annotations
@@ -12,6 +14,14 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels.fp8_quant import (
+    AMAX_FLOOR,
+    FP8_MAX,
+    GROUP_SIZE,
+    Fp8GroupRows,
+    empty_group_rows,
+    store_group_quantized,
+)
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 _BLOCK = 1024
@@ -21,10 +31,15 @@ _BLOCK = 1024
 def _silu_and_mul_kernel(
     out_ptr,  # [num_tokens, inter]
     x_ptr,  # [num_tokens, 2 * inter]
+    q_ptr,  # [num_tokens, inter] fp8, written when QUANT_GROUP
+    scale_ptr,  # [num_tokens, inter // QUANT_GROUP] fp32, written when QUANT_GROUP
     inter,
     stride_out,
     stride_x,
     BLOCK: tl.constexpr,
+    QUANT_GROUP: tl.constexpr,  # 0: no FP8 rows; else divides BLOCK and inter
+    FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (t, c): columns [c * BLOCK, (c + 1) * BLOCK) of token t."""
@@ -36,7 +51,20 @@ def _silu_and_mul_kernel(
     gate = tl.load(x_ptr + tok * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + tok * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + tok * stride_out + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (act * up).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + tok * stride_out + offs, y, mask=mask)
+    if QUANT_GROUP:
+        store_group_quantized(
+            q_ptr + tok * inter,
+            scale_ptr + tok * (inter // QUANT_GROUP),
+            y.to(tl.float32),
+            tl.program_id(1) * BLOCK,
+            inter,
+            BLOCK,
+            QUANT_GROUP,
+            FP8_MAX,
+            AMAX_FLOOR,
+        )
 
 
 def silu_and_mul(
@@ -44,6 +72,25 @@ def silu_and_mul(
     out: torch.Tensor | None = None,  # [num_tokens, inter]
 ) -> torch.Tensor:
     """Returns out[t, i] = silu(x[t, i]) * x[t, inter + i], allocating out if None."""
+    return _silu_and_mul(x, out, None)
+
+
+def silu_and_mul_fp8(
+    x: torch.Tensor,  # [num_tokens, 2 * inter] fp16/bf16, inter a multiple of 128
+) -> tuple[torch.Tensor, Fp8GroupRows]:
+    """`silu_and_mul(x)` and its rows quantized per token-group of 128."""
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2:
+        raise ValueError(
+            f"x must be [num_tokens, 2 * inter] fp16/bf16 to quantize to FP8 rows, got "
+            f"{tuple(x.shape)} {x.dtype}"
+        )
+    rows = empty_group_rows(x.shape[0], x.shape[1] // 2, x.device)
+    return _silu_and_mul(x, None, rows), rows
+
+
+def _silu_and_mul(
+    x: torch.Tensor, out: torch.Tensor | None, rows: Fp8GroupRows | None
+) -> torch.Tensor:
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1 or x.shape[1] % 2:
         raise ValueError(
             "x must be [num_tokens, 2 * inter] fp16/bf16/fp32 with an even last dim and "
@@ -67,10 +114,15 @@ def silu_and_mul(
         _silu_and_mul_kernel[grid](
             out,
             x,
+            rows.q if rows is not None else out,
+            rows.scales if rows is not None else out,
             inter,
             out.stride(0),
             x.stride(0),
             BLOCK=_BLOCK,
+            QUANT_GROUP=GROUP_SIZE if rows is not None else 0,
+            FP8_MAX=FP8_MAX,
+            AMAX_FLOOR=AMAX_FLOOR,
             num_warps=4,
             **pdl_launch_args(x.device),
         )

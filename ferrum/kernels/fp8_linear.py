@@ -8,6 +8,8 @@ quantization pass then the Triton GEMM, or a quantization pass then cuBLASLt ("s
 torch._scaled_mm row-wise for per-channel weights, F.scaled_mm BlockWise1x128 x BlockWise128x128
 for block weights. cuBLASLt runs only where it takes the operands (bf16 output; N and K multiples
 of 16 row-wise; of 128 block-wise, on Hopper); elsewhere that bucket's Triton tile runs instead.
+A block-scaled layer given x's rows already quantized (`Fp8GroupRows`, written by the RMSNorm or
+SiLU-and-mul before it) skips its quantization pass where `block_linear_takes_fp8_rows` says so.
 """
 
 from __future__ import annotations
@@ -19,15 +21,18 @@ from ferrum.kernels import cuda_capability, cuda_device_name
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
 from ferrum.kernels.fp8_gemm_config import Buckets, Fp8GemmConfig, get_fp8_gemm_buckets, pick
 from ferrum.kernels.fp8_gemv import fp8_gemv
-from ferrum.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
+from ferrum.kernels.fp8_quant import (
+    Fp8GroupRows,
+    per_token_group_quant_fp8,
+    per_token_quant_fp8,
+)
 
 _ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _buckets(scale_format: str, x: torch.Tensor, n: int, k: int) -> Buckets:
-    """The tuned buckets of this shape on x's GPU (fp8_gemm_configs/), else the defaults."""
-    name = cuda_device_name(x.device)
-    return get_fp8_gemm_buckets(scale_format, n, k, name)
+def _buckets(scale_format: str, device: torch.device, n: int, k: int) -> Buckets:
+    """The tuned buckets of this shape on the GPU (fp8_gemm_configs/), else the defaults."""
+    return get_fp8_gemm_buckets(scale_format, n, k, cuda_device_name(device))
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -42,22 +47,26 @@ def fp8_block_linear(
     weight_scale_inv: torch.Tensor,  # [ceil(N / 128), K / 128] fp32
     bias: torch.Tensor | None = None,  # [N]
     buckets: Buckets | None = None,
+    x_fp8: Fp8GroupRows | None = None,
 ) -> torch.Tensor:
     """Returns [..., N] in x's dtype: x quantized per token-group of 128, block-scaled GEMM (the
-    GEMV bucket: weight-only)."""
+    GEMV bucket: weight-only). `x_fp8`, x's rows already quantized, replaces the quantization
+    pass where the bucket runs one (see `block_linear_takes_fp8_rows`); elsewhere it is unused."""
     n, k = weight.shape
     x2 = _rows(x, k)
-    config = pick(_buckets("block", x, n, k) if buckets is None else buckets, x2.shape[0])
+    config = pick(_buckets("block", x.device, n, k) if buckets is None else buckets, x2.shape[0])
+    if x_fp8 is not None and x_fp8.q.shape != x2.shape:
+        raise ValueError(f"x_fp8 must hold x's {list(x2.shape)} rows, got {list(x_fp8.q.shape)}")
     if config.backend == "gemv":
         out = _gemv(x2, weight, weight_scale_inv, True, config, bias)
     elif config.backend == "scaled_mm" and block_scaled_mm_takes(x2, n, k):
-        out = _block_scaled_mm(x2, weight, weight_scale_inv)
+        out = _block_scaled_mm(x2, weight, weight_scale_inv, x_fp8)
         if bias is not None:
             out += bias
     elif config.quant == "fused":
         out = w8a8_block_fp8_matmul(x2, weight, weight_scale_inv, x.dtype, config, bias=bias)
     else:
-        q, scales = per_token_group_quant_fp8(x2)
+        q, scales = (x_fp8.q, x_fp8.scales) if x_fp8 is not None else per_token_group_quant_fp8(x2)
         out = w8a8_block_fp8_matmul(
             q, weight, weight_scale_inv, x.dtype, config, a_scale=scales, bias=bias
         )
@@ -88,26 +97,56 @@ def _gemv(
 
 def block_scaled_mm_takes(x: torch.Tensor, n: int, k: int) -> bool:
     """Whether cuBLASLt's 1x128 x 128x128 block-scaled GEMM serves x [M, K] @ W[N, K]^T."""
+    return _block_scaled_mm_serves(x.device, x.dtype, n, k)
+
+
+def _block_scaled_mm_serves(device: torch.device, dtype: torch.dtype, n: int, k: int) -> bool:
     return (
-        x.is_cuda
-        and x.dtype == torch.bfloat16
+        device.type == "cuda"
+        and dtype == torch.bfloat16
         and n % 128 == 0
         and k % 128 == 0
         and hasattr(F, "scaled_mm")
-        and cuda_capability(x.device.index) == (9, 0)
+        and cuda_capability(device.index) == (9, 0)
     )
+
+
+def block_linear_takes_fp8_rows(
+    device: torch.device,
+    dtype: torch.dtype,
+    n: int,
+    k: int,
+    num_rows: int,
+    buckets: Buckets | None = None,
+) -> bool:
+    """Whether `fp8_block_linear` of num_rows rows of this dtype on this device reads `x_fp8` in
+    place of a quantization pass: the buckets that quantize separately (Triton, and cuBLASLt at
+    a multiple of 4 rows, which it needs padded); not the GEMV or the self-quantizing GEMM."""
+    if device.type != "cuda" or dtype not in _ACT_DTYPES or num_rows == 0:
+        return False
+    config = pick(_buckets("block", device, n, k) if buckets is None else buckets, num_rows)
+    if config.backend == "gemv":
+        return False
+    if config.backend == "scaled_mm" and _block_scaled_mm_serves(device, dtype, n, k):
+        return num_rows % 4 == 0
+    return config.quant != "fused"
 
 
 def _block_scaled_mm(
     x: torch.Tensor,  # [M, K] bf16
     weight: torch.Tensor,  # [N, K] fp8
     weight_scale_inv: torch.Tensor,  # [N / 128, K / 128] fp32
+    x_fp8: Fp8GroupRows | None,
 ) -> torch.Tensor:
     """[M, N] bf16. cuBLASLt wants M padded to 4 and both scales outer-dim-major (column-major
-    activation scales [M, K / 128], weight scales given transposed), K blocks padded to 4."""
+    activation scales [M, K / 128], weight scales given transposed), K blocks padded to 4.
+    x_fp8 is used when M needs no padding."""
     m = x.shape[0]
-    padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
-    q, scales = per_token_group_quant_fp8(padded)
+    if x_fp8 is not None and m % 4 == 0:
+        q, scales = x_fp8.q, x_fp8.scales
+    else:
+        padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
+        q, scales = per_token_group_quant_fp8(padded)
     num_k_blocks = scales.shape[1]
     w_scale = weight_scale_inv
     if num_k_blocks % 4:
@@ -140,7 +179,7 @@ def fp8_channel_linear(
     bucket: weight-only)."""
     n, k = weight.shape
     x2 = _rows(x, k)
-    config = pick(_buckets("channel", x, n, k) if buckets is None else buckets, x2.shape[0])
+    config = pick(_buckets("channel", x.device, n, k) if buckets is None else buckets, x2.shape[0])
     if weight_scale.shape != (n, 1) or weight_scale.dtype != torch.float32:
         raise ValueError(
             f"weight_scale must be [{n}, 1] float32, got {list(weight_scale.shape)} "

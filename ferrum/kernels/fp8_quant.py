@@ -5,10 +5,13 @@ For each group g of a row x (128 consecutive columns, or the whole row per token
     q_g     = fp8(clamp(x_g / scale_g, -FP8_MAX, FP8_MAX))  (round to nearest even)
 so x_g ~= q_g * scale_g. The division is IEEE (div_rn), bit-equal to torch's fp32 division, and
 an all-zero group gets a tiny scale and zero codes. `quantize_fp8_tile` is the shared math; the
-FP8 GEMM calls it to quantize its activation tiles in place of this pass.
+FP8 GEMM calls it to quantize its activation tiles in place of this pass, and the RMSNorm and
+SiLU-and-mul kernels call it to write `Fp8GroupRows` of their output alongside it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,6 +23,27 @@ AMAX_FLOOR = 1e-10
 GROUP_SIZE = 128
 _IN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TOKEN_BLOCK = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8GroupRows:
+    """Activation rows quantized per token-group of GROUP_SIZE, exactly as
+    `per_token_group_quant_fp8` quantizes them: x[r, c] ~= q[r, c] * scales[r, c // GROUP_SIZE]."""
+
+    q: torch.Tensor  # [num_rows, hidden] fp8, contiguous
+    scales: torch.Tensor  # [num_rows, hidden // GROUP_SIZE] fp32, contiguous
+
+
+def empty_group_rows(num_rows: int, hidden: int, device: torch.device) -> Fp8GroupRows:
+    """Uninitialised rows for a kernel to fill; hidden must be a multiple of GROUP_SIZE."""
+    if hidden % GROUP_SIZE:
+        raise ValueError(
+            f"hidden size must be a multiple of {GROUP_SIZE} to quantize per group, got {hidden}"
+        )
+    return Fp8GroupRows(
+        torch.empty(num_rows, hidden, dtype=FP8_DTYPE, device=device),
+        torch.empty(num_rows, hidden // GROUP_SIZE, dtype=torch.float32, device=device),
+    )
 
 
 @triton.jit
@@ -57,6 +81,30 @@ def _per_token_group_quant_kernel(
     q, scale = quantize_fp8_tile(x, tl.max(tl.abs(x), 1)[:, None], FP8_MAX, AMAX_FLOOR)
     tl.store(q_ptr + row * num_groups * GROUP + cols, q, mask=mask)
     tl.store(scale_ptr + row * num_groups + groups[:, None], scale, mask=mask)
+
+
+@triton.jit
+def store_group_quantized(
+    q_row_ptr,  # this row's fp8 codes
+    scale_row_ptr,  # this row's group scales
+    y,  # [BLOCK] fp32: columns first_col .. first_col + BLOCK of the row
+    first_col,  # a multiple of GROUP
+    num_cols,  # the row's length, a multiple of GROUP
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+):
+    """Quantizes a contiguous piece of a row per GROUP columns (the per-token-group pass's math)
+    and stores its codes and scales; columns at or past num_cols are not stored."""
+    groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
+    q, scale = quantize_fp8_tile(groups, tl.max(tl.abs(groups), 1)[:, None], FP8_MAX, AMAX_FLOOR)
+    group_ids = first_col // GROUP + tl.arange(0, BLOCK // GROUP)
+    cols = group_ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    tl.store(q_row_ptr + cols, q, mask=cols < num_cols)
+    tl.store(
+        scale_row_ptr + group_ids[:, None], scale, mask=(group_ids < num_cols // GROUP)[:, None]
+    )
 
 
 @triton.jit

@@ -6,8 +6,9 @@ to two sections, each mapping a batch-size bucket (the most tokens it covers, as
 config:
 - "grouped": BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages (written by
   benchmarks/tune_fused_moe.py --save);
-- "small": GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_E (may be left out: 1), DOWN_BLOCK_N,
-  DOWN_BLOCK_K, num_warps, num_stages (written by benchmarks/bench_moe_layer.py --sweep --save).
+- "small": GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_E (may be left out: 1), DOWN_SPLIT (0 or
+  1, may be left out: 0), DOWN_BLOCK_N, DOWN_BLOCK_K, num_warps, num_stages (written by
+  benchmarks/bench_moe_layer.py --sweep --save).
 A batch takes the smallest bucket that covers it, or the largest one. A missing section falls
 back to the same shape's file without `_fp8`, then to the defaults below.
 """
@@ -24,14 +25,18 @@ SMALL_KEYS = (
     "GATE_UP_BLOCK_N",
     "GATE_UP_BLOCK_K",
     "DOWN_BLOCK_E",
+    "DOWN_SPLIT",
     "DOWN_BLOCK_N",
     "DOWN_BLOCK_K",
     "num_warps",
     "num_stages",
 )
-# A key a section may leave out, and what it means then: small-path files written before
-# DOWN_BLOCK_E existed read one expert choice a down tile.
-OPTIONAL_KEYS = {"DOWN_BLOCK_E": 1}
+# Keys a section may leave out, and what they mean then: small-path files written before
+# DOWN_BLOCK_E existed read one expert choice a down tile; before DOWN_SPLIT, one program summed
+# all of a token's choices.
+OPTIONAL_KEYS = {"DOWN_BLOCK_E": 1, "DOWN_SPLIT": 0}
+# Keys that are switches, 0 or 1 (every other value is a positive integer).
+FLAG_KEYS = ("DOWN_SPLIT",)
 Buckets = dict[int, dict[str, int]]
 
 # Small batches take narrow N tiles so that the few active experts still spread their weights
@@ -51,6 +56,7 @@ DEFAULT_SMALL: Buckets = {
         "GATE_UP_BLOCK_N": 8,
         "GATE_UP_BLOCK_K": 256,
         "DOWN_BLOCK_E": 8,
+        "DOWN_SPLIT": 0,
         "DOWN_BLOCK_N": 8,
         "DOWN_BLOCK_K": 128,
         "num_warps": 4,
@@ -60,6 +66,7 @@ DEFAULT_SMALL: Buckets = {
         "GATE_UP_BLOCK_N": 16,
         "GATE_UP_BLOCK_K": 256,
         "DOWN_BLOCK_E": 1,
+        "DOWN_SPLIT": 0,
         "DOWN_BLOCK_N": 8,
         "DOWN_BLOCK_K": 1024,
         "num_warps": 4,
@@ -88,8 +95,12 @@ def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets
             config = {k: v for k, v in OPTIONAL_KEYS.items() if k in keys} | config
         if not isinstance(config, dict) or set(config) != set(keys):
             raise ValueError(f"{where}[{bound}]: must have exactly the keys {list(keys)}")
-        if not all(type(v) is int and v >= 1 for v in config.values()):
+        if not all(type(v) is int and v >= 1 for k, v in config.items() if k not in FLAG_KEYS):
             raise ValueError(f"{where}[{bound}]: values must be positive integers")
+        if not all(
+            config[k] in (0, 1) and type(config[k]) is int for k in FLAG_KEYS if k in config
+        ):
+            raise ValueError(f"{where}[{bound}]: {list(FLAG_KEYS)} must be 0 or 1")
         for key, value in config.items():
             if ("BLOCK" in key or key == "num_warps") and value & (value - 1):
                 raise ValueError(f"{where}[{bound}]: {key} must be a power of two, got {value}")

@@ -5,7 +5,10 @@ pairs by expert buys nothing: kernel 1, grid (num_pairs, cdiv(I, BLOCK_N)), GEMV
 p = t * top_k + j's token against expert topk_ids[p]'s gate and up rows with SiLU-and-mul ->
 act [T*k, I]; kernel 2, grid (num_tokens, cdiv(H, BLOCK_N)), GEMVs each of token t's k rows of act
 against its expert's down projection and sums them weighted, in order j = 0..k-1 in fp32, into
-out [T, H] (the combine is fused). Each routed expert's weights are read once per (token, choice).
+out [T, H] (the combine is fused). With DOWN_SPLIT, kernel 2 runs one program row per pair instead
+(grid (num_pairs, cdiv(H, BLOCK_N)): more programs, fewer bytes each), writing each pair's weighted
+output in fp32, and a third launch sums every token's k rows in the same order j = 0..k-1, so the
+result is the same. Each routed expert's weights are read once per (token, choice).
 Roundings follow `fused_moe_ref`. Sizes depend only on (T, k, E, H, I): CUDA-graph safe.
 FP8 experts (scales given, see fused_moe.py): the 128x128 block scales are applied to the vector,
 not to the weights: BLOCK_N divides 128, so a program's rows share one scale row, and each column
@@ -202,6 +205,33 @@ def _moe_down_combine_gemv_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
+@triton.jit
+def _moe_sum_choices_kernel(
+    out_ptr,  # [num_tokens, H]
+    partial_ptr,  # [num_tokens * top_k, H] float32, contiguous
+    hidden_size,
+    top_k,
+    stride_om,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Program (t, n): out[t, n*BLOCK..] = sum over j = 0..k-1 in order, in fp32, of
+    partial[t * top_k + j] (the split down GEMV's weighted rows)."""
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden_size
+    rows = partial_ptr + token * top_k * hidden_size + offs
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in range(0, top_k):
+        total += tl.load(rows + j * hidden_size, mask=mask, other=0.0)
+    tl.store(out_ptr + token * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_SUM_BLOCK = 256
+
+
 def get_small_batch_config(num_tokens: int = 1) -> dict[str, int]:
     """The small path's default tile config (no tuned file) for a batch of num_tokens."""
     return pick(DEFAULT_SMALL, num_tokens)
@@ -272,8 +302,16 @@ def small_batch_moe(
         **launch,
     )
     block_n, block_k, even_k = _gemv_tiles(config, "DOWN", hidden_size, inter, fp8)
-    _moe_down_combine_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, block_n))](
-        out,
+    split = bool(config.get("DOWN_SPLIT", 0))
+    # Split: each pair is a "token" of one choice whose fp32 output row is its weighted product.
+    down_out = (
+        torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=out.device)
+        if split
+        else out
+    )
+    block_e = 1 if split else min(config.get("DOWN_BLOCK_E", 1), triton.next_power_of_2(top_k))
+    _moe_down_combine_gemv_kernel[(down_out.shape[0], triton.cdiv(hidden_size, block_n))](
+        down_out,
         act,
         w2,
         s2,
@@ -281,18 +319,29 @@ def small_batch_moe(
         flat_ids,
         hidden_size,
         inter,
-        top_k,
+        1 if split else top_k,
         w2.shape[0],
         act.stride(0),
         w2.stride(0),
         w2.stride(1),
-        out.stride(0),
+        down_out.stride(0),
         s2.stride(0),
         s2.stride(1),
         W_FP8=fp8,
         EVEN_K=even_k,
-        BLOCK_E=min(config.get("DOWN_BLOCK_E", 1), triton.next_power_of_2(top_k)),
+        BLOCK_E=block_e,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         **launch,
     )
+    if split:
+        _moe_sum_choices_kernel[(num_tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](
+            out,
+            down_out,
+            hidden_size,
+            top_k,
+            out.stride(0),
+            BLOCK=_SUM_BLOCK,
+            num_warps=2,
+            **pdl_launch_args(hidden.device),
+        )

@@ -3,6 +3,9 @@
 y = weight * (x / sqrt(mean(x^2) + eps)).to(dtype): statistics in fp32, the normalised row
 rounded to the input dtype before the weight multiply (one rounding of the product). The fused
 form first rounds residual + x to the input dtype, stores it as the new residual, then normalises it.
+The `*_fp8` forms also write the normalised rows quantized per token-group of 128
+(`Fp8GroupRows`, bit-equal to `per_token_group_quant_fp8` of the output), for an FP8 linear layer
+that reads them in place of its own quantization pass.
 """
 
 from __future__ import annotations
@@ -12,6 +15,14 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels.fp8_quant import (
+    AMAX_FLOOR,
+    FP8_MAX,
+    GROUP_SIZE,
+    Fp8GroupRows,
+    empty_group_rows,
+    store_group_quantized,
+)
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_HIDDEN = 65536
@@ -23,6 +34,8 @@ def _rms_norm_kernel(
     x_ptr,  # [num_rows, hidden]
     residual_ptr,  # [num_rows, hidden], read and written when HAS_RESIDUAL
     weight_ptr,  # [hidden]
+    q_ptr,  # [num_rows, hidden] fp8, written when QUANT_GROUP
+    scale_ptr,  # [num_rows, hidden // QUANT_GROUP] fp32, written when QUANT_GROUP
     hidden,
     eps,
     stride_out,
@@ -30,9 +43,13 @@ def _rms_norm_kernel(
     stride_res,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    QUANT_GROUP: tl.constexpr,  # 0: no FP8 rows
+    FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program r normalises row r (after residual[r] += x[r] when HAS_RESIDUAL)."""
+    """Program r normalises row r (after residual[r] += x[r] when HAS_RESIDUAL) and, with
+    QUANT_GROUP, quantizes the stored row per group."""
     pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -50,9 +67,20 @@ def _rms_norm_kernel(
         x = summed.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
     normed = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(
-        out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    y = (normed * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
+    if QUANT_GROUP:
+        store_group_quantized(
+            q_ptr + row * hidden,
+            scale_ptr + row * (hidden // QUANT_GROUP),
+            y.to(tl.float32),
+            0,
+            hidden,
+            BLOCK,
+            QUANT_GROUP,
+            FP8_MAX,
+            AMAX_FLOOR,
+        )
 
 
 def _as_rows(t: torch.Tensor, name: str, hidden: int) -> torch.Tensor:
@@ -87,22 +115,33 @@ def _check_common(x: torch.Tensor, weight: torch.Tensor, eps: float) -> int:
     return hidden
 
 
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"residual must match x ({tuple(x.shape)}, {x.dtype}, {x.device}), got "
+            f"{tuple(residual.shape)} {residual.dtype} {residual.device}"
+        )
+
+
 def _launch(
     out: torch.Tensor,
     x: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
+    rows: Fp8GroupRows | None = None,
 ) -> None:
     num_rows, hidden = x.shape
     if num_rows == 0:
         return
-    block = triton.next_power_of_2(hidden)
+    block = max(triton.next_power_of_2(hidden), GROUP_SIZE if rows is not None else 1)
     _rms_norm_kernel[(num_rows,)](
         out,
         x,
         residual if residual is not None else x,
         weight,
+        rows.q if rows is not None else x,
+        rows.scales if rows is not None else x,
         hidden,
         eps,
         out.stride(0),
@@ -110,6 +149,9 @@ def _launch(
         residual.stride(0) if residual is not None else 0,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        QUANT_GROUP=GROUP_SIZE if rows is not None else 0,
+        FP8_MAX=FP8_MAX,
+        AMAX_FLOOR=AMAX_FLOOR,
         num_warps=min(16, max(1, block // 512)),
         **pdl_launch_args(x.device),
     )
@@ -143,10 +185,41 @@ def fused_add_rms_norm(
 ) -> None:
     """In place: residual = (residual + x).to(dtype); x = rms_norm(residual, weight, eps)."""
     hidden = _check_common(x, weight, eps)
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-        raise ValueError(
-            f"residual must match x ({tuple(x.shape)}, {x.dtype}, {x.device}), got "
-            f"{tuple(residual.shape)} {residual.dtype} {residual.device}"
-        )
+    _check_residual(x, residual)
     x_rows = _as_rows(x, "x", hidden)
     _launch(x_rows, x_rows, _as_rows(residual, "residual", hidden), weight, eps)
+
+
+def _fp8_rows_for(x: torch.Tensor, hidden: int) -> Fp8GroupRows:
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"x dtype must be fp16/bf16 to quantize to FP8 rows, got {x.dtype}")
+    return empty_group_rows(x.numel() // hidden, hidden, x.device)
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,  # [..., hidden] fp16/bf16, hidden a multiple of 128
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> tuple[torch.Tensor, Fp8GroupRows]:
+    """`rms_norm(x, weight, eps)` and its rows quantized per token-group of 128."""
+    hidden = _check_common(x, weight, eps)
+    rows = _fp8_rows_for(x, hidden)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(_as_rows(out, "out", hidden), _as_rows(x, "x", hidden), None, weight, eps, rows)
+    return out, rows
+
+
+def fused_add_rms_norm_fp8(
+    x: torch.Tensor,  # [..., hidden] fp16/bf16, overwritten with the normalised sum
+    residual: torch.Tensor,  # [..., hidden], overwritten with residual + x
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+) -> Fp8GroupRows:
+    """`fused_add_rms_norm` (in place), returning the normalised rows quantized per token-group
+    of 128."""
+    hidden = _check_common(x, weight, eps)
+    _check_residual(x, residual)
+    rows = _fp8_rows_for(x, hidden)
+    x_rows = _as_rows(x, "x", hidden)
+    _launch(x_rows, x_rows, _as_rows(residual, "residual", hidden), weight, eps, rows)
+    return rows

@@ -19,6 +19,8 @@ from ferrum import envs
 if TYPE_CHECKING:
     import torch
 
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
+
 
 @dataclass(frozen=True, slots=True)
 class TritonKernels:
@@ -26,13 +28,17 @@ class TritonKernels:
 
     rms_norm: Callable[..., torch.Tensor]
     fused_add_rms_norm: Callable[..., None]
+    rms_norm_fp8: Callable[..., tuple[torch.Tensor, Fp8GroupRows]]
+    fused_add_rms_norm_fp8: Callable[..., Fp8GroupRows]
     silu_and_mul: Callable[..., torch.Tensor]
+    silu_and_mul_fp8: Callable[..., tuple[torch.Tensor, Fp8GroupRows]]
     rotary_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     moe_router: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_moe: Callable[..., torch.Tensor]
     dense_linear: Callable[..., torch.Tensor]
     fp8_block_linear: Callable[..., torch.Tensor]
+    fp8_block_linear_takes_rows: Callable[..., bool]
     fp8_channel_linear: Callable[..., torch.Tensor]
     causal_conv1d_prefill: Callable[..., torch.Tensor]
     causal_conv1d_update: Callable[..., torch.Tensor]
@@ -73,7 +79,11 @@ def load_kernels(kernel_backend: str) -> TritonKernels | None:
     from ferrum.kernels import activation, fused_moe, moe_router, paged_attention, rms_norm
     from ferrum.kernels.causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
     from ferrum.kernels.dense_linear import dense_linear
-    from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
+    from ferrum.kernels.fp8_linear import (
+        block_linear_takes_fp8_rows,
+        fp8_block_linear,
+        fp8_channel_linear,
+    )
     from ferrum.kernels.gated_delta_rule_decode import gated_delta_rule_decode
     from ferrum.kernels.gated_delta_rule_prefill import gated_delta_rule_prefill
     from ferrum.kernels.rotary_kv import rotary_kv
@@ -81,13 +91,17 @@ def load_kernels(kernel_backend: str) -> TritonKernels | None:
     return TritonKernels(
         rms_norm=rms_norm.rms_norm,
         fused_add_rms_norm=rms_norm.fused_add_rms_norm,
+        rms_norm_fp8=rms_norm.rms_norm_fp8,
+        fused_add_rms_norm_fp8=rms_norm.fused_add_rms_norm_fp8,
         silu_and_mul=activation.silu_and_mul,
+        silu_and_mul_fp8=activation.silu_and_mul_fp8,
         rotary_kv=rotary_kv,
         paged_attention=paged_attention.paged_attention,
         moe_router=moe_router.moe_router,
         fused_moe=fused_moe.fused_moe,
         dense_linear=dense_linear,
         fp8_block_linear=fp8_block_linear,
+        fp8_block_linear_takes_rows=block_linear_takes_fp8_rows,
         fp8_channel_linear=fp8_channel_linear,
         causal_conv1d_prefill=causal_conv1d_prefill,
         causal_conv1d_update=causal_conv1d_update,

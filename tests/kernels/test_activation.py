@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrum.kernels.activation import silu_and_mul
+from ferrum.kernels.activation import silu_and_mul, silu_and_mul_fp8
 from ferrum.kernels.activation_ref import silu_and_mul_ref
+from ferrum.kernels.fp8_quant import per_token_group_quant_fp8
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -40,3 +41,24 @@ def test_validation_errors() -> None:
         silu_and_mul(torch.zeros(8, 4).t())
     with pytest.raises(ValueError, match="out must be"):
         silu_and_mul(torch.zeros(3, 8), out=torch.zeros(3, 8))
+
+
+@pytest.mark.parametrize(("num_tokens", "inter"), [(5, 128), (3, 1152), (2, 2048)])
+def test_silu_and_mul_fp8_rows(num_tokens: int, inter: int, device: torch.device) -> None:
+    """The FP8 rows are the per-token-group quantization of the output, bit for bit (the separate
+    pass runs the same conversion, so this holds under the CPU interpreter too)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(inter)
+    x = (4 * torch.randn(num_tokens, 2 * inter, generator=gen)).to(device, dtype)
+    out, rows = silu_and_mul_fp8(x)
+    torch.testing.assert_close(out, silu_and_mul(x), rtol=0, atol=0)
+    q, scales = per_token_group_quant_fp8(out)
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+    torch.testing.assert_close(rows.scales, scales, rtol=0, atol=0)
+
+
+def test_silu_and_mul_fp8_validation_errors() -> None:
+    with pytest.raises(ValueError, match="multiple of 128"):
+        silu_and_mul_fp8(torch.zeros(2, 2 * 96, dtype=torch.float16))
+    with pytest.raises(ValueError, match="fp16/bf16"):
+        silu_and_mul_fp8(torch.zeros(2, 256))

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -10,17 +12,20 @@ from ferrum.kernels.fp8_gemm_ref import (
     w8a8_channel_fp8_matmul_ref,
 )
 from ferrum.kernels.fp8_linear import (
+    block_linear_takes_fp8_rows,
     block_scaled_mm_takes,
     fp8_block_linear,
     fp8_channel_linear,
     scaled_mm_takes,
 )
+from ferrum.kernels.fp8_quant import Fp8GroupRows, per_token_group_quant_fp8
 from ferrum.kernels.fp8_weight import quantize_weight_block, quantize_weight_per_channel
 from tests.utils.fp8_inputs import representable
 
 SMALL = Fp8GemmConfig(quant="fused", BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stages=2)
 LARGE = Fp8GemmConfig(quant="separate", BLOCK_M=32, BLOCK_N=64, num_stages=2)
 SCALED_MM = Fp8GemmConfig(backend="scaled_mm", BLOCK_M=32, BLOCK_N=64, num_stages=2)
+GEMV = Fp8GemmConfig(backend="gemv", BLOCK_N=16, BLOCK_K=128)
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
@@ -119,3 +124,61 @@ def test_validation_errors() -> None:
         fp8_channel_linear(
             torch.zeros(2, 64, dtype=torch.bfloat16), weight, scale.double(), buckets={8: SCALED_MM}
         )
+
+
+def test_block_linear_reads_given_rows(device: torch.device) -> None:
+    """A separate-quantization bucket reads x_fp8 in place of quantizing x: rows of another
+    input give that input's product; the fused and GEMV buckets quantize x themselves."""
+    gen = torch.Generator().manual_seed(4)
+    weight, scale_inv = (
+        t.to(device) for t in quantize_weight_block(torch.randn(192, 256, generator=gen))
+    )
+    x = representable(20, 256, 128, torch.float16, device, seed=5)
+    other = representable(20, 256, 128, torch.float16, device, seed=6)
+    rows = Fp8GroupRows(*per_token_group_quant_fp8(other))
+    buckets = {8: SMALL, 64: LARGE}
+    got = fp8_block_linear(x, weight, scale_inv, buckets=buckets, x_fp8=rows)
+    assert torch.equal(got, fp8_block_linear(other, weight, scale_inv, buckets=buckets))
+    assert not torch.equal(got, fp8_block_linear(x, weight, scale_inv, buckets=buckets))
+    few = x[:3]
+    few_rows = Fp8GroupRows(*per_token_group_quant_fp8(other[:3]))
+    assert torch.equal(
+        fp8_block_linear(few, weight, scale_inv, buckets=buckets, x_fp8=few_rows),
+        fp8_block_linear(few, weight, scale_inv, buckets=buckets),
+    )
+    with pytest.raises(ValueError, match="x_fp8 must hold"):
+        fp8_block_linear(x[:4], weight, scale_inv, buckets=buckets, x_fp8=rows)
+
+
+def test_which_buckets_take_fp8_rows() -> None:
+    cuda = torch.device("cuda")  # a name only: nothing runs on it
+    buckets = {1: GEMV, 8: SMALL, 64: LARGE, 256: SCALED_MM}
+    takes = functools.partial(block_linear_takes_fp8_rows, n=192, k=256, buckets=buckets)
+    assert [takes(cuda, torch.float16, num_rows=m) for m in (1, 3, 20, 200)] == [
+        False,  # the GEMV quantizes nothing
+        False,  # the fused GEMM quantizes its own tiles
+        True,
+        True,  # fp16: cuBLASLt cannot, the bucket's Triton tile runs
+    ]
+    assert not takes(torch.device("cpu"), torch.float16, num_rows=20)
+    assert not takes(cuda, torch.float32, num_rows=20)
+    assert not takes(cuda, torch.float16, num_rows=0)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="cuBLASLt block-scaled FP8 GEMMs need a Hopper GPU",
+)
+@pytest.mark.parametrize("m", [3, 64])
+def test_block_linear_cublas_reads_given_rows_at_multiples_of_four(m: int) -> None:
+    gen = torch.Generator().manual_seed(m)
+    weight, scale_inv = (
+        t.cuda() for t in quantize_weight_block(torch.randn(256, 384, generator=gen) * 0.05)
+    )
+    x, other = (torch.randn(m, 384, generator=gen).cuda().bfloat16() for _ in range(2))
+    rows = Fp8GroupRows(*per_token_group_quant_fp8(other))
+    buckets = {256: SCALED_MM}
+    assert block_linear_takes_fp8_rows(x.device, x.dtype, 256, 384, m, buckets) == (m % 4 == 0)
+    got = fp8_block_linear(x, weight, scale_inv, buckets=buckets, x_fp8=rows)
+    reads = other if m % 4 == 0 else x
+    assert torch.equal(got, fp8_block_linear(reads, weight, scale_inv, buckets=buckets))

@@ -72,7 +72,8 @@ def test_down_tiles_over_choices_sum_the_choices_in_order(device) -> None:
     # Each w2 row holds one power of two and the top-k weights are powers of two, so every
     # weighted expert output is exact (fused multiply-add or not); weights of 2^24, 1 and -2^24
     # make the fp32 sum over choices depend on its order. Tiles of 1, 2 (7 = 2 + 2 + 2 + 1
-    # choices) and 8 choices must give the same bits; ids -1 and >= E add nothing.
+    # choices) and 8 choices, and the choices split over programs then summed, must give the
+    # same bits; ids -1 and >= E add nothing.
     num_tokens, hidden, inter, num_experts, top_k = 2, 32, 16, 9, 7
     x, w13, _, _ = make_problem(
         num_tokens, hidden, inter, num_experts, top_k, torch.float32, device
@@ -92,17 +93,30 @@ def test_down_tiles_over_choices_sum_the_choices_in_order(device) -> None:
             w2,
             weights,
             ids,
-            small_config=NARROW_SMALL_CONFIG | {"DOWN_BLOCK_E": e},
+            small_config=NARROW_SMALL_CONFIG | down,
             small_batch_max_tokens=PATHS["small"],
         )  # fmt: skip
-        for e in (1, 2, 8)
+        for down in (
+            {"DOWN_BLOCK_E": 1},
+            {"DOWN_BLOCK_E": 2},
+            {"DOWN_BLOCK_E": 8},
+            {"DOWN_SPLIT": 1},
+        )  # fmt: skip
     ]
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert all(torch.equal(outs[0], out) for out in outs[1:])
     expected = fused_moe_ref(
         x, w13, w2, weights.masked_fill((ids < 0) | (ids >= num_experts), 0.0),
         ids.clamp(0, num_experts - 1),
     )  # fmt: skip
     torch.testing.assert_close(outs[0], expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_down_split_over_choices_matches_reference(num_tokens, dtype, device) -> None:
+    x, w13, w2, logits = make_problem(num_tokens, 64, 32, 5, 3, dtype, device, seed=7)
+    weights, ids = select_experts(logits, 3, True)
+    split = NARROW_SMALL_CONFIG | {"DOWN_SPLIT": 1}
+    check(x, w13, w2, weights, ids, "small", small_config=split)
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -13,6 +13,7 @@ SMALL = {
     "GATE_UP_BLOCK_N": 8,
     "GATE_UP_BLOCK_K": 128,
     "DOWN_BLOCK_E": 1,
+    "DOWN_SPLIT": 0,
     "DOWN_BLOCK_N": 4,
     "DOWN_BLOCK_K": 1024,
     "num_warps": 8,
@@ -57,11 +58,15 @@ def test_a_file_with_one_section_falls_back_for_the_other(config_dir) -> None:
     assert small == SMALL and grouped == cfg.pick(cfg.DEFAULT_GROUPED, 2)
 
 
-def test_a_small_section_without_down_block_e_reads_one_choice_a_tile(config_dir) -> None:
-    # Files written before DOWN_BLOCK_E existed: one expert choice a down tile.
-    old = {k: v for k, v in SMALL.items() if k != "DOWN_BLOCK_E"}
+@pytest.mark.parametrize(("key", "meaning"), [("DOWN_BLOCK_E", 1), ("DOWN_SPLIT", 0)])
+def test_a_small_section_without_an_optional_key_reads_its_old_meaning(
+    config_dir, key, meaning
+) -> None:
+    # Files written before DOWN_BLOCK_E existed: one expert choice a down tile; before
+    # DOWN_SPLIT, one program summed all of a token's choices.
+    old = {k: v for k, v in SMALL.items() if k != key}
     cfg.config_path(8, 16, 32, "GPU").write_text(json.dumps({"small": {"8": old}}))
-    assert cfg.get_configs(2, 8, 16, 32, "GPU")[1] == old | {"DOWN_BLOCK_E": 1}
+    assert cfg.get_configs(2, 8, 16, 32, "GPU")[1] == old | {key: meaning}
 
 
 def test_fp8_experts_have_their_own_file(config_dir) -> None:
@@ -86,6 +91,8 @@ def test_fp8_experts_have_their_own_file(config_dir) -> None:
         ({"grouped": {"16": dict(GROUPED, BLOCK_N=48)}}, "BLOCK_N must be a power of two"),
         ({"grouped": {"16": dict(GROUPED, BLOCK_M=8)}}, "BLOCK_M must be >= 16"),
         ({"small": {"1": dict(SMALL, num_warps=6)}}, "num_warps must be a power of two"),
+        ({"small": {"1": dict(SMALL, DOWN_SPLIT=2)}}, "must be 0 or 1"),
+        ({"small": {"1": dict(SMALL, DOWN_BLOCK_N=0)}}, "positive integers"),
     ],
 )
 def test_bad_files_name_the_problem(config_dir, content, match: str) -> None:

@@ -37,9 +37,10 @@ def fp8_experts(num_experts, rows, cols, gen):
     return codes, scale.view(num_experts, rows // 128, cols // 128)
 
 
-@pytest.mark.parametrize("path", ["small", "grouped"])
+@pytest.mark.parametrize("path", ["small", "small_split", "grouped"])
 @pytest.mark.parametrize("num_tokens", [1, 5, 33])
 def test_fp8_experts_match_reference(path, num_tokens, dtype, device) -> None:
+    """small_split: the down GEMV's choices on programs of their own, then summed."""
     hidden, inter, num_experts, top_k = 256, 384, 6, 2
     gen = torch.Generator().manual_seed(num_tokens)
     w13, s13 = fp8_experts(num_experts, 2 * inter, hidden, gen)
@@ -55,8 +56,8 @@ def test_fp8_experts_match_reference(path, num_tokens, dtype, device) -> None:
         weights,
         ids,
         config=GROUPED,
-        small_config=SMALL,
-        small_batch_max_tokens=PATHS[path],
+        small_config=SMALL | {"DOWN_SPLIT": int(path == "small_split")},
+        small_batch_max_tokens=PATHS[path.removesuffix("_split")],
         w13_scale=s13,
         w2_scale=s2,
     )

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ferrum.kernels.activation_ref import silu_and_mul_ref
 from ferrum.model_executor.kernel_backend import TritonKernels
+
+if TYPE_CHECKING:
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -22,9 +27,22 @@ class SiluAndMul(nn.Module):
             return self.kernels.silu_and_mul(x)
         return silu_and_mul_ref(x)
 
+    def writes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether `forward_fp8(x)` runs: the Triton kernel on 2-D rows."""
+        return self.kernels is not None and x.dim() == 2
+
+    def forward_fp8(self, x: torch.Tensor) -> tuple[torch.Tensor, Fp8GroupRows]:
+        """`forward(x)` and its rows quantized per token-group of 128 (see writes_fp8_rows)."""
+        if not self.writes_fp8_rows(x):
+            raise ValueError("SiluAndMul: FP8 rows need the Triton kernel backend and 2-D x")
+        return self.kernels.silu_and_mul_fp8(x)
+
 
 class GeluTanhAndMul(nn.Module):
     """gelu_tanh(gate) * up (Gemma); torch ops on every backend (no Triton kernel)."""
+
+    def writes_fp8_rows(self, x: torch.Tensor) -> bool:
+        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., 2 * d] holding gate then up; returns [..., d]."""

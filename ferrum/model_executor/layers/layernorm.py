@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ferrum.kernels.rms_norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.linear import check_shape, new_parameter, set_weight_loader
+
+if TYPE_CHECKING:
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
 
 
 class RMSNorm(nn.Module):
@@ -33,6 +38,19 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm_ref(x, self.weight, self.eps)
         return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+
+    def forward_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Fp8GroupRows]:
+        """`forward`'s (normed, new residual or None), and the normed rows quantized per
+        token-group of 128 for the FP8 layer that reads them. Triton backend only."""
+        if self.kernels is None:
+            raise ValueError("RMSNorm: FP8 rows need the Triton kernel backend")
+        if residual is None:
+            normed, rows = self.kernels.rms_norm_fp8(x, self.weight, self.eps)
+            return normed, None, rows
+        rows = self.kernels.fused_add_rms_norm_fp8(x, residual, self.weight, self.eps)
+        return x, residual, rows
 
 
 def _load_offset_by_one(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> set:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
     from ferrum.model_executor.layers.quantization.base import LinearMethod
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Hashable], set[Hashable]]
@@ -94,9 +95,16 @@ class Linear(nn.Module):
             quant_method.create_weights(self, input_size, output_size)
         self.bias = new_parameter(output_size) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x, x_fp8)` would read FP8 rows of x (LinearMethod.takes_fp8_rows)."""
+        return self.quant_method is not None and self.quant_method.takes_fp8_rows(self, x)
+
+    def forward(self, x: torch.Tensor, x_fp8: Fp8GroupRows | None = None) -> torch.Tensor:
+        """`x_fp8`: x's rows quantized per token-group of 128, where `takes_fp8_rows(x)`."""
         if self.quant_method is not None:
-            return self.quant_method.apply(self, x, self.bias)
+            return self.quant_method.apply(self, x, self.bias, x_fp8)
+        if x_fp8 is not None:
+            raise ValueError("x_fp8: a model-dtype layer takes no FP8 rows")
         return torch.nn.functional.linear(x, self.weight, self.bias)
 
 

@@ -17,7 +17,7 @@ per-channel scales ([N, 1]) split with the output rows and stay whole across inp
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from ferrum.model_executor.layers.linear import (
     set_weight_loader,
 )
 from ferrum.model_executor.weight_loader import CheckpointTensor, materialize
+
+if TYPE_CHECKING:
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
 
 _SINGLE = TensorParallelGroup()
 
@@ -206,11 +209,13 @@ class RowParallelLinear(Linear):
         start, n = _in_blocks(param, self.tp_group.rank * local, local, "input columns")
         return default_weight_loader(param, _rows(loaded, 1, start, n), shard_id)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, x_fp8: Fp8GroupRows | None = None) -> torch.Tensor:
         if self.tp_group.world_size == 1:
-            return super().forward(x)
+            return super().forward(x, x_fp8)
         if self.quant_method is not None:
-            partial = self.quant_method.apply(self, x, None)
+            partial = self.quant_method.apply(self, x, None, x_fp8)
+        elif x_fp8 is not None:
+            raise ValueError("x_fp8: a model-dtype layer takes no FP8 rows")
         else:
             partial = torch.nn.functional.linear(x, self.weight)
         out = self.tp_group.all_reduce(partial)

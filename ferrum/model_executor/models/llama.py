@@ -38,6 +38,7 @@ from ferrum.model_executor.weight_loader import load_named_weights
 from ferrum.quant_config import QuantConfig
 
 if TYPE_CHECKING:
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
     from ferrum.kernels.paged_attention import SplitKVWorkspace
     from ferrum.model_executor.attention_metadata import AttentionMetadata
 
@@ -83,8 +84,19 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = get_act_and_mul(arch.hidden_act, kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        return self.gate_up_proj.takes_fp8_rows(x)
+
+    def forward(self, x: torch.Tensor, x_fp8: Fp8GroupRows | None = None) -> torch.Tensor:
+        """`x_fp8`: x's rows quantized per token-group of 128, where `takes_fp8_rows(x)`."""
+        gate_up = self.gate_up_proj(x, x_fp8)
+        if self.act_fn.writes_fp8_rows(gate_up):
+            # Sized like the activation: the down projection's input.
+            act_shape = gate_up[..., : gate_up.shape[-1] // 2]
+            if self.down_proj.takes_fp8_rows(act_shape):
+                act, rows = self.act_fn.forward_fp8(gate_up)
+                return self.down_proj(act, rows)
+        return self.down_proj(self.act_fn(gate_up))
 
 
 class LlamaAttention(nn.Module):
@@ -142,9 +154,15 @@ class LlamaAttention(nn.Module):
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
 
-    def project_qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def takes_fp8_rows(self, hidden: torch.Tensor) -> bool:
+        return self.qkv_proj.takes_fp8_rows(hidden)
+
+    def project_qkv(
+        self, hidden: torch.Tensor, hidden_fp8: Fp8GroupRows | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, hidden] -> q [T, num_heads, D], k and v [T, num_kv_heads, D] (before RoPE)."""
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden, hidden_fp8)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = hidden.shape[0]
         return (
             q.view(num_tokens, self.num_heads, self.head_dim),
@@ -158,8 +176,9 @@ class LlamaAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         attn_metadata: AttentionMetadata,
+        hidden_fp8: Fp8GroupRows | None = None,
     ) -> torch.Tensor:
-        q, k, v = self.project_qkv(hidden)
+        q, k, v = self.project_qkv(hidden, hidden_fp8)
         out = self.attn(q, k, v, cos, sin, attn_metadata, q_norm=self.q_norm, k_norm=self.k_norm)
         return self.o_proj(out.reshape(out.shape[0], self.q_size))
 
@@ -186,15 +205,27 @@ class LlamaDecoderLayer(nn.Module):
         sin: torch.Tensor,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (mlp output, residual stream before it); the next norm adds the two."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, attn_metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        """Returns (mlp output, residual stream before it); the next norm adds the two. A norm
+        whose consumer reads FP8 rows (`takes_fp8_rows`) writes them too."""
+        hidden, residual, rows = _norm(self.input_layernorm, hidden, residual, self.self_attn)
+        hidden = self.self_attn(hidden, cos, sin, attn_metadata, rows)
+        hidden, residual, rows = _norm(self.post_attention_layernorm, hidden, residual, self.mlp)
+        return (self.mlp(hidden) if rows is None else self.mlp(hidden, rows)), residual
+
+
+def _norm(
+    norm: RMSNorm, hidden: torch.Tensor, residual: torch.Tensor | None, consumer: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor, Fp8GroupRows | None]:
+    """(normed, residual stream, FP8 rows of normed if `consumer` reads them, else None); with
+    no residual yet, hidden is the residual stream."""
+    takes_rows = getattr(consumer, "takes_fp8_rows", None)
+    if takes_rows is not None and takes_rows(hidden):
+        normed, new_residual, rows = norm.forward_fp8(hidden, residual)
+        return normed, hidden if new_residual is None else new_residual, rows
+    if residual is None:
+        return norm(hidden), hidden, None
+    normed, residual = norm(hidden, residual)
+    return normed, residual, None
 
 
 class LlamaModel(nn.Module):

@@ -4,10 +4,13 @@ holds, chosen when the model is built (layers/quantization/__init__.py picks it)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
 
 # device -> the seeded generator dummy weights on that device draw from.
 GeneratorFor = Callable[[torch.device], torch.Generator]
@@ -25,5 +28,17 @@ class LinearMethod(Protocol):
         """Random weights of std `std` in this format, for parameters the generic dummy
         initialisation skips (those marked `param.dummy_by_layer`)."""
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., input_size] -> [..., output_size] in x's dtype."""
+    def takes_fp8_rows(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether `apply` on x (the rows about to be computed: shape, dtype, device) reads
+        `x_fp8`, x quantized per token-group of 128, in place of quantizing x itself; the layer
+        before (an RMSNorm, a SiLU-and-mul) then writes those rows alongside x."""
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        x_fp8: Fp8GroupRows | None = None,
+    ) -> torch.Tensor:
+        """x [..., input_size] -> [..., output_size] in x's dtype. `x_fp8`, when given, holds x's
+        rows quantized per token-group of 128 (callers pass it where `takes_fp8_rows` said so)."""

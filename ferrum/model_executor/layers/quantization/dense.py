@@ -4,12 +4,17 @@ F.linear). On the torch backend a layer keeps no method and calls F.linear itsel
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.linear import new_parameter
 from ferrum.model_executor.layers.quantization.base import GeneratorFor
+
+if TYPE_CHECKING:
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
 
 
 class DenseLinearMethod:
@@ -25,5 +30,16 @@ class DenseLinearMethod:
     def fill_dummy_weights(self, layer: nn.Module, std: float, generator: GeneratorFor) -> None:
         return None  # the generic dummy initialisation fills `weight`
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def takes_fp8_rows(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        return False
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        x_fp8: Fp8GroupRows | None = None,
+    ) -> torch.Tensor:
+        if x_fp8 is not None:
+            raise ValueError("x_fp8: a model-dtype layer takes no FP8 rows")
         return self._linear(x, layer.weight, bias)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ferrum.kernels.fp8_gemm_ref import w8a8_block_fp8_matmul_ref, w8a8_channel_fp8_matmul_ref
-from ferrum.kernels.fp8_quant import FP8_DTYPE, GROUP_SIZE
+from ferrum.kernels.fp8_quant import FP8_DTYPE, GROUP_SIZE, Fp8GroupRows
 from ferrum.kernels.fp8_weight import (
     WEIGHT_BLOCK,
     quantize_weight_block,
@@ -50,8 +50,11 @@ class Fp8LinearMethod:
         self.scale_name = quant_config.scale_name
         self.quantize_on_load = quant_config.quantize_on_load
         self._gemm = None
+        self._takes_rows = None
         if kernels is not None:
             self._gemm = kernels.fp8_block_linear if self.block else kernels.fp8_channel_linear
+            if self.block:
+                self._takes_rows = kernels.fp8_block_linear_takes_rows
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         if input_size % GROUP_SIZE:
@@ -95,9 +98,26 @@ class Fp8LinearMethod:
         weight.data.copy_(codes)
         getattr(layer, self.scale_name).data.copy_(scale)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def takes_fp8_rows(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Block-scaled layers on CUDA whose bucket for x's rows quantizes in a separate pass."""
+        if self._takes_rows is None or not x.is_cuda or layer.weight.dtype != FP8_DTYPE:
+            return False
+        n, k = layer.weight.shape
+        return self._takes_rows(x.device, x.dtype, n, k, x.numel() // k)
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        x_fp8: Fp8GroupRows | None = None,
+    ) -> torch.Tensor:
+        """`x_fp8` (x's rows quantized per token-group of 128) replaces the block GEMM's
+        quantization pass; paths that quantize x another way ignore it (same values)."""
         scale = getattr(layer, self.scale_name)
         if self._gemm is not None and x.is_cuda:
+            if x_fp8 is not None and self.block:
+                return self._gemm(x, layer.weight, scale, bias, x_fp8=x_fp8)
             return self._gemm(x, layer.weight, scale, bias)
         reference = w8a8_block_fp8_matmul_ref if self.block else w8a8_channel_fp8_matmul_ref
         out = reference(x.reshape(-1, x.shape[-1]), layer.weight, scale, x.dtype, bias=bias)
