@@ -42,11 +42,16 @@ def _silu_and_mul_kernel(
     AMAX_FLOOR: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program (t, c): columns [c * BLOCK, (c + 1) * BLOCK) of token t."""
+    """Program (t, c): columns [c * BLOCK, (c + 1) * BLOCK) of token t; with QUANT_GROUP held as
+    a tile [BLOCK // QUANT_GROUP, QUANT_GROUP], one group a row."""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    if QUANT_GROUP:
+        group_ids = tl.program_id(1) * (BLOCK // QUANT_GROUP) + tl.arange(0, BLOCK // QUANT_GROUP)
+        offs = group_ids[:, None] * QUANT_GROUP + tl.arange(0, QUANT_GROUP)[None, :]
+    else:
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     gate = tl.load(x_ptr + tok * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + tok * stride_x + inter + offs, mask=mask, other=0.0).to(tl.float32)
@@ -58,9 +63,8 @@ def _silu_and_mul_kernel(
             q_ptr + tok * inter,
             scale_ptr + tok * (inter // QUANT_GROUP),
             y.to(tl.float32),
-            tl.program_id(1) * BLOCK,
-            inter,
-            BLOCK,
+            group_ids,
+            inter // QUANT_GROUP,
             QUANT_GROUP,
             FP8_MAX,
             AMAX_FLOOR,

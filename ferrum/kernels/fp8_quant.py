@@ -87,24 +87,23 @@ def _per_token_group_quant_kernel(
 def store_group_quantized(
     q_row_ptr,  # this row's fp8 codes
     scale_row_ptr,  # this row's group scales
-    y,  # [BLOCK] fp32: columns first_col .. first_col + BLOCK of the row
-    first_col,  # a multiple of GROUP
-    num_cols,  # the row's length, a multiple of GROUP
-    BLOCK: tl.constexpr,
+    groups,  # [NUM_GROUPS, GROUP] fp32: groups group_ids of the row, one a tile row
+    group_ids,  # [NUM_GROUPS] int
+    num_groups,  # the row's number of groups; tile rows at or past it are not stored
     GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
 ):
-    """Quantizes a contiguous piece of a row per GROUP columns (the per-token-group pass's math)
-    and stores its codes and scales; columns at or past num_cols are not stored."""
-    groups = tl.reshape(y, (BLOCK // GROUP, GROUP))
-    q, scale = quantize_fp8_tile(groups, tl.max(tl.abs(groups), 1)[:, None], FP8_MAX, AMAX_FLOOR)
-    group_ids = first_col // GROUP + tl.arange(0, BLOCK // GROUP)
-    cols = group_ids[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    tl.store(q_row_ptr + cols, q, mask=cols < num_cols)
-    tl.store(
-        scale_row_ptr + group_ids[:, None], scale, mask=(group_ids < num_cols // GROUP)[:, None]
-    )
+    """Quantizes groups of a row (the per-token-group pass's math) and stores their codes and
+    scales."""
+    amax = tl.max(tl.abs(groups), 1)
+    q, _ = quantize_fp8_tile(groups, amax[:, None], FP8_MAX, AMAX_FLOOR)
+    # Codes are stored 8 a thread, the layout of the 16-bit row they come from (16 a thread, a
+    # whole 16-byte store, would move the row between threads through shared memory).
+    cols = group_ids[:, None] * GROUP + tl.max_contiguous(tl.arange(0, GROUP), 8)[None, :]
+    valid = group_ids < num_groups
+    tl.store(q_row_ptr + cols, q, mask=valid[:, None])
+    tl.store(scale_row_ptr + group_ids, fp8_scale_of(amax, FP8_MAX, AMAX_FLOOR), mask=valid)
 
 
 @triton.jit

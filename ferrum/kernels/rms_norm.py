@@ -49,10 +49,15 @@ def _rms_norm_kernel(
     USE_PDL: tl.constexpr,
 ):
     """Program r normalises row r (after residual[r] += x[r] when HAS_RESIDUAL) and, with
-    QUANT_GROUP, quantizes the stored row per group."""
+    QUANT_GROUP, quantizes the stored row per group: the row is then held as a tile
+    [BLOCK // QUANT_GROUP, QUANT_GROUP], one group a row, so no value moves between threads."""
     pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
+    if QUANT_GROUP:
+        group_ids = tl.arange(0, BLOCK // QUANT_GROUP)
+        offs = group_ids[:, None] * QUANT_GROUP + tl.arange(0, QUANT_GROUP)[None, :]
+    else:
+        offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     # Read before the wait: norm weights are never written while serving.
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -65,7 +70,11 @@ def _rms_norm_kernel(
         )
         tl.store(res_ptrs, summed, mask=mask)
         x = summed.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, 0) / hidden + eps)
+    if QUANT_GROUP:
+        sum_sq = tl.sum(tl.sum(x * x, 1), 0)
+    else:
+        sum_sq = tl.sum(x * x, 0)
+    inv_rms = 1.0 / tl.sqrt(sum_sq / hidden + eps)
     normed = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
     y = (normed * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
@@ -74,9 +83,8 @@ def _rms_norm_kernel(
             q_ptr + row * hidden,
             scale_ptr + row * (hidden // QUANT_GROUP),
             y.to(tl.float32),
-            0,
-            hidden,
-            BLOCK,
+            group_ids,
+            hidden // QUANT_GROUP,
             QUANT_GROUP,
             FP8_MAX,
             AMAX_FLOOR,
