@@ -142,9 +142,12 @@ class _EveryShapeTable:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("model", ["qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3+sdpa"])
+@pytest.mark.parametrize(
+    "model", ["qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3+sdpa", "qwen3+fp8", "qwen3_moe+fp8"]
+)
 def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch, model) -> None:
-    """ "+sdpa": prompts of 64+ tokens take SDPA's prefill, which splits steps around them."""
+    """ "+sdpa": prompts of 64+ tokens take SDPA's prefill, which splits steps around them.
+    "+fp8": quantized on load (W8A8 GEMMs, the GEMV, FP8 rows from the norms, FP8 experts)."""
     import json
     import random
     from pathlib import Path
@@ -165,14 +168,25 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch,
             "ferrum.model_executor.layers.attention.sdpa_prefill",
             lambda *a, **kw: sdpa_calls.append(1) or real(*a, **kw),
         )
-    path = tiny_checkpoint(model)
+    fp8 = model.endswith("+fp8")
+    model = model.removesuffix("+fp8")
+    # FP8 layers need input sizes that are multiples of 128.
+    fp8_shapes = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 64}
+    if model == "qwen3_moe":
+        fp8_shapes["moe_intermediate_size"] = 128
+    path = tiny_checkpoint(model, **fp8_shapes) if fp8 else tiny_checkpoint(model)
     config = json.loads((Path(path) / "config.json").read_text())
     vocab_size = config.get("text_config", config)["vocab_size"]
     table = _EveryShapeTable(vocab_size)
     monkeypatch.setattr(dense_linear_module, "get_gemv_tiles", lambda name: table)
     _forget_compiled_kernels()
     llm = cuda_llm(
-        path, dtype="bfloat16", num_kv_blocks=512, max_num_batched_tokens=256, max_num_seqs=32
+        path,
+        dtype="bfloat16",
+        num_kv_blocks=512,
+        max_num_batched_tokens=256,
+        max_num_seqs=32,
+        quantization="fp8" if fp8 else None,
     )
     before = len(compile_watch.compiled_while_serving())
     rng = random.Random(0)
