@@ -13,8 +13,7 @@ Then out = (acc (+ bias[n])).to(out dtype).
 
 Split-K (config SPLIT_K > 1, for decode-sized M where the output tiles alone cannot fill the
 GPU): program (tile, s) sums its share of the K steps and writes the fp32 partial to a workspace;
-the last of a tile's SPLIT_K programs to arrive (a per-tile counter, reset by that program for the
-next launch) adds the partials in the order s = 0..SPLIT_K-1 and writes the output. The order is
+the last of a tile's SPLIT_K programs to arrive (kernels/arrival_counters.py) adds the partials in the order s = 0..SPLIT_K-1 and writes the output. The order is
 fixed, so the result does not depend on which program arrives last.
 """
 
@@ -25,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import cuda_capability
+from ferrum.kernels.arrival_counters import arrival_counters
 from ferrum.kernels.fp8_gemm_config import Fp8GemmConfig
 from ferrum.kernels.fp8_quant import (
     AMAX_FLOOR,
@@ -268,32 +268,6 @@ def check_fp8_operands(
     return m, n, k
 
 
-_tile_counters: dict[torch.device, torch.Tensor] = {}
-# Outgrown counters stay allocated: a CUDA graph captured before the growth still points at them.
-_outgrown_counters: list[torch.Tensor] = []
-
-
-def tile_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
-    """The split-K arrival counters of this device, at least num_tiles of them, all zero between
-    launches (each tile's last program resets its own). Every split-K launch on the device shares
-    them, so split-K GEMMs must run one at a time (one stream: the engine's forward); a buffer
-    outgrown later is kept, not freed. They are sized outside CUDA graph capture (the engine's
-    warm-up runs every batch bucket first): a buffer made during capture would be zeroed only by
-    the graph's replays."""
-    counters = _tile_counters.get(device)
-    if counters is None or counters.numel() < num_tiles:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"split-K FP8 GEMM: {num_tiles} tile counters are needed during CUDA graph "
-                "capture but were not allocated before it; run this GEMM shape once first"
-            )
-        if counters is not None:
-            _outgrown_counters.append(counters)
-        size = max(num_tiles, 1 << 14, 0 if counters is None else 2 * counters.numel())
-        counters = _tile_counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
-    return counters
-
-
 def _launch(
     a: torch.Tensor,
     a_scale: torch.Tensor | None,
@@ -316,7 +290,7 @@ def _launch(
             dtype=torch.float32,
             device=a.device,
         )
-        counters = tile_counters(a.device, num_tiles)
+        counters = arrival_counters(a.device, num_tiles, "split-K FP8 GEMM")
     else:
         partials = counters = w_scale
     _fp8_gemm_kernel[(num_tiles, config.SPLIT_K)](

@@ -6,9 +6,9 @@ p = t * top_k + j's token against expert topk_ids[p]'s gate and up rows with SiL
 act [T*k, I]; kernel 2, grid (num_tokens, cdiv(H, BLOCK_N)), GEMVs each of token t's k rows of act
 against its expert's down projection and sums them weighted, in order j = 0..k-1 in fp32, into
 out [T, H] (the combine is fused). With DOWN_SPLIT, kernel 2 runs one program row per pair instead
-(grid (num_pairs, cdiv(H, BLOCK_N)): more programs, fewer bytes each), writing each pair's weighted
-output in fp32, and a third launch sums every token's k rows in the same order j = 0..k-1, so the
-result is the same. Each routed expert's weights are read once per (token, choice).
+(grid (num_pairs, cdiv(H, BLOCK_N)): more programs, fewer bytes each), each writing its pair's
+weighted output in fp32; the last of a token's k programs of an output tile to arrive
+(kernels/arrival_counters.py) sums them in the same order j = 0..k-1, so the result is the same. Each routed expert's weights are read once per (token, choice).
 Roundings follow `fused_moe_ref`. Sizes depend only on (T, k, E, H, I): CUDA-graph safe.
 FP8 experts (scales given, see fused_moe.py): the 128x128 block scales are applied to the vector,
 not to the weights: BLOCK_N divides 128, so a program's rows share one scale row, and each column
@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels.arrival_counters import arrival_counters
 from ferrum.kernels.fused_moe_config import DEFAULT_SMALL, pick
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
@@ -206,30 +207,75 @@ def _moe_down_combine_gemv_kernel(
 
 
 @triton.jit
-def _moe_sum_choices_kernel(
+def _moe_down_split_gemv_kernel(
     out_ptr,  # [num_tokens, H]
-    partial_ptr,  # [num_tokens * top_k, H] float32, contiguous
+    partial_ptr,  # [num_pairs, H] float32
+    counter_ptr,  # [>= num_tokens * cdiv(H, BLOCK_N)] int32, zero between launches
+    act_ptr,  # [num_pairs, I]
+    w2_ptr,  # [E, H, I]
+    w2_scale_ptr,  # [E, H / 128, I / 128] float32, read when W_FP8
+    topk_weights_ptr,  # [num_pairs] float32
+    topk_ids_ptr,  # [num_pairs] int32/int64
     hidden_size,
+    inter,
     top_k,
+    num_experts,
+    stride_am,
+    stride_we,
+    stride_wn,
     stride_om,
-    BLOCK: tl.constexpr,
+    stride_se,
+    stride_sn,
+    W_FP8: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program (t, n): out[t, n*BLOCK..] = sum over j = 0..k-1 in order, in fp32, of
-    partial[t * top_k + j] (the split down GEMV's weighted rows)."""
+    """Program (p, n): partial[p, n*BLOCK_N..] = topk_weights[p] * round(w2[e] @ act[p]) in fp32
+    for e = topk_ids[p] (zero when e lies outside [0, num_experts)); the last of token t's k
+    programs of tile n to arrive writes out[t, n*BLOCK_N..] = the sum of its partials in order
+    j = 0..k-1 and resets the tile's counter."""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < hidden_size
-    rows = partial_ptr + token * top_k * hidden_size + offs
-    total = tl.zeros((BLOCK,), dtype=tl.float32)
-    for j in range(0, top_k):
-        total += tl.load(rows + j * hidden_size, mask=mask, other=0.0)
-    tl.store(out_ptr + token * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_SUM_BLOCK = 256
+    pair = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    token = pair // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden_size
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    routed = (expert >= 0) & (expert < num_experts)
+    expert = tl.where(routed, expert, 0)
+    a_ptrs = act_ptr + pair * stride_am + offs_k
+    w_ptrs = (
+        w2_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    )
+    s_row = w2_scale_ptr + expert * stride_se + ((pid_n * BLOCK_N) // 128) * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        a, w_mask = _load_k_chunk(a_ptrs, offs_k, inter - k0, n_mask & routed, EVEN_K)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+        if W_FP8:
+            a = _scale_chunk(a, s_row, offs_k, k0, inter)
+        acc += w * a[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
+    weighted = y * tl.load(topk_weights_ptr + pair)
+    tl.store(partial_ptr + pair * hidden_size + offs_n, weighted, mask=n_mask)
+    # Every thread's partial is written before the count (one thread's release atomic after the
+    # barrier); the last arrival reads the others' partials through L2 after its acquire.
+    tl.debug_barrier()
+    counter = counter_ptr + token * tl.num_programs(1) + pid_n
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == top_k - 1:
+        rows = partial_ptr + token * top_k * hidden_size + offs_n
+        total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for j in range(0, top_k):
+            total += tl.load(rows + j * hidden_size, mask=n_mask, other=0.0, cache_modifier=".cg")
+        out = total.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + token * stride_om + offs_n, out, mask=n_mask)
+        tl.store(counter, 0)
 
 
 def get_small_batch_config(num_tokens: int = 1) -> dict[str, int]:
@@ -302,16 +348,7 @@ def small_batch_moe(
         **launch,
     )
     block_n, block_k, even_k = _gemv_tiles(config, "DOWN", hidden_size, inter, fp8)
-    split = bool(config.get("DOWN_SPLIT", 0))
-    # Split: each pair is a "token" of one choice whose fp32 output row is its weighted product.
-    down_out = (
-        torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=out.device)
-        if split
-        else out
-    )
-    block_e = 1 if split else min(config.get("DOWN_BLOCK_E", 1), triton.next_power_of_2(top_k))
-    _moe_down_combine_gemv_kernel[(down_out.shape[0], triton.cdiv(hidden_size, block_n))](
-        down_out,
+    down_args = (
         act,
         w2,
         s2,
@@ -319,29 +356,25 @@ def small_batch_moe(
         flat_ids,
         hidden_size,
         inter,
-        1 if split else top_k,
+        top_k,
         w2.shape[0],
         act.stride(0),
         w2.stride(0),
         w2.stride(1),
-        down_out.stride(0),
+        out.stride(0),
         s2.stride(0),
         s2.stride(1),
-        W_FP8=fp8,
-        EVEN_K=even_k,
-        BLOCK_E=block_e,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        **launch,
     )
-    if split:
-        _moe_sum_choices_kernel[(num_tokens, triton.cdiv(hidden_size, _SUM_BLOCK))](
-            out,
-            down_out,
-            hidden_size,
-            top_k,
-            out.stride(0),
-            BLOCK=_SUM_BLOCK,
-            num_warps=2,
-            **pdl_launch_args(hidden.device),
+    tiles = dict(W_FP8=fp8, EVEN_K=even_k, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+    num_n_tiles = triton.cdiv(hidden_size, block_n)
+    if config.get("DOWN_SPLIT", 0):
+        partial = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=out.device)
+        counters = arrival_counters(out.device, num_tokens * num_n_tiles, "fused MoE down GEMV")
+        _moe_down_split_gemv_kernel[(num_pairs, num_n_tiles)](
+            out, partial, counters, *down_args, **tiles
         )
+        return
+    block_e = min(config.get("DOWN_BLOCK_E", 1), triton.next_power_of_2(top_k))
+    _moe_down_combine_gemv_kernel[(num_tokens, num_n_tiles)](
+        out, *down_args, BLOCK_E=block_e, **tiles
+    )

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
+from ferrum.kernels.arrival_counters import arrival_counters
 from ferrum.kernels.fp8_gemm import (
-    tile_counters,
     w8a8_block_fp8_matmul,
     w8a8_channel_fp8_matmul,
 )
@@ -103,7 +103,7 @@ def test_split_k_sums_partials_in_order_and_resets_its_counters(
     outs = [gemm(x, weight, scale, torch.float32, split) for _ in range(2)]
     assert torch.equal(outs[0], outs[1])
     num_tiles = n // 64
-    assert not tile_counters(device, num_tiles)[:num_tiles].any()
+    assert not arrival_counters(device, num_tiles, "test")[:num_tiles].any()
     if not block_scales:  # per-token scales come from the whole row: no per-quarter launches
         _assert_close(outs[0], w8a8_channel_fp8_matmul_ref(x, weight, scale, torch.float32))
         return

@@ -1,0 +1,34 @@
+"""Per-device arrival counters for kernels whose programs share an output tile: each program
+counts its arrival on the tile's counter, and the last to arrive finishes the tile (sums the
+others' partials) and resets the counter to zero for the next launch.
+
+The split-K FP8 GEMM and the fused MoE's split down GEMV use them. Every such launch on a device
+shares one buffer, so those kernels must run one at a time (one stream: the engine's forward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_counters: dict[torch.device, torch.Tensor] = {}
+# Outgrown buffers stay allocated: a CUDA graph captured before the growth still points at them.
+_outgrown: list[torch.Tensor] = []
+
+
+def arrival_counters(device: torch.device, num_tiles: int, user: str) -> torch.Tensor:
+    """The arrival counters of this device, at least num_tiles of them, all zero between
+    launches. They are sized outside CUDA graph capture (the engine's warm-up runs every batch
+    bucket first): a buffer made during capture would be zeroed only by the graph's replays, so
+    growing one then raises, naming `user` (the kernel that asked)."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < num_tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"{user}: {num_tiles} arrival counters are needed during CUDA graph capture but "
+                "were not allocated before it; run this shape once first"
+            )
+        if counters is not None:
+            _outgrown.append(counters)
+        size = max(num_tiles, 1 << 14, 0 if counters is None else 2 * counters.numel())
+        counters = _counters[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counters
