@@ -42,6 +42,11 @@ SPLIT_KV_MIN_SEQ_LEN = 128
 SPLIT_KV_FP8_FACTOR = 4
 
 
+# fp8_quant's constants as Triton globals (a @jit function reads only constexpr globals).
+_FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
+
+
 @triton.jit
 def store_fp8_heads(
     q8_ptr,  # [num_tokens, num_heads * HEAD_DIM] fp8
@@ -57,11 +62,11 @@ def store_fp8_heads(
     [num_tokens, num_heads * HEAD_DIM] view: one group a head, so each program quantizes its
     own heads, with the per-token-group pass's math (fp8_quant)."""
     amax = tl.max(tl.abs(out), 1)
-    q, _ = quantize_fp8_tile(out, amax[:, None], FP8_MAX, AMAX_FLOOR)
+    q, _ = quantize_fp8_tile(out, amax[:, None], _FP8_MAX, _AMAX_FLOOR)
     tok_rows = tok.to(tl.int64)
     cols = head[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     tl.store(q8_ptr + tok_rows[:, None] * (num_heads * HEAD_DIM) + cols, q, mask=row_valid[:, None])
-    scale = fp8_scale_of(amax, FP8_MAX, AMAX_FLOOR)
+    scale = fp8_scale_of(amax, _FP8_MAX, _AMAX_FLOOR)
     tl.store(q8_scale_ptr + tok_rows * num_heads + head, scale, mask=row_valid)
 
 
