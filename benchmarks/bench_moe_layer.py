@@ -177,7 +177,7 @@ def grouped_mm_moe(
 def sweep_configs(top_k: int) -> list[dict[str, int]]:
     # The down GEMV's tile [DOWN_BLOCK_E, DOWN_BLOCK_N, DOWN_BLOCK_K] spans one choice at a time
     # (with the wide tiles) or all k choices (with narrow ones); split tiles (DOWN_SPLIT) run
-    # each choice on programs of their own and sum the choices in a third launch.
+    # each choice on programs of their own, the last of a token's to finish summing them.
     # dict.fromkeys: with k = 1 both halves name one-choice tiles, timed once.
     down_tiles = list(
         dict.fromkeys(
@@ -187,7 +187,7 @@ def sweep_configs(top_k: int) -> list[dict[str, int]]:
                     (triton.next_power_of_2(top_k), 0, n, k)
                     for n, k in itertools.product((4, 8), (128, 256))
                 ),
-                *((1, 1, n, k) for n, k in itertools.product((4, 8, 16), (256, 1024))),
+                *((1, 1, n, k) for n, k in itertools.product((8, 16, 32, 64), (256, 512))),
             ]
         )
     )

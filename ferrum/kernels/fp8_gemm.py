@@ -13,8 +13,9 @@ Then out = (acc (+ bias[n])).to(out dtype).
 
 Split-K (config SPLIT_K > 1, for decode-sized M where the output tiles alone cannot fill the
 GPU): program (tile, s) sums its share of the K steps and writes the fp32 partial to a workspace;
-the last of a tile's SPLIT_K programs to arrive (kernels/arrival_counters.py) adds the partials in the order s = 0..SPLIT_K-1 and writes the output. The order is
-fixed, so the result does not depend on which program arrives last.
+the last of a tile's SPLIT_K programs to arrive (kernels/arrival_counters.py) adds the partials
+in the order s = 0..SPLIT_K-1 and writes the output. The order is fixed, so the result does not
+depend on which program arrives last.
 """
 
 from __future__ import annotations

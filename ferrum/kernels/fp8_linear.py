@@ -22,6 +22,7 @@ from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matm
 from ferrum.kernels.fp8_gemm_config import Buckets, Fp8GemmConfig, get_fp8_gemm_buckets, pick
 from ferrum.kernels.fp8_gemv import fp8_gemv
 from ferrum.kernels.fp8_quant import (
+    GROUP_SIZE,
     Fp8GroupRows,
     per_token_group_quant_fp8,
     per_token_quant_fp8,
@@ -55,8 +56,8 @@ def fp8_block_linear(
     n, k = weight.shape
     x2 = _rows(x, k)
     config = pick(_buckets("block", x.device, n, k) if buckets is None else buckets, x2.shape[0])
-    if x_fp8 is not None and x_fp8.q.shape != x2.shape:
-        raise ValueError(f"x_fp8 must hold x's {list(x2.shape)} rows, got {list(x_fp8.q.shape)}")
+    if x_fp8 is not None:
+        _check_rows(x_fp8, x2)
     if config.backend == "gemv":
         out = _gemv(x2, weight, weight_scale_inv, True, config, bias)
     elif config.backend == "scaled_mm" and block_scaled_mm_takes(x2, n, k):
@@ -93,6 +94,22 @@ def _gemv(
         config.num_stages,
         bias=bias,
     )
+
+
+def _check_rows(x_fp8: Fp8GroupRows, x: torch.Tensor) -> None:
+    m, k = x.shape
+    q, scales = x_fp8.q, x_fp8.scales
+    if (
+        q.shape != (m, k)
+        or scales.shape != (m, k // GROUP_SIZE)
+        or scales.dtype != torch.float32
+        or not (q.is_contiguous() and scales.is_contiguous())
+    ):
+        raise ValueError(
+            f"x_fp8 must hold x's [{m}, {k}] rows: contiguous codes [{m}, {k}] and float32 "
+            f"scales [{m}, {k // GROUP_SIZE}], got {list(q.shape)} and {list(scales.shape)} "
+            f"{scales.dtype}"
+        )
 
 
 def block_scaled_mm_takes(x: torch.Tensor, n: int, k: int) -> bool:

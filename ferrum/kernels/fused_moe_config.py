@@ -101,6 +101,11 @@ def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets
             config[k] in (0, 1) and type(config[k]) is int for k in FLAG_KEYS if k in config
         ):
             raise ValueError(f"{where}[{bound}]: {list(FLAG_KEYS)} must be 0 or 1")
+        if config.get("DOWN_SPLIT") and config.get("DOWN_BLOCK_E", 1) != 1:
+            raise ValueError(
+                f"{where}[{bound}]: DOWN_SPLIT 1 runs one choice a program: DOWN_BLOCK_E must be "
+                f"1, got {config['DOWN_BLOCK_E']}"
+            )
         for key, value in config.items():
             if ("BLOCK" in key or key == "num_warps") and value & (value - 1):
                 raise ValueError(f"{where}[{bound}]: {key} must be a power of two, got {value}")

@@ -8,7 +8,8 @@ against its expert's down projection and sums them weighted, in order j = 0..k-1
 out [T, H] (the combine is fused). With DOWN_SPLIT, kernel 2 runs one program row per pair instead
 (grid (num_pairs, cdiv(H, BLOCK_N)): more programs, fewer bytes each), each writing its pair's
 weighted output in fp32; the last of a token's k programs of an output tile to arrive
-(kernels/arrival_counters.py) sums them in the same order j = 0..k-1, so the result is the same. Each routed expert's weights are read once per (token, choice).
+(kernels/arrival_counters.py) sums them in the same order j = 0..k-1, so the result is the same.
+Each routed expert's weights are read once per (token, choice).
 Roundings follow `fused_moe_ref`. Sizes depend only on (T, k, E, H, I): CUDA-graph safe.
 FP8 experts (scales given, see fused_moe.py): the 128x128 block scales are applied to the vector,
 not to the weights: BLOCK_N divides 128, so a program's rows share one scale row, and each column
@@ -368,6 +369,11 @@ def small_batch_moe(
     tiles = dict(W_FP8=fp8, EVEN_K=even_k, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
     num_n_tiles = triton.cdiv(hidden_size, block_n)
     if config.get("DOWN_SPLIT", 0):
+        if config.get("DOWN_BLOCK_E", 1) != 1:
+            raise ValueError(
+                f"small_config: DOWN_SPLIT 1 runs one choice a program: DOWN_BLOCK_E must be 1, "
+                f"got {config['DOWN_BLOCK_E']}"
+            )
         partial = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=out.device)
         counters = arrival_counters(out.device, num_tokens * num_n_tiles, "fused MoE down GEMV")
         _moe_down_split_gemv_kernel[(num_pairs, num_n_tiles)](

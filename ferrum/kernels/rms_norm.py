@@ -5,7 +5,8 @@ rounded to the input dtype before the weight multiply (one rounding of the produ
 form first rounds residual + x to the input dtype, stores it as the new residual, then normalises it.
 The `*_fp8` forms also write the normalised rows quantized per token-group of 128
 (`Fp8GroupRows`, bit-equal to `per_token_group_quant_fp8` of the output), for an FP8 linear layer
-that reads them in place of its own quantization pass.
+that reads them in place of its own quantization pass; they add the sum of squares group by
+group, so their output may differ from the plain forms' in the last bit.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def _launch(
     num_rows, hidden = x.shape
     if num_rows == 0:
         return
-    block = max(triton.next_power_of_2(hidden), GROUP_SIZE if rows is not None else 1)
+    block = triton.next_power_of_2(hidden)
     _rms_norm_kernel[(num_rows,)](
         out,
         x,
@@ -209,7 +210,9 @@ def rms_norm_fp8(
     weight: torch.Tensor,  # [hidden]
     eps: float,
 ) -> tuple[torch.Tensor, Fp8GroupRows]:
-    """`rms_norm(x, weight, eps)` and its rows quantized per token-group of 128."""
+    """`rms_norm(x, weight, eps)` (its sum of squares added group by group: the output may
+    differ from rms_norm's in the last bit) and that output's rows quantized per token-group of
+    128."""
     hidden = _check_common(x, weight, eps)
     rows = _fp8_rows_for(x, hidden)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -223,8 +226,8 @@ def fused_add_rms_norm_fp8(
     weight: torch.Tensor,  # [hidden]
     eps: float,
 ) -> Fp8GroupRows:
-    """`fused_add_rms_norm` (in place), returning the normalised rows quantized per token-group
-    of 128."""
+    """`fused_add_rms_norm` (in place; the normalised sum may differ from its in the last bit,
+    as in rms_norm_fp8), returning the normalised rows quantized per token-group of 128."""
     hidden = _check_common(x, weight, eps)
     _check_residual(x, residual)
     rows = _fp8_rows_for(x, hidden)

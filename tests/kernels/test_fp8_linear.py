@@ -148,6 +148,9 @@ def test_block_linear_reads_given_rows(device: torch.device) -> None:
     )
     with pytest.raises(ValueError, match="x_fp8 must hold"):
         fp8_block_linear(x[:4], weight, scale_inv, buckets=buckets, x_fp8=rows)
+    bad_scales = Fp8GroupRows(rows.q, rows.scales[:, :1].contiguous())
+    with pytest.raises(ValueError, match="x_fp8 must hold"):
+        fp8_block_linear(x, weight, scale_inv, buckets=buckets, x_fp8=bad_scales)
 
 
 def test_which_buckets_take_fp8_rows() -> None:

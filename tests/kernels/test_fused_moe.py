@@ -8,6 +8,7 @@ import torch
 
 import ferrum.kernels.fused_moe as fused_moe_module
 import ferrum.kernels.moe_align as moe_align_module
+from ferrum.kernels.arrival_counters import arrival_counters
 from ferrum.kernels.fused_moe import SMALL_BATCH_MAX_TOKENS, fused_moe, get_config
 from ferrum.kernels.fused_moe_ref import fused_moe_ref
 from ferrum.kernels.moe_align import max_num_blocks, moe_align_block_size
@@ -100,7 +101,7 @@ def test_down_tiles_over_choices_sum_the_choices_in_order(device) -> None:
             {"DOWN_BLOCK_E": 1},
             {"DOWN_BLOCK_E": 2},
             {"DOWN_BLOCK_E": 8},
-            {"DOWN_SPLIT": 1},
+            {"DOWN_BLOCK_E": 1, "DOWN_SPLIT": 1},
         )  # fmt: skip
     ]
     assert all(torch.equal(outs[0], out) for out in outs[1:])
@@ -115,8 +116,10 @@ def test_down_tiles_over_choices_sum_the_choices_in_order(device) -> None:
 def test_down_split_over_choices_matches_reference(num_tokens, dtype, device) -> None:
     x, w13, w2, logits = make_problem(num_tokens, 64, 32, 5, 3, dtype, device, seed=7)
     weights, ids = select_experts(logits, 3, True)
-    split = NARROW_SMALL_CONFIG | {"DOWN_SPLIT": 1}
+    split = NARROW_SMALL_CONFIG | {"DOWN_SPLIT": 1, "DOWN_BLOCK_E": 1}
     check(x, w13, w2, weights, ids, "small", small_config=split)
+    # Each output tile's last arrival reset its counter for the next launch.
+    assert not arrival_counters(x.device, num_tokens * 8, "test").any()
 
 
 @pytest.mark.parametrize("path", PATHS)

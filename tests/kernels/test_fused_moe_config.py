@@ -92,6 +92,7 @@ def test_fp8_experts_have_their_own_file(config_dir) -> None:
         ({"grouped": {"16": dict(GROUPED, BLOCK_M=8)}}, "BLOCK_M must be >= 16"),
         ({"small": {"1": dict(SMALL, num_warps=6)}}, "num_warps must be a power of two"),
         ({"small": {"1": dict(SMALL, DOWN_SPLIT=2)}}, "must be 0 or 1"),
+        ({"small": {"1": dict(SMALL, DOWN_SPLIT=1, DOWN_BLOCK_E=8)}}, "DOWN_BLOCK_E must be 1"),
         ({"small": {"1": dict(SMALL, DOWN_BLOCK_N=0)}}, "positive integers"),
     ],
 )

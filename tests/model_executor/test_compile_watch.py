@@ -170,6 +170,13 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch,
         )
     fp8 = model.endswith("+fp8")
     model = model.removesuffix("+fp8")
+    if fp8 and model == "qwen3_moe":
+        # The tuned H100 file's split down GEMV at 1-2 tokens (the tiny shape has no file).
+        import ferrum.kernels.fused_moe_config as moe_config
+
+        split = {"DOWN_SPLIT": 1, "DOWN_BLOCK_E": 1}
+        small = {2: moe_config.DEFAULT_SMALL[2] | split, 1 << 62: moe_config.DEFAULT_SMALL[1 << 62]}
+        monkeypatch.setattr(moe_config, "DEFAULT_SMALL", small)
     # FP8 layers need input sizes that are multiples of 128.
     fp8_shapes = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 64}
     if model == "qwen3_moe":

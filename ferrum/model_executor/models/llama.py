@@ -92,8 +92,8 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x, x_fp8)
         if self.act_fn.writes_fp8_rows(gate_up):
             # Sized like the activation: the down projection's input.
-            act_shape = gate_up[..., : gate_up.shape[-1] // 2]
-            if self.down_proj.takes_fp8_rows(act_shape):
+            act_like = gate_up[..., : gate_up.shape[-1] // 2]
+            if self.down_proj.takes_fp8_rows(act_like):
                 act, rows = self.act_fn.forward_fp8(gate_up)
                 return self.down_proj(act, rows)
         return self.down_proj(self.act_fn(gate_up))
