@@ -60,15 +60,9 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + tok * stride_out + offs, y, mask=mask)
     if QUANT_GROUP:
         store_group_quantized(
-            q_ptr + tok * inter,
-            scale_ptr + tok * (inter // QUANT_GROUP),
-            y.to(tl.float32),
-            group_ids,
-            inter // QUANT_GROUP,
-            QUANT_GROUP,
-            FP8_MAX,
+            q_ptr, scale_ptr, tok, y.to(tl.float32), group_ids, inter, QUANT_GROUP, FP8_MAX,
             AMAX_FLOOR,
-        )
+        )  # fmt: skip
 
 
 def silu_and_mul(

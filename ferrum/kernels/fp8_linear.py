@@ -58,13 +58,14 @@ def fp8_block_linear(
     config = pick(_buckets("block", x.device, n, k) if buckets is None else buckets, x2.shape[0])
     if x_fp8 is not None:
         _check_rows(x_fp8, x2)
-    if config.backend == "gemv":
+    path = _block_path(config, x.device, x.dtype, n, k)
+    if path == "gemv":
         out = _gemv(x2, weight, weight_scale_inv, True, config, bias)
-    elif config.backend == "scaled_mm" and block_scaled_mm_takes(x2, n, k):
+    elif path == "scaled_mm":
         out = _block_scaled_mm(x2, weight, weight_scale_inv, x_fp8)
         if bias is not None:
             out += bias
-    elif config.quant == "fused":
+    elif path == "fused":
         out = w8a8_block_fp8_matmul(x2, weight, weight_scale_inv, x.dtype, config, bias=bias)
     else:
         q, scales = (x_fp8.q, x_fp8.scales) if x_fp8 is not None else per_token_group_quant_fp8(x2)
@@ -112,12 +113,9 @@ def _check_rows(x_fp8: Fp8GroupRows, x: torch.Tensor) -> None:
         )
 
 
-def block_scaled_mm_takes(x: torch.Tensor, n: int, k: int) -> bool:
-    """Whether cuBLASLt's 1x128 x 128x128 block-scaled GEMM serves x [M, K] @ W[N, K]^T."""
-    return _block_scaled_mm_serves(x.device, x.dtype, n, k)
-
-
-def _block_scaled_mm_serves(device: torch.device, dtype: torch.dtype, n: int, k: int) -> bool:
+def block_scaled_mm_takes(device: torch.device, dtype: torch.dtype, n: int, k: int) -> bool:
+    """Whether cuBLASLt's 1x128 x 128x128 block-scaled GEMM serves x [M, K] @ W[N, K]^T for x of
+    this dtype on this device."""
     return (
         device.type == "cuda"
         and dtype == torch.bfloat16
@@ -126,6 +124,19 @@ def _block_scaled_mm_serves(device: torch.device, dtype: torch.dtype, n: int, k:
         and hasattr(F, "scaled_mm")
         and cuda_capability(device.index) == (9, 0)
     )
+
+
+def _block_path(
+    config: Fp8GemmConfig, device: torch.device, dtype: torch.dtype, n: int, k: int
+) -> str:
+    """What runs a block-scaled bucket: "gemv", "scaled_mm" (where cuBLASLt takes the operands),
+    "fused" (the Triton GEMM quantizing its own tiles) or "separate" (a quantization pass, then
+    the Triton GEMM)."""
+    if config.backend == "gemv":
+        return "gemv"
+    if config.backend == "scaled_mm" and block_scaled_mm_takes(device, dtype, n, k):
+        return "scaled_mm"
+    return "fused" if config.quant == "fused" else "separate"
 
 
 def block_linear_takes_fp8_rows(
@@ -142,11 +153,8 @@ def block_linear_takes_fp8_rows(
     if device.type != "cuda" or dtype not in _ACT_DTYPES or num_rows == 0:
         return False
     config = pick(_buckets("block", device, n, k) if buckets is None else buckets, num_rows)
-    if config.backend == "gemv":
-        return False
-    if config.backend == "scaled_mm" and _block_scaled_mm_serves(device, dtype, n, k):
-        return num_rows % 4 == 0
-    return config.quant != "fused"
+    path = _block_path(config, device, dtype, n, k)
+    return path == "separate" or (path == "scaled_mm" and num_rows % 4 == 0)
 
 
 def _block_scaled_mm(

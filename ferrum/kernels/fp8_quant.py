@@ -85,17 +85,21 @@ def _per_token_group_quant_kernel(
 
 @triton.jit
 def store_group_quantized(
-    q_row_ptr,  # this row's fp8 codes
-    scale_row_ptr,  # this row's group scales
+    q_ptr,  # [num_rows, num_cols] fp8 codes
+    scale_ptr,  # [num_rows, num_cols // GROUP] fp32 scales
+    row,  # int64
     groups,  # [NUM_GROUPS, GROUP] fp32: groups group_ids of the row, one a tile row
     group_ids,  # [NUM_GROUPS] int
-    num_groups,  # the row's number of groups; tile rows at or past it are not stored
+    num_cols,  # the row's length, a multiple of GROUP; groups past it are not stored
     GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
 ):
-    """Quantizes groups of a row (the per-token-group pass's math) and stores their codes and
+    """Quantizes groups of one row (the per-token-group pass's math) and stores their codes and
     scales."""
+    num_groups = num_cols // GROUP
+    q_row_ptr = q_ptr + row * num_cols
+    scale_row_ptr = scale_ptr + row * num_groups
     amax = tl.max(tl.abs(groups), 1)
     q, _ = quantize_fp8_tile(groups, amax[:, None], FP8_MAX, AMAX_FLOOR)
     # Codes are stored 8 a thread, the layout of the 16-bit row they come from (16 a thread, a

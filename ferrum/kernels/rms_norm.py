@@ -81,15 +81,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
     if QUANT_GROUP:
         store_group_quantized(
-            q_ptr + row * hidden,
-            scale_ptr + row * (hidden // QUANT_GROUP),
-            y.to(tl.float32),
-            group_ids,
-            hidden // QUANT_GROUP,
-            QUANT_GROUP,
-            FP8_MAX,
+            q_ptr, scale_ptr, row, y.to(tl.float32), group_ids, hidden, QUANT_GROUP, FP8_MAX,
             AMAX_FLOOR,
-        )
+        )  # fmt: skip
 
 
 def _as_rows(t: torch.Tensor, name: str, hidden: int) -> torch.Tensor:

@@ -103,9 +103,9 @@ def test_block_linear_cublas_matches_reference(m: int) -> None:
     )
     bias = torch.randn(256, generator=gen).cuda().bfloat16()
     x = torch.randn(m, 384, generator=gen).cuda().bfloat16()
-    assert block_scaled_mm_takes(x, 256, 384)
-    assert not block_scaled_mm_takes(x.half(), 256, 384)
-    assert not block_scaled_mm_takes(x, 192, 384)
+    assert block_scaled_mm_takes(x.device, x.dtype, 256, 384)
+    assert not block_scaled_mm_takes(x.device, torch.float16, 256, 384)
+    assert not block_scaled_mm_takes(x.device, x.dtype, 192, 384)
     out = fp8_block_linear(x, weight, scale_inv, bias)
     if m == 1:  # one row takes the weight-only GEMV
         ref = fp8_weight_only_matmul_ref(x, weight, scale_inv, True, torch.bfloat16, bias=bias)
