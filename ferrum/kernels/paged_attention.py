@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FP8_KV_DTYPE
+from ferrum.kernels.fp8_quant import Fp8GroupRows
 from ferrum.kernels.kv_cache_write import write_kv_cache
 from ferrum.kernels.paged_attention_common import (
     _LOG2E,
@@ -31,7 +32,9 @@ from ferrum.kernels.paged_attention_common import (
     _check_block_n,
     _dot_precision,
     _window_constexpr,
+    check_fp8_out,
     split_kv_max_programs,
+    store_fp8_heads,
 )
 from ferrum.kernels.paged_attention_split_kv import (
     SplitKVWorkspace,
@@ -69,6 +72,8 @@ __all__ = [
 )
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
+    q8_ptr,  # [num_tokens, num_heads * head_dim] fp8, written when FP8_OUT
+    q8_scale_ptr,  # [num_tokens, num_heads] fp32, written when FP8_OUT
     query_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -92,8 +97,10 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,
+    FP8_OUT: tl.constexpr,
 ):
-    """Program (q_tile, kv_head, req): query tokens [q_tile * BLOCK_Q, +BLOCK_Q) of request req.
+    """Program (q_tile, kv_head, req): query tokens [q_tile * BLOCK_Q, +BLOCK_Q) of request req;
+    with FP8_OUT also their output quantized per head (`store_fp8_heads`).
 
     Row r is token q_tile * BLOCK_Q + r // GROUP and query head kv_head * GROUP + r % GROUP. The
     token at chunk index j sits at position p = seq_len - q_len + j and sees keys 0..p (with
@@ -147,13 +154,15 @@ def _paged_attention_kernel(
         DOT_PRECISION,
         WINDOW,
     )
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = (acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]).to(out_ptr.dtype.element_ty)
     o_offs = (q_start + tok).to(tl.int64) * stride_o_tok + head * stride_o_head
-    tl.store(
-        out_ptr + o_offs[:, None] + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None],
-    )
+    tl.store(out_ptr + o_offs[:, None] + offs_d[None, :], out, mask=row_valid[:, None])
+    if FP8_OUT:
+        num_heads = tl.num_programs(1) * GROUP
+        store_fp8_heads(
+            q8_ptr, q8_scale_ptr, out.to(tl.float32), q_start + tok, head, row_valid, num_heads,
+            HEAD_DIM,
+        )  # fmt: skip
 
 
 def paged_attention_unified(
@@ -170,8 +179,10 @@ def paged_attention_unified(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    out_fp8: Fp8GroupRows | None = None,
 ) -> torch.Tensor:
-    """Single-pass attention for any mix of prompt chunks and decodes; writes and returns `out`.
+    """Single-pass attention for any mix of prompt chunks and decodes; writes and returns `out`
+    (and `out_fp8`, when given: out's rows quantized per token-group of 128, one group a head).
 
     `max_query_len` must be >= every request's query length (an upper bound is fine, e.g. for
     CUDA graph capture); tiles past a request's chunk exit at once. `sliding_window` limits each
@@ -179,6 +190,7 @@ def paged_attention_unified(
     >= 16), `num_warps` and `num_stages` override the launch defaults (tuning).
     """
     _check_attention_args(query, kv_cache, block_tables, query_start_loc, seq_lens, out)
+    check_fp8_out(out_fp8, out)
     window = _window_constexpr(sliding_window)
     if max_query_len < 0 or max_query_len > max(query.shape[0], 1):
         raise ValueError(
@@ -206,6 +218,8 @@ def paged_attention_unified(
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_reqs)
     _paged_attention_kernel[grid](
         out,
+        out if out_fp8 is None else out_fp8.q,
+        out if out_fp8 is None else out_fp8.scales,
         query,
         k_cache,
         v_cache,
@@ -229,6 +243,7 @@ def paged_attention_unified(
         HEAD_DIM=head_dim,
         DOT_PRECISION=_dot_precision(query.dtype),
         WINDOW=window,
+        FP8_OUT=out_fp8 is not None,
         **launch,
     )
     return out
@@ -246,8 +261,11 @@ def paged_attention(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     workspace: SplitKVWorkspace | None = None,
     sliding_window: int | None = None,
+    out_fp8: Fp8GroupRows | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention, same contract as `paged_attention_ref`; writes and returns `out`.
+    """Causal paged attention, same contract as `paged_attention_ref`; writes and returns `out`
+    (and `out_fp8`, when given: out's [num_tokens, num_heads * 128] rows quantized per
+    token-group of 128, for an FP8 o_proj; heads of 128 only).
 
     Query token j of request i (chunk length q_i = query_start_loc[i+1] - query_start_loc[i],
     context length L_i = seq_lens[i]) sits at position L_i - q_i + j and attends to context
@@ -275,6 +293,7 @@ def paged_attention(
             out,
             workspace,
             sliding_window=sliding_window,
+            out_fp8=out_fp8,
         )
     return paged_attention_unified(
         query,
@@ -286,4 +305,5 @@ def paged_attention(
         scale,
         out,
         sliding_window=sliding_window,
+        out_fp8=out_fp8,
     )

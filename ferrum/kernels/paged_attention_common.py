@@ -15,6 +15,14 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES, FP8_KV_DTYPE
+from ferrum.kernels.fp8_quant import (
+    AMAX_FLOOR,
+    FP8_MAX,
+    GROUP_SIZE,
+    Fp8GroupRows,
+    fp8_scale_of,
+    quantize_fp8_tile,
+)
 
 _LOG2E = 1.4426950408889634
 # Running max of a row before it has seen a key: finite, so fully masked tiles give exp2 = 0.
@@ -32,6 +40,53 @@ SPLIT_KV_MIN_SEQ_LEN = 128
 # An FP8 cache costs a program more work per byte read (widening each key and value), so its
 # decode batches split into this many times more programs (more warps in flight on each SM).
 SPLIT_KV_FP8_FACTOR = 4
+
+
+# fp8_quant's constants as Triton globals (a @jit function reads only constexpr globals).
+_FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
+_AMAX_FLOOR: tl.constexpr = tl.constexpr(AMAX_FLOOR)
+
+
+@triton.jit
+def store_fp8_heads(
+    q8_ptr,  # [num_tokens, num_heads * HEAD_DIM] fp8
+    q8_scale_ptr,  # [num_tokens, num_heads] fp32
+    out,  # [R, HEAD_DIM] fp32: the values of the output rows just stored
+    tok,  # [R] each row's token (its row of the output)
+    head,  # [R] each row's query head
+    row_valid,  # [R]
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+):
+    """Output rows quantized per token-group of HEAD_DIM (= 128) columns of the output's
+    [num_tokens, num_heads * HEAD_DIM] view: one group a head, so each program quantizes its
+    own heads, with the per-token-group pass's math (fp8_quant)."""
+    amax = tl.max(tl.abs(out), 1)
+    q, _ = quantize_fp8_tile(out, amax[:, None], _FP8_MAX, _AMAX_FLOOR)
+    tok_rows = tok.to(tl.int64)
+    cols = head[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(q8_ptr + tok_rows[:, None] * (num_heads * HEAD_DIM) + cols, q, mask=row_valid[:, None])
+    scale = fp8_scale_of(amax, _FP8_MAX, _AMAX_FLOOR)
+    tl.store(q8_scale_ptr + tok_rows * num_heads + head, scale, mask=row_valid)
+
+
+def check_fp8_out(out_fp8: Fp8GroupRows | None, out: torch.Tensor) -> None:
+    """out_fp8, when given, must hold out [num_tokens, num_heads, 128]'s rows per token-group."""
+    if out_fp8 is None:
+        return
+    num_tokens, num_heads, head_dim = out.shape
+    if head_dim != GROUP_SIZE:
+        raise ValueError(
+            f"out_fp8: FP8 rows need head_dim == {GROUP_SIZE} (one group a head), got {head_dim}"
+        )
+    q, scales = out_fp8.q, out_fp8.scales
+    if q.shape != (num_tokens, num_heads * head_dim) or scales.shape != (num_tokens, num_heads):
+        raise ValueError(
+            f"out_fp8 must be [{num_tokens}, {num_heads * head_dim}] codes and "
+            f"[{num_tokens}, {num_heads}] scales, got {list(q.shape)} and {list(scales.shape)}"
+        )
+    if not (q.is_contiguous() and scales.is_contiguous()) or q.device != out.device:
+        raise ValueError(f"out_fp8 must be contiguous and on {out.device}")
 
 
 def split_kv_max_programs(fp8_cache: bool) -> int:

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FP8_KV_DTYPE
+from ferrum.kernels.fp8_quant import Fp8GroupRows
 from ferrum.kernels.paged_attention_common import (
     _LOG2E,
     _NEG_BIG,
@@ -29,7 +30,9 @@ from ferrum.kernels.paged_attention_common import (
     _check_block_n,
     _dot_precision,
     _window_constexpr,
+    check_fp8_out,
     split_kv_max_programs,
+    store_fp8_heads,
 )
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
@@ -154,6 +157,8 @@ def _paged_attention_split_kernel(
 @triton.jit(do_not_specialize=("num_splits",), do_not_specialize_on_alignment=("seq_lens_ptr",))
 def _split_kv_reduce_kernel(
     out_ptr,  # [num_reqs, num_heads, head_dim]
+    q8_ptr,  # [num_reqs, num_heads * head_dim] fp8, written when FP8_OUT
+    q8_scale_ptr,  # [num_reqs, num_heads] fp32, written when FP8_OUT
     partial_out_ptr,  # [max_num_seqs, num_heads, max_splits, head_dim] fp32
     partial_max_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
     partial_sum_ptr,  # [max_num_seqs, num_heads, max_splits] fp32
@@ -169,10 +174,11 @@ def _split_kv_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
+    FP8_OUT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """Program (req, head): out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p, M = max_p m_p,
-    over the parts inside the context."""
+    over the parts inside the context; with FP8_OUT also out quantized (`store_fp8_heads`)."""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     req = tl.program_id(0)
@@ -193,9 +199,15 @@ def _split_kv_reduce_kernel(
         w = tl.exp2(tl.load(partial_max_ptr + pm_base + p) - m_max)
         denom += w * tl.load(partial_sum_ptr + pm_base + p)
         acc += w * tl.load(partial_out_ptr + po_base + p * stride_po_part + offs_d)
-    out = acc / tl.where(denom > 0.0, denom, 1.0)
+    out = (acc / tl.where(denom > 0.0, denom, 1.0)).to(out_ptr.dtype.element_ty)
     o_offs = req.to(tl.int64) * stride_o_tok + head * stride_o_head + offs_d
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + o_offs, out)
+    if FP8_OUT:
+        one = tl.zeros([1], dtype=tl.int32)
+        store_fp8_heads(
+            q8_ptr, q8_scale_ptr, out.to(tl.float32)[None, :], req + one, head + one, one == 0,
+            tl.num_programs(1), HEAD_DIM,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,14 +284,17 @@ def paged_attention_split_kv(
     num_splits: int | None = None,
     block_n: int | None = None,
     sliding_window: int | None = None,
+    out_fp8: Fp8GroupRows | None = None,
 ) -> torch.Tensor:
-    """Split-KV decode attention (token i is request i's only query token); writes `out`.
+    """Split-KV decode attention (token i is request i's only query token); writes `out` (and
+    `out_fp8`, when given: out's rows quantized per token-group of 128, one group a head).
 
     `max_seq_len` must be >= every seq_len (an upper bound is fine). With `sliding_window` W
     the parts split only the last W keys. `num_splits` (default: `default_num_splits`) and
     `block_n` (the key tile, a power of two >= 16) are for tests and tuning.
     """
     _check_attention_args(query, kv_cache, block_tables, None, seq_lens, out)
+    check_fp8_out(out_fp8, out)
     window = _window_constexpr(sliding_window)
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -362,6 +377,8 @@ def paged_attention_split_kv(
     )
     _split_kv_reduce_kernel[(num_reqs, num_heads)](
         out,
+        out if out_fp8 is None else out_fp8.q,
+        out if out_fp8 is None else out_fp8.scales,
         ws_out,
         ws_max,
         ws_sum,
@@ -377,6 +394,7 @@ def paged_attention_split_kv(
         HEAD_DIM=head_dim,
         BLOCK_N=block_n,
         WINDOW=window,
+        FP8_OUT=out_fp8 is not None,
         num_warps=1 if head_dim <= 64 else 2,
         **pdl_launch_args(query.device),
     )

@@ -1,8 +1,9 @@
-"""FP8 rows from the norms and SiLU-and-mul reach the FP8 layers that read them.
+"""FP8 rows from the norms, the attention and SiLU-and-mul reach the FP8 layers that read them.
 
-On CUDA the block-scaled layers whose bucket quantizes in a separate pass read the rows their
-RMSNorm / SiLU-and-mul wrote (`takes_fp8_rows`). The CPU has no such bucket, so here the layers
-are told to take rows and each call checks that the rows it got are its input's quantization.
+On CUDA the block-scaled layers whose bucket quantizes in a separate pass read the rows the
+RMSNorm, attention or SiLU-and-mul before them wrote (`takes_fp8_rows`). The CPU has no such
+bucket, so here the layers are told to take rows and each call checks that the rows it got are
+its input's quantization.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from ferrum.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 from ferrum.model_executor.model_loader import load_model
 from tests.utils.model_step import CPU, Seq, new_kv_caches, run_step
 
-SHAPES = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 64}
+# Heads of 128: each is one quantization group of o_proj's input, so the attention writes rows.
+SHAPES = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 128}
 
 
 def _logits(source: str) -> list[torch.Tensor]:
@@ -30,7 +32,7 @@ def _logits(source: str) -> list[torch.Tensor]:
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="drives the kernels on the CPU under the interpreter"
 )
-def test_norm_and_activation_rows_reach_qkv_gate_up_and_down(tiny_checkpoint, monkeypatch):
+def test_rows_reach_every_projection(tiny_checkpoint, monkeypatch):
     source = tiny_checkpoint("qwen3", **SHAPES)
     expected = _logits(source)
     original_apply = Fp8LinearMethod.apply
@@ -48,7 +50,6 @@ def test_norm_and_activation_rows_reach_qkv_gate_up_and_down(tiny_checkpoint, mo
     monkeypatch.setattr(Fp8LinearMethod, "apply", apply)
     got = _logits(source)
     num_layers = ModelConfig(source).num_hidden_layers
-    # o_proj reads the attention output, which no kernel quantizes for it.
-    assert sorted(took) == sorted(["q_proj", "gate_proj", "down_proj"] * num_layers)
+    assert sorted(took) == sorted(["q_proj", "o_proj", "gate_proj", "down_proj"] * num_layers)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

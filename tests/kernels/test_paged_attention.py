@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
+from ferrum.kernels.fp8_quant import Fp8GroupRows, empty_group_rows, per_token_group_quant_fp8
 from ferrum.kernels.paged_attention import (
     SPLIT_KV_MAX_PROGRAMS,
     SPLIT_KV_MAX_SPLITS,
@@ -459,3 +460,49 @@ def test_sliding_window_dispatch_and_validation(device: torch.device) -> None:
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="sliding_window"):
             paged_attention(*args, torch.empty_like(b.query), ws, sliding_window=bad)
+
+
+def _assert_fp8_heads(rows: Fp8GroupRows, out: torch.Tensor) -> None:
+    """The FP8 rows are out's [tokens, heads * 128] view quantized per token-group, bit for bit
+    (the separate pass runs the same conversion, so this holds under the CPU interpreter too)."""
+    q, scales = per_token_group_quant_fp8(out.reshape(out.shape[0], -1))
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+    torch.testing.assert_close(rows.scales, scales, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", ["unified", "split"])
+def test_fp8_output_rows_are_the_outputs_quantization(path: str, device: torch.device) -> None:
+    """Heads of 128: each head is one quantization group of the o_proj input, so the kernels
+    quantize their own output; a mixed batch takes the unified kernel, a decode batch with a
+    workspace the split-KV reduce."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    query_lens = [1, 5, 1] if path == "unified" else [1, 1, 1]
+    b = make_batch(query_lens, [9, 21, 300], 4, 2, 128, 16, dtype, device, seed=5)
+    workspace = allocate_split_kv_workspace(4, 4, 128, device) if path == "split" else None
+    rows = empty_group_rows(b.query.shape[0], 4 * 128, device)
+    args = (b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens)
+    lengths = (b.max_query_len, b.max_seq_len)
+    out = torch.empty_like(b.query)
+    paged_attention(*args, *lengths, 0.1, out, workspace, out_fp8=rows)
+    plain = torch.empty_like(b.query)
+    paged_attention(*args, *lengths, 0.1, plain, workspace)
+    assert torch.equal(out, plain)
+    _assert_fp8_heads(rows, out)
+
+
+def test_fp8_output_rows_need_heads_of_128(device: torch.device) -> None:
+    b = make_batch([1, 2], [4, 6], 4, 2, 64, 8, torch.float16, device)
+    rows = empty_group_rows(3, 256, device)
+    out = torch.empty_like(b.query)
+    with pytest.raises(ValueError, match="head_dim == 128"):
+        paged_attention_unified(
+            b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 2, 0.1, out,
+            out_fp8=rows,
+        )  # fmt: skip
+    b = make_batch([1, 2], [4, 6], 4, 2, 128, 8, torch.float16, device)
+    out = torch.empty_like(b.query)
+    with pytest.raises(ValueError, match="out_fp8 must be"):
+        paged_attention_unified(
+            b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 2, 0.1, out,
+            out_fp8=empty_group_rows(2, 512, device),
+        )  # fmt: skip

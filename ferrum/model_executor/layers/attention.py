@@ -30,6 +30,7 @@ from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.layernorm import RMSNorm
 
 if TYPE_CHECKING:
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
     from ferrum.kernels.paged_attention import SplitKVWorkspace
     from ferrum.model_executor.attention_metadata import AttentionMetadata
 
@@ -111,6 +112,18 @@ class Attention(nn.Module):
             self.kv_cache.device,
         )
 
+    def writes_fp8_rows(self, attn_metadata: AttentionMetadata) -> bool:
+        """Whether `forward(..., out_fp8=rows)` fills rows: the Triton kernels write the output
+        quantized per token-group of 128 when each head is one group, on steps that attend
+        through them alone (not SDPA's prompts)."""
+        if self.kernels is None:
+            return False
+        from ferrum.kernels.fp8_quant import GROUP_SIZE  # imports triton, as the kernels do
+
+        return self.head_dim == GROUP_SIZE and not (
+            attn_metadata.prefill_segments and self.takes_sdpa_prefill()
+        )
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim], before RoPE
@@ -121,9 +134,12 @@ class Attention(nn.Module):
         attn_metadata: AttentionMetadata,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        out_fp8: Fp8GroupRows | None = None,
     ) -> torch.Tensor:
         """Optional per-head q/k RMSNorm, RoPE, the KV write, then attention over the cache.
-        Returns [num_tokens, num_heads, head_dim]."""
+        Returns [num_tokens, num_heads, head_dim]; fills `out_fp8` (the output's
+        [num_tokens, num_heads * head_dim] rows quantized per token-group of 128) where
+        `writes_fp8_rows` says so."""
         kv_cache = self.kv_cache
         if kv_cache is None:
             raise ValueError("kv_caches: no KV cache bound; call model.bind_kv_caches first")
@@ -131,6 +147,8 @@ class Attention(nn.Module):
         k_norm_weight = None if k_norm is None else k_norm.weight
         eps = 1e-6 if q_norm is None else q_norm.eps
         group = self.kv_cache_group
+        if out_fp8 is not None and not self.writes_fp8_rows(attn_metadata):
+            raise ValueError("out_fp8: this attention step does not write FP8 rows")
         if self.kernels is None:
             query, key = qk_norm_rope_ref(query, key, cos, sin, q_norm_weight, k_norm_weight, eps)
             write_kv_cache_ref(key, value, kv_cache, attn_metadata.slot_mapping[group])
@@ -172,6 +190,7 @@ class Attention(nn.Module):
             out,
             self.split_kv_workspace,
             sliding_window=self.sliding_window,
+            out_fp8=out_fp8,
         )
 
     def _attend_by_segments(

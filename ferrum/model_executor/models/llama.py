@@ -179,8 +179,17 @@ class LlamaAttention(nn.Module):
         hidden_fp8: Fp8GroupRows | None = None,
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(hidden, hidden_fp8)
-        out = self.attn(q, k, v, cos, sin, attn_metadata, q_norm=self.q_norm, k_norm=self.k_norm)
-        return self.o_proj(out.reshape(out.shape[0], self.q_size))
+        # q has the o_proj input's rows and dtype: the attention output replaces it.
+        out_fp8 = None
+        if self.attn.writes_fp8_rows(attn_metadata) and self.o_proj.takes_fp8_rows(q):
+            from ferrum.kernels.fp8_quant import empty_group_rows
+
+            out_fp8 = empty_group_rows(q.shape[0], self.q_size, q.device)
+        out = self.attn(
+            q, k, v, cos, sin, attn_metadata, q_norm=self.q_norm, k_norm=self.k_norm,
+            out_fp8=out_fp8,
+        )  # fmt: skip
+        return self.o_proj(out.reshape(out.shape[0], self.q_size), out_fp8)
 
 
 class LlamaDecoderLayer(nn.Module):
