@@ -21,6 +21,7 @@ import json
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--lat-iters", type=int, default=5, help="timed repetitions of lat")
     parser.add_argument("--lat-warmup", type=int, default=2, help="untimed repetitions of lat")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each c16/c64/nano/long workload, repeat r with prompts of seed base + r "
+        "(no prefix-cache hits between repeats); the workload's figures stay those of repeat 0, "
+        "and the JSON adds every repeat's output tok/s and their median (for A/B runs)",
+    )
     args = parser.parse_args(argv)
     if args.model is None:
         parser.error("--model is required (a folder with config.json, e.g. benchmarks/models/...)")
@@ -123,15 +132,14 @@ def main(argv: list[str] | None = None) -> int:
             figures = run_lat(llm, vocab_size, args.scale, args.lat_warmup, args.lat_iters)
         elif name == "prefix":
             figures = run_prefix(llm, vocab_size, args.scale, args.lat_warmup, args.lat_iters)
-        elif name == "nano":
-            figures = run_nano(llm, vocab_size, args.scale, engine_args.seed)
-        elif name == "long":
-            figures = run_long(llm, vocab_size, args.scale)
         elif name == "decode8k":
             figures = run_decode_at_context(llm, vocab_size, args.scale)
         else:
-            figures = run_concurrent(
-                llm, vocab_size, args.scale, _scaled(int(name[1:]), args.scale)
+            figures = run_repeated(
+                lambda repeat, name=name: run_throughput(
+                    llm, name, vocab_size, args.scale, engine_args.seed, repeat
+                ),
+                args.repeats,
             )
         figures["wall_s"] = time.perf_counter() - start
         report["workloads"][name] = figures
@@ -222,10 +230,35 @@ def run_prefix(
     }
 
 
-def run_concurrent(llm: LLM, vocab_size: int, scale: float, num_prompts: int) -> dict[str, Any]:
+def run_throughput(
+    llm: LLM, name: str, vocab_size: int, scale: float, engine_seed: int, repeat: int
+) -> dict[str, Any]:
+    """One run of the throughput workload `name` (c16, c64, nano or long), prompts of repeat
+    `repeat` (0: the BENCHMARKS.md prompts)."""
+    if name == "nano":
+        return run_nano(llm, vocab_size, scale, engine_seed, repeat)
+    if name == "long":
+        return run_long(llm, vocab_size, scale, repeat)
+    return run_concurrent(llm, vocab_size, scale, _scaled(int(name[1:]), scale), repeat)
+
+
+def run_repeated(run: Callable[[int], dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """Repeat 0's figures; with repeats > 1 also every repeat's output tok/s and their median."""
+    figures = run(0)
+    if repeats > 1:
+        rates = [figures["output_tokens_per_second"]]
+        rates += [run(r)["output_tokens_per_second"] for r in range(1, repeats)]
+        figures["repeats_output_tokens_per_second"] = rates
+        figures["median_output_tokens_per_second"] = median(rates)
+    return figures
+
+
+def run_concurrent(
+    llm: LLM, vocab_size: int, scale: float, num_prompts: int, repeat: int = 0
+) -> dict[str, Any]:
     """`c16` / `c64`: every prompt submitted at once; output tokens / s."""
     input_len, output_len = _scaled(256, scale), _scaled(256, scale)
-    prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=0)
+    prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=repeat)
     result = measure_throughput(
         llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, C_TEMPERATURE
     )
@@ -238,11 +271,11 @@ def run_concurrent(llm: LLM, vocab_size: int, scale: float, num_prompts: int) ->
     }
 
 
-def run_long(llm: LLM, vocab_size: int, scale: float) -> dict[str, Any]:
+def run_long(llm: LLM, vocab_size: int, scale: float, repeat: int = 0) -> dict[str, Any]:
     """`long`: 32 prompts of 4,000 tokens, 128 output tokens each, submitted at once."""
     num_prompts = _scaled(LONG_PROMPTS, scale)
     input_len, output_len = _scaled(LONG_INPUT_LEN, scale), _scaled(LONG_OUTPUT_LEN, scale)
-    prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=7)
+    prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=7 + repeat)
     result = measure_throughput(
         llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, C_TEMPERATURE
     )
@@ -276,11 +309,16 @@ def run_decode_at_context(llm: LLM, vocab_size: int, scale: float) -> dict[str, 
     }
 
 
-def run_nano(llm: LLM, vocab_size: int, scale: float, engine_seed: int) -> dict[str, Any]:
-    """`nano`: the seeded recipe at temperature 0.6 (sampling from the engine's seed)."""
+def run_nano(
+    llm: LLM, vocab_size: int, scale: float, engine_seed: int, repeat: int = 0
+) -> dict[str, Any]:
+    """`nano`: the seeded recipe at temperature 0.6 (sampling from the engine's seed); a repeat
+    r > 0 draws its own prompts and lengths (recipe seed r)."""
     num_seqs = _scaled(256, scale)
     max_in, max_out = max(100, _scaled(1024, scale)), max(100, _scaled(1024, scale))
-    prompts, output_lens = workloads.nano(seed=0, num_seqs=num_seqs, max_in=max_in, max_out=max_out)
+    prompts, output_lens = workloads.nano(
+        seed=repeat, num_seqs=num_seqs, max_in=max_in, max_out=max_out
+    )
     result = measure_throughput(
         llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, NANO_TEMPERATURE
     )
@@ -337,6 +375,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"lat_iters must be >= 1, got {args.lat_iters}")
     if args.lat_warmup < 0:
         raise ValueError(f"lat_warmup must be >= 0, got {args.lat_warmup}")
+    if args.repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {args.repeats}")
     return names
 
 
@@ -362,9 +402,13 @@ def _summary(name: str, figures: dict[str, Any]) -> str:
             f"TTFT cold {figures['cold_ttft_ms']:.2f} ms, hit {figures['hit_ttft_ms']:.2f} ms "
             f"({figures['speedup']:.1f}x)"
         )
-    return (
+    summary = (
         f"{figures['output_tokens_per_second']:.0f} output tok/s ({figures['elapsed_time']:.2f} s)"
     )
+    if "median_output_tokens_per_second" in figures:
+        rates = ", ".join(f"{r:.0f}" for r in figures["repeats_output_tokens_per_second"])
+        summary += f"; repeats {rates}, median {figures['median_output_tokens_per_second']:.0f}"
+    return summary
 
 
 def _git(*command: str) -> str | None:

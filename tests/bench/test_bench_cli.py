@@ -261,11 +261,17 @@ def test_run_workloads_long_context_rows(tiny_model: str, tmp_path: Path) -> Non
     out = tmp_path / "long.json"
     command = [sys.executable, str(RUN_WORKLOADS), "--model", tiny_model, *ENGINE_FLAGS]
     command += ["--scale", "0.01", "--workloads", "long,decode8k", "--out", str(out)]
+    command += ["--repeats", "3"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     long, decode = (json.loads(out.read_text())["workloads"][n] for n in ("long", "decode8k"))
     assert (long["num_prompts"], long["input_len"]) == (1, 40)
     assert long["num_output_tokens"] == 1 and long["output_tokens_per_second"] > 0
+    # `--repeats 3`: repeat 0 keeps the workload's figures; the median is the middle rate.
+    rates = long["repeats_output_tokens_per_second"]
+    assert len(rates) == 3 and rates[0] == long["output_tokens_per_second"]
+    assert long["median_output_tokens_per_second"] == sorted(rates)[1]
+    assert "repeats_output_tokens_per_second" not in decode
     assert (decode["num_prompts"], decode["context_len"], decode["decode_steps"]) == (1, 80, 1)
     assert decode["decode_tokens_per_second"] == pytest.approx(1e3 / decode["decode_step_ms"])
 
@@ -276,6 +282,8 @@ def test_run_workloads_rejects_unknown_workload(tiny_model: str, tmp_path: Path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     argv = ["--model", tiny_model, "--workloads", "lat,c32", "--out", str(tmp_path / "x.json")]
+    assert module.main(argv) == 2
+    argv = ["--model", tiny_model, "--repeats", "0", "--out", str(tmp_path / "x.json")]
     assert module.main(argv) == 2
     assert not (tmp_path / "x.json").exists()
 
