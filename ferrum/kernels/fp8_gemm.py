@@ -41,6 +41,29 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _block_scale(
+    a_s,  # [BLOCK_M] the rows' activation scales of this K group
+    w_scale_ptr,
+    group,  # the K group's index
+    num_k_groups,
+    n_block,  # the tile's first column // GROUP
+    offs_n,
+    mask_n,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """a_scale[m] * w_scale[n // GROUP] of one K group: [BLOCK_M, 1] when BLOCK_N divides GROUP
+    (the tile's columns share one weight block, so applying it is one multiply-add an element and
+    one scale load), else [BLOCK_M, BLOCK_N]."""
+    if BLOCK_N <= GROUP:
+        scale = (a_s * tl.load(w_scale_ptr + n_block * num_k_groups + group))[:, None]
+    else:
+        w_s = tl.load(w_scale_ptr + (offs_n // GROUP) * num_k_groups + group, mask=mask_n)
+        scale = a_s[:, None] * w_s[None, :]
+    return scale
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     out_ptr,  # [M, N]
     a_ptr,  # [M, K] fp8 when A_FP8, else fp16/bf16/fp32
@@ -102,36 +125,43 @@ def _fp8_gemm_kernel(
     steps_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_begin = split * steps_per_split * BLOCK_K
     k_end = min(K, k_begin + steps_per_split * BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     a_ptrs += k_begin
     w_ptrs += k_begin
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(k_begin, k_end, BLOCK_K):
-        if EVEN_K:
+    if BLOCK_SCALES:  # BLOCK_K == GROUP divides K: no K masks, one scale column a step
+        n_block = (pid_n * BLOCK_N) // GROUP
+        for k in range(k_begin, k_end, BLOCK_K):
             a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
-        else:
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k), other=0.0)
-            w = tl.load(w_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k), other=0.0)
-        if BLOCK_SCALES:
             if A_FP8:
                 a_q = a
                 a_s = tl.load(a_scale_ptr + offs_m * num_k_groups + k // GROUP, mask=mask_m)
-                a_s = a_s[:, None]
             else:
                 a_f = a.to(tl.float32)
-                a_q, a_s = quantize_fp8_tile(
-                    a_f, tl.max(tl.abs(a_f), 1)[:, None], FP8_MAX, AMAX_FLOOR
-                )
-            w_s = tl.load(w_scale_ptr + (offs_n // GROUP) * num_k_groups + k // GROUP, mask=mask_n)
-            acc += tl.dot(a_q, w) * a_s * w_s[None, :]
-        else:
+                amax = tl.max(tl.abs(a_f), 1)
+                a_q, _ = quantize_fp8_tile(a_f, amax[:, None], FP8_MAX, AMAX_FLOOR)
+                a_s = fp8_scale_of(amax, FP8_MAX, AMAX_FLOOR)
+            scale = _block_scale(
+                a_s, w_scale_ptr, k // GROUP, num_k_groups, n_block, offs_n, mask_n, GROUP, BLOCK_N
+            )
+            acc += tl.dot(a_q, w) * scale
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    else:
+        for k in range(k_begin, k_end, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < K - k), other=0.0)
+                w = tl.load(w_ptrs, mask=mask_n[None, :] & (offs_k[:, None] < K - k), other=0.0)
             if A_FP8:
                 a_q = a
             else:
                 a_q, _ = quantize_fp8_tile(a.to(tl.float32), row_amax[:, None], FP8_MAX, AMAX_FLOOR)
             acc = tl.dot(a_q, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
 
     if SPLIT_K > 1:
         tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]

@@ -61,6 +61,31 @@ def test_block_gemm_prequantized(
     _assert_close(out, ref)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        Fp8GemmConfig(BLOCK_M=16, BLOCK_N=32, GROUP_M=1, num_stages=2),
+        Fp8GemmConfig(BLOCK_M=16, BLOCK_N=256, GROUP_M=2, num_stages=2),
+        Fp8GemmConfig(BLOCK_M=16, BLOCK_N=256, GROUP_M=1, num_stages=2, SPLIT_K=2),
+    ],
+    ids=["n32", "n256", "n256s2"],
+)
+@pytest.mark.parametrize("a_fp8", [True, False], ids=["prequantized", "fused"])
+def test_block_gemm_tiles_within_and_across_weight_blocks(
+    config: Fp8GemmConfig, a_fp8: bool, device: torch.device
+) -> None:
+    """A tile of 32 columns reads one weight scale a K step (its columns share a 128-row weight
+    block); a tile of 256 spans two blocks and scales each column by its own; N ends inside a
+    block."""
+    m, n, k = 21, 320, 512
+    weight, scale_inv = _block_weight(n, k, device, seed=3)
+    x = representable(m, k, 128, torch.float32, device)
+    a, a_scale = per_token_group_quant_fp8_ref(x) if a_fp8 else (x, None)
+    out = w8a8_block_fp8_matmul(a, weight, scale_inv, torch.float32, config, a_scale=a_scale)
+    ref = w8a8_block_fp8_matmul_ref(a, weight, scale_inv, torch.float32, a_scale=a_scale)
+    _assert_close(out, ref)
+
+
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[2]], ids=["m16n64", "m16n64s3"])
 @pytest.mark.parametrize("m,n,k", [(1, 192, 256), (19, 320, 384)])
 def test_block_gemm_fused_quant(
