@@ -57,6 +57,11 @@ PREFIX_SEED_BASE = 9000
 LAT_SEED_BASE = 1
 # The throughput warm-up batch: its own seed, so it shares no prefix with a timed prompt.
 WARMUP_SEED = 424242
+# Prompts of `--repeats` repeat r > 0 of throughput workload i: recipe seed REPEAT_SEED_BASE +
+# 1000 * i + r, far from every other seed here, so that no repeat shares a prompt prefix with
+# another workload's or repeat's prompts (repeat 0 keeps the BENCHMARKS.md seeds below).
+REPEAT_SEED_BASE = 500_000
+THROUGHPUT_SEEDS = {"c16": 0, "c64": 0, "nano": 0, "long": 7}
 WARMUP_OUTPUT_LEN = 8
 C_TEMPERATURE = 1.0
 NANO_TEMPERATURE = 0.6
@@ -86,9 +91,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats",
         type=int,
         default=1,
-        help="runs of each c16/c64/nano/long workload, repeat r with prompts of seed base + r "
-        "(no prefix-cache hits between repeats); the workload's figures stay those of repeat 0, "
-        "and the JSON adds every repeat's output tok/s and their median (for A/B runs)",
+        help="runs of each c16/c64/nano/long workload, repeat r > 0 on prompts of its own seed "
+        "(sharing no prefix with any other prompt of this script); the workload's figures stay "
+        "those of repeat 0, and the JSON adds every repeat's output tok/s and their median",
     )
     args = parser.parse_args(argv)
     if args.model is None:
@@ -234,12 +239,15 @@ def run_throughput(
     llm: LLM, name: str, vocab_size: int, scale: float, engine_seed: int, repeat: int
 ) -> dict[str, Any]:
     """One run of the throughput workload `name` (c16, c64, nano or long), prompts of repeat
-    `repeat` (0: the BENCHMARKS.md prompts)."""
+    `repeat` (0: the BENCHMARKS.md prompts; see REPEAT_SEED_BASE)."""
+    seed = THROUGHPUT_SEEDS[name]
+    if repeat:
+        seed = REPEAT_SEED_BASE + 1000 * list(THROUGHPUT_SEEDS).index(name) + repeat
     if name == "nano":
-        return run_nano(llm, vocab_size, scale, engine_seed, repeat)
+        return run_nano(llm, vocab_size, scale, engine_seed, seed)
     if name == "long":
-        return run_long(llm, vocab_size, scale, repeat)
-    return run_concurrent(llm, vocab_size, scale, _scaled(int(name[1:]), scale), repeat)
+        return run_long(llm, vocab_size, scale, seed)
+    return run_concurrent(llm, vocab_size, scale, _scaled(int(name[1:]), scale), seed)
 
 
 def run_repeated(run: Callable[[int], dict[str, Any]], repeats: int) -> dict[str, Any]:
@@ -254,11 +262,11 @@ def run_repeated(run: Callable[[int], dict[str, Any]], repeats: int) -> dict[str
 
 
 def run_concurrent(
-    llm: LLM, vocab_size: int, scale: float, num_prompts: int, repeat: int = 0
+    llm: LLM, vocab_size: int, scale: float, num_prompts: int, seed: int = 0
 ) -> dict[str, Any]:
     """`c16` / `c64`: every prompt submitted at once; output tokens / s."""
     input_len, output_len = _scaled(256, scale), _scaled(256, scale)
-    prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=repeat)
+    prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=seed)
     result = measure_throughput(
         llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, C_TEMPERATURE
     )
@@ -271,11 +279,11 @@ def run_concurrent(
     }
 
 
-def run_long(llm: LLM, vocab_size: int, scale: float, repeat: int = 0) -> dict[str, Any]:
+def run_long(llm: LLM, vocab_size: int, scale: float, seed: int = 7) -> dict[str, Any]:
     """`long`: 32 prompts of 4,000 tokens, 128 output tokens each, submitted at once."""
     num_prompts = _scaled(LONG_PROMPTS, scale)
     input_len, output_len = _scaled(LONG_INPUT_LEN, scale), _scaled(LONG_OUTPUT_LEN, scale)
-    prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=7 + repeat)
+    prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=seed)
     result = measure_throughput(
         llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, C_TEMPERATURE
     )
@@ -310,14 +318,14 @@ def run_decode_at_context(llm: LLM, vocab_size: int, scale: float) -> dict[str, 
 
 
 def run_nano(
-    llm: LLM, vocab_size: int, scale: float, engine_seed: int, repeat: int = 0
+    llm: LLM, vocab_size: int, scale: float, engine_seed: int, seed: int = 0
 ) -> dict[str, Any]:
-    """`nano`: the seeded recipe at temperature 0.6 (sampling from the engine's seed); a repeat
-    r > 0 draws its own prompts and lengths (recipe seed r)."""
+    """`nano`: the seeded recipe at temperature 0.6 (sampling from the engine's seed); a seed
+    other than 0 draws other prompts and lengths (`--repeats`)."""
     num_seqs = _scaled(256, scale)
     max_in, max_out = max(100, _scaled(1024, scale)), max(100, _scaled(1024, scale))
     prompts, output_lens = workloads.nano(
-        seed=repeat, num_seqs=num_seqs, max_in=max_in, max_out=max_out
+        seed=seed, num_seqs=num_seqs, max_in=max_in, max_out=max_out
     )
     result = measure_throughput(
         llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, NANO_TEMPERATURE
@@ -375,8 +383,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"lat_iters must be >= 1, got {args.lat_iters}")
     if args.lat_warmup < 0:
         raise ValueError(f"lat_warmup must be >= 0, got {args.lat_warmup}")
-    if args.repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {args.repeats}")
+    if not 1 <= args.repeats <= 1000:
+        raise ValueError(f"repeats must be in [1, 1000] (seeds per workload), got {args.repeats}")
     return names
 
 

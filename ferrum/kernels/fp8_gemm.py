@@ -6,7 +6,7 @@ launch does both (the "fused" mode, for small M where a second launch costs more
 
 Block scales (Qwen/DeepSeek FP8): a_scale [M, K / 128] per token-group of 128 columns, w_scale
 [ceil(N / 128), K / 128] per 128x128 weight block; each K step of 128 adds
-    acc[m, n] += (sum_k a[m, k] w[n, k]) * a_scale[m, kb] * w_scale[n // 128, kb].
+    acc[m, n] += (sum_k a[m, k] w[n, k]) * (a_scale[m, kb] * w_scale[n // 128, kb]).
 Per-channel scales (compressed-tensors FP8): a_scale [M, 1] per token, w_scale [N, 1] per output
 channel; out[m, n] = (sum_k a[m, k] w[n, k]) * a_scale[m] * w_scale[n], applied once after K.
 Then out = (acc (+ bias[n])).to(out dtype).
@@ -55,7 +55,7 @@ def _block_scale(
     """a_scale[m] * w_scale[n // GROUP] of one K group: [BLOCK_M, 1] when BLOCK_N divides GROUP
     (the tile's columns share one weight block, so applying it is one multiply-add an element and
     one scale load), else [BLOCK_M, BLOCK_N]."""
-    if BLOCK_N <= GROUP:
+    if GROUP % BLOCK_N == 0:
         scale = (a_s * tl.load(w_scale_ptr + n_block * num_k_groups + group))[:, None]
     else:
         w_s = tl.load(w_scale_ptr + (offs_n // GROUP) * num_k_groups + group, mask=mask_n)

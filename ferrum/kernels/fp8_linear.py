@@ -8,8 +8,9 @@ quantization pass then the Triton GEMM, or a quantization pass then cuBLASLt ("s
 torch._scaled_mm row-wise for per-channel weights, F.scaled_mm BlockWise1x128 x BlockWise128x128
 for block weights. cuBLASLt runs only where it takes the operands (bf16 output; N and K multiples
 of 16 row-wise; of 128 block-wise, on Hopper); elsewhere that bucket's Triton tile runs instead.
-A block-scaled layer given x's rows already quantized (`Fp8GroupRows`, written by the RMSNorm or
-SiLU-and-mul before it) skips its quantization pass where `block_linear_takes_fp8_rows` says so.
+A block-scaled layer given x's rows already quantized (`Fp8GroupRows`, written by the kernel
+before it: an RMSNorm, SiLU-and-mul, the attention) skips its quantization pass on every path but
+the weight-only GEMV (`block_linear_takes_fp8_rows`).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def fp8_block_linear(
     x_fp8: Fp8GroupRows | None = None,
 ) -> torch.Tensor:
     """Returns [..., N] in x's dtype: x quantized per token-group of 128, block-scaled GEMM (the
-    GEMV bucket: weight-only). `x_fp8`, x's rows already quantized, replaces the quantization
-    pass where the bucket runs one (see `block_linear_takes_fp8_rows`); elsewhere it is unused."""
+    GEMV bucket: weight-only). `x_fp8`, x's rows already quantized, replaces that quantization
+    on every path but the GEMV, which ignores it (see `block_linear_takes_fp8_rows`)."""
     n, k = weight.shape
     x2 = _rows(x, k)
     config = pick(_buckets("block", x.device, n, k) if buckets is None else buckets, x2.shape[0])
@@ -65,9 +66,9 @@ def fp8_block_linear(
         out = _block_scaled_mm(x2, weight, weight_scale_inv, x_fp8)
         if bias is not None:
             out += bias
-    elif path == "fused":
+    elif path == "fused" and x_fp8 is None:
         out = w8a8_block_fp8_matmul(x2, weight, weight_scale_inv, x.dtype, config, bias=bias)
-    else:
+    else:  # "separate", or "fused" given the codes its tiles would make: the same tile reads them
         q, scales = (x_fp8.q, x_fp8.scales) if x_fp8 is not None else per_token_group_quant_fp8(x2)
         out = w8a8_block_fp8_matmul(
             q, weight, weight_scale_inv, x.dtype, config, a_scale=scales, bias=bias
@@ -148,13 +149,14 @@ def block_linear_takes_fp8_rows(
     buckets: Buckets | None = None,
 ) -> bool:
     """Whether `fp8_block_linear` of num_rows rows of this dtype on this device reads `x_fp8` in
-    place of a quantization pass: the buckets that quantize separately (Triton, and cuBLASLt at
-    a multiple of 4 rows, which it needs padded); not the GEMV or the self-quantizing GEMM."""
+    place of quantizing x: every bucket but the weight-only GEMV. The answer therefore varies with
+    num_rows only through the GEMV buckets (one row in every shipped tuned file and in the
+    defaults), so a kernel that writes rows by this answer compiles one variant for all larger
+    batches."""
     if device.type != "cuda" or dtype not in _ACT_DTYPES or num_rows == 0:
         return False
     config = pick(_buckets("block", device, n, k) if buckets is None else buckets, num_rows)
-    path = _block_path(config, device, dtype, n, k)
-    return path == "separate" or (path == "scaled_mm" and num_rows % 4 == 0)
+    return _block_path(config, device, dtype, n, k) != "gemv"
 
 
 def _block_scaled_mm(
@@ -165,10 +167,10 @@ def _block_scaled_mm(
 ) -> torch.Tensor:
     """[M, N] bf16. cuBLASLt wants M padded to 4 and both scales outer-dim-major (column-major
     activation scales [M, K / 128], weight scales given transposed), K blocks padded to 4.
-    x_fp8 is used when M needs no padding."""
+    x_fp8, when given, replaces the quantization of x (padded with zero rows)."""
     m = x.shape[0]
-    if x_fp8 is not None and m % 4 == 0:
-        q, scales = x_fp8.q, x_fp8.scales
+    if x_fp8 is not None:
+        q, scales = pad_group_rows(x_fp8, -m % 4)
     else:
         padded = F.pad(x, (0, 0, 0, -m % 4)) if m % 4 else x
         q, scales = per_token_group_quant_fp8(padded)
@@ -186,6 +188,15 @@ def _block_scaled_mm(
         output_dtype=x.dtype,
     )
     return out[:m]
+
+
+def pad_group_rows(rows: Fp8GroupRows, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of `rows` followed by `pad` zero rows (zero codes, zero scales)."""
+    if pad == 0:
+        return rows.q, rows.scales
+    # The codes pad as bytes: constant padding has no float8 kernel on every torch build.
+    q = F.pad(rows.q.view(torch.uint8), (0, 0, 0, pad)).view(rows.q.dtype)
+    return q, F.pad(rows.scales, (0, 0, 0, pad))
 
 
 def scaled_mm_takes(out_dtype: torch.dtype, n: int, k: int) -> bool:

@@ -33,6 +33,10 @@ class Fp8GroupRows:
     q: torch.Tensor  # [num_rows, hidden] fp8, contiguous
     scales: torch.Tensor  # [num_rows, hidden // GROUP_SIZE] fp32, contiguous
 
+    def rows(self, rows: slice) -> Fp8GroupRows:
+        """A view of the rows `rows` (still contiguous: whole rows)."""
+        return Fp8GroupRows(self.q[rows], self.scales[rows])
+
 
 def empty_group_rows(num_rows: int, hidden: int, device: torch.device) -> Fp8GroupRows:
     """Uninitialised rows for a kernel to fill; hidden must be a multiple of GROUP_SIZE."""

@@ -10,6 +10,8 @@ Two attention paths, same math as `paged_attention_ref`:
 - split-KV (small decode-only batches): each request's context is cut into equal parts processed
   by separate programs, which write unnormalised partial results to a caller-owned workspace; a
   second kernel combines them with a log-sum-exp reduce.
+Either path can also write its output quantized per token-group of 128 (`out_fp8`, heads of 128:
+one group a head), the rows an FP8 o_proj reads in place of its own quantization pass.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Pieces shared by the paged-attention kernels: the online-softmax KV loop, argument checks.
+"""Pieces shared by the paged-attention kernels: the online-softmax KV loop, argument checks,
+the store of the output quantized per head for an FP8 o_proj (`store_fp8_heads`).
 
 KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys,
 1 values); slot s lives at block `s // block_size`, offset `s % block_size`.
@@ -17,6 +18,7 @@ import triton.language as tl
 from ferrum.kernels import FLOAT_DTYPES, FP8_KV_DTYPE
 from ferrum.kernels.fp8_quant import (
     AMAX_FLOOR,
+    FP8_DTYPE,
     FP8_MAX,
     GROUP_SIZE,
     Fp8GroupRows,
@@ -85,7 +87,13 @@ def check_fp8_out(out_fp8: Fp8GroupRows | None, out: torch.Tensor) -> None:
             f"out_fp8 must be [{num_tokens}, {num_heads * head_dim}] codes and "
             f"[{num_tokens}, {num_heads}] scales, got {list(q.shape)} and {list(scales.shape)}"
         )
-    if not (q.is_contiguous() and scales.is_contiguous()) or q.device != out.device:
+    if q.dtype != FP8_DTYPE or scales.dtype != torch.float32:
+        raise ValueError(
+            f"out_fp8 must be {FP8_DTYPE} codes and float32 scales, got {q.dtype} and {scales.dtype}"
+        )
+    if not (q.is_contiguous() and scales.is_contiguous()) or {q.device, scales.device} != {
+        out.device
+    }:
         raise ValueError(f"out_fp8 must be contiguous and on {out.device}")
 
 

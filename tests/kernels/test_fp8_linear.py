@@ -16,6 +16,7 @@ from ferrum.kernels.fp8_linear import (
     block_scaled_mm_takes,
     fp8_block_linear,
     fp8_channel_linear,
+    pad_group_rows,
     scaled_mm_takes,
 )
 from ferrum.kernels.fp8_quant import Fp8GroupRows, per_token_group_quant_fp8
@@ -127,8 +128,9 @@ def test_validation_errors() -> None:
 
 
 def test_block_linear_reads_given_rows(device: torch.device) -> None:
-    """A separate-quantization bucket reads x_fp8 in place of quantizing x: rows of another
-    input give that input's product; the fused and GEMV buckets quantize x themselves."""
+    """Every bucket but the GEMV reads x_fp8 in place of quantizing x: rows of another input
+    give that input's product, in a separate-quantization bucket and in a fused one (whose tile
+    then reads the codes it would have made); the GEMV multiplies x itself."""
     gen = torch.Generator().manual_seed(4)
     weight, scale_inv = (
         t.to(device) for t in quantize_weight_block(torch.randn(192, 256, generator=gen))
@@ -140,11 +142,15 @@ def test_block_linear_reads_given_rows(device: torch.device) -> None:
     got = fp8_block_linear(x, weight, scale_inv, buckets=buckets, x_fp8=rows)
     assert torch.equal(got, fp8_block_linear(other, weight, scale_inv, buckets=buckets))
     assert not torch.equal(got, fp8_block_linear(x, weight, scale_inv, buckets=buckets))
-    few = x[:3]
-    few_rows = Fp8GroupRows(*per_token_group_quant_fp8(other[:3]))
+    few, few_other = x[:3], other[:3]
+    few_rows = Fp8GroupRows(*per_token_group_quant_fp8(few_other))
+    got = fp8_block_linear(few, weight, scale_inv, buckets=buckets, x_fp8=few_rows)
+    assert torch.equal(got, fp8_block_linear(few_other, weight, scale_inv, buckets=buckets))
+    gemv = {1: GEMV}
+    one_rows = Fp8GroupRows(*per_token_group_quant_fp8(other[:1]))
     assert torch.equal(
-        fp8_block_linear(few, weight, scale_inv, buckets=buckets, x_fp8=few_rows),
-        fp8_block_linear(few, weight, scale_inv, buckets=buckets),
+        fp8_block_linear(x[:1], weight, scale_inv, buckets=gemv, x_fp8=one_rows),
+        fp8_block_linear(x[:1], weight, scale_inv, buckets=gemv),
     )
     with pytest.raises(ValueError, match="x_fp8 must hold"):
         fp8_block_linear(x[:4], weight, scale_inv, buckets=buckets, x_fp8=rows)
@@ -159,10 +165,14 @@ def test_which_buckets_take_fp8_rows() -> None:
     takes = functools.partial(block_linear_takes_fp8_rows, n=192, k=256, buckets=buckets)
     assert [takes(cuda, torch.float16, num_rows=m) for m in (1, 3, 20, 200)] == [
         False,  # the GEMV quantizes nothing
-        False,  # the fused GEMM quantizes its own tiles
+        True,  # the fused GEMM's tiles read the codes they would have made
         True,
         True,  # fp16: cuBLASLt cannot, the bucket's Triton tile runs
     ]
+    # cuBLASLt (bf16 on an H100, faked here) reads rows at any count, padded to 4.
+    assert all(
+        takes(cuda, torch.bfloat16, num_rows=m, buckets={256: SCALED_MM}) for m in (3, 5, 64)
+    )
     assert not takes(torch.device("cpu"), torch.float16, num_rows=20)
     assert not takes(cuda, torch.float32, num_rows=20)
     assert not takes(cuda, torch.float16, num_rows=0)
@@ -173,7 +183,7 @@ def test_which_buckets_take_fp8_rows() -> None:
     reason="cuBLASLt block-scaled FP8 GEMMs need a Hopper GPU",
 )
 @pytest.mark.parametrize("m", [3, 64])
-def test_block_linear_cublas_reads_given_rows_at_multiples_of_four(m: int) -> None:
+def test_block_linear_cublas_reads_given_rows_padded_to_four(m: int) -> None:
     gen = torch.Generator().manual_seed(m)
     weight, scale_inv = (
         t.cuda() for t in quantize_weight_block(torch.randn(256, 384, generator=gen) * 0.05)
@@ -181,7 +191,17 @@ def test_block_linear_cublas_reads_given_rows_at_multiples_of_four(m: int) -> No
     x, other = (torch.randn(m, 384, generator=gen).cuda().bfloat16() for _ in range(2))
     rows = Fp8GroupRows(*per_token_group_quant_fp8(other))
     buckets = {256: SCALED_MM}
-    assert block_linear_takes_fp8_rows(x.device, x.dtype, 256, 384, m, buckets) == (m % 4 == 0)
+    assert block_linear_takes_fp8_rows(x.device, x.dtype, 256, 384, m, buckets)
     got = fp8_block_linear(x, weight, scale_inv, buckets=buckets, x_fp8=rows)
-    reads = other if m % 4 == 0 else x
-    assert torch.equal(got, fp8_block_linear(reads, weight, scale_inv, buckets=buckets))
+    assert torch.equal(got, fp8_block_linear(other, weight, scale_inv, buckets=buckets))
+
+
+def test_pad_group_rows_appends_zero_rows() -> None:
+    rows = Fp8GroupRows(*per_token_group_quant_fp8(torch.randn(3, 256)))
+    q, scales = pad_group_rows(rows, 1)
+    assert q.dtype == rows.q.dtype and q.shape == (4, 256) and scales.shape == (4, 2)
+    assert torch.equal(q[:3].view(torch.uint8), rows.q.view(torch.uint8))
+    assert torch.equal(scales[:3], rows.scales)
+    assert not q[3].view(torch.uint8).any() and not scales[3].any()
+    q0, scales0 = pad_group_rows(rows, 0)
+    assert q0 is rows.q and scales0 is rows.scales

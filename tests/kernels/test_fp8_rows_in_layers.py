@@ -53,3 +53,17 @@ def test_rows_reach_every_projection(tiny_checkpoint, monkeypatch):
     assert sorted(took) == sorted(["q_proj", "o_proj", "gate_proj", "down_proj"] * num_layers)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_attention_writes_rows_only_with_heads_of_128() -> None:
+    """One quantization group of o_proj's input a head: heads of 64 would need two heads a
+    group, so those layers write no rows (o_proj quantizes itself); the torch reference path
+    writes none either."""
+    from types import SimpleNamespace
+
+    from ferrum.model_executor.layers.attention import Attention
+
+    kernels = SimpleNamespace()
+    assert Attention(2, 128, 1, 0.1, kernels).writes_fp8_rows()
+    assert not Attention(2, 64, 1, 0.1, kernels).writes_fp8_rows()
+    assert not Attention(2, 128, 1, 0.1, None).writes_fp8_rows()

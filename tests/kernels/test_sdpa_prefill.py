@@ -228,23 +228,12 @@ def _paged_reference_kernel(
     return out.copy_(expected)
 
 
-@pytest.mark.parametrize("paged", ["reference", "triton"])
-def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> None:
-    """Decodes, long fresh prompts, a later chunk and a short first chunk in one step: the layer
-    sends the fresh prompts through SDPA and the runs between them through the paged kernel,
-    each onto its own rows. "triton": the real kernels (interpreted on the CPU) on slices of
-    the metadata, the decode-only runs (at requests 0 and 7) through the split-KV path."""
+def _mixed_step(device: torch.device, heads: int, kv_heads: int, dim: int):
+    """Decodes, long fresh prompts, a later chunk and a short first chunk in one step: (query,
+    keys, values, cache, tables, starts, seq_lens, metadata, segments)."""
     from types import SimpleNamespace
 
-    from ferrum.kernels.paged_attention import allocate_split_kv_workspace, paged_attention
-    from ferrum.model_executor.layers.attention import Attention
-
-    monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 32)
-    monkeypatch.setattr(
-        "ferrum.model_executor.layers.attention.sdpa_prefill",
-        lambda *a: sdpa_prefill(*a, backends=[SDPBackend.MATH]),
-    )
-    heads, kv_heads, dim, block = 4, 2, 16, 16
+    block = 16
     # (context length, chunk length) per request, in token order.
     requests = [(300, 1), (200, 1), (33, 33), (50, 50), (70, 30), (9, 9), (45, 45), (260, 1)]
     gen = torch.Generator().manual_seed(0)
@@ -265,7 +254,7 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> 
         values.append(cache[1].view(-1, kv_heads, dim)[slots])
     query = torch.randn(starts[-1], heads, dim, generator=gen).to(device)
     cache, tables = cache.to(device), tables.to(device)
-    keys, values = [x.to(device) for x in keys], [x.to(device) for x in values]
+    keys, values = torch.cat(keys).to(device), torch.cat(values).to(device)
     seq_lens = [context for context, _ in requests]
     metadata = SimpleNamespace(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -276,11 +265,37 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> 
     )
     segments = long_prefill_segments(starts, seq_lens)
     assert [s.sdpa for s in segments] == [False, True, False, True, False]
+    return query, keys, values, cache, tables, starts, seq_lens, metadata, segments
+
+
+def _sdpa_from_32_tokens(monkeypatch) -> None:
+    monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 32)
+    monkeypatch.setattr(
+        "ferrum.model_executor.layers.attention.sdpa_prefill",
+        lambda *a: sdpa_prefill(*a, backends=[SDPBackend.MATH]),
+    )
+
+
+@pytest.mark.parametrize("paged", ["reference", "triton"])
+def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> None:
+    """The layer sends the fresh prompts of a mixed step (`_mixed_step`) through SDPA and the
+    runs between them through the paged kernel, each onto its own rows. "triton": the real
+    kernels (interpreted on the CPU) on slices of the metadata, the decode-only runs (at
+    requests 0 and 7) through the split-KV path."""
+    from types import SimpleNamespace
+
+    from ferrum.kernels.paged_attention import allocate_split_kv_workspace, paged_attention
+    from ferrum.model_executor.layers.attention import Attention
+
+    _sdpa_from_32_tokens(monkeypatch)
+    heads, kv_heads, dim = 4, 2, 16
+    step = _mixed_step(device, heads, kv_heads, dim)
+    query, keys, values, cache, tables, starts, seq_lens, metadata, segments = step
     kernel = _paged_reference_kernel if paged == "reference" else paged_attention
     layer = Attention(heads, dim, kv_heads, 0.25, SimpleNamespace(paged_attention=kernel))
     workspace = allocate_split_kv_workspace(8, heads, dim, device) if paged == "triton" else None
     layer.bind_kv_cache(cache, workspace)
-    out = layer._attend_by_segments(query, torch.cat(keys), torch.cat(values), metadata, segments)
+    out = layer._attend_by_segments(query, keys, values, metadata, segments)
     expected = paged_attention_ref(query, cache, tables, starts, seq_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     # A step of one long fresh prompt: SDPA's output returned as the layer's.
@@ -293,10 +308,34 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> 
         seq_lens_cpu=[33],
     )
     segments = long_prefill_segments([0, 33], [33])
-    out = layer._attend_by_segments(
-        query[rows], torch.cat(keys)[rows], torch.cat(values)[rows], alone, segments
-    )
+    out = layer._attend_by_segments(query[rows], keys[rows], values[rows], alone, segments)
     torch.testing.assert_close(out, expected[rows], atol=1e-5, rtol=1e-5)
+
+
+def test_a_mixed_step_writes_fp8_rows_of_its_whole_output(monkeypatch, device) -> None:
+    """With heads of 128, a mixed step fills o_proj's FP8 rows: the paged kernel's runs write
+    theirs, SDPA's prompts are quantized after it; every row equals the per-group pass over the
+    layer's output, as on a step without SDPA."""
+    from types import SimpleNamespace
+
+    from ferrum.kernels.fp8_quant import empty_group_rows, per_token_group_quant_fp8
+    from ferrum.kernels.paged_attention import allocate_split_kv_workspace, paged_attention
+    from ferrum.model_executor.layers.attention import Attention
+
+    _sdpa_from_32_tokens(monkeypatch)
+    heads, kv_heads, dim = 2, 1, 128
+    query, keys, values, cache, _, starts, _, metadata, segments = _mixed_step(
+        device, heads, kv_heads, dim
+    )
+    layer = Attention(heads, dim, kv_heads, 0.1, SimpleNamespace(paged_attention=paged_attention))
+    layer.bind_kv_cache(cache, allocate_split_kv_workspace(8, heads, dim, device))
+    assert layer.writes_fp8_rows()
+    rows = empty_group_rows(query.shape[0], heads * dim, query.device)
+    out = layer._attend_by_segments(query, keys, values, metadata, segments, rows)
+    q, scales = per_token_group_quant_fp8(out.reshape(out.shape[0], -1))
+    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(rows.scales, scales)
+    assert starts[-1] == out.shape[0]
 
 
 def test_the_engine_imports_without_triton() -> None:

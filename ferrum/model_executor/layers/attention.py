@@ -112,17 +112,15 @@ class Attention(nn.Module):
             self.kv_cache.device,
         )
 
-    def writes_fp8_rows(self, attn_metadata: AttentionMetadata) -> bool:
-        """Whether `forward(..., out_fp8=rows)` fills rows: the Triton kernels write the output
-        quantized per token-group of 128 when each head is one group, on steps that attend
-        through them alone (not SDPA's prompts)."""
+    def writes_fp8_rows(self) -> bool:
+        """Whether `forward(..., out_fp8=rows)` fills rows: with the Triton kernels and heads of
+        128 (one quantization group a head), on every step. The paged kernels write the output
+        quantized as well; SDPA's prompts are quantized by a pass of their own."""
         if self.kernels is None:
             return False
         from ferrum.kernels.fp8_quant import GROUP_SIZE  # imports triton, as the kernels do
 
-        return self.head_dim == GROUP_SIZE and not (
-            attn_metadata.prefill_segments and self.takes_sdpa_prefill()
-        )
+        return self.head_dim == GROUP_SIZE
 
     def forward(
         self,
@@ -147,8 +145,8 @@ class Attention(nn.Module):
         k_norm_weight = None if k_norm is None else k_norm.weight
         eps = 1e-6 if q_norm is None else q_norm.eps
         group = self.kv_cache_group
-        if out_fp8 is not None and not self.writes_fp8_rows(attn_metadata):
-            raise ValueError("out_fp8: this attention step does not write FP8 rows")
+        if out_fp8 is not None and not self.writes_fp8_rows():
+            raise ValueError("out_fp8: this attention layer does not write FP8 rows")
         if self.kernels is None:
             query, key = qk_norm_rope_ref(query, key, cos, sin, q_norm_weight, k_norm_weight, eps)
             write_kv_cache_ref(key, value, kv_cache, attn_metadata.slot_mapping[group])
@@ -175,7 +173,7 @@ class Attention(nn.Module):
         )
         if attn_metadata.prefill_segments and self.takes_sdpa_prefill():
             return self._attend_by_segments(
-                query, key, value, attn_metadata, attn_metadata.prefill_segments
+                query, key, value, attn_metadata, attn_metadata.prefill_segments, out_fp8
             )
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         return self.kernels.paged_attention(
@@ -200,14 +198,18 @@ class Attention(nn.Module):
         value: torch.Tensor,
         attn_metadata: AttentionMetadata,
         segments: Sequence[AttentionSegment],
+        out_fp8: Fp8GroupRows | None = None,
     ) -> torch.Tensor:
         """Long fresh prompts through SDPA, the runs of requests between them through the paged
-        kernel, each onto its own rows of the output. Only where `takes_sdpa_prefill` (no
-        window: the paged calls pass none)."""
+        kernel, each onto its own rows of the output (and of `out_fp8`: the paged kernel writes
+        its rows, SDPA's are quantized after it). Only where `takes_sdpa_prefill` (no window:
+        the paged calls pass none)."""
         assert self.kernels is not None and self.kv_cache is not None
         starts = attn_metadata.query_start_loc_cpu
         if len(starts) == 2 and starts[1] == query.shape[0]:  # one prompt: SDPA's own output
-            return sdpa_prefill(query, key, value, starts, self.scale, None)
+            out = sdpa_prefill(query, key, value, starts, self.scale, None)
+            _quantize_rows_into(out_fp8, out, slice(0, out.shape[0]))
+            return out
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         group = self.kv_cache_group
         for segment in segments:
@@ -218,6 +220,7 @@ class Attention(nn.Module):
                 sdpa_prefill(
                     query[rows], key[rows], value[rows], local_starts, self.scale, out[rows]
                 )
+                _quantize_rows_into(out_fp8, out, rows)
                 continue
             query_start_loc = attn_metadata.query_start_loc[first : last + 1]
             if first:
@@ -233,5 +236,20 @@ class Attention(nn.Module):
                 self.scale,
                 out[rows],
                 self.split_kv_workspace,
+                out_fp8=None if out_fp8 is None else out_fp8.rows(rows),
             )
         return out
+
+
+def _quantize_rows_into(out_fp8: Fp8GroupRows | None, out: torch.Tensor, rows: slice) -> None:
+    """out_fp8's `rows` := out's [rows] ([T, heads, head_dim]) quantized per token-group of 128,
+    the codes and scales the paged kernels would write (the same per-group pass)."""
+    if out_fp8 is None:
+        return
+    from ferrum.kernels.fp8_quant import per_token_group_quant_fp8
+
+    part = out[rows]
+    q, scales = per_token_group_quant_fp8(part.reshape(part.shape[0], -1))
+    target = out_fp8.rows(rows)
+    target.q.copy_(q)
+    target.scales.copy_(scales)

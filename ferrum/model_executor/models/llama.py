@@ -179,9 +179,11 @@ class LlamaAttention(nn.Module):
         hidden_fp8: Fp8GroupRows | None = None,
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(hidden, hidden_fp8)
-        # q has the o_proj input's rows and dtype: the attention output replaces it.
+        # q has the o_proj input's rows and dtype: the attention output replaces it. Whether
+        # o_proj takes rows varies with the step's size only through its GEMV buckets (one row),
+        # so each attention tile compiles one rows variant (besides the one-row decode tile's).
         out_fp8 = None
-        if self.attn.writes_fp8_rows(attn_metadata) and self.o_proj.takes_fp8_rows(q):
+        if self.attn.writes_fp8_rows() and self.o_proj.takes_fp8_rows(q):
             from ferrum.kernels.fp8_quant import empty_group_rows
 
             out_fp8 = empty_group_rows(q.shape[0], self.q_size, q.device)
