@@ -262,7 +262,7 @@ def run_repeated(run: Callable[[int], dict[str, Any]], repeats: int) -> dict[str
 
 
 def run_concurrent(
-    llm: LLM, vocab_size: int, scale: float, num_prompts: int, seed: int = 0
+    llm: LLM, vocab_size: int, scale: float, num_prompts: int, seed: int
 ) -> dict[str, Any]:
     """`c16` / `c64`: every prompt submitted at once; output tokens / s."""
     input_len, output_len = _scaled(256, scale), _scaled(256, scale)
@@ -279,7 +279,7 @@ def run_concurrent(
     }
 
 
-def run_long(llm: LLM, vocab_size: int, scale: float, seed: int = 7) -> dict[str, Any]:
+def run_long(llm: LLM, vocab_size: int, scale: float, seed: int) -> dict[str, Any]:
     """`long`: 32 prompts of 4,000 tokens, 128 output tokens each, submitted at once."""
     num_prompts = _scaled(LONG_PROMPTS, scale)
     input_len, output_len = _scaled(LONG_INPUT_LEN, scale), _scaled(LONG_OUTPUT_LEN, scale)
@@ -318,7 +318,7 @@ def run_decode_at_context(llm: LLM, vocab_size: int, scale: float) -> dict[str, 
 
 
 def run_nano(
-    llm: LLM, vocab_size: int, scale: float, engine_seed: int, seed: int = 0
+    llm: LLM, vocab_size: int, scale: float, engine_seed: int, seed: int
 ) -> dict[str, Any]:
     """`nano`: the seeded recipe at temperature 0.6 (sampling from the engine's seed); a seed
     other than 0 draws other prompts and lengths (`--repeats`)."""

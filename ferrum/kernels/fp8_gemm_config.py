@@ -75,8 +75,8 @@ Buckets = dict[int, Fp8GemmConfig]
 # slower from two rows on (benchmarks/RESULTS.md, issue 13). cuBLASLt wherever it takes the
 # operands above that: it beat these Triton tiles, untuned and without split-K, at every M (3-10x
 # at M <= 64). Tuned files (bench_fp8_gemm.py --sweep) take Triton tiles, split-K for most
-# narrow outputs, where they measured faster: at Qwen3-8B's shapes on the H100, up to 64 rows on
-# every shape, 128 on qkv, o and down, and 256 on o. A scaled_mm bucket's tile fields are the Triton tile that
+# narrow outputs, where they measured faster: at Qwen3-8B's shapes on the H100, up to 64 rows
+# on every shape, 128 on qkv, o and down, and 256 on o. A scaled_mm bucket's tile fields are the Triton tile that
 # runs where cuBLASLt does not take the operands. The default Triton tiles below: decode batches
 # take narrow N tiles and quantize their few activation rows inside the GEMM (one launch); larger
 # batches quantize once, then run wide tiles.

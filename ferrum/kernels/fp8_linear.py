@@ -23,6 +23,7 @@ from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matm
 from ferrum.kernels.fp8_gemm_config import Buckets, Fp8GemmConfig, get_fp8_gemm_buckets, pick
 from ferrum.kernels.fp8_gemv import fp8_gemv
 from ferrum.kernels.fp8_quant import (
+    FP8_DTYPE,
     GROUP_SIZE,
     Fp8GroupRows,
     per_token_group_quant_fp8,
@@ -104,13 +105,15 @@ def _check_rows(x_fp8: Fp8GroupRows, x: torch.Tensor) -> None:
     if (
         q.shape != (m, k)
         or scales.shape != (m, k // GROUP_SIZE)
+        or q.dtype != FP8_DTYPE
         or scales.dtype != torch.float32
         or not (q.is_contiguous() and scales.is_contiguous())
+        or {q.device, scales.device} != {x.device}
     ):
         raise ValueError(
-            f"x_fp8 must hold x's [{m}, {k}] rows: contiguous codes [{m}, {k}] and float32 "
-            f"scales [{m}, {k // GROUP_SIZE}], got {list(q.shape)} and {list(scales.shape)} "
-            f"{scales.dtype}"
+            f"x_fp8 must hold x's [{m}, {k}] rows: contiguous {FP8_DTYPE} codes [{m}, {k}] and "
+            f"float32 scales [{m}, {k // GROUP_SIZE}] on {x.device}, got {list(q.shape)} "
+            f"{q.dtype} and {list(scales.shape)} {scales.dtype}"
         )
 
 

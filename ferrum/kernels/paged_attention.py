@@ -66,11 +66,17 @@ __all__ = [
 
 # The block table's row stride is the widest table of the step's requests: any value, so Triton
 # would compile a variant per "1 / multiple of 16 / other" class of it at each tile config. The
-# metadata pointers may be slices at any request (a step split around SDPA's prompts), so their
-# alignment is not specialised either (they are read an element or a few at a time).
+# metadata pointers, and the FP8 rows' scales (one float a head), may be slices at any request (a
+# step split around SDPA's prompts), so their alignment is not specialised either (they are read
+# or written an element or a few at a time).
 @triton.jit(
     do_not_specialize=("stride_bt_req",),
-    do_not_specialize_on_alignment=("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"),
+    do_not_specialize_on_alignment=(
+        "block_tables_ptr",
+        "query_start_loc_ptr",
+        "seq_lens_ptr",
+        "q8_scale_ptr",
+    ),
 )
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]

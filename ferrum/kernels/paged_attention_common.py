@@ -89,11 +89,11 @@ def check_fp8_out(out_fp8: Fp8GroupRows | None, out: torch.Tensor) -> None:
         )
     if q.dtype != FP8_DTYPE or scales.dtype != torch.float32:
         raise ValueError(
-            f"out_fp8 must be {FP8_DTYPE} codes and float32 scales, got {q.dtype} and {scales.dtype}"
+            f"out_fp8 must be {FP8_DTYPE} codes and float32 scales, got {q.dtype} and "
+            f"{scales.dtype}"
         )
-    if not (q.is_contiguous() and scales.is_contiguous()) or {q.device, scales.device} != {
-        out.device
-    }:
+    contiguous = q.is_contiguous() and scales.is_contiguous()
+    if not contiguous or {q.device, scales.device} != {out.device}:
         raise ValueError(f"out_fp8 must be contiguous and on {out.device}")
 
 

@@ -154,7 +154,10 @@ def _paged_attention_split_kernel(
     tl.store(partial_sum_ptr + pm_offs, l_i, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=("num_splits",), do_not_specialize_on_alignment=("seq_lens_ptr",))
+@triton.jit(
+    do_not_specialize=("num_splits",),
+    do_not_specialize_on_alignment=("seq_lens_ptr", "q8_scale_ptr"),
+)
 def _split_kv_reduce_kernel(
     out_ptr,  # [num_reqs, num_heads, head_dim]
     q8_ptr,  # [num_reqs, num_heads * head_dim] fp8, written when FP8_OUT

@@ -80,6 +80,7 @@ def warm_up_runner(runner: ModelRunner, num_blocks: int | list[int]) -> None:
     start = time.perf_counter()
     num_forwards, max_tokens = run_warm_up_batches(runner, num_blocks)
     sdpa_plans = _warm_up_sdpa_prefill(runner, max_tokens)
+    _warm_up_sdpa_fp8_rows(runner)
     if runner.pp_group.is_last:
         _warm_up_grammar_bitmask(runner)
     torch.cuda.synchronize(runner.device)
@@ -127,6 +128,29 @@ def _warm_up_sdpa_prefill(runner: ModelRunner, max_tokens: int) -> int:
     return sum(
         warm_up_sdpa_prefill(*shape, max_tokens=max_tokens) for shape in shapes if shape is not None
     )
+
+
+@torch.inference_mode()
+def _warm_up_sdpa_fp8_rows(runner: ModelRunner) -> None:
+    """A step with SDPA's prompts quantizes their attention output for an FP8 o_proj by the
+    per-group pass (`Attention._attend_by_segments`); no warm-up forward runs it (warm-up's
+    prompts are too short for SDPA, and every other W8A8 input arrives quantized), so it runs
+    once here for each row width and dtype of a layer that takes SDPA and writes FP8 rows, in a
+    model with block-scaled FP8 weights."""
+    quant_config = runner.config.model_config.quant_config
+    if quant_config is None or quant_config.weight_scales != "block":
+        return
+    from ferrum.kernels.fp8_quant import per_token_group_quant_fp8
+
+    widths = set()
+    for module in runner.model.modules():
+        if isinstance(module, Attention) and module.writes_fp8_rows():
+            shape = module.sdpa_prefill_shape()
+            if shape is not None:
+                heads, _, head_dim, _, dtype, device = shape
+                widths.add((heads * head_dim, dtype, device))
+    for width, dtype, device in widths:
+        per_token_group_quant_fp8(torch.zeros(2, width, dtype=dtype, device=device))
 
 
 def _warm_up_grammar_bitmask(runner: ModelRunner) -> None:

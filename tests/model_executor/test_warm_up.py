@@ -52,3 +52,40 @@ def test_the_batches_run_through_a_runner_and_leave_generation_unchanged(tiny_ch
     # 1, 2, 4, 3, ..., 128, 127 tokens in one request; 256 and 255 in four.
     assert (forwards, max_tokens) == (16, 256)
     assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_fp8_models_compile_the_sdpa_rows_pass_at_start_up(monkeypatch) -> None:
+    """A step with SDPA's prompts quantizes their attention output for an FP8 o_proj by the
+    per-group pass, which no warm-up forward reaches: start-up runs it once per row width, in
+    block-scaled FP8 models only, for layers that take SDPA and write rows."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ferrum.kernels import fp8_quant
+    from ferrum.model_executor import warm_up
+    from ferrum.model_executor.layers.attention import Attention
+
+    calls = []
+    monkeypatch.setattr(fp8_quant, "per_token_group_quant_fp8", lambda x: calls.append(x.shape))
+    sdpa_layers = [Attention(4, 128, 2, 0.1, SimpleNamespace()) for _ in range(2)]
+    narrow = Attention(4, 64, 2, 0.1, SimpleNamespace())  # heads of 64: no rows
+    for layer in [*sdpa_layers, narrow]:
+        monkeypatch.setattr(
+            layer,
+            "sdpa_prefill_shape",
+            lambda layer=layer: (4, 2, layer.head_dim, 0.1, torch.float32, torch.device("cpu")),
+        )
+    model = torch.nn.ModuleList([*sdpa_layers, narrow])
+
+    def runner(weight_scales):
+        quant = None if weight_scales is None else SimpleNamespace(weight_scales=weight_scales)
+        config = SimpleNamespace(model_config=SimpleNamespace(quant_config=quant))
+        return SimpleNamespace(config=config, model=model)
+
+    warm_up._warm_up_sdpa_fp8_rows(runner("block"))
+    assert calls == [(2, 4 * 128)]  # one width, both layers
+    calls.clear()
+    warm_up._warm_up_sdpa_fp8_rows(runner(None))
+    warm_up._warm_up_sdpa_fp8_rows(runner("channel"))
+    assert calls == []

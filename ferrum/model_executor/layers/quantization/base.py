@@ -31,7 +31,7 @@ class LinearMethod(Protocol):
     def takes_fp8_rows(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """Whether `apply` on x (the rows about to be computed: shape, dtype, device) reads
         `x_fp8`, x quantized per token-group of 128, in place of quantizing x itself; the layer
-        before (an RMSNorm, a SiLU-and-mul) then writes those rows alongside x."""
+        before (an RMSNorm, a SiLU-and-mul, the attention) then writes those rows alongside x."""
 
     def apply(
         self,

@@ -99,7 +99,8 @@ class Fp8LinearMethod:
         getattr(layer, self.scale_name).data.copy_(scale)
 
     def takes_fp8_rows(self, layer: nn.Module, x: torch.Tensor) -> bool:
-        """Block-scaled layers on CUDA whose bucket for x's rows quantizes in a separate pass."""
+        """Block-scaled layers on CUDA, at every bucket but the weight-only GEMV's
+        (`block_linear_takes_fp8_rows`)."""
         if self._takes_rows is None or not x.is_cuda or layer.weight.dtype != FP8_DTYPE:
             return False
         n, k = layer.weight.shape
