@@ -143,11 +143,22 @@ class _EveryShapeTable:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    "model", ["qwen3", "qwen3_moe", "gemma3", "qwen3_5", "qwen3+sdpa", "qwen3+fp8", "qwen3_moe+fp8"]
+    "model",
+    [
+        "qwen3",
+        "qwen3_moe",
+        "gemma3",
+        "qwen3_5",
+        "qwen3+sdpa",
+        "qwen3+fp8",
+        "qwen3_moe+fp8",
+        "qwen3+fp8+sdpa",
+    ],
 )
 def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch, model) -> None:
     """ "+sdpa": prompts of 64+ tokens take SDPA's prefill, which splits steps around them.
-    "+fp8": quantized on load (W8A8 GEMMs, the GEMV, FP8 rows from the norms, FP8 experts)."""
+    "+fp8": quantized on load (W8A8 GEMMs, the GEMV, FP8 rows from the norms, the SiLU and the
+    attention (heads of 128), FP8 experts)."""
     import json
     import random
     from pathlib import Path
@@ -177,8 +188,9 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch,
         split = {"DOWN_SPLIT": 1, "DOWN_BLOCK_E": 1}
         small = {2: moe_config.DEFAULT_SMALL[2] | split, 1 << 62: moe_config.DEFAULT_SMALL[1 << 62]}
         monkeypatch.setattr(moe_config, "DEFAULT_SMALL", small)
-    # FP8 layers need input sizes that are multiples of 128.
-    fp8_shapes = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 64}
+    # FP8 layers need input sizes that are multiples of 128; heads of 128 make the attention
+    # write o_proj's FP8 rows.
+    fp8_shapes = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 128}
     if model == "qwen3_moe":
         fp8_shapes["moe_intermediate_size"] = 128
     path = tiny_checkpoint(model, **fp8_shapes) if fp8 else tiny_checkpoint(model)
