@@ -470,11 +470,14 @@ def _assert_fp8_heads(rows: Fp8GroupRows, out: torch.Tensor) -> None:
     torch.testing.assert_close(rows.scales, scales, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("window", [None, 32], ids=["full", "window32"])
 @pytest.mark.parametrize("path", ["unified", "split"])
-def test_fp8_output_rows_are_the_outputs_quantization(path: str, device: torch.device) -> None:
+def test_fp8_output_rows_are_the_outputs_quantization(
+    path: str, window: int | None, device: torch.device
+) -> None:
     """Heads of 128: each head is one quantization group of the o_proj input, so the kernels
     quantize their own output; a mixed batch takes the unified kernel, a decode batch with a
-    workspace the split-KV reduce."""
+    workspace the split-KV reduce; also over a sliding window (Gemma 3's local layers)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     query_lens = [1, 5, 1] if path == "unified" else [1, 1, 1]
     b = make_batch(query_lens, [9, 21, 300], 4, 2, 128, 16, dtype, device, seed=5)
@@ -483,9 +486,9 @@ def test_fp8_output_rows_are_the_outputs_quantization(path: str, device: torch.d
     args = (b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens)
     lengths = (b.max_query_len, b.max_seq_len)
     out = torch.empty_like(b.query)
-    paged_attention(*args, *lengths, 0.1, out, workspace, out_fp8=rows)
+    paged_attention(*args, *lengths, 0.1, out, workspace, sliding_window=window, out_fp8=rows)
     plain = torch.empty_like(b.query)
-    paged_attention(*args, *lengths, 0.1, plain, workspace)
+    paged_attention(*args, *lengths, 0.1, plain, workspace, sliding_window=window)
     assert torch.equal(out, plain)
     _assert_fp8_heads(rows, out)
 
