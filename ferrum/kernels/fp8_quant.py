@@ -91,27 +91,27 @@ def _per_token_group_quant_kernel(
 def store_group_quantized(
     q_ptr,  # [num_rows, num_cols] fp8 codes
     scale_ptr,  # [num_rows, num_cols // GROUP] fp32 scales
-    row,  # int64
-    groups,  # [NUM_GROUPS, GROUP] fp32: groups group_ids of the row, one a tile row
-    group_ids,  # [NUM_GROUPS] int
-    num_cols,  # the row's length, a multiple of GROUP; groups past it are not stored
+    row,  # int64: the row of every group, or [NUM_GROUPS] each group's row
+    groups,  # [NUM_GROUPS, GROUP] fp32: one group a tile row
+    group_ids,  # [NUM_GROUPS] int: each group's index within its row
+    num_cols,  # a row's length, a multiple of GROUP
+    valid,  # [NUM_GROUPS]: the groups to store
     GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
+    CODES_A_STORE: tl.constexpr = 0,  # codes a thread stores at once; 0: the compiler's choice
 ):
-    """Quantizes groups of one row (the per-token-group pass's math) and stores their codes and
-    scales."""
-    num_groups = num_cols // GROUP
-    q_row_ptr = q_ptr + row * num_cols
-    scale_row_ptr = scale_ptr + row * num_groups
+    """Quantizes groups of rows (the per-token-group pass's math) and stores their codes and
+    scales: a norm's or SiLU's groups of one row, the attention's heads of several tokens."""
     amax = tl.max(tl.abs(groups), 1)
     q, _ = quantize_fp8_tile(groups, amax[:, None], FP8_MAX, AMAX_FLOOR)
-    # Codes are stored 8 a thread, the layout of the 16-bit row they come from (16 a thread, a
-    # whole 16-byte store, would move the row between threads through shared memory).
-    cols = group_ids[:, None] * GROUP + tl.max_contiguous(tl.arange(0, GROUP), 8)[None, :]
-    valid = group_ids < num_groups
-    tl.store(q_row_ptr + cols, q, mask=valid[:, None])
-    tl.store(scale_row_ptr + group_ids, fp8_scale_of(amax, FP8_MAX, AMAX_FLOOR), mask=valid)
+    group_starts = q_ptr + row * num_cols + group_ids * GROUP
+    cols = tl.arange(0, GROUP)
+    if CODES_A_STORE:
+        cols = tl.max_contiguous(cols, CODES_A_STORE)
+    tl.store(group_starts[:, None] + cols[None, :], q, mask=valid[:, None])
+    scales = scale_ptr + row * (num_cols // GROUP) + group_ids
+    tl.store(scales, fp8_scale_of(amax, FP8_MAX, AMAX_FLOOR), mask=valid)
 
 
 @triton.jit

@@ -22,8 +22,7 @@ from ferrum.kernels.fp8_quant import (
     FP8_MAX,
     GROUP_SIZE,
     Fp8GroupRows,
-    fp8_scale_of,
-    quantize_fp8_tile,
+    store_group_quantized,
 )
 
 _LOG2E = 1.4426950408889634
@@ -62,14 +61,11 @@ def store_fp8_heads(
 ):
     """Output rows quantized per token-group of HEAD_DIM (= 128) columns of the output's
     [num_tokens, num_heads * HEAD_DIM] view: one group a head, so each program quantizes its
-    own heads, with the per-token-group pass's math (fp8_quant)."""
-    amax = tl.max(tl.abs(out), 1)
-    q, _ = quantize_fp8_tile(out, amax[:, None], _FP8_MAX, _AMAX_FLOOR)
-    tok_rows = tok.to(tl.int64)
-    cols = head[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(q8_ptr + tok_rows[:, None] * (num_heads * HEAD_DIM) + cols, q, mask=row_valid[:, None])
-    scale = fp8_scale_of(amax, _FP8_MAX, _AMAX_FLOOR)
-    tl.store(q8_scale_ptr + tok_rows * num_heads + head, scale, mask=row_valid)
+    own heads (fp8_quant's `store_group_quantized`)."""
+    store_group_quantized(
+        q8_ptr, q8_scale_ptr, tok.to(tl.int64), out, head, num_heads * HEAD_DIM, row_valid,
+        HEAD_DIM, _FP8_MAX, _AMAX_FLOOR,
+    )  # fmt: skip
 
 
 def check_fp8_out(out_fp8: Fp8GroupRows | None, out: torch.Tensor) -> None:
