@@ -66,6 +66,11 @@ class Attention(nn.Module):
         # layer (they run one after another); None disables that path.
         self.split_kv_workspace: SplitKVWorkspace | None = None
         self.kernels = kernels
+        self._writes_fp8_rows = False
+        if kernels is not None:
+            from ferrum.kernels.fp8_quant import GROUP_SIZE  # imports triton, as the kernels do
+
+            self._writes_fp8_rows = head_dim == GROUP_SIZE
 
     def bind_kv_cache(
         self,
@@ -116,11 +121,7 @@ class Attention(nn.Module):
         """Whether `forward(..., out_fp8=rows)` fills rows: with the Triton kernels and heads of
         128 (one quantization group a head), on every step. The paged kernels write the output
         quantized as well; SDPA's prompts are quantized by a pass of their own."""
-        if self.kernels is None:
-            return False
-        from ferrum.kernels.fp8_quant import GROUP_SIZE  # imports triton, as the kernels do
-
-        return self.head_dim == GROUP_SIZE
+        return self._writes_fp8_rows
 
     def forward(
         self,
