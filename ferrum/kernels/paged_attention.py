@@ -38,11 +38,11 @@ from ferrum.kernels.paged_attention_common import (
     split_kv_max_programs,
     store_fp8_heads,
 )
-from ferrum.kernels.paged_attention_split_kv import (
+from ferrum.kernels.paged_attention_split_kv import paged_attention_split_kv
+from ferrum.kernels.split_kv_plan import (
     SplitKVWorkspace,
     allocate_split_kv_workspace,
     default_num_splits,
-    paged_attention_split_kv,
     split_kv_workspace_shapes,
     use_split_kv,
 )

@@ -17,13 +17,11 @@ from ferrum.kernels.fp8_weight import quantize_weight_block, quantize_weight_per
 from ferrum.kernels.fused_moe import fused_moe
 from ferrum.kernels.gemv import gemv
 from ferrum.kernels.moe_router import moe_router
-from ferrum.kernels.paged_attention_split_kv import (
-    allocate_split_kv_workspace,
-    paged_attention_split_kv,
-)
+from ferrum.kernels.paged_attention_split_kv import paged_attention_split_kv
 from ferrum.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from ferrum.kernels.rotary_kv import rotary_kv
 from ferrum.kernels.rotary_kv_ref import compute_cos_sin
+from ferrum.kernels.split_kv_plan import allocate_split_kv_workspace
 
 KERNEL_DIR = Path(pdl.__file__).parent
 HOPPER = pytest.mark.skipif(
