@@ -196,8 +196,8 @@ def test_block_linear_cublas_reads_given_rows_padded_to_four(m: int) -> None:
     assert torch.equal(got, fp8_block_linear(other, weight, scale_inv, buckets=buckets))
 
 
-def test_pad_group_rows_appends_zero_rows() -> None:
-    rows = Fp8GroupRows(*per_token_group_quant_fp8(torch.randn(3, 256)))
+def test_pad_group_rows_appends_zero_rows(device: torch.device) -> None:
+    rows = Fp8GroupRows(*per_token_group_quant_fp8(torch.randn(3, 256, device=device)))
     q, scales = pad_group_rows(rows, 1)
     assert q.dtype == rows.q.dtype and q.shape == (4, 256) and scales.shape == (4, 2)
     assert torch.equal(q[:3].view(torch.uint8), rows.q.view(torch.uint8))
