@@ -13,9 +13,10 @@ Each row is one linear x [M, K] bf16 -> [M, N] bf16 including its activation qua
 Each timing replays a CUDA graph of --iters calls (the engine runs decode in graphs, so launch
 overhead is left out) over enough weight copies to exceed the L2 cache; prints microseconds,
 TFLOP/s (2MNK) and GB/s (weight + activation + output bytes).
---sweep times a grid of Triton tiles (split-K included) per shape, M and format (--formats) and
-prints the best; --save DIR writes the tuned buckets of each shape with the swept M's replaced
-(by cuBLASLt, backend scaled_mm, where it was faster). --gemv-sweep times a grid of GEMV tiles
+--sweep times a grid of Triton tiles (split-K included) and, for block scales on Hopper, of the
+wgmma GEMM's tiles (--sweep-backends) per shape, M and format (--formats) and prints the best;
+--save DIR writes the tuned buckets of each shape with the swept M's replaced (by cuBLASLt,
+backend scaled_mm, where it was faster; kept where the layer's current bucket was faster). --gemv-sweep times a grid of GEMV tiles
 at each M <= 16 and prints the best per shape, M and format.
 Usage: python benchmarks/bench_fp8_gemm.py [--m 1,8,64,256,2048,8192] [--sweep [--save DIR]]
        [--gemv-sweep [--formats block,channel] [--save-gemv DIR]] [--out file.json]
@@ -47,6 +48,7 @@ from ferrum.kernels.fp8_gemm_config import (
     parse_buckets,
     save_buckets,
 )
+from ferrum.kernels.fp8_gemm_wgmma import wgmma_gemm_takes
 from ferrum.kernels.fp8_gemv import fp8_gemv
 from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
 from ferrum.kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
@@ -177,6 +179,24 @@ def sweep_configs(m: int, n: int, k: int) -> list[Fp8GemmConfig]:
     return configs
 
 
+# Tiles of the Hopper wgmma GEMM (block scales): (BLOCK_M, BLOCK_N, num_warps, num_stages, UNROLL).
+# 64-row tiles for decode batches (more programs), 128-row tiles with two warpgroups above; deep
+# buffers for narrow tiles. In the 2026-11-28 grid the fastest at Qwen3-8B's shapes were among
+# these at every M from 64 to 2048.
+WGMMA_SWEEP_TILES = (
+    (64, 64, 4, 4, 2), (64, 64, 4, 6, 4), (64, 64, 4, 8, 4), (64, 128, 4, 3, 2),
+    (64, 128, 4, 4, 2), (64, 128, 4, 6, 2), (128, 64, 8, 6, 2), (128, 64, 8, 6, 4),
+    (128, 128, 8, 4, 2),
+)  # fmt: skip
+
+
+def wgmma_configs() -> list[Fp8GemmConfig]:
+    return [
+        Fp8GemmConfig("wgmma", BLOCK_M=bm, BLOCK_N=bn, num_warps=nw, num_stages=ns, UNROLL=un)
+        for bm, bn, nw, ns, un in WGMMA_SWEEP_TILES
+    ]
+
+
 def refine_configs(best: list[Fp8GemmConfig]) -> list[Fp8GemmConfig]:
     """Around each of the coarse grid's best: 3 or 5 stages, and 8 warps for wide tiles."""
     configs = []
@@ -226,6 +246,8 @@ def run_gemv_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -
 
 
 def sweep_fn(x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConfig):
+    if config.backend == "wgmma":  # quantization pass + the wgmma GEMM, as the layer runs it
+        return lambda i: fp8_block_linear(x, *w.block[i], buckets={1 << 62: config})
     if scale_format == "block":
         gemm, weights, quant = w8a8_block_fp8_matmul, w.block, per_token_group_quant_fp8
     else:
@@ -240,8 +262,11 @@ def sweep_fn(x: torch.Tensor, w: Weights, scale_format: str, config: Fp8GemmConf
     return separate
 
 
-def run_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dict:
-    """The fastest Triton config: the coarse grid, then its best three refined."""
+def run_sweep(
+    x: torch.Tensor, w: Weights, scale_format: str, iters: int, backends: tuple[str, ...]
+) -> dict:
+    """The fastest config of `backends`: Triton's coarse grid, then its best three refined; the
+    wgmma tiles (block scales on Hopper)."""
     n, k = w.bf16[0].shape
 
     def time_configs(configs: list[Fp8GemmConfig]) -> list[tuple[float, Fp8GemmConfig]]:
@@ -255,8 +280,16 @@ def run_sweep(x: torch.Tensor, w: Weights, scale_format: str, iters: int) -> dic
             timed.append((us, config))
         return sorted(timed, key=lambda t: t[0])
 
-    coarse = time_configs(sweep_configs(x.shape[0], n, k))
-    timed = coarse + time_configs(refine_configs([c for _, c in coarse[:3]]))
+    timed = []
+    if "triton" in backends:
+        coarse = time_configs(sweep_configs(x.shape[0], n, k))
+        timed += coarse + time_configs(refine_configs([c for _, c in coarse[:3]]))
+    if (
+        "wgmma" in backends
+        and scale_format == "block"
+        and wgmma_gemm_takes(x.device, x.dtype, n, k)
+    ):
+        timed += time_configs(wgmma_configs())
     if not timed:
         return {}
     us, config = min(timed, key=lambda t: t[0])
@@ -286,6 +319,11 @@ def main() -> int:
         "shape (else fp8_gemm_configs/'s, else the defaults) with each swept M's bucket replaced "
         "by its best Triton tile, or by cuBLASLt where that was faster; GEMV buckets are kept",
     )
+    parser.add_argument(
+        "--sweep-backends",
+        default="triton,wgmma",
+        help="with --sweep: which kernels' tiles to time (triton, wgmma: block scales, Hopper)",
+    )
     parser.add_argument("--gemv-sweep", action="store_true", help="grid of GEMV tiles, M <= 16")
     parser.add_argument("--formats", default="block,channel", help="scale formats to sweep")
     parser.add_argument(
@@ -300,6 +338,9 @@ def main() -> int:
     formats = args.formats.split(",")
     if not set(formats) <= set(SCALE_FORMATS):
         parser.error(f"--formats must be among {SCALE_FORMATS}, got {args.formats!r}")
+    backends = tuple(args.sweep_backends.split(","))
+    if not set(backends) <= {"triton", "wgmma"}:
+        parser.error(f"--sweep-backends must be among triton, wgmma, got {args.sweep_backends!r}")
     if args.save is not None and not args.sweep:
         parser.error("--save needs --sweep")
     if args.save_gemv is not None and not args.gemv_sweep:
@@ -353,7 +394,7 @@ def main() -> int:
             if args.sweep:
                 for fmt in formats:
                     t0 = time.perf_counter()
-                    best = run_sweep(x, weights, fmt, args.iters)
+                    best = run_sweep(x, weights, fmt, args.iters, backends)
                     row[f"sweep_{fmt}"] = best
                     tuned[fmt][m] = best
                     print(f"  sweep {fmt}: {best} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -372,6 +413,15 @@ def main() -> int:
                     scaled = row["rows"].get(f"{fmt}_scaled_mm", {}).get("us")
                     if scaled is not None and scaled < best["us"]:
                         config = dataclasses.replace(config, backend="scaled_mm")
+                    # The layer as it stands (bucket m, if there is one) keeps it when faster.
+                    current = row["rows"].get(f"{fmt}_linear", {}).get("us")
+                    if (
+                        m in buckets
+                        and current is not None
+                        and current < min(best["us"], scaled or best["us"])
+                    ):
+                        print(f"  kept bucket {m} of {name} {fmt}: {current:.1f} us is the fastest")
+                        continue
                     buckets[m] = config
                 if per_m:
                     path = save_buckets(

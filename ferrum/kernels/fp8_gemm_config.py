@@ -17,7 +17,7 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).parent / "fp8_gemm_configs"
 SCALE_FORMATS = ("block", "channel")
-BACKENDS = ("triton", "scaled_mm", "gemv")
+BACKENDS = ("triton", "scaled_mm", "gemv", "wgmma")
 QUANT_MODES = ("fused", "separate")
 # Rows and columns of weight covered by one block scale (and the activation group).
 SCALE_BLOCK = 128
@@ -31,7 +31,10 @@ class Fp8GemmConfig:
     """One launch choice. backend "scaled_mm" (cuBLASLt: row-wise for per-channel weights,
     block-wise on Hopper for block weights; bf16 output only, else the Triton tile below runs);
     "gemv": fp8_gemv, one activation row a program (BLOCK_N x BLOCK_K weight tiles, weight-only:
-    the activations are not quantized; BLOCK_M, GROUP_M and quant unused). quant "fused": the
+    the activations are not quantized; BLOCK_M, GROUP_M and quant unused); "wgmma" (block scales
+    only): fp8_gemm_wgmma's Hopper kernel, BLOCK_M x BLOCK_N tiles, num_stages TMA buffers,
+    UNROLL K steps an iteration (GROUP_M, SPLIT_K and quant unused; activations quantized
+    first), else the Triton tile below runs. quant "fused": the
     Triton GEMM quantizes its activation tiles itself; "separate": a quantization pass writes fp8
     activations first. SPLIT_K (Triton only): programs sharing one output tile's K steps, their
     fp32 partials summed in a fixed order by the last to finish (fp8_gemm)."""
@@ -45,6 +48,7 @@ class Fp8GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     SPLIT_K: int = 1
+    UNROLL: int = 2
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -52,7 +56,8 @@ class Fp8GemmConfig:
         if self.quant not in QUANT_MODES:
             raise ValueError(f"quant must be one of {QUANT_MODES}, got {self.quant!r}")
         for name in (
-            "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K"
+            "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K",
+            "UNROLL",
         ):  # fmt: skip
             value = getattr(self, name)
             if type(value) is not int or value < 1:
@@ -67,6 +72,10 @@ class Fp8GemmConfig:
             raise ValueError(f"SPLIT_K must be <= {MAX_SPLIT_K}, got {self.SPLIT_K}")
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+        if self.backend == "wgmma":
+            check_wgmma_tile(self.BLOCK_M, self.BLOCK_N, self.num_warps, self.UNROLL)
+            if self.BLOCK_K != SCALE_BLOCK:
+                raise ValueError(f"the wgmma GEMM needs BLOCK_K {SCALE_BLOCK}, got {self.BLOCK_K}")
 
 
 Buckets = dict[int, Fp8GemmConfig]
@@ -127,6 +136,18 @@ def parse_buckets(data: object, where: str) -> Buckets:
     return dict(sorted(buckets.items()))
 
 
+def check_wgmma_tile(block_m: int, block_n: int, num_warps: int, unroll: int) -> None:
+    """Raises ValueError unless fp8_gemm_wgmma can run this tile: rows in whole warpgroup MMAs of
+    64 (4 or 8 warps), columns within one weight scale block, UNROLL a power of two."""
+    if block_m not in (64, 128) or block_n not in (16, 32, 64, 128) or num_warps not in (4, 8):
+        raise ValueError(
+            "the wgmma GEMM needs BLOCK_M 64 or 128, BLOCK_N 16-128 (a power of two) and 4 or 8 "
+            f"warps, got BLOCK_M={block_m} BLOCK_N={block_n} num_warps={num_warps}"
+        )
+    if unroll < 1 or unroll & (unroll - 1):
+        raise ValueError(f"UNROLL must be a power of two, got {unroll}")
+
+
 def check_gemv_tiles(block_scales: bool, block_n: int, block_k: int) -> None:
     """Raises ValueError unless fp8_gemv can run this tile: block-scaled weights need a program's
     rows within one scale block (BLOCK_N divides it) and K steps of whole scale groups."""
@@ -140,10 +161,13 @@ def check_gemv_tiles(block_scales: bool, block_n: int, block_k: int) -> None:
         )
 
 
-def _check_gemv_buckets(scale_format: str, buckets: Buckets, where: str) -> None:
+def _check_buckets(scale_format: str, buckets: Buckets, where: str) -> None:
     """A GEMV bucket of block-scaled weights needs rows within one scale block and K steps of
-    whole scale groups (fp8_gemv); checked when a file is read or written, not at a forward."""
+    whole scale groups (fp8_gemv), and the wgmma GEMM serves block scales only; checked when a
+    file is read or written, not at a forward."""
     for bound, config in buckets.items():
+        if config.backend == "wgmma" and scale_format != "block":
+            raise ValueError(f"{where}[{bound}]: backend 'wgmma' serves block scales only")
         if config.backend == "gemv":
             try:
                 check_gemv_tiles(scale_format == "block", config.BLOCK_N, config.BLOCK_K)
@@ -159,7 +183,7 @@ def get_fp8_gemm_buckets(scale_format: str, n: int, k: int, device_name: str | N
         path = config_path(scale_format, n, k, device_name)
         if path.is_file():
             buckets = parse_buckets(json.loads(path.read_text()), str(path))
-            _check_gemv_buckets(scale_format, buckets, str(path))
+            _check_buckets(scale_format, buckets, str(path))
             return buckets
     return DEFAULT_BUCKETS[scale_format]
 
@@ -184,7 +208,7 @@ def save_buckets(
     directory = CONFIG_DIR if directory is None else directory
     path = directory / config_path(scale_format, n, k, device_name).name
     data = {str(b): dataclasses.asdict(buckets[b]) for b in sorted(buckets)}
-    _check_gemv_buckets(scale_format, parse_buckets(data, str(path)), str(path))
+    _check_buckets(scale_format, parse_buckets(data, str(path)), str(path))
     directory.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path

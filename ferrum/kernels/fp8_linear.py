@@ -6,8 +6,10 @@ The output has x's dtype. The buckets (fp8_gemm_config) choose, per number of ro
 token for per-channel weights): the fused Triton GEMM (quantizes its own activation tiles), a
 quantization pass then the Triton GEMM, or a quantization pass then cuBLASLt ("scaled_mm"):
 torch._scaled_mm row-wise for per-channel weights, F.scaled_mm BlockWise1x128 x BlockWise128x128
-for block weights. cuBLASLt runs only where it takes the operands (bf16 output; N and K multiples
-of 16 row-wise; of 128 block-wise, on Hopper); elsewhere that bucket's Triton tile runs instead.
+for block weights; for block weights also a quantization pass then the Hopper wgmma GEMM
+(fp8_gemm_wgmma, "wgmma"). cuBLASLt runs only where it takes the operands (bf16 output; N and K
+multiples of 16 row-wise; of 128 block-wise, on Hopper), the wgmma GEMM only on Hopper (N % 8 == 0,
+K % 128 == 0); elsewhere that bucket's Triton tile runs instead.
 A block-scaled layer given x's rows already quantized (`Fp8GroupRows`, written by the kernel
 before it: an RMSNorm, SiLU-and-mul, the attention) skips its quantization pass on every path but
 the weight-only GEMV (`block_linear_takes_fp8_rows`).
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from ferrum.kernels import cuda_capability, cuda_device_name
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
 from ferrum.kernels.fp8_gemm_config import Buckets, Fp8GemmConfig, get_fp8_gemm_buckets, pick
+from ferrum.kernels.fp8_gemm_wgmma import w8a8_block_fp8_matmul_wgmma, wgmma_gemm_takes
 from ferrum.kernels.fp8_gemv import fp8_gemv
 from ferrum.kernels.fp8_quant import (
     FP8_DTYPE,
@@ -69,11 +72,17 @@ def fp8_block_linear(
             out += bias
     elif path == "fused" and x_fp8 is None:
         out = w8a8_block_fp8_matmul(x2, weight, weight_scale_inv, x.dtype, config, bias=bias)
-    else:  # "separate", or "fused" given the codes its tiles would make: the same tile reads them
+    else:  # "wgmma", "separate", or "fused" given the codes its tiles would make (the same tile)
         q, scales = (x_fp8.q, x_fp8.scales) if x_fp8 is not None else per_token_group_quant_fp8(x2)
-        out = w8a8_block_fp8_matmul(
-            q, weight, weight_scale_inv, x.dtype, config, a_scale=scales, bias=bias
-        )
+        if path == "wgmma":
+            out = w8a8_block_fp8_matmul_wgmma(
+                q, scales, weight, weight_scale_inv, x.dtype, config.BLOCK_M, config.BLOCK_N,
+                config.num_warps, config.num_stages, config.UNROLL, bias=bias,
+            )  # fmt: skip
+        else:
+            out = w8a8_block_fp8_matmul(
+                q, weight, weight_scale_inv, x.dtype, config, a_scale=scales, bias=bias
+            )
     return out.view(*x.shape[:-1], n)
 
 
@@ -134,12 +143,14 @@ def _block_path(
     config: Fp8GemmConfig, device: torch.device, dtype: torch.dtype, n: int, k: int
 ) -> str:
     """What runs a block-scaled bucket: "gemv", "scaled_mm" (where cuBLASLt takes the operands),
-    "fused" (the Triton GEMM quantizing its own tiles) or "separate" (a quantization pass, then
-    the Triton GEMM)."""
+    "wgmma" (where the Hopper kernel does), "fused" (the Triton GEMM quantizing its own tiles) or
+    "separate" (a quantization pass, then the Triton GEMM)."""
     if config.backend == "gemv":
         return "gemv"
     if config.backend == "scaled_mm" and block_scaled_mm_takes(device, dtype, n, k):
         return "scaled_mm"
+    if config.backend == "wgmma" and wgmma_gemm_takes(device, dtype, n, k):
+        return "wgmma"
     return "fused" if config.quant == "fused" else "separate"
 
 
@@ -224,6 +235,8 @@ def fp8_channel_linear(
             f"weight_scale must be [{n}, 1] float32, got {list(weight_scale.shape)} "
             f"{weight_scale.dtype}"
         )
+    if config.backend == "wgmma":
+        raise ValueError("backend 'wgmma' serves block-scaled weights only, not per-channel")
     if config.backend == "gemv":
         out = _gemv(x2, weight, weight_scale, False, config, bias)
     elif config.backend == "scaled_mm" and scaled_mm_takes(x.dtype, n, k):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,12 @@ def test_save_then_load_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         ({"SPLIT_K": 0}, "SPLIT_K must be a positive int"),
         ({"SPLIT_K": 2.0}, "SPLIT_K must be a positive int"),
         ({"SPLIT_K": 17}, "SPLIT_K must be <= 16"),
+        ({"UNROLL": 0}, "UNROLL must be a positive int"),
+        ({"backend": "wgmma", "BLOCK_M": 32}, "wgmma GEMM needs BLOCK_M 64 or 128"),
+        ({"backend": "wgmma", "BLOCK_N": 256}, "wgmma GEMM needs BLOCK_M 64 or 128, BLOCK_N"),
+        ({"backend": "wgmma", "num_warps": 2}, "and 4 or 8 warps"),
+        ({"backend": "wgmma", "UNROLL": 3}, "UNROLL must be a power of two"),
+        ({"backend": "wgmma", "BLOCK_K": 256}, "wgmma GEMM needs BLOCK_K 128"),
     ],
 )
 def test_invalid_config_fields_are_named(fields: dict, message: str) -> None:
@@ -101,3 +108,11 @@ def test_block_gemv_tiles_are_checked_when_read_or_written(
         assert get_fp8_gemm_buckets("channel", 256, 512, "GPU") == wide
     finally:
         get_fp8_gemm_buckets.cache_clear()
+
+
+def test_wgmma_buckets_serve_block_scales_only(tmp_path: Path) -> None:
+    wgmma = {256: Fp8GemmConfig("wgmma", BLOCK_M=64, BLOCK_N=128, UNROLL=4)}
+    with pytest.raises(ValueError, match=r"\[256\]: backend 'wgmma' serves block scales only"):
+        save_buckets("channel", 256, 512, "GPU", wgmma, tmp_path)
+    path = save_buckets("block", 256, 512, "GPU", wgmma, tmp_path)
+    assert parse_buckets(json.loads(path.read_text()), str(path)) == wgmma

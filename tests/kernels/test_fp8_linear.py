@@ -27,6 +27,7 @@ SMALL = Fp8GemmConfig(quant="fused", BLOCK_M=16, BLOCK_N=64, GROUP_M=1, num_stag
 LARGE = Fp8GemmConfig(quant="separate", BLOCK_M=32, BLOCK_N=64, num_stages=2)
 SCALED_MM = Fp8GemmConfig(backend="scaled_mm", BLOCK_M=32, BLOCK_N=64, num_stages=2)
 GEMV = Fp8GemmConfig(backend="gemv", BLOCK_N=16, BLOCK_K=128)
+WGMMA = Fp8GemmConfig(backend="wgmma", BLOCK_M=64, BLOCK_N=64, num_stages=3, UNROLL=4)
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
@@ -76,6 +77,32 @@ def test_scaled_mm_bucket_falls_back_to_triton_where_cublas_cannot(device: torch
     x = representable(5, 160, 160, torch.float16, device)
     out = fp8_channel_linear(x, weight, scale, buckets={64: SCALED_MM})
     _close(out, w8a8_channel_fp8_matmul_ref(x, weight, scale, torch.float16), 4e-3)
+
+
+@pytest.mark.parametrize("given_rows", [False, True], ids=["quantizes", "rows"])
+@pytest.mark.parametrize("m", [3, 70])
+def test_wgmma_bucket(m: int, given_rows: bool, device: torch.device) -> None:
+    """The Hopper wgmma GEMM where it runs (sm90, bf16/fp16 out), the bucket's Triton tile
+    elsewhere (here on CPU, or on another GPU); the same result either way. K = 640: five K
+    steps, so UNROLL 4 drops to 1; N = 320 ends in a partial weight-scale block; bias added."""
+    gen = torch.Generator().manual_seed(m)
+    weight, scale_inv = (
+        t.to(device) for t in quantize_weight_block(torch.randn(320, 640, generator=gen))
+    )
+    bias = torch.randn(320, generator=gen).to(device, torch.float16)
+    x = representable(m, 640, 128, torch.float16, device, seed=m)
+    rows = Fp8GroupRows(*per_token_group_quant_fp8(x)) if given_rows else None
+    out = fp8_block_linear(x, weight, scale_inv, bias, buckets={256: WGMMA}, x_fp8=rows)
+    _close(out, w8a8_block_fp8_matmul_ref(x, weight, scale_inv, torch.float16, bias=bias), 4e-3)
+    assert block_linear_takes_fp8_rows(device, x.dtype, 320, 640, m, {256: WGMMA}) == (
+        device.type == "cuda"
+    )
+
+
+def test_wgmma_bucket_refused_for_per_channel_weights() -> None:
+    weight, scale = quantize_weight_per_channel(torch.randn(32, 128))
+    with pytest.raises(ValueError, match="'wgmma' serves block-scaled weights only"):
+        fp8_channel_linear(torch.randn(2, 128).half(), weight, scale, buckets={8: WGMMA})
 
 
 def test_default_buckets_run(device: torch.device) -> None:
