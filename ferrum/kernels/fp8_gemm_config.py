@@ -73,7 +73,9 @@ class Fp8GemmConfig:
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
         if self.backend == "wgmma":
-            check_wgmma_tile(self.BLOCK_M, self.BLOCK_N, self.num_warps, self.UNROLL)
+            check_wgmma_tile(
+                self.BLOCK_M, self.BLOCK_N, self.num_warps, self.num_stages, self.UNROLL
+            )
             if self.BLOCK_K != SCALE_BLOCK:
                 raise ValueError(f"the wgmma GEMM needs BLOCK_K {SCALE_BLOCK}, got {self.BLOCK_K}")
 
@@ -136,14 +138,20 @@ def parse_buckets(data: object, where: str) -> Buckets:
     return dict(sorted(buckets.items()))
 
 
-def check_wgmma_tile(block_m: int, block_n: int, num_warps: int, unroll: int) -> None:
+def check_wgmma_tile(
+    block_m: int, block_n: int, num_warps: int, num_stages: int, unroll: int
+) -> None:
     """Raises ValueError unless fp8_gemm_wgmma can run this tile: rows in whole warpgroup MMAs of
-    64 (4 or 8 warps), columns within one weight scale block, UNROLL a power of two."""
+    64 (4 or 8 warps), columns within one weight scale block, at least two buffers (a step's
+    buffers are refilled while the next step's product still reads its own), UNROLL a power of
+    two."""
     if block_m not in (64, 128) or block_n not in (16, 32, 64, 128) or num_warps not in (4, 8):
         raise ValueError(
             "the wgmma GEMM needs BLOCK_M 64 or 128, BLOCK_N 16-128 (a power of two) and 4 or 8 "
             f"warps, got BLOCK_M={block_m} BLOCK_N={block_n} num_warps={num_warps}"
         )
+    if num_stages < 2:
+        raise ValueError(f"the wgmma GEMM needs num_stages >= 2, got {num_stages}")
     if unroll < 1 or unroll & (unroll - 1):
         raise ValueError(f"UNROLL must be a power of two, got {unroll}")
 

@@ -247,7 +247,7 @@ def w8a8_block_fp8_matmul_wgmma(
 ) -> torch.Tensor:
     """[M, N] out_dtype; callers check `wgmma_gemm_takes` first."""
     m, n, k = check_fp8_operands(a, weight, w_scale, True, bias, out_dtype, a_scale)
-    check_wgmma_tile(block_m, block_n, num_warps, unroll)
+    check_wgmma_tile(block_m, block_n, num_warps, num_stages, unroll)
     if not wgmma_gemm_takes(a.device, out_dtype, n, k):
         raise ValueError(
             f"the wgmma GEMM needs a Hopper GPU, a bf16/fp16 output, K % 128 == 0 and N % 8 == 0, "
