@@ -15,8 +15,9 @@ overhead is left out) over enough weight copies to exceed the L2 cache; prints m
 TFLOP/s (2MNK) and GB/s (weight + activation + output bytes).
 --sweep times a grid of Triton tiles (split-K included) and, for block scales on Hopper, of the
 wgmma GEMM's tiles (--sweep-backends) per shape, M and format (--formats) and prints the best;
---save DIR writes the tuned buckets of each shape with the swept M's replaced (by cuBLASLt,
-backend scaled_mm, where it was faster; kept where the layer's current bucket was faster). --gemv-sweep times a grid of GEMV tiles
+--save DIR writes the tuned buckets of each shape with the swept M's replaced (`merged_bucket`:
+by cuBLASLt, backend scaled_mm, where it was faster; for block scales, left as they were where
+the layer as shipped in fp8_gemm_configs/ was faster). --gemv-sweep times a grid of GEMV tiles
 at each M <= 16 and prints the best per shape, M and format.
 Usage: python benchmarks/bench_fp8_gemm.py [--m 1,8,64,256,2048,8192] [--sweep [--save DIR]]
        [--gemv-sweep [--formats block,channel] [--save-gemv DIR]] [--out file.json]
@@ -296,6 +297,31 @@ def run_sweep(
     return {"us": us, "config": dataclasses.asdict(config)}
 
 
+def merged_bucket(
+    current: Fp8GemmConfig | None,
+    best: dict,
+    scaled_mm_us: float | None,
+    current_us: float | None,
+) -> Fp8GemmConfig | None:
+    """What --save writes for one swept M, or None to leave the buckets as they are.
+    `current`: bucket M as it was (None: M had no bucket of its own); `best`: the sweep's fastest
+    ({"us", "config"}); `scaled_mm_us`: cuBLASLt's time; `current_us`: the layer's time as shipped
+    (the block_linear row, so block scales only; None elsewhere).
+    - A GEMV bucket stays (--gemv-sweep times it).
+    - cuBLASLt, where it beat the sweep, is saved as backend "scaled_mm" with a Triton tile for
+      where it does not run: the best if that is a Triton tile (timed), else the bucket's own.
+    - Nothing changes where the layer as shipped was faster than both."""
+    if current is not None and current.backend == "gemv":
+        return None
+    config, fastest = Fp8GemmConfig(**best["config"]), best["us"]
+    if scaled_mm_us is not None and scaled_mm_us < fastest:
+        tile = config if config.backend == "triton" or current is None else current
+        config, fastest = dataclasses.replace(tile, backend="scaled_mm"), scaled_mm_us
+    if current_us is not None and current_us <= fastest:
+        return None
+    return config
+
+
 def base_buckets(scale_format: str, n: int, k: int, device_name: str, directory: Path) -> Buckets:
     """What --save and --save-gemv merge into: this shape's file in `directory` when one is there
     (an earlier save), else the tuned file in fp8_gemm_configs/, else the defaults."""
@@ -317,7 +343,8 @@ def main() -> int:
         default=None,
         help="with --sweep: per shape and format, write DIR/ config files: DIR's file of the "
         "shape (else fp8_gemm_configs/'s, else the defaults) with each swept M's bucket replaced "
-        "by its best Triton tile, or by cuBLASLt where that was faster; GEMV buckets are kept",
+        "by the sweep's best tile, or by cuBLASLt where that was faster; GEMV buckets are kept, "
+        "and block buckets where the layer as shipped was faster",
     )
     parser.add_argument(
         "--sweep-backends",
@@ -405,25 +432,18 @@ def main() -> int:
                 for m, best in per_m.items():
                     if not best:
                         continue
-                    if buckets.get(m, Fp8GemmConfig()).backend == "gemv":
-                        print(f"  kept the GEMV bucket {m} of {name} {fmt} (--gemv-sweep times it)")
-                        continue
-                    config = Fp8GemmConfig(**best["config"])
                     row = next(r for r in results if r["shape"] == name and r["M"] == m)
-                    scaled = row["rows"].get(f"{fmt}_scaled_mm", {}).get("us")
-                    if scaled is not None and scaled < best["us"]:
-                        config = dataclasses.replace(config, backend="scaled_mm")
-                    # The layer as it stands (bucket m, if there is one) keeps it when faster.
-                    current = row["rows"].get(f"{fmt}_linear", {}).get("us")
-                    if (
-                        m in buckets
-                        and current is not None
-                        and current < min(best["us"], scaled or best["us"])
-                    ):
-                        print(f"  kept bucket {m} of {name} {fmt}: {current:.1f} us is the fastest")
-                        continue
-                    buckets[m] = config
-                if per_m:
+                    config = merged_bucket(
+                        buckets.get(m),
+                        best,
+                        row["rows"].get(f"{fmt}_scaled_mm", {}).get("us"),
+                        row["rows"].get(f"{fmt}_linear", {}).get("us"),
+                    )
+                    if config is None:
+                        print(f"  kept bucket {m} of {name} {fmt}")
+                    else:
+                        buckets[m] = config
+                if any(per_m.values()):
                     path = save_buckets(
                         fmt, n, k, device_name, dict(sorted(buckets.items())), args.save
                     )

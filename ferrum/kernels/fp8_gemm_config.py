@@ -24,6 +24,8 @@ SCALE_BLOCK = 128
 # Split-K partials are summed one after another by one program: more splits than this cost more
 # in the sum than they gain in parallel reads.
 MAX_SPLIT_K = 16
+# Shared memory one block may use on Hopper (227 KB).
+HOPPER_SHARED_MEMORY = 227 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +87,13 @@ Buckets = dict[int, Fp8GemmConfig]
 # One row takes the GEMV: on the H100 at Qwen3-8B shapes it is 1.2-2.4x cuBLASLt there, and
 # slower from two rows on (benchmarks/RESULTS.md, issue 13). cuBLASLt wherever it takes the
 # operands above that: it beat these Triton tiles, untuned and without split-K, at every M (3-10x
-# at M <= 64). Tuned files (bench_fp8_gemm.py --sweep) take Triton tiles, split-K for most
-# narrow outputs, where they measured faster: at Qwen3-8B's shapes on the H100, up to 64 rows
-# on every shape, 128 on qkv, o and down, and 256 on o. A scaled_mm bucket's tile fields are the Triton tile that
-# runs where cuBLASLt does not take the operands. The default Triton tiles below: decode batches
+# at M <= 64). Tuned files (bench_fp8_gemm.py --sweep) take, where they measured faster, Triton
+# tiles (split-K for narrow outputs) up to 16 rows, and the Hopper wgmma GEMM from 17 to 256 rows
+# (to 128 on gate_up) at the H100 shapes of Qwen3-8B and Qwen3-30B-A3B's attention. A scaled_mm or
+# wgmma bucket's tile fields are the Triton tile that runs where that backend does not take the
+# operands. The defaults stay without wgmma: at 256 rows its best tile lost to cuBLASLt on
+# gate_up, so no one tile is a safe default there (benchmarks/RESULTS.md, 2026-11-28). The
+# default Triton tiles below: decode batches
 # take narrow N tiles and quantize their few activation rows inside the GEMM (one launch); larger
 # batches quantize once, then run wide tiles.
 _FUSED = ("scaled_mm", "fused")
@@ -152,6 +157,15 @@ def check_wgmma_tile(
         )
     if num_stages < 2:
         raise ValueError(f"the wgmma GEMM needs num_stages >= 2, got {num_stages}")
+    # FP8 A and W tiles of 128 columns a buffer, 8 bytes a barrier; the 16-bit output tile reuses
+    # the buffers once the K loop is done (as compiled for sm90).
+    buffers = num_stages * (block_m + block_n) * SCALE_BLOCK
+    smem = max(buffers, 2 * block_m * block_n) + 8 * num_stages
+    if smem > HOPPER_SHARED_MEMORY:
+        raise ValueError(
+            f"the wgmma tile {block_m}x{block_n} with {num_stages} stages needs {smem} bytes of "
+            f"shared memory, more than Hopper's {HOPPER_SHARED_MEMORY}"
+        )
     if unroll < 1 or unroll & (unroll - 1):
         raise ValueError(f"UNROLL must be a power of two, got {unroll}")
 

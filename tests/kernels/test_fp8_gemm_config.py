@@ -71,6 +71,10 @@ def test_save_then_load_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         ({"backend": "wgmma", "num_warps": 2}, "and 4 or 8 warps"),
         ({"backend": "wgmma", "UNROLL": 3}, "UNROLL must be a power of two"),
         ({"backend": "wgmma", "num_stages": 1}, "wgmma GEMM needs num_stages >= 2"),
+        (
+            {"backend": "wgmma", "BLOCK_M": 128, "num_warps": 8, "num_stages": 8},
+            "tile 128x128 with 8 stages needs 262208 bytes",
+        ),
         ({"backend": "wgmma", "BLOCK_K": 256}, "wgmma GEMM needs BLOCK_K 128"),
     ],
 )

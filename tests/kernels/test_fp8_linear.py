@@ -12,6 +12,7 @@ from ferrum.kernels.fp8_gemm_ref import (
     w8a8_channel_fp8_matmul_ref,
 )
 from ferrum.kernels.fp8_linear import (
+    _block_path,
     block_linear_takes_fp8_rows,
     block_scaled_mm_takes,
     fp8_block_linear,
@@ -97,6 +98,8 @@ def test_wgmma_bucket(m: int, given_rows: bool, device: torch.device) -> None:
     assert block_linear_takes_fp8_rows(device, x.dtype, 320, 640, m, {256: WGMMA}) == (
         device.type == "cuda"
     )
+    on_hopper = device.type == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    assert (_block_path(WGMMA, device, x.dtype, 320, 640) == "wgmma") == on_hopper
 
 
 def test_wgmma_bucket_refused_for_per_channel_weights() -> None:
