@@ -36,10 +36,10 @@ class Fp8GemmConfig:
     the activations are not quantized; BLOCK_M, GROUP_M and quant unused); "wgmma" (block scales
     only): fp8_gemm_wgmma's Hopper kernel, BLOCK_M x BLOCK_N tiles, num_stages TMA buffers,
     UNROLL K steps an iteration (GROUP_M, SPLIT_K and quant unused; activations quantized
-    first), else the Triton tile below runs. quant "fused": the
-    Triton GEMM quantizes its activation tiles itself; "separate": a quantization pass writes fp8
-    activations first. SPLIT_K (Triton only): programs sharing one output tile's K steps, their
-    fp32 partials summed in a fixed order by the last to finish (fp8_gemm)."""
+    first), else the Triton tile below runs. quant "fused": the Triton GEMM quantizes its
+    activation tiles itself; "separate": a quantization pass writes fp8 activations first.
+    SPLIT_K (Triton only): programs sharing one output tile's K steps, their fp32 partials summed
+    in a fixed order by the last to finish (fp8_gemm)."""
 
     backend: str = "triton"
     quant: str = "separate"
@@ -93,9 +93,8 @@ Buckets = dict[int, Fp8GemmConfig]
 # wgmma bucket's tile fields are the Triton tile that runs where that backend does not take the
 # operands. The defaults stay without wgmma: at 256 rows its best tile lost to cuBLASLt on
 # gate_up, so no one tile is a safe default there (benchmarks/RESULTS.md, 2026-11-28). The
-# default Triton tiles below: decode batches
-# take narrow N tiles and quantize their few activation rows inside the GEMM (one launch); larger
-# batches quantize once, then run wide tiles.
+# default Triton tiles below: decode batches take narrow N tiles and quantize their few activation
+# rows inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
 _FUSED = ("scaled_mm", "fused")
 _GEMV = Fp8GemmConfig("gemv", BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2)
 DEFAULT_BUCKETS: dict[str, Buckets] = {

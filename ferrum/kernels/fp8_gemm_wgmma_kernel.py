@@ -86,6 +86,19 @@ def _issue_step(a_bufs, w_bufs, bars, like, kb, NUM_STAGES: gl.constexpr):
     )
 
 
+@gluon.jit
+def _retire_step(
+    acc, product, scale, PENDING: gl.constexpr, a_desc, w_desc, a_bufs, w_bufs, bars, off_m,
+    off_n, done, num_groups, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """Waits until at most PENDING products are in flight (step `done`'s is complete), scales
+    it into acc, and refills its buffers. Returns acc."""
+    product = warpgroup_mma_wait(num_outstanding=PENDING, deps=(product,))
+    acc += product * scale[:, None]
+    _refill(a_desc, w_desc, a_bufs, w_bufs, bars, off_m, off_n, done, num_groups, NUM_STAGES)
+    return acc
+
+
 # M is the step's row count: not specialised, so no row count compiles a variant warm-up missed.
 @gluon.jit(do_not_specialize=("M",))
 def _w8a8_block_wgmma_kernel(
@@ -162,19 +175,15 @@ def _w8a8_block_wgmma_kernel(
                 a_scale_ptr, w_scale_ptr, offs_m, mask_m, stride_asm, w_row, num_groups, kb0 + j
             )
             next_product = _issue_step(a_bufs, w_bufs, bars, acc, kb0 + j, NUM_STAGES)
-            product = warpgroup_mma_wait(num_outstanding=1, deps=(product,))
-            acc += product * scale[:, None]
-            _refill(
-                a_desc, w_desc, a_bufs, w_bufs, bars, off_m, off_n, kb0 + j - 1, num_groups,
-                NUM_STAGES,
+            acc = _retire_step(
+                acc, product, scale, 1, a_desc, w_desc, a_bufs, w_bufs, bars, off_m, off_n,
+                kb0 + j - 1, num_groups, NUM_STAGES,
             )  # fmt: skip
             product = next_product
             scale = next_scale
-        product = warpgroup_mma_wait(num_outstanding=0, deps=(product,))
-        acc += product * scale[:, None]
-        _refill(
-            a_desc, w_desc, a_bufs, w_bufs, bars, off_m, off_n, kb0 + UNROLL - 1, num_groups,
-            NUM_STAGES,
+        acc = _retire_step(
+            acc, product, scale, 0, a_desc, w_desc, a_bufs, w_bufs, bars, off_m, off_n,
+            kb0 + UNROLL - 1, num_groups, NUM_STAGES,
         )  # fmt: skip
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(bars.index(s))
