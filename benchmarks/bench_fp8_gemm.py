@@ -2,7 +2,7 @@
 
 Each row is one linear x [M, K] bf16 -> [M, N] bf16 including its activation quantization:
   bf16_mm            torch.nn.functional.linear on a bf16 weight
-  block_linear       ferrum fp8_block_linear, default buckets (cuBLASLt where it takes the shape)
+  block_linear       ferrum fp8_block_linear as shipped (fp8_gemm_configs/, else the defaults)
   block_triton       ferrum fp8_block_linear with every bucket but the GEMV's on Triton
   block_scaled_mm    group quantization + F.scaled_mm BlockWise1x128 x BlockWise128x128 (cuBLASLt;
                      recorded as unsupported where this torch/CUDA build refuses it)
@@ -37,16 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
+from benchmarks.fp8_bucket_merge import base_buckets, merged_bucket
 from benchmarks.gpu_timing import graph_us
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
 from ferrum.kernels.fp8_gemm_config import (
     DEFAULT_BUCKETS,
     SCALE_FORMATS,
-    Buckets,
     Fp8GemmConfig,
-    config_path,
-    get_fp8_gemm_buckets,
-    parse_buckets,
+    pick,
     save_buckets,
 )
 from ferrum.kernels.fp8_gemm_wgmma import wgmma_gemm_takes
@@ -297,40 +295,6 @@ def run_sweep(
     return {"us": us, "config": dataclasses.asdict(config)}
 
 
-def merged_bucket(
-    current: Fp8GemmConfig | None,
-    best: dict,
-    scaled_mm_us: float | None,
-    current_us: float | None,
-) -> Fp8GemmConfig | None:
-    """What --save writes for one swept M, or None to leave the buckets as they are.
-    `current`: bucket M as it was (None: M had no bucket of its own); `best`: the sweep's fastest
-    ({"us", "config"}); `scaled_mm_us`: cuBLASLt's time; `current_us`: the layer's time as shipped
-    (the block_linear row, so block scales only; None elsewhere).
-    - A GEMV bucket stays (--gemv-sweep times it).
-    - cuBLASLt, where it beat the sweep, is saved as backend "scaled_mm" with a Triton tile for
-      where it does not run: the best if that is a Triton tile (timed), else the bucket's own.
-    - Nothing changes where the layer as shipped was faster than both."""
-    if current is not None and current.backend == "gemv":
-        return None
-    config, fastest = Fp8GemmConfig(**best["config"]), best["us"]
-    if scaled_mm_us is not None and scaled_mm_us < fastest:
-        tile = config if config.backend == "triton" or current is None else current
-        config, fastest = dataclasses.replace(tile, backend="scaled_mm"), scaled_mm_us
-    if current_us is not None and current_us <= fastest:
-        return None
-    return config
-
-
-def base_buckets(scale_format: str, n: int, k: int, device_name: str, directory: Path) -> Buckets:
-    """What --save and --save-gemv merge into: this shape's file in `directory` when one is there
-    (an earlier save), else the tuned file in fp8_gemm_configs/, else the defaults."""
-    path = directory / config_path(scale_format, n, k, device_name).name
-    if path.is_file():
-        return parse_buckets(json.loads(path.read_text()), str(path))
-    return dict(get_fp8_gemm_buckets(scale_format, n, k, device_name))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=QWEN3_8B, help="name:NxK,... (out x in features)")
@@ -438,9 +402,10 @@ def main() -> int:
                         best,
                         row["rows"].get(f"{fmt}_scaled_mm", {}).get("us"),
                         row["rows"].get(f"{fmt}_linear", {}).get("us"),
+                        pick(DEFAULT_BUCKETS[fmt], m),
                     )
                     if config is None:
-                        print(f"  kept bucket {m} of {name} {fmt}")
+                        print(f"  left the buckets of {name} {fmt} at {m} rows as they were")
                     else:
                         buckets[m] = config
                 if any(per_m.values()):

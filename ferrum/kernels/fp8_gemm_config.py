@@ -91,7 +91,7 @@ Buckets = dict[int, Fp8GemmConfig]
 # tiles (split-K for narrow outputs) up to 16 rows, and the Hopper wgmma GEMM from 17 to 256 rows
 # (to 128 on gate_up) at the H100 shapes of Qwen3-8B and Qwen3-30B-A3B's attention. A scaled_mm or
 # wgmma bucket's tile fields are the Triton tile that runs where that backend does not take the
-# operands. The defaults stay without wgmma: at 256 rows its best tile lost to cuBLASLt on
+# operands (for wgmma buckets an untimed one: off Hopper, or with a Triton older than 3.5). The defaults stay without wgmma: at 256 rows its best tile lost to cuBLASLt on
 # gate_up, so no one tile is a safe default there (benchmarks/RESULTS.md, 2026-11-28). The
 # default Triton tiles below: decode batches take narrow N tiles and quantize their few activation
 # rows inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
@@ -147,8 +147,8 @@ def check_wgmma_tile(
 ) -> None:
     """Raises ValueError unless fp8_gemm_wgmma can run this tile: rows in whole warpgroup MMAs of
     64 (4 or 8 warps), columns within one weight scale block, at least two buffers (a step's
-    buffers are refilled while the next step's product still reads its own), UNROLL a power of
-    two."""
+    buffers are refilled while the next step's product still reads its own) and no more than
+    Hopper's shared memory holds, UNROLL a power of two."""
     if block_m not in (64, 128) or block_n not in (16, 32, 64, 128) or num_warps not in (4, 8):
         raise ValueError(
             "the wgmma GEMM needs BLOCK_M 64 or 128, BLOCK_N 16-128 (a power of two) and 4 or 8 "
@@ -156,10 +156,10 @@ def check_wgmma_tile(
         )
     if num_stages < 2:
         raise ValueError(f"the wgmma GEMM needs num_stages >= 2, got {num_stages}")
-    # FP8 A and W tiles of 128 columns a buffer, 8 bytes a barrier; the 16-bit output tile reuses
-    # the buffers once the K loop is done (as compiled for sm90).
-    buffers = num_stages * (block_m + block_n) * SCALE_BLOCK
-    smem = max(buffers, 2 * block_m * block_n) + 8 * num_stages
+    # FP8 A and W tiles of 128 columns a buffer, 8 bytes a barrier. The 16-bit output tile reuses
+    # the buffers once the K loop is done (as compiled for sm90) and, with BLOCK_N <= 128 and two
+    # buffers or more, is never larger than them.
+    smem = num_stages * (block_m + block_n) * SCALE_BLOCK + 8 * num_stages
     if smem > HOPPER_SHARED_MEMORY:
         raise ValueError(
             f"the wgmma tile {block_m}x{block_n} with {num_stages} stages needs {smem} bytes of "

@@ -11,7 +11,8 @@ previous step's (`warpgroup_mma_wait(num_outstanding=1)`) and scales that one in
 accumulator while the new one runs. TMA loads run NUM_STAGES steps ahead.
 
 The kernel (fp8_gemm_wgmma_kernel.py) needs Gluon's Hopper API (Triton 3.5 or later); with an
-older Triton `wgmma_gemm_takes` is False and buckets run their Triton tile instead.
+older Triton `wgmma_gemm_takes` is False and wgmma buckets run their tile on the Triton GEMM (its
+fields read as a Triton tile, which no sweep timed: slower than a tuned Triton bucket).
 
 Invariants: BLOCK_K == 128 (one scale group a step); BLOCK_N divides 128, so a tile's columns
 share one weight block and its scale is one scalar a step; K % 128 == 0. Rows and columns past
@@ -27,12 +28,24 @@ from ferrum.kernels import cuda_capability
 from ferrum.kernels.fp8_gemm import check_fp8_operands
 from ferrum.kernels.fp8_gemm_config import SCALE_BLOCK, check_wgmma_tile
 
-try:
-    from ferrum.kernels.fp8_gemm_wgmma_kernel import OUT_DTYPES, launch
+try:  # Gluon's Hopper API, as the kernel uses it (Triton 3.5 on)
+    from triton.experimental.gluon.language.nvidia.hopper import (  # noqa: F401
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
 
     TRITON_HAS_GLUON_HOPPER = True
-except ImportError:  # a Triton without Gluon's Hopper API: the buckets' Triton tiles run
-    OUT_DTYPES, TRITON_HAS_GLUON_HOPPER = (), False
+except ImportError:  # an older Triton: wgmma buckets run their tile on the Triton GEMM
+    TRITON_HAS_GLUON_HOPPER = False
+
+if TRITON_HAS_GLUON_HOPPER:  # any error in the kernel module itself is raised, not hidden
+    from ferrum.kernels.fp8_gemm_wgmma_kernel import OUT_DTYPES, launch
+else:
+    OUT_DTYPES = ()
 
 
 def wgmma_gemm_takes(device: torch.device, out_dtype: torch.dtype, n: int, k: int) -> bool:

@@ -8,8 +8,8 @@ quantization pass then the Triton GEMM, or a quantization pass then cuBLASLt ("s
 torch._scaled_mm row-wise for per-channel weights, F.scaled_mm BlockWise1x128 x BlockWise128x128
 for block weights; for block weights also a quantization pass then the Hopper wgmma GEMM
 (fp8_gemm_wgmma, "wgmma"). cuBLASLt runs only where it takes the operands (bf16 output; N and K
-multiples of 16 row-wise; of 128 block-wise, on Hopper), the wgmma GEMM only on Hopper (N % 8 == 0,
-K % 128 == 0); elsewhere that bucket's Triton tile runs instead.
+multiples of 16 row-wise; of 128 block-wise, on Hopper), the wgmma GEMM only on Hopper with a
+Triton that has Gluon (N % 8 == 0, K % 128 == 0); elsewhere that bucket's Triton tile runs instead.
 A block-scaled layer given x's rows already quantized (`Fp8GroupRows`, written by the kernel
 before it: an RMSNorm, SiLU-and-mul, the attention) skips its quantization pass on every path but
 the weight-only GEMV (`block_linear_takes_fp8_rows`).

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import importlib
+import sys
+
 import pytest
 import torch
 
@@ -69,9 +72,28 @@ def test_zero_rows() -> None:
     )
 
 
-def test_a_triton_without_gluon_takes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fp8_gemm_wgmma, "TRITON_HAS_GLUON_HOPPER", False)
-    assert not wgmma_gemm_takes(torch.device("cuda", 0), torch.bfloat16, 128, 256)
+def test_the_pinned_triton_has_gluon_hopper() -> None:
+    """The test dependency (Triton 3.6) has the API, so the kernel module imports in CI: an error
+    in it fails here rather than switching the kernel off."""
+    assert fp8_gemm_wgmma.TRITON_HAS_GLUON_HOPPER
+    assert (torch.bfloat16, torch.float16) == fp8_gemm_wgmma.OUT_DTYPES
+
+
+def test_a_triton_without_gluon_takes_nothing() -> None:
+    hopper = "triton.experimental.gluon.language.nvidia.hopper"
+    saved = sys.modules.get(hopper)
+    sys.modules[hopper] = None  # importing it now raises ImportError
+    try:
+        module = importlib.reload(fp8_gemm_wgmma)
+        assert not module.TRITON_HAS_GLUON_HOPPER and module.OUT_DTYPES == ()
+        assert not module.wgmma_gemm_takes(torch.device("cuda", 0), torch.bfloat16, 128, 256)
+    finally:
+        if saved is None:
+            del sys.modules[hopper]
+        else:
+            sys.modules[hopper] = saved
+        importlib.reload(fp8_gemm_wgmma)
+    assert fp8_gemm_wgmma.TRITON_HAS_GLUON_HOPPER
 
 
 def test_refuses_what_it_cannot_run() -> None:
