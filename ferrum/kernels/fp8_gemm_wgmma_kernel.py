@@ -3,6 +3,8 @@ fp8_gemm_wgmma imports it, where that API exists. `launch` expects operands alre
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -206,9 +208,17 @@ def _unroll(num_groups: int, most: int) -> int:
     return unroll
 
 
-def _descriptor(t: torch.Tensor, block: list[int], dtype) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+@functools.cache
+def _shared_layout(block: tuple[int, int], dtype) -> gl.NVMMASharedLayout:
+    """The TMA tile's swizzled layout (immutable; computing it is most of a descriptor's host
+    time, and eager steps build three descriptors a linear layer)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
+def _descriptor(t: torch.Tensor, block: tuple[int, int], dtype) -> TensorDescriptor:
+    return TensorDescriptor(
+        t, list(t.shape), list(t.stride()), list(block), _shared_layout(block, dtype)
+    )
 
 
 def launch(
@@ -226,9 +236,9 @@ def launch(
 ) -> None:
     m, k = a.shape
     n = weight.shape[0]
-    a_desc = _descriptor(a, [block_m, GROUP.value], gl.float8e4nv)
-    w_desc = _descriptor(weight, [block_n, GROUP.value], gl.float8e4nv)
-    out_desc = _descriptor(out, [block_m, block_n], _GL_DTYPES[out.dtype])
+    a_desc = _descriptor(a, (block_m, GROUP.value), gl.float8e4nv)
+    w_desc = _descriptor(weight, (block_n, GROUP.value), gl.float8e4nv)
+    out_desc = _descriptor(out, (block_m, block_n), _GL_DTYPES[out.dtype])
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _w8a8_block_wgmma_kernel[grid](
         a_desc, w_desc, out_desc, a_scale, w_scale, bias if bias is not None else w_scale,
