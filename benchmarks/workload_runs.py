@@ -148,21 +148,26 @@ def run_repeated(run: Callable[[int], dict[str, Any]], repeats: int) -> dict[str
     return figures
 
 
+def _measure(
+    llm: LLM, vocab_size: int, prompts: list[list[int]], output_lens: list[int], temperature: float
+) -> dict[str, Any]:
+    """Every prompt (folded into the vocabulary) submitted at once: the throughput figures."""
+    folded = workloads.fold_to_vocab(prompts, vocab_size)
+    return measure_throughput(llm, folded, output_lens, temperature).to_dict()
+
+
 def run_concurrent(
     llm: LLM, vocab_size: int, scale: float, num_prompts: int, seed: int
 ) -> dict[str, Any]:
     """`c16` / `c64`: every prompt submitted at once; output tokens / s."""
     input_len, output_len = scaled(256, scale), scaled(256, scale)
     prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=seed)
-    result = measure_throughput(
-        llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, C_TEMPERATURE
-    )
     return {
         "num_prompts": num_prompts,
         "input_len": input_len,
         "output_len": output_len,
         "temperature": C_TEMPERATURE,
-        **result.to_dict(),
+        **_measure(llm, vocab_size, prompts, output_lens, C_TEMPERATURE),
     }
 
 
@@ -171,10 +176,8 @@ def run_long(llm: LLM, vocab_size: int, scale: float, seed: int) -> dict[str, An
     num_prompts = scaled(LONG_PROMPTS, scale)
     input_len, output_len = scaled(LONG_INPUT_LEN, scale), scaled(LONG_OUTPUT_LEN, scale)
     prompts, output_lens = workloads.batch(num_prompts, input_len, output_len, seed=seed)
-    result = measure_throughput(
-        llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, C_TEMPERATURE
-    )
-    return {"num_prompts": num_prompts, "input_len": input_len, **result.to_dict()}
+    figures = _measure(llm, vocab_size, prompts, output_lens, C_TEMPERATURE)
+    return {"num_prompts": num_prompts, "input_len": input_len, **figures}
 
 
 def run_decode_at_context(llm: LLM, vocab_size: int, scale: float) -> dict[str, Any]:
@@ -214,16 +217,13 @@ def run_nano(
     prompts, output_lens = workloads.nano(
         seed=seed, num_seqs=num_seqs, max_in=max_in, max_out=max_out
     )
-    result = measure_throughput(
-        llm, workloads.fold_to_vocab(prompts, vocab_size), output_lens, NANO_TEMPERATURE
-    )
     return {
         "num_prompts": num_seqs,
         "max_input_len": max_in,
         "max_output_len": max_out,
         "temperature": NANO_TEMPERATURE,
         "engine_seed": engine_seed,
-        **result.to_dict(),
+        **_measure(llm, vocab_size, prompts, output_lens, NANO_TEMPERATURE),
     }
 
 
