@@ -1,90 +1,18 @@
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from ferrum.kernels.fp8_quant import Fp8GroupRows, empty_group_rows, per_token_group_quant_fp8
 from ferrum.kernels.paged_attention import (
-    SPLIT_KV_MAX_PROGRAMS,
-    SPLIT_KV_MAX_SPLITS,
-    SPLIT_KV_MIN_SEQ_LEN,
     allocate_split_kv_workspace,
-    default_num_splits,
     paged_attention,
     paged_attention_split_kv,
     paged_attention_unified,
-    split_kv_max_programs,
-    split_kv_workspace_shapes,
-    use_split_kv,
     write_kv_cache,
 )
-from ferrum.kernels.paged_attention_common import SPLIT_KV_FP8_FACTOR
-
-TOL = {
-    torch.float32: dict(atol=1e-4, rtol=1e-4),
-    torch.float16: dict(atol=4e-3, rtol=4e-3),
-    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
-}
-
-
-@dataclass
-class Batch:
-    query: torch.Tensor
-    kv_cache: torch.Tensor
-    block_tables: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
-    max_query_len: int
-    max_seq_len: int
-
-
-def make_batch(
-    query_lens: list[int],
-    seq_lens: list[int],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    seed: int = 0,
-) -> Batch:
-    """Random queries and cache; each request's blocks are scattered over a shuffled pool and
-    block-table entries past the context hold -1."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_req = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_req) + 3
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    block_tables = torch.full((len(seq_lens), max(blocks_per_req) + 2), -1, dtype=torch.int32)
-    for i, n in enumerate(blocks_per_req):
-        block_tables[i, :n] = torch.tensor(pool[:n], dtype=torch.int32)
-        pool = pool[n:]
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen)
-    starts = [0, *itertools.accumulate(query_lens)]
-    return Batch(
-        query=query.to(device=device, dtype=dtype),
-        kv_cache=kv_cache.to(device=device, dtype=dtype),
-        block_tables=block_tables.to(device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=list(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-    )
-
-
-def reference(b: Batch, scale: float) -> torch.Tensor:
-    return paged_attention_ref(
-        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, scale
-    )
+from tests.utils.paged_batches import TOL, free_blocks_below_window, make_batch, reference
 
 
 @pytest.mark.parametrize(
@@ -146,104 +74,6 @@ def test_padded_requests_and_upper_bound_lengths(device: torch.device) -> None:
         b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 4, 0.2, out
     )
     torch.testing.assert_close(out, reference(b, 0.2), **TOL[torch.float32])
-
-
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), [(4, 2, 8), (8, 2, 16)])
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_split_kv_matches_single_pass_and_reference(
-    num_heads: int,
-    num_kv_heads: int,
-    block_size: int,
-    num_splits: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    seq_lens = [1, 37, 100, 16]
-    b = make_batch([1] * 4, seq_lens, num_heads, num_kv_heads, 32, block_size, dtype, device)
-    ws = allocate_split_kv_workspace(6, num_heads, 32, device, max_splits=8)
-    scale = 32**-0.5
-    split = torch.empty_like(b.query)
-    paged_attention_split_kv(
-        b.query,
-        b.kv_cache,
-        b.block_tables,
-        b.seq_lens,
-        b.max_seq_len,
-        scale,
-        split,
-        ws,
-        num_splits=num_splits,
-        block_n=16,
-    )
-    single = torch.empty_like(b.query)
-    paged_attention_unified(
-        b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 1, scale, single
-    )
-    torch.testing.assert_close(split, single, **TOL[dtype])
-    torch.testing.assert_close(split, reference(b, scale), **TOL[dtype])
-
-
-def test_dispatch_takes_split_path_for_small_long_decode_batch(device: torch.device) -> None:
-    b = make_batch([1, 1], [150, 33], 4, 2, 32, 8, torch.float32, device, seed=3)
-    ws = allocate_split_kv_workspace(2, 4, 32, device, max_splits=SPLIT_KV_MAX_SPLITS)
-    ws.partial_sum.fill_(float("nan"))
-    out = torch.empty_like(b.query)
-    paged_attention(
-        b.query,
-        b.kv_cache,
-        b.block_tables,
-        b.query_start_loc,
-        b.seq_lens,
-        1,
-        b.max_seq_len,
-        0.25,
-        out,
-        workspace=ws,
-    )
-    splits = default_num_splits(2, 2, SPLIT_KV_MAX_SPLITS)
-    assert splits == SPLIT_KV_MAX_SPLITS
-    # Parts of whole 64-key tiles: 150 keys fill 3 parts, 33 keys one; nothing else is written.
-    assert not ws.partial_sum[0, :, :3].isnan().any() and ws.partial_sum[0, :, 3:].isnan().all()
-    assert not ws.partial_sum[1, :, :1].isnan().any() and ws.partial_sum[1, :, 1:].isnan().all()
-    torch.testing.assert_close(out, reference(b, 0.25), **TOL[torch.float32])
-
-
-def test_use_split_kv_heuristic() -> None:
-    ws = allocate_split_kv_workspace(8, 4, 32, "cpu")
-    assert use_split_kv(4, 4, 2, 1, 2048, ws)
-    assert use_split_kv(4, 4, 2, 1, SPLIT_KV_MIN_SEQ_LEN + 1, ws)
-    assert not use_split_kv(4, 4, 2, 1, SPLIT_KV_MIN_SEQ_LEN, ws)  # one pass is as fast
-    assert not use_split_kv(4, 5, 2, 2, 2048, ws)  # not decode-only
-    assert not use_split_kv(9, 9, 2, 1, 2048, ws)  # more requests than the workspace holds
-    assert not use_split_kv(4, 4, 2, 1, 2048, None)
-    many = allocate_split_kv_workspace(SPLIT_KV_MAX_PROGRAMS, 4, 32, "cpu", max_splits=1)
-    assert not use_split_kv(SPLIT_KV_MAX_PROGRAMS, SPLIT_KV_MAX_PROGRAMS, 1, 1, 2048, many)
-
-
-def test_fp8_caches_split_into_more_programs() -> None:
-    """32 requests x 8 KV heads fill 256 single-pass programs: one pass over a bf16 cache, split
-    over an FP8 one (its programs do more work per byte), into 4x the parts."""
-    ws = allocate_split_kv_workspace(128, 32, 128, "cpu")
-    assert not use_split_kv(32, 32, 8, 1, 8192, ws)
-    assert use_split_kv(32, 32, 8, 1, 8192, ws, fp8_cache=True)
-    assert not use_split_kv(128, 128, 8, 1, 8192, ws, fp8_cache=True)  # 1,024 programs
-    assert split_kv_max_programs(True) == SPLIT_KV_FP8_FACTOR * split_kv_max_programs(False)
-    assert default_num_splits(16, 8, 32, fp8_cache=True) == 4 * default_num_splits(16, 8, 32)
-
-
-def test_default_num_splits_fills_the_gpu() -> None:
-    assert default_num_splits(1, 4, 32) == 32  # batch 1 of a 4-KV-head model: 128 programs
-    assert default_num_splits(8, 8, 32) == 8  # 64 programs -> 512
-    assert default_num_splits(100, 8, 32) == 1
-    assert default_num_splits(1, 1, 4) == 4  # capped by the workspace
-
-
-def test_split_kv_workspace_shapes() -> None:
-    assert split_kv_workspace_shapes(3, 8, 64, 16) == ((3, 8, 16, 64), (3, 8, 16))
-    with pytest.raises(ValueError, match="max_splits"):
-        split_kv_workspace_shapes(3, 8, 64, 0)
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        split_kv_workspace_shapes(0, 8, 64)
 
 
 def test_launcher_validation_errors() -> None:
@@ -344,19 +174,6 @@ def test_write_kv_cache_validation_errors() -> None:
         write_kv_cache(key.transpose(1, 2), key, cache, slots)
 
 
-def _free_blocks_below_window(b: Batch, window: int, block_size: int) -> None:
-    """Points block-table entries wholly below each request's first window at a NaN block, as a
-    sliding-window cache that freed them would leave them: reading one poisons the output."""
-    used = set(b.block_tables.flatten().tolist())
-    nan_block = min(set(range(b.kv_cache.shape[1])) - used)  # make_batch leaves 3 unused
-    b.kv_cache[:, nan_block] = float("nan")
-    starts = b.query_start_loc_cpu
-    for i, seq_len in enumerate(b.seq_lens_cpu):
-        q_len = starts[i + 1] - starts[i]
-        first_key = max(0, seq_len - q_len - window + 1)
-        b.block_tables[i, : first_key // block_size] = nan_block
-
-
 def test_reference_sliding_window_matches_transformers_mask() -> None:
     masking = pytest.importorskip("transformers.masking_utils")
     window = 5
@@ -384,7 +201,7 @@ def test_sliding_window_unified_matches_reference(
 ) -> None:
     # Chunks that start before, inside and past the window; a decode far past it.
     b = make_batch([1, 7, 40, 5], [90, 30, 45, 5], 4, 2, 32, 8, dtype, device, seed=6)
-    _free_blocks_below_window(b, window, 8)
+    free_blocks_below_window(b, window, 8)
     out = torch.full_like(b.query, float("nan"))
     paged_attention_unified(
         b.query,
@@ -397,33 +214,6 @@ def test_sliding_window_unified_matches_reference(
         out,
         sliding_window=window,
         block_n=16,
-    )
-    expected = paged_attention_ref(
-        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, 0.2, window
-    )
-    torch.testing.assert_close(out, expected, **TOL[dtype])
-
-
-@pytest.mark.parametrize(("window", "num_splits"), [(1, 4), (33, 3), (64, 8), (500, 2)])
-def test_sliding_window_split_kv_matches_reference(
-    window: int, num_splits: int, dtype: torch.dtype, device: torch.device
-) -> None:
-    b = make_batch([1] * 3, [1, 150, 70], 4, 2, 32, 8, dtype, device, seed=7)
-    _free_blocks_below_window(b, window, 8)
-    ws = allocate_split_kv_workspace(3, 4, 32, device, max_splits=8)
-    out = torch.full_like(b.query, float("nan"))
-    paged_attention_split_kv(
-        b.query,
-        b.kv_cache,
-        b.block_tables,
-        b.seq_lens,
-        b.max_seq_len,
-        0.2,
-        out,
-        ws,
-        num_splits=num_splits,
-        block_n=16,
-        sliding_window=window,
     )
     expected = paged_attention_ref(
         b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, 0.2, window

@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrum.kernels.attention_ref import paged_attention_ref
+from ferrum.kernels.paged_attention import (
+    SPLIT_KV_MAX_SPLITS,
+    allocate_split_kv_workspace,
+    default_num_splits,
+    paged_attention,
+    paged_attention_split_kv,
+    paged_attention_unified,
+)
+from tests.utils.paged_batches import TOL, free_blocks_below_window, make_batch, reference
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "block_size"), [(4, 2, 8), (8, 2, 16)])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_split_kv_matches_single_pass_and_reference(
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    num_splits: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    seq_lens = [1, 37, 100, 16]
+    b = make_batch([1] * 4, seq_lens, num_heads, num_kv_heads, 32, block_size, dtype, device)
+    ws = allocate_split_kv_workspace(6, num_heads, 32, device, max_splits=8)
+    scale = 32**-0.5
+    split = torch.empty_like(b.query)
+    paged_attention_split_kv(
+        b.query,
+        b.kv_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.max_seq_len,
+        scale,
+        split,
+        ws,
+        num_splits=num_splits,
+        block_n=16,
+    )
+    single = torch.empty_like(b.query)
+    paged_attention_unified(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 1, scale, single
+    )
+    torch.testing.assert_close(split, single, **TOL[dtype])
+    torch.testing.assert_close(split, reference(b, scale), **TOL[dtype])
+
+
+def test_dispatch_takes_split_path_for_small_long_decode_batch(device: torch.device) -> None:
+    b = make_batch([1, 1], [150, 33], 4, 2, 32, 8, torch.float32, device, seed=3)
+    ws = allocate_split_kv_workspace(2, 4, 32, device, max_splits=SPLIT_KV_MAX_SPLITS)
+    ws.partial_sum.fill_(float("nan"))
+    out = torch.empty_like(b.query)
+    paged_attention(
+        b.query,
+        b.kv_cache,
+        b.block_tables,
+        b.query_start_loc,
+        b.seq_lens,
+        1,
+        b.max_seq_len,
+        0.25,
+        out,
+        workspace=ws,
+    )
+    splits = default_num_splits(2, 2, SPLIT_KV_MAX_SPLITS)
+    assert splits == SPLIT_KV_MAX_SPLITS
+    # Parts of whole 64-key tiles: 150 keys fill 3 parts, 33 keys one; nothing else is written.
+    assert not ws.partial_sum[0, :, :3].isnan().any() and ws.partial_sum[0, :, 3:].isnan().all()
+    assert not ws.partial_sum[1, :, :1].isnan().any() and ws.partial_sum[1, :, 1:].isnan().all()
+    torch.testing.assert_close(out, reference(b, 0.25), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize(("window", "num_splits"), [(1, 4), (33, 3), (64, 8), (500, 2)])
+def test_sliding_window_split_kv_matches_reference(
+    window: int, num_splits: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    b = make_batch([1] * 3, [1, 150, 70], 4, 2, 32, 8, dtype, device, seed=7)
+    free_blocks_below_window(b, window, 8)
+    ws = allocate_split_kv_workspace(3, 4, 32, device, max_splits=8)
+    out = torch.full_like(b.query, float("nan"))
+    paged_attention_split_kv(
+        b.query,
+        b.kv_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.max_seq_len,
+        0.2,
+        out,
+        ws,
+        num_splits=num_splits,
+        block_n=16,
+        sliding_window=window,
+    )
+    expected = paged_attention_ref(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, 0.2, window
+    )
+    torch.testing.assert_close(out, expected, **TOL[dtype])
