@@ -59,8 +59,6 @@ def _silu_and_mul_kernel(
     y = (act * up).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + tok * stride_out + offs, y, mask=mask)
     if QUANT_GROUP:
-        # Codes stored 8 a thread, the layout of the 16-bit row they come from (16, a whole
-        # 16-byte store, would move the row between threads through shared memory).
         store_group_quantized(
             q_ptr, scale_ptr, tok, y.to(tl.float32), group_ids, inter,
             group_ids < inter // QUANT_GROUP, QUANT_GROUP, FP8_MAX, AMAX_FLOOR,

@@ -99,7 +99,10 @@ def store_group_quantized(
     GROUP: tl.constexpr,
     FP8_MAX: tl.constexpr,
     AMAX_FLOOR: tl.constexpr,
-    CODES_A_STORE: tl.constexpr = 0,  # codes a thread stores at once; 0: the compiler's choice
+    # Codes a thread stores at once; 0: the compiler's choice. A norm or SiLU row passes 8, the
+    # layout of the 16-bit row the codes come from (16, a whole 16-byte store, would move the
+    # row between threads through shared memory).
+    CODES_A_STORE: tl.constexpr = 0,
 ):
     """Quantizes groups of rows (the per-token-group pass's math) and stores their codes and
     scales: a norm's or SiLU's groups of one row, the attention's heads of several tokens."""

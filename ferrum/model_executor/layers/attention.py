@@ -244,7 +244,9 @@ class Attention(nn.Module):
 
 def _quantize_rows_into(out_fp8: Fp8GroupRows | None, out: torch.Tensor, rows: slice) -> None:
     """out_fp8's `rows` := out's [rows] ([T, heads, head_dim]) quantized per token-group of 128,
-    the codes and scales the paged kernels would write (the same per-group pass)."""
+    the codes and scales the paged kernels would write (the same per-group pass). The pass
+    writes fresh tensors, then they are copied: a slice's scales may start at any 4 bytes, and
+    writing them in place would compile an alignment variant warm-up never ran."""
     if out_fp8 is None:
         return
     from ferrum.kernels.fp8_quant import per_token_group_quant_fp8
