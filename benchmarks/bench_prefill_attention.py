@@ -8,8 +8,10 @@ efficient); K and V are repeated to the query heads outside the timing. The `sdp
 time ferrum's SDPA path (kernels/sdpa_prefill.py) as the layer runs it on a step of this one
 prompt: the copy into its padded buffer included. Prints milliseconds and TFLOP/s (causal:
 2 * seq^2 * head_dim * heads). --prefix-len P puts P cached tokens before the chunk (a later chunk
-of a long prompt; SDPA's rows are then left out: its causal mask is aligned top-left). --sweep
-also times the paged kernel at each key tile, warp count and pipeline depth.
+of a long prompt): the `sdpa_prefill` rows then run the square problem over the whole context
+that the layer runs (queries after zero rows, keys and values gathered from the cache), and
+plain SDPA's rows are left out (its causal mask is aligned top-left). --sweep also times the
+paged kernel at each key tile, warp count and pipeline depth.
 Usage: python benchmarks/bench_prefill_attention.py [--seq-len 8000] [--prefix-len 0] [--sweep]
 [--out file.json]
 """
@@ -30,7 +32,7 @@ from triton.runtime.errors import OutOfResources
 
 from benchmarks.gpu_timing import launches_ms
 from ferrum.kernels.paged_attention import paged_attention, paged_attention_unified
-from ferrum.kernels.sdpa_prefill import PREFILL_BACKENDS, sdpa_prefill
+from ferrum.kernels.sdpa_prefill import PREFILL_BACKENDS, CachedContext, sdpa_prefill
 
 BLOCK_SIZE = 16
 
@@ -105,18 +107,24 @@ def main() -> int:
         for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
             tile = dict(block_n=block_n, num_warps=warps, num_stages=stages)
             record(f"ferrum n{block_n} w{warps} s{stages}", lambda: paged_attention_unified(**unified, **tile))  # noqa: B023  # fmt: skip
-    if args.prefix_len:
-        if args.out is not None:
-            args.out.write_text(json.dumps(results, indent=1))
-        return 0
-    # ferrum's SDPA path as the layer runs it on a step of this one prompt (packed, padded), per
+    # ferrum's SDPA path as the layer runs it on a step of this one chunk (packed, padded), per
     # backend, then with its backend order.
+    cached = CachedContext(kv_cache, paged["block_tables"], [context])
     for name, backends in (
         ("sdpa_prefill cudnn", [SDPBackend.CUDNN_ATTENTION]),
         ("sdpa_prefill flash", [SDPBackend.FLASH_ATTENTION]),
         ("sdpa_prefill", PREFILL_BACKENDS),
     ):
-        record(name, lambda: sdpa_prefill(query, keys, values, [0, seq], scale, None, backends))  # noqa: B023  # fmt: skip
+        record(name, lambda: sdpa_prefill(query, keys[args.prefix_len :], values[args.prefix_len :], [0, seq], scale, None, backends, cached))  # noqa: B023  # fmt: skip
+    if args.prefix_len:
+        paged_attention(**paged)
+        ours = sdpa_prefill(query, query, query, [0, seq], scale, None, context=cached)
+        err = (ours.float() - out.float()).abs().max().item()
+        results["sdpa_prefill_max_abs_err_vs_ferrum"] = err
+        print(f"sdpa_prefill against the paged kernel: max abs err {err:.2e}")
+        if args.out is not None:
+            args.out.write_text(json.dumps(results, indent=1))
+        return 0
     reference = None
     for name, backend in (
         ("sdpa_flash", SDPBackend.FLASH_ATTENTION),

@@ -1,10 +1,12 @@
 """Where a long prompt's prefill goes: attention against GEMMs against everything else.
 
-Runs one --input-len prompt (1 output token) twice untimed, then once under the torch profiler,
-and sums the CUDA kernels into attention (ferrum's paged kernels, SDPA's cuDNN / flash ones),
+Runs --num-prompts prompts of --input-len tokens (default one, 1 output token; `--num-prompts 32
+--input-len 4000 --output-len 128` is the `long` workload) twice untimed, then once under the
+torch profiler, and sums the CUDA kernels into attention (ferrum's paged kernels, SDPA's cuDNN / flash ones),
 GEMMs (cuBLAS / cuBLASLt / nvjet / the GEMV and MoE GEMMs) and the rest (the MoE router, align
 and combine among it); prints the shares, the wall time and the top kernels.
-Usage: python benchmarks/profile_prefill.py --model benchmarks/models/qwen3-8b --input-len 8000
+The kernels' sum against the wall time says how long the GPU idled. Usage: python
+benchmarks/profile_prefill.py --model benchmarks/models/qwen3-8b --input-len 8000
 --max-model-len 10240 [engine flags]
 """
 
@@ -38,16 +40,22 @@ def kind_of(kernel: str) -> str:
 
 def main() -> int:
     parser = engine_parser(__doc__.splitlines()[0])
-    parser.set_defaults(input_len=8000)
+    parser.set_defaults(input_len=8000, num_prompts=1)
+    parser.add_argument("--output-len", type=int, default=1)
     args = parser.parse_args()
     llm = make_llm(args)
     vocab = llm.llm_engine.config.model_config.vocab_size
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
 
     def prefill(seed: int) -> float:
-        prompt = workloads.fold_to_vocab([workloads.lat_prompt(seed, args.input_len)], vocab)[0]
+        seeds = range(seed * args.num_prompts, (seed + 1) * args.num_prompts)
+        prompts = [workloads.lat_prompt(s, args.input_len) for s in seeds]
         start = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": p} for p in workloads.fold_to_vocab(prompts, vocab)],
+            params,
+            use_tqdm=False,
+        )
         return time.perf_counter() - start
 
     walls = [prefill(seed) for seed in (1, 2)]  # distinct prompts: no prefix-cache hit
@@ -66,7 +74,8 @@ def main() -> int:
         per_kernel[event.key] += us
     device_ms = sum(totals.values()) / 1e3
     print(
-        f"{args.input_len}-token prompt, 1 token out: wall {[round(w * 1e3, 1) for w in walls]} ms"
+        f"{args.num_prompts} x {args.input_len}-token prompts, {args.output_len} tokens out: "
+        f"wall {[round(w * 1e3, 1) for w in walls]} ms (the last profiled)"
     )
     print(f"kernels {device_ms:.1f} ms: " + ", ".join(
         f"{kind} {us / 1e3:.1f} ms ({us / 1e3 / device_ms:.0%})" for kind, us in sorted(totals.items())

@@ -1,15 +1,23 @@
-"""Causal attention of long fresh prompts through torch's SDPA (cuDNN's fused attention first).
+"""Causal attention of long prompt chunks through torch's SDPA (cuDNN's fused attention first).
 
-A request whose chunk is its whole context (no prefix-cache hit, first chunk) needs no paged KV:
-its rotated q, k and v are at hand. On the H100, cuDNN's attention ran an 8,000-token prompt at
-Qwen3 shapes in 0.86 ms a layer against 2.14 ms for ferrum's Triton kernel and 1.64 ms for
-FlashAttention-2 (benchmarks/bench_prefill_attention.py). The layer sends each request that is
-fresh and at least SDPA_PREFILL_MIN_TOKENS long through SDPA, and the runs of other requests
-between them (decodes, later chunks) through the paged kernel (`long_prefill_segments`). Such
-steps are never replayed from a CUDA graph (those hold at most 512 tokens). Each request runs on
-its own, the KV heads not repeated. cuDNN builds an execution plan per shape (a compile in the
-serving path), so each chunk is copied into a buffer of one fixed layout, padded to one of a few
-lengths (`padded_length`), whose plans the runner builds at start-up.
+On the H100, cuDNN's attention ran an 8,000-token prompt at Qwen3 shapes in 0.86 ms a layer
+against 2.14 ms for ferrum's Triton kernel and 1.64 ms for FlashAttention-2
+(benchmarks/bench_prefill_attention.py). The layer sends each chunk of at least
+SDPA_PREFILL_MIN_TOKENS tokens whose cached prefix is at most PREFIX_PER_CHUNK times as long
+through SDPA, and the runs of other requests between them (decodes, short chunks, chunks after a
+long prefix) through the paged kernel (`long_prefill_segments`). Such steps are never replayed
+from a CUDA graph (those hold at most 512 tokens). Each request runs on its own, the KV heads not
+repeated.
+- A fresh chunk (its whole context, no prefix-cache hit): its rotated q, k and v are at hand.
+- A chunk after a cached prefix of p tokens: SDPA's causal mask aligns the query rows with the
+  first keys, so the chunk's queries go to rows [p, p + chunk) of a square problem over the
+  whole context, the prefix's rows zero; keys and values come from the paged cache (the step
+  wrote the chunk's before attending). The p wasted query rows cost (p + chunk)^2 / 2 key-query
+  pairs at cuDNN's ~600 TFLOP/s against chunk * (p + chunk / 2) at the paged kernel's ~240:
+  below p = 3 x chunk the square is faster, and PREFIX_PER_CHUNK = 2 keeps it 1.4x or more.
+cuDNN builds an execution plan per shape (a compile in the serving path), so each request is
+copied into a buffer of one fixed layout, padded to one of a few lengths (`padded_length`), whose
+plans the runner builds at start-up up to `max_len` tokens of context.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from ferrum.kernels import cuda_capability
 
 # Shortest chunk that takes SDPA; CUDA graphs replay prefill chunks of at most 512 tokens.
 SDPA_PREFILL_MIN_TOKENS = 2048
+# Longest cached prefix, in chunks, before which a chunk still takes SDPA (the module's cost rule).
+PREFIX_PER_CHUNK = 2
 # In priority order. Never the math backend: it materialises the [heads, L, L] scores.
 PREFILL_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
 
@@ -61,17 +71,22 @@ class AttentionSegment:
 
 
 def long_prefill_segments(
-    query_start_loc: Sequence[int], seq_lens: Sequence[int]
+    query_start_loc: Sequence[int], seq_lens: Sequence[int], max_len: int
 ) -> tuple[AttentionSegment, ...]:
     """The step cut into maximal runs of requests that do and do not take SDPA; empty when none
-    does. A request takes it when its chunk is its whole context (a first chunk without a prefix
-    cache hit) and at least SDPA_PREFILL_MIN_TOKENS long. Built once per step, with the step's
-    metadata (input_batch.py)."""
+    does. A request takes it when its chunk is at least SDPA_PREFILL_MIN_TOKENS long, its cached
+    prefix at most PREFIX_PER_CHUNK chunks, and its context at most `max_len` tokens (the
+    longest whose plan start-up built). Built once per step, with the step's metadata
+    (input_batch.py)."""
     segments: list[AttentionSegment] = []
     any_sdpa = False
     for i, seq_len in enumerate(seq_lens):
         chunk = query_start_loc[i + 1] - query_start_loc[i]
-        sdpa = chunk == seq_len and chunk >= SDPA_PREFILL_MIN_TOKENS
+        sdpa = (
+            chunk >= SDPA_PREFILL_MIN_TOKENS
+            and seq_len - chunk <= PREFIX_PER_CHUNK * chunk
+            and seq_len <= max_len
+        )
         any_sdpa = any_sdpa or sdpa
         last = segments[-1] if segments else None
         if last is not None and last.sdpa == sdpa:
@@ -104,6 +119,16 @@ def padded_lengths(max_tokens: int) -> list[int]:
     return lengths
 
 
+@dataclass(frozen=True)
+class CachedContext:
+    """Where the chunks of an SDPA call read a cached prefix from: the layer's paged cache, and
+    the block table row and context length of each request of the call."""
+
+    kv_cache: torch.Tensor  # [2, num_blocks, block_size, kv_heads, head_dim]
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32
+    seq_lens: Sequence[int]  # [num_reqs], on the host
+
+
 def sdpa_prefill(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], after RoPE
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], after RoPE
@@ -112,24 +137,34 @@ def sdpa_prefill(
     scale: float,
     out: torch.Tensor | None,  # [num_tokens, num_heads, head_dim]
     backends: Sequence[SDPBackend] = PREFILL_BACKENDS,
+    context: CachedContext | None = None,
 ) -> torch.Tensor:
-    """Each request's causal attention over its own tokens, written into and returned as `out`;
-    with `out=None` (one request only) the rows of SDPA's own output are returned."""
+    """Each request's causal attention over its context, written into and returned as `out`;
+    with `out=None` (one request only) the rows of SDPA's own output are returned. Without
+    `context` every chunk is its request's whole context; with it, a request whose context is
+    longer than its chunk reads its keys and values from the cache (see the module)."""
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
         # The loop over requests is host code: a graph would replay the capture's lengths.
         raise RuntimeError("sdpa_prefill cannot be captured in a CUDA graph")
     if out is None and len(query_start_loc) != 2:
         raise ValueError(f"out: None takes one request, got {len(query_start_loc) - 1}")
     with sdpa_kernel(list(backends), set_priority=True):
-        for start, end in zip(query_start_loc[:-1], query_start_loc[1:]):
+        for i, (start, end) in enumerate(zip(query_start_loc[:-1], query_start_loc[1:])):
             length = end - start
-            q, k, v = pack_padded(query[start:end], key[start:end], value[start:end])
+            prefix = 0 if context is None else context.seq_lens[i] - length
+            if prefix:
+                assert context is not None
+                q, k, v = pack_padded_from_cache(
+                    query[start:end], context.kv_cache, context.block_tables[i], prefix
+                )
+            else:
+                q, k, v = pack_padded(query[start:end], key[start:end], value[start:end])
             o = F.scaled_dot_product_attention(
                 *(x.transpose(0, 1).unsqueeze(0) for x in (q, k, v)),
                 is_causal=True,
                 scale=scale,
                 enable_gqa=True,
-            )[0].transpose(0, 1)[:length]
+            )[0].transpose(0, 1)[prefix : prefix + length]
             if out is None:
                 return o.contiguous()  # a no-op when SDPA wrote the query's token-major layout
             out[start:end].copy_(o)
@@ -145,13 +180,13 @@ def pack_padded(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v copied into one new [padded_length, heads | kv_heads | kv_heads, head_dim]
     token-major buffer, rows past `length` zero: causal, no real query sees their keys and
-    their outputs are dropped (zeros, not garbage: a NaN value times a zero weight is NaN). SDPA always sees this layout, so cuDNN needs one plan per padded
-    length (built at start-up, `warm_up_sdpa_prefill`), whatever the projections' layout.
-    On a GPU one Triton launch (`kernels/pack_padded.py`) does what the torch copies here do."""
+    their outputs are dropped (zeros, not garbage: a NaN value times a zero weight is NaN).
+    SDPA always sees this layout, so cuDNN needs one plan per padded length (built at
+    start-up, `warm_up_sdpa_prefill`), whatever the projections' layout. On a GPU one Triton
+    launch (`kernels/pack_padded.py`) does what the torch copies here do."""
     length, heads, head_dim = query.shape
     kv_heads = key.shape[1]
-    padded = padded_length(length)
-    packed = query.new_empty(padded, heads + 2 * kv_heads, head_dim)
+    packed = query.new_empty(padded_length(length), heads + 2 * kv_heads, head_dim)
     if query.is_cuda:
         # Imported here: a CPU engine on the torch backend need not have Triton.
         from ferrum.kernels.pack_padded import pack_padded_rows
@@ -163,6 +198,35 @@ def pack_padded(
             packed[:length].split([heads, kv_heads, kv_heads], 1), (query, key, value)
         ):
             dst.copy_(src)
+    return packed.split([heads, kv_heads, kv_heads], dim=1)
+
+
+def pack_padded_from_cache(
+    query: torch.Tensor,  # [chunk, heads, head_dim], the rows after a cached prefix
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks] int32, the request's
+    prefix: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`pack_padded`'s layout over the whole context of `prefix + chunk` tokens: query rows
+    [prefix, prefix + chunk) hold `query`, earlier ones zero; every context row's key and value
+    come from the cache through `block_table`; rows past the context are zero. On a GPU one
+    Triton launch (`kernels/pack_padded.py`) does what the torch gather here does."""
+    chunk, heads, head_dim = query.shape
+    kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    seq_len = prefix + chunk
+    packed = query.new_empty(padded_length(seq_len), heads + 2 * kv_heads, head_dim)
+    if query.is_cuda:
+        from ferrum.kernels.pack_padded import pack_padded_rows_from_cache
+
+        pack_padded_rows_from_cache(packed, query, kv_cache, block_table, prefix)
+    else:
+        packed.zero_()
+        tokens = torch.arange(seq_len, device=query.device)
+        blocks = block_table.long()[tokens // block_size]
+        packed[prefix:seq_len, :heads] = query
+        packed[:seq_len, heads:] = (
+            kv_cache[:, blocks, tokens % block_size].transpose(0, 1).flatten(1, 2)
+        )
     return packed.split([heads, kv_heads, kv_heads], dim=1)
 
 
@@ -184,3 +248,13 @@ def warm_up_sdpa_prefill(
         key = torch.zeros(length, kv_heads, head_dim, dtype=dtype, device=device)
         sdpa_prefill(query, key, key, [0, length], scale, None)
     return len(lengths)
+
+
+def warm_up_cached_pack(heads: int, kv_cache: torch.Tensor) -> None:
+    """Runs `pack_padded_from_cache` once over `kv_cache` (read only) for a layer of `heads`
+    query heads: its Triton gather compiles per layer shape and cache layout, and no warm-up
+    forward has a cached prefix before a long chunk."""
+    head_dim, block_size = kv_cache.shape[4], kv_cache.shape[2]
+    query = torch.zeros(block_size, heads, head_dim, dtype=kv_cache.dtype, device=kv_cache.device)
+    table = torch.zeros(2, dtype=torch.int32, device=kv_cache.device)
+    pack_padded_from_cache(query, kv_cache, table, block_size)

@@ -90,9 +90,13 @@ class InputBuffers:
         block_size: int,
         device: torch.device,
         num_kv_groups: int = 1,
+        sdpa_max_len: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
+        # The longest context a chunk attends over through SDPA: start-up builds cuDNN's plans up
+        # to it (`warm_up.py`); None: min(max_num_tokens, max_model_len).
+        self.sdpa_max_len = sdpa_max_len or min(max_num_tokens, max_model_len)
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.num_kv_groups = num_kv_groups
         num_bytes = staging_bytes(
@@ -237,7 +241,7 @@ class InputBuffers:
             query_start_loc_cpu=query_start_loc_list,
             seq_lens_cpu=seq_lens_list,
             prefill_segments=(
-                long_prefill_segments(query_start_loc_list, seq_lens_list)
+                long_prefill_segments(query_start_loc_list, seq_lens_list, self.sdpa_max_len)
                 if pad_to is None and long_chunk_in_step(max_query_len)
                 else ()
             ),

@@ -166,6 +166,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=device,
             num_kv_groups=len(self.kv_cache_groups),
+            sdpa_max_len=min(sched.max_num_batched_tokens, max_model_len),
         )
         self.sampling_staging = sampling_staging(sched.max_num_seqs, device)
         self.sampler = Sampler()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferrum.kernels.sdpa_prefill import warm_up_sdpa_prefill
+from ferrum.kernels.sdpa_prefill import warm_up_cached_pack, warm_up_sdpa_prefill
 from ferrum.logger import init_logger
 from ferrum.model_executor.compile_watch import start_up_compiles
 from ferrum.model_executor.input_batch import profile_batch
@@ -79,7 +79,7 @@ def warm_up_runner(runner: ModelRunner, num_blocks: int | list[int]) -> None:
     start_up_compiles()
     start = time.perf_counter()
     num_forwards, max_tokens = run_warm_up_batches(runner, num_blocks)
-    sdpa_plans = _warm_up_sdpa_prefill(runner, max_tokens)
+    sdpa_plans = _warm_up_sdpa_prefill(runner, runner.inputs.sdpa_max_len)
     _warm_up_sdpa_fp8_rows(runner)
     if runner.pp_group.is_last:
         _warm_up_grammar_bitmask(runner)
@@ -117,17 +117,19 @@ def run_warm_up_batches(runner: ModelRunner, num_blocks: int | list[int]) -> tup
 
 
 @torch.inference_mode()
-def _warm_up_sdpa_prefill(runner: ModelRunner, max_tokens: int) -> int:
+def _warm_up_sdpa_prefill(runner: ModelRunner, max_len: int) -> int:
     """cuDNN builds an execution plan per shape on first use: runs SDPA at each padded prefill
-    length for each distinct attention shape that takes it (kernels/sdpa_prefill.py)."""
-    shapes = {
-        module.sdpa_prefill_shape()
-        for module in runner.model.modules()
-        if isinstance(module, Attention)
-    }
-    return sum(
-        warm_up_sdpa_prefill(*shape, max_tokens=max_tokens) for shape in shapes if shape is not None
-    )
+    length up to `max_len` (the longest context the step inputs send through SDPA) for each
+    distinct attention shape that takes it (kernels/sdpa_prefill.py), and the gather of a
+    chunk after a cached prefix over the first such layer's cache."""
+    layers = {}
+    for module in runner.model.modules():
+        if isinstance(module, Attention) and (shape := module.sdpa_prefill_shape()) is not None:
+            layers.setdefault(shape, module)
+    for layer in layers.values():
+        assert layer.kv_cache is not None
+        warm_up_cached_pack(layer.num_heads, layer.kv_cache)
+    return sum(warm_up_sdpa_prefill(*shape, max_tokens=max_len) for shape in layers)
 
 
 @torch.inference_mode()

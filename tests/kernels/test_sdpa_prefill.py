@@ -12,9 +12,11 @@ import ferrum.kernels.sdpa_prefill as sdpa_module
 from ferrum.kernels.attention_ref import paged_attention_ref
 from ferrum.kernels.sdpa_prefill import (
     SDPA_PREFILL_MIN_TOKENS,
+    CachedContext,
     long_chunk_in_step,
     long_prefill_segments,
     pack_padded,
+    pack_padded_from_cache,
     padded_length,
     padded_lengths,
     sdpa_prefill,
@@ -35,7 +37,10 @@ def test_graph_replayed_chunks_never_take_it() -> None:
         ([0, MIN], [MIN], [(0, 1, True)]),
         ([0, MIN, 3 * MIN], [MIN, 2 * MIN], [(0, 2, True)]),
         ([0, MIN - 1], [MIN - 1], []),  # short
-        ([0, MIN], [MIN + 16], []),  # a cached prefix before the chunk
+        ([0, MIN], [MIN + 16], [(0, 1, True)]),  # a short cached prefix before the chunk
+        ([0, MIN], [3 * MIN], [(0, 1, True)]),  # a prefix of two chunks: still SDPA's
+        ([0, MIN], [3 * MIN + 1], []),  # a longer one: the paged kernel's
+        ([0, MIN], [4 * MIN + 1], []),  # a context past the plans start-up built
         # Decodes, a fresh prompt, a later chunk, a fresh prompt, a short first chunk.
         (
             [0, 1, 2, 2 + MIN, 2 + MIN + 100, 2 + 3 * MIN, 2 + 3 * MIN + 7],
@@ -45,8 +50,8 @@ def test_graph_replayed_chunks_never_take_it() -> None:
         ([0], [], []),
     ],
 )
-def test_segments_split_the_step_at_long_fresh_prompts(query_start_loc, seq_lens, expected):
-    segments = long_prefill_segments(query_start_loc, seq_lens)
+def test_segments_split_the_step_at_long_chunks(query_start_loc, seq_lens, expected):
+    segments = long_prefill_segments(query_start_loc, seq_lens, max_len=4 * MIN)
     assert [(s.first, s.last, s.sdpa) for s in segments] == expected
     # Each run carries its longest chunk and context, for the paged kernel's bounds.
     for s in segments:
@@ -158,6 +163,49 @@ def test_the_pack_kernel_writes_rows_then_zeros(device, head_dim) -> None:
         torch.testing.assert_close(part, reference, atol=0, rtol=0)
 
 
+def test_chunks_after_a_cached_prefix_equal_the_paged_reference_on_the_cpu() -> None:
+    """Chunks of 30 and 50 tokens after cached prefixes of 7 and 60: the queries at the end of
+    a square problem over the whole context, keys and values from the cache."""
+    contexts = [37, 110]
+    q, _, _, cache, tables, _ = _problem(contexts, torch.float32, "cpu")
+    chunks = [30, 50]
+    rows = torch.cat([q[:37][7:], q[37:][60:]])
+    starts = [0, 30, 80]
+    context = CachedContext(cache, tables, contexts)
+    out = torch.empty_like(rows)
+    sdpa_prefill(rows, rows, rows, starts, 0.3, out, [SDPBackend.MATH], context)
+    expected = paged_attention_ref(rows, cache, tables, starts, contexts, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    alone = sdpa_prefill(
+        rows[30:], rows[30:], rows[30:], [0, 50], 0.3, None, [SDPBackend.MATH],
+        CachedContext(cache, tables[1:], contexts[1:]),
+    )  # fmt: skip
+    assert alone.shape == (chunks[1], 4, 32) and alone.is_contiguous()
+    torch.testing.assert_close(alone, expected[30:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 24])
+def test_the_cache_pack_kernel_writes_the_chunk_and_the_context(device, head_dim) -> None:
+    """A 45-token context (a 27-token cached prefix) in 16-token blocks out of order, padded to
+    48 rows: the Triton kernel (interpreted on the CPU) writes what `pack_padded_from_cache`'s
+    torch gather writes, over a NaN-filled buffer."""
+    from ferrum.kernels.pack_padded import pack_padded_rows_from_cache
+
+    gen = torch.Generator().manual_seed(head_dim)
+    cache = torch.randn(2, 6, 16, 2, head_dim, generator=gen).to(device)
+    table = torch.tensor([4, 1, 5, 0, 0], dtype=torch.int32, device=device)
+    query = torch.randn(30, 6 * head_dim, generator=gen).to(device)[:18, : 3 * head_dim]
+    query = query.view(18, 3, head_dim)  # strided rows, as the projections hand them over
+    packed = torch.full((padded_length(45), 7, head_dim), float("nan"), device=device)
+    pack_padded_rows_from_cache(packed, query, cache, table, 27)
+    expected = torch.cat(pack_padded_from_cache(*(x.cpu() for x in (query, cache, table)), 27), 1)
+    assert packed.shape == expected.shape == (48, 7, head_dim)
+    torch.testing.assert_close(packed.cpu(), expected, atol=0, rtol=0)
+    # The reference itself: the chunk's queries after zero rows, the keys of block 5's slot 3.
+    assert torch.equal(expected[27:45, :3], query.cpu()) and not expected[:27, :3].any()
+    assert torch.equal(expected[35, 3:5], cache[0, 5, 3].cpu()) and not expected[45:].any()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cudnn_or_flash_agree_with_the_triton_kernel() -> None:
     from ferrum.kernels.paged_attention import paged_attention
@@ -181,7 +229,8 @@ def test_cudnn_or_flash_agree_with_the_triton_kernel() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(
-    "model, budget", [("qwen3", 8192), ("qwen3", 160), ("gemma3", 160), ("qwen3_5", 160)]
+    "model, budget",
+    [("qwen3", 8192), ("qwen3", 160), ("gemma3", 160), ("qwen3_5", 160)],
 )
 def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(
     tiny_checkpoint, monkeypatch, model, budget
@@ -189,18 +238,23 @@ def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(
     """Long prompts (the threshold lowered to the tiny model's length, eager so no graph holds
     a prefill) through SDPA: the generated tokens are the paged-path engine's greedy choices
     after the same prefix (bf16 rounds the two paths differently, so a near-tie may flip). The
-    160-token budget mixes decodes, later chunks and short first chunks into SDPA's steps;
+    160-token budget mixes decodes, later chunks and short first chunks into SDPA's steps, and
+    the 150-token prompt's second chunk (about 110 tokens) takes SDPA over its cached first;
     gemma3 mixes sliding-window layers (paged) with global ones (SDPA), qwen3_5 gated attention
     layers with DeltaNet ones."""
     from tests.utils.tiny_llm import cuda_llm, greedy, random_prompts, teacher_forced_agreement
 
-    calls = []
+    calls, prefixes = [], []
     real = sdpa_module.sdpa_prefill
+
+    def recorded(query, key, value, starts, *args, context=None, **kwargs):
+        calls.append(1)
+        chunks = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        prefixes.extend(n - chunk for n, chunk in zip(context.seq_lens, chunks))
+        return real(query, key, value, starts, *args, context=context, **kwargs)
+
     monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 64)
-    monkeypatch.setattr(
-        "ferrum.model_executor.layers.attention.sdpa_prefill",
-        lambda *a, **kw: calls.append(1) or real(*a, **kw),
-    )
+    monkeypatch.setattr("ferrum.model_executor.layers.attention.sdpa_prefill", recorded)
     path = tiny_checkpoint(model)
     prompts = random_prompts([70, 90, 120, 150, 30, 200], seed=4)
     engine_args = dict(
@@ -209,6 +263,7 @@ def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(
     llm = cuda_llm(path, **engine_args)
     outputs = greedy(llm, prompts)
     assert calls
+    assert (max(prefixes) > 0) == (budget == 160)
     monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 1 << 30)
     reference = cuda_llm(path, **engine_args)
     assert teacher_forced_agreement(reference, prompts, outputs) >= 0.9
@@ -229,13 +284,17 @@ def _paged_reference_kernel(
 
 
 def _mixed_step(device: torch.device, heads: int, kv_heads: int, dim: int):
-    """Decodes, long fresh prompts, a later chunk and a short first chunk in one step: (query,
-    keys, values, cache, tables, starts, seq_lens, metadata, segments)."""
+    """Decodes, long fresh prompts, a long chunk after a short cached prefix, a short later
+    chunk, a long chunk after a long prefix and a short first chunk in one step: (query, keys,
+    values, cache, tables, starts, seq_lens, metadata, segments)."""
     from types import SimpleNamespace
 
     block = 16
     # (context length, chunk length) per request, in token order.
-    requests = [(300, 1), (200, 1), (33, 33), (50, 50), (70, 30), (9, 9), (45, 45), (260, 1)]
+    requests = [
+        *[(300, 1), (200, 1), (33, 33), (50, 50), (100, 40), (70, 30), (200, 40), (9, 9)],
+        *[(45, 45), (260, 1)],
+    ]
     gen = torch.Generator().manual_seed(0)
     blocks = [-(-n // block) for n, _ in requests]
     cache = torch.randn(2, sum(blocks) + 1, block, kv_heads, dim, generator=gen)
@@ -263,8 +322,14 @@ def _mixed_step(device: torch.device, heads: int, kv_heads: int, dim: int):
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,
     )
-    segments = long_prefill_segments(starts, seq_lens)
-    assert [s.sdpa for s in segments] == [False, True, False, True, False]
+    segments = long_prefill_segments(starts, seq_lens, max_len=300)
+    assert [(s.first, s.last, s.sdpa) for s in segments] == [
+        (0, 2, False),
+        (2, 5, True),
+        (5, 8, False),
+        (8, 9, True),
+        (9, 10, False),
+    ]
     return query, keys, values, cache, tables, starts, seq_lens, metadata, segments
 
 
@@ -272,16 +337,17 @@ def _sdpa_from_32_tokens(monkeypatch) -> None:
     monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 32)
     monkeypatch.setattr(
         "ferrum.model_executor.layers.attention.sdpa_prefill",
-        lambda *a: sdpa_prefill(*a, backends=[SDPBackend.MATH]),
+        lambda *a, **kw: sdpa_prefill(*a, backends=[SDPBackend.MATH], **kw),
     )
 
 
 @pytest.mark.parametrize("paged", ["reference", "triton"])
 def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> None:
-    """The layer sends the fresh prompts of a mixed step (`_mixed_step`) through SDPA and the
+    """The layer sends the long chunks of a mixed step (`_mixed_step`) through SDPA and the
     runs between them through the paged kernel, each onto its own rows. "triton": the real
     kernels (interpreted on the CPU) on slices of the metadata, the decode-only runs (at
-    requests 0 and 7) through the split-KV path."""
+    requests 0 and 9) through the split-KV path; on a GPU the chunk after a cached prefix is
+    packed by the Triton gather."""
     from types import SimpleNamespace
 
     from ferrum.kernels.paged_attention import allocate_split_kv_workspace, paged_attention
@@ -298,18 +364,20 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> 
     out = layer._attend_by_segments(query, keys, values, metadata, segments)
     expected = paged_attention_ref(query, cache, tables, starts, seq_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    # A step of one long fresh prompt: SDPA's output returned as the layer's.
-    rows = slice(starts[2], starts[3])
-    alone = SimpleNamespace(
-        query_start_loc=None,
-        seq_lens=None,
-        block_tables=(tables[2:3],),
-        query_start_loc_cpu=[0, 33],
-        seq_lens_cpu=[33],
-    )
-    segments = long_prefill_segments([0, 33], [33])
-    out = layer._attend_by_segments(query[rows], keys[rows], values[rows], alone, segments)
-    torch.testing.assert_close(out, expected[rows], atol=1e-5, rtol=1e-5)
+    # A step of one long chunk, fresh or after a cached prefix: SDPA's output is the layer's.
+    for i in (2, 4):
+        rows = slice(starts[i], starts[i + 1])
+        chunk = starts[i + 1] - starts[i]
+        alone = SimpleNamespace(
+            query_start_loc=None,
+            seq_lens=None,
+            block_tables=(tables[i : i + 1],),
+            query_start_loc_cpu=[0, chunk],
+            seq_lens_cpu=[seq_lens[i]],
+        )
+        segments = long_prefill_segments([0, chunk], [seq_lens[i]], max_len=300)
+        out = layer._attend_by_segments(query[rows], keys[rows], values[rows], alone, segments)
+        torch.testing.assert_close(out, expected[rows], atol=1e-5, rtol=1e-5)
 
 
 def test_a_mixed_step_writes_fp8_rows_of_its_whole_output(monkeypatch, device) -> None:

@@ -134,9 +134,11 @@ def test_each_kv_cache_group_gets_its_own_tables_and_slots() -> None:
     assert requests["0"].block_ids == ([1, 2], [1, 2])
 
 
-def test_a_step_with_a_long_fresh_prompt_carries_its_sdpa_segments(monkeypatch) -> None:
-    """Built once per step (the layers only read them): the decode, then the fresh prompt that
-    SDPA takes, then the later chunk, with each run's longest chunk and context."""
+def test_a_step_with_long_chunks_carries_its_sdpa_segments(monkeypatch) -> None:
+    """Built once per step (the layers only read them): the decode, then the fresh prompt and
+    the chunk after a short cached prefix that SDPA takes, with each run's longest chunk and
+    context; the chunk goes back to the paged kernel where its context is past the plans that
+    start-up builds."""
     import ferrum.kernels.sdpa_prefill as sdpa_module
 
     monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 8)
@@ -149,6 +151,14 @@ def test_a_step_with_a_long_fresh_prompt_carries_its_sdpa_segments(monkeypatch) 
     meta = make_buffers().prepare(requests, scheduled, 19, {}).attn_metadata
     assert [
         (s.first, s.last, s.sdpa, s.max_query_len, s.max_seq_len) for s in meta.prefill_segments
-    ] == [(0, 1, False, 1, 6), (1, 2, True, 10, 10), (2, 3, False, 8, 12)]
+    ] == [(0, 1, False, 1, 6), (1, 3, True, 10, 12)]
+    buffers = make_buffers()
+    buffers.sdpa_max_len = 11
+    meta = buffers.prepare(requests, scheduled, 19, {}).attn_metadata
+    assert [(s.first, s.last, s.sdpa) for s in meta.prefill_segments] == [
+        (0, 1, False),
+        (1, 2, True),
+        (2, 3, False),
+    ]
     monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 11)
     assert make_buffers().prepare(requests, scheduled, 19, {}).attn_metadata.prefill_segments == ()

@@ -89,3 +89,44 @@ def test_fp8_models_compile_the_sdpa_rows_pass_at_start_up(monkeypatch) -> None:
     warm_up._warm_up_sdpa_fp8_rows(runner(None))
     warm_up._warm_up_sdpa_fp8_rows(runner("channel"))
     assert calls == []
+
+
+def test_sdpa_layers_build_their_plans_and_gather_once_a_shape(monkeypatch) -> None:
+    """Each distinct SDPA shape builds its plans up to the bound given, and runs the gather of a
+    chunk after a cached prefix over its first layer's cache; layers without SDPA run neither."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ferrum.model_executor import warm_up
+    from ferrum.model_executor.layers.attention import Attention
+
+    plans, gathers = [], []
+    monkeypatch.setattr(
+        warm_up, "warm_up_sdpa_prefill", lambda *shape, max_tokens: plans.append(shape) or 3
+    )
+    monkeypatch.setattr(
+        warm_up, "warm_up_cached_pack", lambda heads, cache: gathers.append((heads, cache))
+    )
+    layers = [Attention(4, 16, 2, 0.1, SimpleNamespace()) for _ in range(2)]
+    layers.append(Attention(8, 16, 2, 0.1, SimpleNamespace()))
+    layers.append(Attention(4, 16, 2, 0.1, None))  # the torch reference path: no SDPA
+    caches = [torch.zeros(2, 3, 16, 2, 16) for _ in layers]
+    for layer, cache in zip(layers, caches):
+        layer.bind_kv_cache(cache)
+        monkeypatch.setattr(
+            layer,
+            "sdpa_prefill_shape",
+            lambda layer=layer: (
+                (layer.num_heads, 2, 16, 0.1, torch.float32, torch.device("cpu"))
+                if layer.kernels is not None
+                else None
+            ),
+        )
+    runner = SimpleNamespace(model=torch.nn.ModuleList(layers))
+    assert warm_up._warm_up_sdpa_prefill(runner, 4096) == 6
+    assert [shape[0] for shape in plans] == [4, 8]
+    assert [(heads, cache is caches[i]) for (heads, cache), i in zip(gathers, (0, 2))] == [
+        (4, True),
+        (8, True),
+    ]

@@ -3,9 +3,9 @@
 The cache per layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, bound once by the
 model runner through `bind_kv_cache`. Built with Triton kernels, the layer fuses RoPE, the
 optional Qwen3 q/k norm and the KV-cache write into one launch before paged attention; without,
-it runs the torch references. On an sm80+ GPU, long fresh prompts (no cached context) attend
-through torch's SDPA instead of the paged kernel (`kernels/sdpa_prefill.py`), the step's other
-requests through the paged kernel, unless the layer has a sliding window, an FP8 cache (whose
+it runs the torch references. On an sm80+ GPU, long prompt chunks (after no cached prefix, or a
+short one) attend through torch's SDPA instead of the paged kernel (`kernels/sdpa_prefill.py`),
+the step's other requests through the paged kernel, unless the layer has a sliding window, an FP8 cache (whose
 prefill reads the rounded keys and values back) or a head size SDPA's fused backends do not
 take (a multiple of 8 up to 256); see `takes_sdpa_prefill`.
 """
@@ -23,6 +23,7 @@ from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
 from ferrum.kernels.rotary_kv_ref import qk_norm_rope_ref
 from ferrum.kernels.sdpa_prefill import (
     AttentionSegment,
+    CachedContext,
     sdpa_prefill,
     sdpa_takes,
 )
@@ -201,25 +202,40 @@ class Attention(nn.Module):
         segments: Sequence[AttentionSegment],
         out_fp8: Fp8GroupRows | None = None,
     ) -> torch.Tensor:
-        """Long fresh prompts through SDPA, the runs of requests between them through the paged
-        kernel, each onto its own rows of the output (and of `out_fp8`: the paged kernel writes
+        """Long chunks through SDPA (a cached prefix read from this layer's cache), the runs of
+        requests between them through the paged kernel, each onto its own rows of the output (and of `out_fp8`: the paged kernel writes
         its rows, SDPA's are quantized after it). Only where `takes_sdpa_prefill` (no window:
         the paged calls pass none)."""
         assert self.kernels is not None and self.kv_cache is not None
         starts = attn_metadata.query_start_loc_cpu
+        group = self.kv_cache_group
+
+        def context(first: int, last: int) -> CachedContext:
+            assert self.kv_cache is not None
+            return CachedContext(
+                self.kv_cache,
+                attn_metadata.block_tables[group][first:last],
+                attn_metadata.seq_lens_cpu[first:last],
+            )
+
         if len(starts) == 2 and starts[1] == query.shape[0]:  # one prompt: SDPA's own output
-            out = sdpa_prefill(query, key, value, starts, self.scale, None)
+            out = sdpa_prefill(query, key, value, starts, self.scale, None, context=context(0, 1))
             _quantize_rows_into(out_fp8, out, slice(0, out.shape[0]))
             return out
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        group = self.kv_cache_group
         for segment in segments:
             first, last = segment.first, segment.last
             rows = slice(starts[first], starts[last])
             if segment.sdpa:
                 local_starts = [start - starts[first] for start in starts[first : last + 1]]
                 sdpa_prefill(
-                    query[rows], key[rows], value[rows], local_starts, self.scale, out[rows]
+                    query[rows],
+                    key[rows],
+                    value[rows],
+                    local_starts,
+                    self.scale,
+                    out[rows],
+                    context=context(first, last),
                 )
                 _quantize_rows_into(out_fp8, out, rows)
                 continue
