@@ -1,9 +1,9 @@
-"""Where a long prompt's prefill goes: attention against GEMMs against everything else.
+"""Where long prompts' time goes: attention against GEMMs against everything else.
 
 Runs --num-prompts prompts of --input-len tokens (default one, 1 output token; `--num-prompts 32
---input-len 4000 --output-len 128` is the `long` workload) twice untimed, then once under the
-torch profiler, and sums the CUDA kernels into attention (ferrum's paged kernels, SDPA's cuDNN / flash ones),
-GEMMs (cuBLAS / cuBLASLt / nvjet / the GEMV and MoE GEMMs) and the rest (the MoE router, align
+--input-len 4000 --output-len 128` is the `long` workload, decode steps included) twice
+untimed, then once under the torch profiler, and sums the CUDA kernels into attention (ferrum's
+paged kernels, SDPA's cuDNN / flash ones), GEMMs (cuBLAS / cuBLASLt / nvjet / the GEMV and MoE GEMMs) and the rest (the MoE router, align
 and combine among it); prints the shares, the wall time and the top kernels.
 The kernels' sum against the wall time says how long the GPU idled. Usage: python
 benchmarks/profile_prefill.py --model benchmarks/models/qwen3-8b --input-len 8000

@@ -140,8 +140,10 @@ def pack_padded_rows_from_cache(
     )
 
 
-# As above, nothing that follows the request is specialised (the cache's strides are fixed at
-# start-up), and the table row's address, anywhere in the step's table, is read an entry a row.
+# As above, no integer that follows the request is specialised (the cache's strides are fixed at
+# start-up). The query rows start 16-byte aligned in every step (a row is heads x head_dim
+# elements, head_dim a multiple of 8); a table row may start anywhere in the step's table, so
+# its alignment is not specialised (one entry is read per token).
 @triton.jit(
     do_not_specialize=(
         "prefix",

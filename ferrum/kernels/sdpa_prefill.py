@@ -14,7 +14,9 @@ repeated.
   whole context, the prefix's rows zero; keys and values come from the paged cache (the step
   wrote the chunk's before attending). The p wasted query rows cost (p + chunk)^2 / 2 key-query
   pairs at cuDNN's ~600 TFLOP/s against chunk * (p + chunk / 2) at the paged kernel's ~240:
-  below p = 3 x chunk the square is faster, and PREFIX_PER_CHUNK = 2 keeps it 1.4x or more.
+  below p = 3 x chunk the square is faster, and PREFIX_PER_CHUNK = 2 kept it 1.39x or more on
+  the H100 at Qwen3-8B's heads. FlashAttention-2 is no faster than the paged kernel there, so
+  start-up turns this off where cuDNN does not take a layer's shape (`cudnn_takes`).
 cuDNN builds an execution plan per shape (a compile in the serving path), so each request is
 copied into a buffer of one fixed layout, padded to one of a few lengths (`padded_length`), whose
 plans the runner builds at start-up up to `max_len` tokens of context.
@@ -37,6 +39,7 @@ SDPA_PREFILL_MIN_TOKENS = 2048
 PREFIX_PER_CHUNK = 2
 # In priority order. Never the math backend: it materialises the [heads, L, L] scores.
 PREFILL_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
+CUDNN_ONLY = (SDPBackend.CUDNN_ATTENTION,)
 
 
 def long_chunk_in_step(max_query_len: int) -> bool:
@@ -59,9 +62,9 @@ def sdpa_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
 
 @dataclass(frozen=True)
 class AttentionSegment:
-    """Requests [first, last) of a step, contiguous in token order: long fresh prompts for SDPA
-    (`sdpa`), or other requests (decodes, later chunks, short prompts) for the paged kernel,
-    with their longest chunk and context."""
+    """Requests [first, last) of a step, contiguous in token order: long chunks for SDPA
+    (`sdpa`), or other requests (decodes, short chunks, chunks after a long prefix) for the
+    paged kernel, with their longest chunk and context."""
 
     first: int
     last: int
@@ -71,20 +74,24 @@ class AttentionSegment:
 
 
 def long_prefill_segments(
-    query_start_loc: Sequence[int], seq_lens: Sequence[int], max_len: int
+    query_start_loc: Sequence[int],
+    seq_lens: Sequence[int],
+    max_len: int,
+    prefix_per_chunk: int = PREFIX_PER_CHUNK,
 ) -> tuple[AttentionSegment, ...]:
     """The step cut into maximal runs of requests that do and do not take SDPA; empty when none
     does. A request takes it when its chunk is at least SDPA_PREFILL_MIN_TOKENS long, its cached
-    prefix at most PREFIX_PER_CHUNK chunks, and its context at most `max_len` tokens (the
-    longest whose plan start-up built). Built once per step, with the step's metadata
-    (input_batch.py)."""
+    prefix at most `prefix_per_chunk` chunks (0: fresh chunks only), and its context at most
+    `max_len` tokens (start-up builds the plans of every padded length up to it, and the
+    memory profile covers a padded buffer that long). Built once per step, with the step's
+    metadata (input_batch.py)."""
     segments: list[AttentionSegment] = []
     any_sdpa = False
     for i, seq_len in enumerate(seq_lens):
         chunk = query_start_loc[i + 1] - query_start_loc[i]
         sdpa = (
             chunk >= SDPA_PREFILL_MIN_TOKENS
-            and seq_len - chunk <= PREFIX_PER_CHUNK * chunk
+            and seq_len - chunk <= prefix_per_chunk * chunk
             and seq_len <= max_len
         )
         any_sdpa = any_sdpa or sdpa
@@ -152,6 +159,7 @@ def sdpa_prefill(
         for i, (start, end) in enumerate(zip(query_start_loc[:-1], query_start_loc[1:])):
             length = end - start
             prefix = 0 if context is None else context.seq_lens[i] - length
+            assert prefix >= 0, (prefix, length)
             if prefix:
                 assert context is not None
                 q, k, v = pack_padded_from_cache(
@@ -166,7 +174,9 @@ def sdpa_prefill(
                 enable_gqa=True,
             )[0].transpose(0, 1)[prefix : prefix + length]
             if out is None:
-                return o.contiguous()  # a no-op when SDPA wrote the query's token-major layout
+                # A no-op when SDPA wrote the query's token-major layout; after a prefix the
+                # view keeps the whole padded output alive until the layer's caller is done.
+                return o.contiguous()
             out[start:end].copy_(o)
             # Freed before the next request's buffer: the peak stays one padded request.
             del q, k, v, o
@@ -258,3 +268,17 @@ def warm_up_cached_pack(heads: int, kv_cache: torch.Tensor) -> None:
     query = torch.zeros(block_size, heads, head_dim, dtype=kv_cache.dtype, device=kv_cache.device)
     table = torch.zeros(2, dtype=torch.int32, device=kv_cache.device)
     pack_padded_from_cache(query, kv_cache, table, block_size)
+
+
+def cudnn_takes(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """Whether cuDNN's attention runs this shape (SDPA at SDPA_PREFILL_MIN_TOKENS tokens with
+    cuDNN alone), rather than SDPA falling back to FlashAttention-2."""
+    query = torch.zeros(SDPA_PREFILL_MIN_TOKENS, heads, head_dim, dtype=dtype, device=device)
+    key = torch.zeros(SDPA_PREFILL_MIN_TOKENS, kv_heads, head_dim, dtype=dtype, device=device)
+    try:
+        sdpa_prefill(query, key, key, [0, SDPA_PREFILL_MIN_TOKENS], 1.0, None, CUDNN_ONLY)
+    except RuntimeError:  # "No available kernel"
+        return False
+    return True

@@ -34,6 +34,6 @@ class AttentionMetadata:
     # Host copies for the torch reference path, so it never syncs on the device tensors.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
-    # Where a step with long fresh prompts splits between SDPA and the paged kernel
+    # Where a step with long prompt chunks splits between SDPA and the paged kernel
     # (`kernels/sdpa_prefill.py`); empty otherwise, and in every CUDA-graph step.
     prefill_segments: tuple[AttentionSegment, ...] = ()

@@ -16,7 +16,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ferrum.kernels.sdpa_prefill import long_chunk_in_step, long_prefill_segments
+from ferrum.kernels.sdpa_prefill import (
+    PREFIX_PER_CHUNK,
+    long_chunk_in_step,
+    long_prefill_segments,
+)
 from ferrum.model_executor.attention_metadata import AttentionMetadata
 from ferrum.model_executor.staging_buffer import StagingBuffer, staging_bytes
 
@@ -96,7 +100,12 @@ class InputBuffers:
         self.max_model_len = max_model_len
         # The longest context a chunk attends over through SDPA: start-up builds cuDNN's plans up
         # to it (`warm_up.py`); None: min(max_num_tokens, max_model_len).
-        self.sdpa_max_len = sdpa_max_len or min(max_num_tokens, max_model_len)
+        self.sdpa_max_len = (
+            min(max_num_tokens, max_model_len) if sdpa_max_len is None else sdpa_max_len
+        )
+        # The longest cached prefix, in chunks, before a chunk that SDPA takes; start-up sets 0
+        # where cuDNN does not take a layer's shape (`sdpa_prefill.cudnn_takes`).
+        self.sdpa_prefix_per_chunk = PREFIX_PER_CHUNK
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.num_kv_groups = num_kv_groups
         num_bytes = staging_bytes(
@@ -241,7 +250,12 @@ class InputBuffers:
             query_start_loc_cpu=query_start_loc_list,
             seq_lens_cpu=seq_lens_list,
             prefill_segments=(
-                long_prefill_segments(query_start_loc_list, seq_lens_list, self.sdpa_max_len)
+                long_prefill_segments(
+                    query_start_loc_list,
+                    seq_lens_list,
+                    self.sdpa_max_len,
+                    self.sdpa_prefix_per_chunk,
+                )
                 if pad_to is None and long_chunk_in_step(max_query_len)
                 else ()
             ),

@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferrum.kernels.sdpa_prefill import warm_up_cached_pack, warm_up_sdpa_prefill
+from ferrum.kernels.sdpa_prefill import (
+    cudnn_takes,
+    warm_up_cached_pack,
+    warm_up_sdpa_prefill,
+)
 from ferrum.logger import init_logger
 from ferrum.model_executor.compile_watch import start_up_compiles
 from ferrum.model_executor.input_batch import profile_batch
@@ -121,14 +125,25 @@ def _warm_up_sdpa_prefill(runner: ModelRunner, max_len: int) -> int:
     """cuDNN builds an execution plan per shape on first use: runs SDPA at each padded prefill
     length up to `max_len` (the longest context the step inputs send through SDPA) for each
     distinct attention shape that takes it (kernels/sdpa_prefill.py), and the gather of a
-    chunk after a cached prefix over the first such layer's cache."""
+    chunk after a cached prefix over the first such layer's cache. Where cuDNN does not take a
+    shape (SDPA would run FlashAttention-2, no faster than the paged kernel after a prefix),
+    chunks after a cached prefix keep the paged kernel."""
     layers = {}
     for module in runner.model.modules():
         if isinstance(module, Attention) and (shape := module.sdpa_prefill_shape()) is not None:
             layers.setdefault(shape, module)
-    for layer in layers.values():
+    for (heads, kv_heads, head_dim, _, dtype, device), layer in layers.items():
         assert layer.kv_cache is not None
         warm_up_cached_pack(layer.num_heads, layer.kv_cache)
+        if not cudnn_takes(heads, kv_heads, head_dim, dtype, device):
+            logger.info(
+                "cuDNN attention does not take %d/%d heads of %d: chunks after a cached prefix "
+                "attend through the paged kernel",
+                heads,
+                kv_heads,
+                head_dim,
+            )
+            runner.inputs.sdpa_prefix_per_chunk = 0
     return sum(warm_up_sdpa_prefill(*shape, max_tokens=max_len) for shape in layers)
 
 

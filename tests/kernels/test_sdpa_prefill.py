@@ -1,4 +1,4 @@
-"""Long fresh prompts through torch's SDPA: which steps take it, and the same attention as the
+"""Long prompt chunks through torch's SDPA: which steps take it, and the same attention as the
 paged path (the torch reference on the CPU with SDPA's math backend, the Triton kernel with
 cuDNN / flash on CUDA)."""
 
@@ -40,7 +40,8 @@ def test_graph_replayed_chunks_never_take_it() -> None:
         ([0, MIN], [MIN + 16], [(0, 1, True)]),  # a short cached prefix before the chunk
         ([0, MIN], [3 * MIN], [(0, 1, True)]),  # a prefix of two chunks: still SDPA's
         ([0, MIN], [3 * MIN + 1], []),  # a longer one: the paged kernel's
-        ([0, MIN], [4 * MIN + 1], []),  # a context past the plans start-up built
+        ([0, 2 * MIN], [4 * MIN], [(0, 1, True)]),  # a context as long as start-up's plans
+        ([0, 2 * MIN], [4 * MIN + 1], []),  # a longer one
         # Decodes, a fresh prompt, a later chunk, a fresh prompt, a short first chunk.
         (
             [0, 1, 2, 2 + MIN, 2 + MIN + 100, 2 + 3 * MIN, 2 + 3 * MIN + 7],
@@ -53,6 +54,14 @@ def test_graph_replayed_chunks_never_take_it() -> None:
 def test_segments_split_the_step_at_long_chunks(query_start_loc, seq_lens, expected):
     segments = long_prefill_segments(query_start_loc, seq_lens, max_len=4 * MIN)
     assert [(s.first, s.last, s.sdpa) for s in segments] == expected
+    # Where start-up turned chunks after a prefix off (no cuDNN), only fresh ones take SDPA.
+    fresh_only = long_prefill_segments(query_start_loc, seq_lens, 4 * MIN, prefix_per_chunk=0)
+    fresh = [
+        query_start_loc[i + 1] - query_start_loc[i] == n >= MIN for i, n in enumerate(seq_lens)
+    ]
+    assert [i for s in fresh_only if s.sdpa for i in range(s.first, s.last)] == [
+        i for i, taken in enumerate(fresh) if taken
+    ]
     # Each run carries its longest chunk and context, for the paged kernel's bounds.
     for s in segments:
         chunks = [query_start_loc[i + 1] - query_start_loc[i] for i in range(s.first, s.last)]
@@ -240,7 +249,8 @@ def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(
     after the same prefix (bf16 rounds the two paths differently, so a near-tie may flip). The
     160-token budget mixes decodes, later chunks and short first chunks into SDPA's steps, and
     the 150-token prompt's second chunk (about 110 tokens) takes SDPA over its cached first;
-    gemma3 mixes sliding-window layers (paged) with global ones (SDPA), qwen3_5 gated attention
+    a second round extends two prompts, whose prefix-cache hits precede chunks that take SDPA
+    (at 8,192 tokens too); gemma3 mixes sliding-window layers (paged) with global ones (SDPA), qwen3_5 gated attention
     layers with DeltaNet ones."""
     from tests.utils.tiny_llm import cuda_llm, greedy, random_prompts, teacher_forced_agreement
 
@@ -264,9 +274,16 @@ def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(
     outputs = greedy(llm, prompts)
     assert calls
     assert (max(prefixes) > 0) == (budget == 160)
+    prefixes.clear()
+    # 70 + 66 and 90 + 70 tokens: hits of 64 and 80 tokens (full blocks), chunks of 66 and 70.
+    extended = [p + q for p, q in zip(prompts[:2], random_prompts([66, 70], seed=5))]
+    extended_outputs = greedy(llm, extended)
+    if model == "qwen3":  # the hybrid models hit at their own block or snapshot boundaries
+        assert max(prefixes) >= 64
     monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 1 << 30)
     reference = cuda_llm(path, **engine_args)
     assert teacher_forced_agreement(reference, prompts, outputs) >= 0.9
+    assert teacher_forced_agreement(reference, extended, extended_outputs) >= 0.9
 
 
 def _paged_reference_kernel(
@@ -360,7 +377,9 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> 
     kernel = _paged_reference_kernel if paged == "reference" else paged_attention
     layer = Attention(heads, dim, kv_heads, 0.25, SimpleNamespace(paged_attention=kernel))
     workspace = allocate_split_kv_workspace(8, heads, dim, device) if paged == "triton" else None
-    layer.bind_kv_cache(cache, workspace)
+    # The layer's cache is group 1's: group 0's tables point at the wrong blocks.
+    layer.bind_kv_cache(cache, workspace, kv_cache_group=1)
+    metadata.block_tables = (torch.flip(tables, (0,)), tables)
     out = layer._attend_by_segments(query, keys, values, metadata, segments)
     expected = paged_attention_ref(query, cache, tables, starts, seq_lens, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
@@ -371,7 +390,7 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> 
         alone = SimpleNamespace(
             query_start_loc=None,
             seq_lens=None,
-            block_tables=(tables[i : i + 1],),
+            block_tables=(tables[:1], tables[i : i + 1]),
             query_start_loc_cpu=[0, chunk],
             seq_lens_cpu=[seq_lens[i]],
         )

@@ -152,13 +152,16 @@ def test_a_step_with_long_chunks_carries_its_sdpa_segments(monkeypatch) -> None:
     assert [
         (s.first, s.last, s.sdpa, s.max_query_len, s.max_seq_len) for s in meta.prefill_segments
     ] == [(0, 1, False, 1, 6), (1, 3, True, 10, 12)]
-    buffers = make_buffers()
-    buffers.sdpa_max_len = 11
-    meta = buffers.prepare(requests, scheduled, 19, {}).attn_metadata
-    assert [(s.first, s.last, s.sdpa) for s in meta.prefill_segments] == [
-        (0, 1, False),
-        (1, 2, True),
-        (2, 3, False),
-    ]
+    # A context past the plans start-up built, or chunks after a prefix turned off (no cuDNN):
+    # the chunk goes back to the paged kernel.
+    for limits in ({"sdpa_max_len": 11}, {"sdpa_prefix_per_chunk": 0}):
+        buffers = make_buffers()
+        vars(buffers).update(limits)
+        meta = buffers.prepare(requests, scheduled, 19, {}).attn_metadata
+        assert [(s.first, s.last, s.sdpa) for s in meta.prefill_segments] == [
+            (0, 1, False),
+            (1, 2, True),
+            (2, 3, False),
+        ]
     monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 11)
     assert make_buffers().prepare(requests, scheduled, 19, {}).attn_metadata.prefill_segments == ()

@@ -91,9 +91,11 @@ def test_fp8_models_compile_the_sdpa_rows_pass_at_start_up(monkeypatch) -> None:
     assert calls == []
 
 
-def test_sdpa_layers_build_their_plans_and_gather_once_a_shape(monkeypatch) -> None:
+@pytest.mark.parametrize("cudnn_heads", [(4, 8), (4,)])
+def test_sdpa_layers_build_their_plans_and_gather_once_a_shape(monkeypatch, cudnn_heads) -> None:
     """Each distinct SDPA shape builds its plans up to the bound given, and runs the gather of a
-    chunk after a cached prefix over its first layer's cache; layers without SDPA run neither."""
+    chunk after a cached prefix over its first layer's cache; layers without SDPA run neither.
+    A shape cuDNN does not take turns chunks after a prefix off for the whole model."""
     from types import SimpleNamespace
 
     import torch
@@ -108,6 +110,7 @@ def test_sdpa_layers_build_their_plans_and_gather_once_a_shape(monkeypatch) -> N
     monkeypatch.setattr(
         warm_up, "warm_up_cached_pack", lambda heads, cache: gathers.append((heads, cache))
     )
+    monkeypatch.setattr(warm_up, "cudnn_takes", lambda heads, *shape: heads in cudnn_heads)
     layers = [Attention(4, 16, 2, 0.1, SimpleNamespace()) for _ in range(2)]
     layers.append(Attention(8, 16, 2, 0.1, SimpleNamespace()))
     layers.append(Attention(4, 16, 2, 0.1, None))  # the torch reference path: no SDPA
@@ -123,10 +126,28 @@ def test_sdpa_layers_build_their_plans_and_gather_once_a_shape(monkeypatch) -> N
                 else None
             ),
         )
-    runner = SimpleNamespace(model=torch.nn.ModuleList(layers))
+    inputs = SimpleNamespace(sdpa_prefix_per_chunk=2)
+    runner = SimpleNamespace(model=torch.nn.ModuleList(layers), inputs=inputs)
     assert warm_up._warm_up_sdpa_prefill(runner, 4096) == 6
     assert [shape[0] for shape in plans] == [4, 8]
+    assert len(gathers) == 2
     assert [(heads, cache is caches[i]) for (heads, cache), i in zip(gathers, (0, 2))] == [
         (4, True),
         (8, True),
     ]
+    assert inputs.sdpa_prefix_per_chunk == (2 if 8 in cudnn_heads else 0)
+
+
+def test_the_runner_bounds_sdpa_contexts_by_the_budget_and_the_model_length(tiny_checkpoint):
+    from tests.utils.tiny_llm import make_llm
+
+    def bound(max_model_len: int, budget: int) -> int:
+        llm = make_llm(
+            tiny_checkpoint("qwen3"),
+            num_kv_blocks=40,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=budget,
+        )
+        return llm.llm_engine.core.executor.runner.inputs.sdpa_max_len
+
+    assert (bound(128, 256), bound(256, 192)) == (128, 192)

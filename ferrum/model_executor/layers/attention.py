@@ -5,9 +5,9 @@ model runner through `bind_kv_cache`. Built with Triton kernels, the layer fuses
 optional Qwen3 q/k norm and the KV-cache write into one launch before paged attention; without,
 it runs the torch references. On an sm80+ GPU, long prompt chunks (after no cached prefix, or a
 short one) attend through torch's SDPA instead of the paged kernel (`kernels/sdpa_prefill.py`),
-the step's other requests through the paged kernel, unless the layer has a sliding window, an FP8 cache (whose
-prefill reads the rounded keys and values back) or a head size SDPA's fused backends do not
-take (a multiple of 8 up to 256); see `takes_sdpa_prefill`.
+the step's other requests through the paged kernel, unless the layer has a sliding window, an
+FP8 cache (whose prefill reads the rounded keys and values back) or a head size SDPA's fused
+backends do not take (a multiple of 8 up to 256); see `takes_sdpa_prefill`.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Attention(nn.Module):
         self.kv_cache_group = kv_cache_group
 
     def takes_sdpa_prefill(self) -> bool:
-        """Whether long fresh prompts attend through SDPA here: Triton kernels, no sliding
+        """Whether long prompt chunks attend through SDPA here: Triton kernels, no sliding
         window, a bound bf16/fp16 cache (an FP8 cache's prefill reads the rounded keys back) on
         a GPU SDPA's fused backends take."""
         cache = self.kv_cache
@@ -203,9 +203,9 @@ class Attention(nn.Module):
         out_fp8: Fp8GroupRows | None = None,
     ) -> torch.Tensor:
         """Long chunks through SDPA (a cached prefix read from this layer's cache), the runs of
-        requests between them through the paged kernel, each onto its own rows of the output (and of `out_fp8`: the paged kernel writes
-        its rows, SDPA's are quantized after it). Only where `takes_sdpa_prefill` (no window:
-        the paged calls pass none)."""
+        requests between them through the paged kernel, each onto its own rows of the output
+        (and of `out_fp8`: the paged kernel writes its rows, SDPA's are quantized after it).
+        Only where `takes_sdpa_prefill` (no window: the paged calls pass none)."""
         assert self.kernels is not None and self.kv_cache is not None
         starts = attn_metadata.query_start_loc_cpu
         group = self.kv_cache_group
