@@ -273,12 +273,14 @@ def warm_up_cached_pack(heads: int, kv_cache: torch.Tensor) -> None:
 def cudnn_takes(
     heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> bool:
-    """Whether cuDNN's attention runs this shape (SDPA at SDPA_PREFILL_MIN_TOKENS tokens with
-    cuDNN alone), rather than SDPA falling back to FlashAttention-2."""
-    query = torch.zeros(SDPA_PREFILL_MIN_TOKENS, heads, head_dim, dtype=dtype, device=device)
-    key = torch.zeros(SDPA_PREFILL_MIN_TOKENS, kv_heads, head_dim, dtype=dtype, device=device)
+    """Whether cuDNN's attention runs this shape (SDPA with cuDNN alone, at the shortest padded
+    length serving uses, whose plan start-up builds anyway), rather than SDPA falling back to
+    FlashAttention-2."""
+    length = 2048
+    query = torch.zeros(length, heads, head_dim, dtype=dtype, device=device)
+    key = torch.zeros(length, kv_heads, head_dim, dtype=dtype, device=device)
     try:
-        sdpa_prefill(query, key, key, [0, SDPA_PREFILL_MIN_TOKENS], 1.0, None, CUDNN_ONLY)
+        sdpa_prefill(query, key, key, [0, length], 1.0, None, CUDNN_ONLY)
     except RuntimeError:  # "No available kernel"
         return False
     return True
