@@ -3,9 +3,10 @@
 Runs --num-prompts prompts of --input-len tokens (default one, 1 output token; `--num-prompts 32
 --input-len 4000 --output-len 128` is the `long` workload, decode steps included) twice
 untimed, then once under the torch profiler, and sums the CUDA kernels into attention (ferrum's
-paged kernels, SDPA's cuDNN / flash ones), GEMMs (cuBLAS / cuBLASLt / nvjet / the GEMV and MoE GEMMs) and the rest (the MoE router, align
-and combine among it); prints the shares, the wall time and the top kernels.
-The kernels' sum against the wall time says how long the GPU idled. Usage: python
+paged kernels, SDPA's cuDNN / flash ones), GEMMs (cuBLAS / cuBLASLt / nvjet / the GEMV and MoE
+GEMMs) and the rest (the MoE router, align and combine among it); prints the shares, the wall
+time and the top kernels. The kernels' sum against the profiled wall time says how long the GPU
+idled (the profiler slows the host, so that wall is longer than the unprofiled ones). Usage: python
 benchmarks/profile_prefill.py --model benchmarks/models/qwen3-8b --input-len 8000
 --max-model-len 10240 [engine flags]
 """
@@ -24,6 +25,8 @@ from benchmarks.dummy_engine import engine_parser, make_llm
 from ferrum.bench import workloads
 from ferrum.sampling_params import SamplingParams
 
+# Driver-side rows the profiler reports with a device time; not kernels.
+NOT_KERNELS = {"Command Buffer Full", "cuLaunchKernel", "cuLaunchKernelEx"}
 GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "gemv", "sm90_xmma", "matmul")
 # ferrum's paged kernels, SDPA's cuDNN ("..._sdpa_..._flash_fprop") and flash ("flash_fwd") ones.
 ATTENTION_MARKERS = ("attention", "sdpa", "flash", "fmha")
@@ -68,7 +71,11 @@ def main() -> int:
     per_kernel: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         us = event.self_device_time_total
-        if us <= 0 or event.key.startswith(("Memcpy", "Memset", "aten::", "cuda")):
+        if (
+            us <= 0
+            or event.key in NOT_KERNELS
+            or event.key.startswith(("Memcpy", "Memset", "aten::", "cuda"))
+        ):
             continue
         totals[kind_of(event.key)] += us
         per_kernel[event.key] += us

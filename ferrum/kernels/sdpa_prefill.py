@@ -16,7 +16,8 @@ repeated.
   pairs at cuDNN's ~600 TFLOP/s against chunk * (p + chunk / 2) at the paged kernel's ~240:
   below p = 3 x chunk the square is faster, and PREFIX_PER_CHUNK = 2 kept it 1.39x or more on
   the H100 at Qwen3-8B's heads. FlashAttention-2 is no faster than the paged kernel there, so
-  start-up turns this off where cuDNN does not take a layer's shape (`cudnn_takes`).
+  if cuDNN does not take any one SDPA layer's shape (`cudnn_takes`), start-up turns chunks after
+  a prefix off for the whole model (`InputBuffers.sdpa_prefix_per_chunk = 0`).
 cuDNN builds an execution plan per shape (a compile in the serving path), so each request is
 copied into a buffer of one fixed layout, padded to one of a few lengths (`padded_length`), whose
 plans the runner builds at start-up up to `max_len` tokens of context.
@@ -40,6 +41,9 @@ PREFIX_PER_CHUNK = 2
 # In priority order. Never the math backend: it materialises the [heads, L, L] scores.
 PREFILL_BACKENDS = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION)
 CUDNN_ONLY = (SDPBackend.CUDNN_ATTENTION,)
+# The shortest padded length serving uses, whose plan start-up builds anyway; a constant, not
+# SDPA_PREFILL_MIN_TOKENS (which tests raise to turn SDPA off).
+_CUDNN_PROBE_TOKENS = 2048
 
 
 def long_chunk_in_step(max_query_len: int) -> bool:
@@ -273,14 +277,14 @@ def warm_up_cached_pack(heads: int, kv_cache: torch.Tensor) -> None:
 def cudnn_takes(
     heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
 ) -> bool:
-    """Whether cuDNN's attention runs this shape (SDPA with cuDNN alone, at the shortest padded
-    length serving uses, whose plan start-up builds anyway), rather than SDPA falling back to
-    FlashAttention-2."""
-    length = 2048
-    query = torch.zeros(length, heads, head_dim, dtype=dtype, device=device)
-    key = torch.zeros(length, kv_heads, head_dim, dtype=dtype, device=device)
+    """Whether cuDNN's attention runs this shape (SDPA with cuDNN alone, at _CUDNN_PROBE_TOKENS),
+    rather than SDPA falling back to FlashAttention-2."""
+    query = torch.zeros(_CUDNN_PROBE_TOKENS, heads, head_dim, dtype=dtype, device=device)
+    key = torch.zeros(_CUDNN_PROBE_TOKENS, kv_heads, head_dim, dtype=dtype, device=device)
     try:
-        sdpa_prefill(query, key, key, [0, length], 1.0, None, CUDNN_ONLY)
+        sdpa_prefill(query, key, key, [0, _CUDNN_PROBE_TOKENS], 1.0, None, CUDNN_ONLY)
+    except torch.OutOfMemoryError:
+        raise
     except RuntimeError:  # "No available kernel"
         return False
     return True

@@ -12,9 +12,11 @@ Integers that follow a step's shape in other ways (the MoE align's spans and blo
 table's width, the split-KV count) are left unspecialised in their kernels, so no batch here
 needs to match them. The runner also computes the logits of the one-token batch: logits run
 outside the CUDA graphs, and one row takes the LM head's GEMV. cuDNN's attention builds a plan
-per shape, so SDPA's prefill runs once at each of its padded lengths. Decode batch sizes and
-single-request prefill chunks up to 512 tokens are also compiled by CUDA graph capture, which
-runs after this; `compile_watch.py` logs any variant compiled later.
+per shape, so SDPA's prefill runs once at each of its padded lengths; the Triton gather of a
+chunk after a cached prefix runs once per layer shape (no warm-up batch has a prefix), beside a
+probe that cuDNN takes each shape (else chunks after a prefix keep the paged kernel). Decode
+batch sizes and single-request prefill chunks up to 512 tokens are also compiled by CUDA graph
+capture, which runs after this; `compile_watch.py` logs any variant compiled later.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from ferrum.kernels.sdpa_prefill import (
     cudnn_takes,
+    padded_lengths,
     warm_up_cached_pack,
     warm_up_sdpa_prefill,
 )
@@ -78,8 +81,8 @@ def _split(total: int, num_requests: int) -> list[int]:
 
 def warm_up_runner(runner: ModelRunner, num_blocks: int | list[int]) -> None:
     """Runs `warm_up_batches` through the runner, SDPA's prefill at each padded length (cuDNN's
-    plans) and, on the last pipeline stage, xgrammar's bitmask kernel; its compiles count as
-    start-up's."""
+    plans) with the cache gather and cuDNN probe, and, on the last pipeline stage, xgrammar's
+    bitmask kernel; its compiles count as start-up's."""
     start_up_compiles()
     start = time.perf_counter()
     num_forwards, max_tokens = run_warm_up_batches(runner, num_blocks)
@@ -132,6 +135,8 @@ def _warm_up_sdpa_prefill(runner: ModelRunner, max_len: int) -> int:
     for module in runner.model.modules():
         if isinstance(module, Attention) and (shape := module.sdpa_prefill_shape()) is not None:
             layers.setdefault(shape, module)
+    if not padded_lengths(max_len):  # no chunk reaches SDPA
+        return 0
     for (heads, kv_heads, head_dim, _, dtype, device), layer in layers.items():
         assert layer.kv_cache is not None
         warm_up_cached_pack(layer.num_heads, layer.kv_cache)

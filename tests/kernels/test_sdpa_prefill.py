@@ -250,8 +250,8 @@ def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(
     160-token budget mixes decodes, later chunks and short first chunks into SDPA's steps, and
     the 150-token prompt's second chunk (about 110 tokens) takes SDPA over its cached first;
     a second round extends two prompts, whose prefix-cache hits precede chunks that take SDPA
-    (at 8,192 tokens too); gemma3 mixes sliding-window layers (paged) with global ones (SDPA), qwen3_5 gated attention
-    layers with DeltaNet ones."""
+    (at 8,192 tokens too); gemma3 mixes sliding-window layers (paged) with global ones (SDPA),
+    qwen3_5 gated attention layers with DeltaNet ones."""
     from tests.utils.tiny_llm import cuda_llm, greedy, random_prompts, teacher_forced_agreement
 
     calls, prefixes = [], []
@@ -275,7 +275,7 @@ def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(
     assert calls
     assert (max(prefixes) > 0) == (budget == 160)
     prefixes.clear()
-    # 70 + 66 and 90 + 70 tokens: hits of 64 and 80 tokens (full blocks), chunks of 66 and 70.
+    # 70 + 66 and 90 + 70 tokens: hits of 64 and 80 tokens (full blocks), chunks of 72 and 80.
     extended = [p + q for p, q in zip(prompts[:2], random_prompts([66, 70], seed=5))]
     extended_outputs = greedy(llm, extended)
     if model == "qwen3":  # the hybrid models hit at their own block or snapshot boundaries
