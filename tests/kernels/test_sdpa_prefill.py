@@ -15,8 +15,6 @@ from ferrum.kernels.sdpa_prefill import (
     CachedContext,
     long_chunk_in_step,
     long_prefill_segments,
-    pack_padded,
-    pack_padded_from_cache,
     padded_length,
     padded_lengths,
     sdpa_prefill,
@@ -79,30 +77,6 @@ def test_only_gpus_half_precision_and_long_chunks_take_it() -> None:
         assert not sdpa_takes(gpu, bf16, 264) and not sdpa_takes(gpu, bf16, 100)
 
 
-@pytest.mark.parametrize(
-    "window, cache_dtype, kernels, expected",
-    [
-        (None, torch.bfloat16, True, True),
-        (1024, torch.bfloat16, True, False),  # a sliding window keeps the paged kernel
-        (None, torch.float8_e4m3fn, True, False),  # so does an FP8 cache
-        (None, torch.bfloat16, False, False),  # and the torch reference path
-    ],
-)
-def test_which_layers_take_it(monkeypatch, window, cache_dtype, kernels, expected) -> None:
-    """The layer's rule, with the device check passed (this may run without a GPU)."""
-    from types import SimpleNamespace
-
-    from ferrum.model_executor.layers import attention as attention_module
-
-    monkeypatch.setattr(attention_module, "sdpa_takes", lambda device, dtype, head_dim: True)
-    layer = attention_module.Attention(
-        4, 16, 2, 0.25, SimpleNamespace() if kernels else None, sliding_window=window
-    )
-    layer.bind_kv_cache(torch.zeros(2, 3, 16, 2, 16, dtype=cache_dtype))
-    assert layer.takes_sdpa_prefill() is expected
-    assert (layer.sdpa_prefill_shape() is not None) is expected
-
-
 def test_padded_lengths_are_few_and_close() -> None:
     assert padded_lengths(8192) == [*range(2048, 4097, 256), *range(4608, 8193, 512)]
     assert padded_lengths(8000)[-1] == 8192 and padded_lengths(MIN - 1) == []
@@ -151,27 +125,6 @@ def test_equals_the_paged_reference_on_the_cpu() -> None:
         sdpa_prefill(q, k, v, starts, 0.3, None, backends=[SDPBackend.MATH])
 
 
-@pytest.mark.parametrize("head_dim", [32, 24])
-def test_the_pack_kernel_writes_rows_then_zeros(device, head_dim) -> None:
-    """Strided views of a packed projection (3 query heads, 1 KV head), 37 rows padded to 40:
-    the Triton kernel (interpreted on the CPU) copies the rows and zeros the padding rows (which
-    held NaN); on the CPU torch's copies in `pack_padded` write the same."""
-    from ferrum.kernels.pack_padded import pack_padded_rows
-
-    gen = torch.Generator().manual_seed(head_dim)
-    qkv = torch.randn(45, 5 * head_dim, generator=gen).to(device)
-    q, k, v = qkv.split([3 * head_dim, head_dim, head_dim], dim=-1)
-    views = q.view(45, 3, head_dim)[:37], k.view(45, 1, head_dim)[:37], v.view(45, 1, head_dim)[:37]
-    packed = torch.full((padded_length(37), 5, head_dim), float("nan"), device=device)
-    pack_padded_rows(packed, *views)
-    expected = torch.zeros(40, 5, head_dim, device=device)
-    expected[:37] = torch.cat(views, dim=1)
-    torch.testing.assert_close(packed, expected, atol=0, rtol=0)
-    copies = pack_padded(*(x.cpu() for x in views))
-    for part, reference in zip(copies, expected.cpu().split([3, 1, 1], dim=1)):
-        torch.testing.assert_close(part, reference, atol=0, rtol=0)
-
-
 def test_chunks_after_a_cached_prefix_equal_the_paged_reference_on_the_cpu() -> None:
     """Chunks of 30 and 50 tokens after cached prefixes of 7 and 60: the queries at the end of
     a square problem over the whole context, keys and values from the cache."""
@@ -191,28 +144,6 @@ def test_chunks_after_a_cached_prefix_equal_the_paged_reference_on_the_cpu() -> 
     )  # fmt: skip
     assert alone.shape == (chunks[1], 4, 32) and alone.is_contiguous()
     torch.testing.assert_close(alone, expected[30:], atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("head_dim", [32, 24])
-def test_the_cache_pack_kernel_writes_the_chunk_and_the_context(device, head_dim) -> None:
-    """A 45-token context (a 27-token cached prefix) in 16-token blocks out of order, padded to
-    48 rows: the Triton kernel (interpreted on the CPU) writes what `pack_padded_from_cache`'s
-    torch gather writes, over a NaN-filled buffer."""
-    from ferrum.kernels.pack_padded import pack_padded_rows_from_cache
-
-    gen = torch.Generator().manual_seed(head_dim)
-    cache = torch.randn(2, 6, 16, 2, head_dim, generator=gen).to(device)
-    table = torch.tensor([4, 1, 5, 0, 0], dtype=torch.int32, device=device)
-    query = torch.randn(30, 6 * head_dim, generator=gen).to(device)[:18, : 3 * head_dim]
-    query = query.view(18, 3, head_dim)  # strided rows, as the projections hand them over
-    packed = torch.full((padded_length(45), 7, head_dim), float("nan"), device=device)
-    pack_padded_rows_from_cache(packed, query, cache, table, 27)
-    expected = torch.cat(pack_padded_from_cache(*(x.cpu() for x in (query, cache, table)), 27), 1)
-    assert packed.shape == expected.shape == (48, 7, head_dim)
-    torch.testing.assert_close(packed.cpu(), expected, atol=0, rtol=0)
-    # The reference itself: the chunk's queries after zero rows, the keys of block 5's slot 3.
-    assert torch.equal(expected[27:45, :3], query.cpu()) and not expected[:27, :3].any()
-    assert torch.equal(expected[35, 3:5], cache[0, 5, 3].cpu()) and not expected[45:].any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -284,145 +215,6 @@ def test_an_engine_prefilling_through_sdpa_keeps_the_tokens(
     reference = cuda_llm(path, **engine_args)
     assert teacher_forced_agreement(reference, prompts, outputs) >= 0.9
     assert teacher_forced_agreement(reference, extended, extended_outputs) >= 0.9
-
-
-def _paged_reference_kernel(
-    query, kv_cache, block_tables, query_start_loc, seq_lens, max_q, max_s, scale, out, *_, **kw
-):
-    """The paged kernel's contract on the CPU, through the torch reference."""
-    assert kw.get("sliding_window") is None
-    assert max_q == max(
-        int(b - a) for a, b in zip(query_start_loc[:-1], query_start_loc[1:])
-    ) and max_s == int(seq_lens.max())
-    expected = paged_attention_ref(
-        query, kv_cache, block_tables, query_start_loc.tolist(), seq_lens.tolist(), scale
-    )
-    return out.copy_(expected)
-
-
-def _mixed_step(device: torch.device, heads: int, kv_heads: int, dim: int):
-    """Decodes, long fresh prompts, a long chunk after a short cached prefix, a short later
-    chunk, a long chunk after a long prefix and a short first chunk in one step: (query, keys,
-    values, cache, tables, starts, seq_lens, metadata, segments)."""
-    from types import SimpleNamespace
-
-    block = 16
-    # (context length, chunk length) per request, in token order.
-    requests = [
-        *[(300, 1), (200, 1), (33, 33), (50, 50), (100, 40), (70, 30), (200, 40), (9, 9)],
-        *[(45, 45), (260, 1)],
-    ]
-    gen = torch.Generator().manual_seed(0)
-    blocks = [-(-n // block) for n, _ in requests]
-    cache = torch.randn(2, sum(blocks) + 1, block, kv_heads, dim, generator=gen)
-    # An odd table width (21): slices at most requests are not 16-byte aligned.
-    tables = torch.zeros(len(requests), max(blocks) + 2, dtype=torch.int32)
-    next_block = 1
-    for i, count in enumerate(blocks):
-        tables[i, :count] = torch.arange(next_block, next_block + count, dtype=torch.int32)
-        next_block += count
-    starts, keys, values = [0], [], []
-    for i, (context, chunk) in enumerate(requests):
-        starts.append(starts[-1] + chunk)
-        positions = torch.arange(context - chunk, context)
-        slots = tables[i, positions // block].long() * block + positions % block
-        keys.append(cache[0].view(-1, kv_heads, dim)[slots])
-        values.append(cache[1].view(-1, kv_heads, dim)[slots])
-    query = torch.randn(starts[-1], heads, dim, generator=gen).to(device)
-    cache, tables = cache.to(device), tables.to(device)
-    keys, values = torch.cat(keys).to(device), torch.cat(values).to(device)
-    seq_lens = [context for context, _ in requests]
-    metadata = SimpleNamespace(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=(tables,),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-    )
-    segments = long_prefill_segments(starts, seq_lens, max_len=300)
-    assert [(s.first, s.last, s.sdpa) for s in segments] == [
-        (0, 2, False),
-        (2, 5, True),
-        (5, 8, False),
-        (8, 9, True),
-        (9, 10, False),
-    ]
-    return query, keys, values, cache, tables, starts, seq_lens, metadata, segments
-
-
-def _sdpa_from_32_tokens(monkeypatch) -> None:
-    monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 32)
-    monkeypatch.setattr(
-        "ferrum.model_executor.layers.attention.sdpa_prefill",
-        lambda *a, **kw: sdpa_prefill(*a, backends=[SDPBackend.MATH], **kw),
-    )
-
-
-@pytest.mark.parametrize("paged", ["reference", "triton"])
-def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> None:
-    """The layer sends the long chunks of a mixed step (`_mixed_step`) through SDPA and the
-    runs between them through the paged kernel, each onto its own rows. "triton": the real
-    kernels (interpreted on the CPU) on slices of the metadata, the decode-only runs (at
-    requests 0 and 9) through the split-KV path; on a GPU the chunk after a cached prefix is
-    packed by the Triton gather."""
-    from types import SimpleNamespace
-
-    from ferrum.kernels.paged_attention import allocate_split_kv_workspace, paged_attention
-    from ferrum.model_executor.layers.attention import Attention
-
-    _sdpa_from_32_tokens(monkeypatch)
-    heads, kv_heads, dim = 4, 2, 16
-    step = _mixed_step(device, heads, kv_heads, dim)
-    query, keys, values, cache, tables, starts, seq_lens, metadata, segments = step
-    kernel = _paged_reference_kernel if paged == "reference" else paged_attention
-    layer = Attention(heads, dim, kv_heads, 0.25, SimpleNamespace(paged_attention=kernel))
-    workspace = allocate_split_kv_workspace(8, heads, dim, device) if paged == "triton" else None
-    # The layer's cache is group 1's: group 0's tables point at the wrong blocks.
-    layer.bind_kv_cache(cache, workspace, kv_cache_group=1)
-    metadata.block_tables = (torch.flip(tables, (0,)), tables)
-    out = layer._attend_by_segments(query, keys, values, metadata, segments)
-    expected = paged_attention_ref(query, cache, tables, starts, seq_lens, 0.25)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    # A step of one long chunk, fresh or after a cached prefix: SDPA's output is the layer's.
-    for i in (2, 4):
-        rows = slice(starts[i], starts[i + 1])
-        chunk = starts[i + 1] - starts[i]
-        alone = SimpleNamespace(
-            query_start_loc=None,
-            seq_lens=None,
-            block_tables=(tables[:1], tables[i : i + 1]),
-            query_start_loc_cpu=[0, chunk],
-            seq_lens_cpu=[seq_lens[i]],
-        )
-        segments = long_prefill_segments([0, chunk], [seq_lens[i]], max_len=300)
-        out = layer._attend_by_segments(query[rows], keys[rows], values[rows], alone, segments)
-        torch.testing.assert_close(out, expected[rows], atol=1e-5, rtol=1e-5)
-
-
-def test_a_mixed_step_writes_fp8_rows_of_its_whole_output(monkeypatch, device) -> None:
-    """With heads of 128, a mixed step fills o_proj's FP8 rows: the paged kernel's runs write
-    theirs, SDPA's prompts are quantized after it; every row equals the per-group pass over the
-    layer's output, as on a step without SDPA."""
-    from types import SimpleNamespace
-
-    from ferrum.kernels.fp8_quant import empty_group_rows, per_token_group_quant_fp8
-    from ferrum.kernels.paged_attention import allocate_split_kv_workspace, paged_attention
-    from ferrum.model_executor.layers.attention import Attention
-
-    _sdpa_from_32_tokens(monkeypatch)
-    heads, kv_heads, dim = 2, 1, 128
-    query, keys, values, cache, _, starts, _, metadata, segments = _mixed_step(
-        device, heads, kv_heads, dim
-    )
-    layer = Attention(heads, dim, kv_heads, 0.1, SimpleNamespace(paged_attention=paged_attention))
-    layer.bind_kv_cache(cache, allocate_split_kv_workspace(8, heads, dim, device))
-    assert layer.writes_fp8_rows()
-    rows = empty_group_rows(query.shape[0], heads * dim, query.device)
-    out = layer._attend_by_segments(query, keys, values, metadata, segments, rows)
-    q, scales = per_token_group_quant_fp8(out.reshape(out.shape[0], -1))
-    assert torch.equal(rows.q.view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(rows.scales, scales)
-    assert starts[-1] == out.shape[0]
 
 
 def test_the_engine_imports_without_triton() -> None:
