@@ -12,6 +12,39 @@ import triton.language as tl
 _PACK_ROWS = 32
 
 
+def _layout(heads: int, kv_heads: int, head_dim: int) -> dict[str, int]:
+    """The packed buffer's layout constants both kernels take, and their tile."""
+    return dict(
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_T=_PACK_ROWS,
+    )
+
+
+@triton.jit
+def _store_packed_rows(
+    packed_ptr,
+    x,  # [BLOCK_T, BLOCK_D], zero where a row has no value
+    rows,  # [BLOCK_T]
+    head,
+    padded,
+    stride_packed_tok,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """packed[rows, head, :HEAD_DIM] = x, for the rows below `padded`."""
+    dims = tl.arange(0, BLOCK_D)
+    dst = (
+        packed_ptr
+        + rows[:, None].to(tl.int64) * stride_packed_tok
+        + head * HEAD_DIM
+        + dims[None, :]
+    )
+    tl.store(dst, x, mask=(rows[:, None] < padded) & (dims[None, :] < HEAD_DIM))
+
+
 def pack_padded_rows(
     packed: torch.Tensor,  # [padded, heads + 2 * kv_heads, head_dim], contiguous
     query: torch.Tensor,  # [length, heads, head_dim]
@@ -36,11 +69,7 @@ def pack_padded_rows(
         value.stride(0),
         value.stride(1),
         packed.stride(0),
-        HEADS=heads,
-        KV_HEADS=kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_T=_PACK_ROWS,
+        **_layout(heads, kv_heads, head_dim),
     )
 
 
@@ -95,13 +124,7 @@ def _pack_padded_kernel(
         )
     in_dims = dims[None, :] < HEAD_DIM
     x = tl.load(src + dims[None, :], mask=(rows[:, None] < length) & in_dims, other=0.0)
-    dst = (
-        packed_ptr
-        + rows[:, None].to(tl.int64) * stride_packed_tok
-        + head * HEAD_DIM
-        + dims[None, :]
-    )
-    tl.store(dst, x, mask=(rows[:, None] < padded) & in_dims)
+    _store_packed_rows(packed_ptr, x, rows, head, padded, stride_packed_tok, HEAD_DIM, BLOCK_D)
 
 
 def pack_padded_rows_from_cache(
@@ -131,12 +154,8 @@ def pack_padded_rows_from_cache(
         kv_cache.stride(2),
         kv_cache.stride(3),
         packed.stride(0),
-        HEADS=heads,
-        KV_HEADS=kv_heads,
-        HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_T=_PACK_ROWS,
+        **_layout(heads, kv_heads, head_dim),
     )
 
 
@@ -199,10 +218,4 @@ def _pack_from_cache_kernel(
             + kv_head * stride_cache_head
         )
         x = tl.load(src + dims[None, :], mask=in_context[:, None] & in_dims, other=0.0)
-    dst = (
-        packed_ptr
-        + rows[:, None].to(tl.int64) * stride_packed_tok
-        + head * HEAD_DIM
-        + dims[None, :]
-    )
-    tl.store(dst, x, mask=(rows[:, None] < padded) & in_dims)
+    _store_packed_rows(packed_ptr, x, rows, head, padded, stride_packed_tok, HEAD_DIM, BLOCK_D)
