@@ -29,19 +29,7 @@ def test_split_kv_matches_single_pass_and_reference(
     b = make_batch([1] * 4, seq_lens, num_heads, num_kv_heads, 32, block_size, dtype, device)
     ws = allocate_split_kv_workspace(6, num_heads, 32, device, max_splits=8)
     scale = 32**-0.5
-    split = torch.empty_like(b.query)
-    paged_attention_split_kv(
-        b.query,
-        b.kv_cache,
-        b.block_tables,
-        b.seq_lens,
-        b.max_seq_len,
-        scale,
-        split,
-        ws,
-        num_splits=num_splits,
-        block_n=16,
-    )
+    split = _split_kv(b, scale, torch.empty_like(b.query), ws, num_splits)
     single = torch.empty_like(b.query)
     paged_attention_unified(
         b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, 1, scale, single
@@ -82,21 +70,26 @@ def test_sliding_window_split_kv_matches_reference(
     b = make_batch([1] * 3, [1, 150, 70], 4, 2, 32, 8, dtype, device, seed=7)
     free_blocks_below_window(b, window, 8)
     ws = allocate_split_kv_workspace(3, 4, 32, device, max_splits=8)
-    out = torch.full_like(b.query, float("nan"))
+    out = _split_kv(b, 0.2, torch.full_like(b.query, float("nan")), ws, num_splits, window)
+    expected = paged_attention_ref(
+        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, 0.2, window
+    )
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+def _split_kv(b, scale, out, workspace, num_splits, sliding_window=None) -> torch.Tensor:
+    """The split-KV path on batch `b` with 16-key tiles; returns `out`."""
     paged_attention_split_kv(
         b.query,
         b.kv_cache,
         b.block_tables,
         b.seq_lens,
         b.max_seq_len,
-        0.2,
+        scale,
         out,
-        ws,
+        workspace,
         num_splits=num_splits,
         block_n=16,
-        sliding_window=window,
+        sliding_window=sliding_window,
     )
-    expected = paged_attention_ref(
-        b.query, b.kv_cache, b.block_tables, b.query_start_loc_cpu, b.seq_lens_cpu, 0.2, window
-    )
-    torch.testing.assert_close(out, expected, **TOL[dtype])
+    return out
