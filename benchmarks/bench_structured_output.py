@@ -106,7 +106,7 @@ def time_decode(llm: LLM, batch: int, input_len: int, steps: int, schema: dict |
         engine.step()
     runner = core.executor.runner
     fill_seconds = [0.0]
-    real_fill: Callable = runner._grammar_bitmask
+    real_fill: Callable = runner.grammar_bitmasks.fill
 
     def timed_fill(*args):
         start = time.perf_counter()
@@ -115,7 +115,7 @@ def time_decode(llm: LLM, batch: int, input_len: int, steps: int, schema: dict |
         finally:
             fill_seconds[0] += time.perf_counter() - start
 
-    runner._grammar_bitmask = timed_fill
+    runner.grammar_bitmasks.fill = timed_fill
     real_sample: Callable = runner.sample
     num_deferred = [0]
 
@@ -130,7 +130,7 @@ def time_decode(llm: LLM, batch: int, input_len: int, steps: int, schema: dict |
         engine.step()
     synchronize()
     wall = (time.perf_counter() - start) / steps
-    runner._grammar_bitmask = real_fill
+    runner.grammar_bitmasks.fill = real_fill
     runner.sample = real_sample
     running = core.scheduler.num_running
     engine.abort_request(ids)

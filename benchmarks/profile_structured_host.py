@@ -145,7 +145,7 @@ def instrument(llm: LLM, phases: dict[str, float]) -> None:
     runner.launch = _note_launch(runner, runner.launch)
     runner.model.compute_logits = wrap(phases, "logits", runner.model.compute_logits)
     runner.sampler = wrap(phases, "sampler", runner.sampler)
-    runner._grammar_bitmask = wrap(phases, "bitmask (all)", runner._grammar_bitmask)
+    buffers.fill = wrap(phases, "bitmask (all)", buffers.fill)
     buffers._filler = _TimedFiller(
         buffers._filler, wrap(phases, "  of which xgrammar fill", buffers._filler.fill)
     )

@@ -1,4 +1,5 @@
-"""How much GPU memory a runner can give its KV cache: one profiled forward at the largest step."""
+"""How many KV blocks a runner gets: on the CPU a default budget, on the GPU what is left after
+one profiled forward at the largest step (unless kv_cache_memory_bytes sets the budget)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,51 @@ from typing import TYPE_CHECKING
 import torch
 
 from ferrum.logger import init_logger
-from ferrum.model_executor.input_batch import profile_batch
+from ferrum.model_executor.kv_cache_sizing import cpu_kv_budget, num_blocks_from_budget
 from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow
 from ferrum.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from ferrum.model_executor.model_runner import ModelRunner
+    from ferrum.model_executor.runner_interface import StartUpRunner
 
 logger = init_logger(__name__)
 _GIB = float(1 << 30)
 
 
+def num_kv_blocks(runner: StartUpRunner) -> list[int]:
+    """KV blocks per layer group of the runner's pipeline stage."""
+    cfg = runner.config
+    on_cpu = runner.device.type != "cuda"
+    layer_ids = runner.stage.layer_ids
+    if on_cpu:
+        budget = cpu_kv_budget(
+            cfg.model_config,
+            cfg.cache_config,
+            cfg.scheduler_config,
+            runner.kv_cache_dtype,
+            runner.tp_size,
+            layer_ids,
+        )
+    elif cfg.cache_config.kv_cache_memory_bytes is not None:
+        budget = cfg.cache_config.kv_cache_memory_bytes
+    else:
+        budget = profile_gpu_kv_budget(runner)
+    return num_blocks_from_budget(
+        budget,
+        cfg.model_config,
+        cfg.cache_config,
+        cfg.scheduler_config,
+        runner.kv_cache_dtype,
+        # On the CPU an unused default budget would only cost memory; a GPU keeps every block it
+        # can for the prefix cache.
+        cap_to_need=on_cpu,
+        tp_size=runner.tp_size,
+        layer_ids=layer_ids,
+    )
+
+
 @torch.inference_mode()
-def profile_gpu_kv_budget(runner: ModelRunner) -> int:
+def profile_gpu_kv_budget(runner: StartUpRunner) -> int:
     """Runs one forward + sampling at max_num_batched_tokens and measures the peak.
 
     Budget = total * gpu_memory_utilization - weights - activation peak - CUDA-graph pool
@@ -40,11 +73,7 @@ def profile_gpu_kv_budget(runner: ModelRunner) -> int:
     )
     temp_kv_bytes = torch.cuda.memory_allocated(runner.device) - weights
     torch.cuda.reset_peak_memory_stats(runner.device)
-    requests, num_scheduled = profile_batch(
-        seq_lens, runner.block_size, len(runner.kv_cache_groups), runner._recurrent_groups
-    )
-    batch = runner.inputs.prepare(requests, num_scheduled, num_tokens, {})
-    hidden = runner._run_stage(batch, num_tokens)
+    hidden = runner.forward_prompts(seq_lens)
     logits = None
     if hidden is not None:  # the last stage samples
         num_sampled = min(sched.max_num_seqs, num_tokens)
@@ -58,9 +87,8 @@ def profile_gpu_kv_budget(runner: ModelRunner) -> int:
         )
     torch.cuda.synchronize(runner.device)
     activations = torch.cuda.max_memory_allocated(runner.device) - weights - temp_kv_bytes
-    runner.kv_caches = []
-    runner.model.bind_kv_caches([])
-    del hidden, logits, batch
+    runner.release_kv_cache()
+    del hidden, logits
     torch.cuda.empty_cache()
     graph_pool = (
         int(activations * min(1.0, sched.max_num_seqs / num_tokens))

@@ -8,7 +8,8 @@ order, so the next step's copy into it waits for nothing on the host.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from ferrum.structured_output import (
     allocate_token_bitmask,
     forbid_tokens_unless_only_ones,
 )
+
+if TYPE_CHECKING:
+    from ferrum.model_executor.runner_state import CachedRequestState
 
 
 class GrammarBitmaskBuffers:
@@ -31,20 +35,28 @@ class GrammarBitmaskBuffers:
         self._filler = BatchBitmaskFiller()
 
     def fill(
-        self,
-        num_rows: int,
-        rows: Sequence[tuple[int, StructuredOutputMatcher, Iterable[int]]],
-    ) -> torch.Tensor:
-        """[num_rows, vocab/32] int32 on the device: for each `(i, matcher, forbidden)` row i
-        allows the matcher's next tokens less `forbidden` (unless nothing else is allowed: then
-        it keeps them); every other row allows everything."""
-        host = self._host[self._num_fills % 2][:num_rows]
+        self, states: Sequence[CachedRequestState], matchers: Mapping[str, StructuredOutputMatcher]
+    ) -> torch.Tensor | None:
+        """[len(states), vocab/32] int32 on the device: each constrained row's allowed next
+        tokens, all ones elsewhere; None when no row is constrained. Below min_tokens a row's
+        stop tokens are cleared, unless the grammar allows nothing else (it can only end: the
+        request then stops there, with a valid output)."""
+        rows = []
+        for i, state in enumerate(states):
+            matcher = matchers.get(state.req_id)
+            if matcher is not None:
+                num_outputs = len(state.output_token_ids) + state.num_output_placeholders
+                below_min = num_outputs < state.params.min_tokens
+                rows.append((i, matcher, state.params.all_stop_token_ids if below_min else ()))
+        if not rows:
+            return None
+        host = self._host[self._num_fills % 2][: len(states)]
         self._num_fills += 1
-        if len(rows) < num_rows:
+        if len(rows) < len(states):
             host.fill_(-1)
         self._filler.fill(host, [(i, matcher) for i, matcher, _ in rows])
         for i, _, forbidden in rows:
             forbid_tokens_unless_only_ones(host, i, forbidden)
         if self._device is None:
             return host
-        return self._device[:num_rows].copy_(host, non_blocking=True)
+        return self._device[: len(states)].copy_(host, non_blocking=True)

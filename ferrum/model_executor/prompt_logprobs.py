@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ferrum.model_executor.sampling_metadata import to_device
 from ferrum.request import Logprobs
+
+if TYPE_CHECKING:
+    from ferrum.sampling_params import SamplingParams
 
 # Rows of [rows, vocab] float32 logits materialized at once (~150 MB for a 151,936 vocabulary).
 _MAX_ROWS_PER_PASS = 256
@@ -51,10 +55,35 @@ class PromptRows:
 
     req_id: str
     first_row: int  # row of the hidden state of position first_position - 1
-    req_id: str
     first_position: int
     target_ids: list[int]  # prompt tokens first_position, first_position + 1, ...
     num_logprobs: int
+
+
+class PromptState(Protocol):
+    prompt_token_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+
+
+def step_prompt_logprobs(
+    hidden_states: torch.Tensor | None,
+    requests: Mapping[str, PromptState],
+    num_scheduled: Mapping[str, int],
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+) -> list[PromptLogprobsChunk]:
+    """A step's chunks, queued on the device, from its requests' states before its tokens count
+    as computed; none without hidden states (a pipeline stage before the last)."""
+    if hidden_states is None:
+        return []
+    views = {}
+    for req_id in num_scheduled:
+        s = requests[req_id]
+        views[req_id] = (s.prompt_token_ids, s.num_computed_tokens, s.params.prompt_logprobs)
+    return [
+        compute_prompt_logprobs(hidden_states, rows, compute_logits)
+        for rows in prompt_rows(views, num_scheduled)
+    ]
 
 
 def prompt_rows(

@@ -1,4 +1,8 @@
-"""What a model runner keeps per request and per launched step (`model_runner.py`)."""
+"""What a model runner keeps per request and per launched step (`model_runner.py`).
+
+The runner keeps its own copy of each scheduled request's tokens and block tables: new requests
+arrive once in full, running ones as diffs.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ from typing import Any
 import torch
 
 from ferrum.model_executor.prompt_logprobs import PromptLogprobsChunk
-from ferrum.model_executor.sampler import SamplerOutput
+from ferrum.model_executor.sampler import SamplerOutput, advance_sampling_generator
+from ferrum.model_executor.sampling_metadata import SamplingRow
 from ferrum.sampling_params import SamplingParams
-from ferrum.scheduler.output import ModelRunnerOutput
+from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.structured_output import StructuredOutputMatcher
 
 
@@ -28,6 +33,80 @@ class CachedRequestState:
     generator: torch.Generator | None
     # Sampled by launched steps and not yet completed (appended to token_ids on completion).
     num_output_placeholders: int = 0
+
+
+class RequestStates(dict[str, CachedRequestState]):
+    """The scheduled requests' states by id, kept up to date by `apply`, and the generators of
+    seeded requests: each lives from a request's first admission to its end, across
+    preemptions."""
+
+    def __init__(self, num_kv_groups: int, vocab_size: int, device: torch.device) -> None:
+        super().__init__()
+        self.num_kv_groups = num_kv_groups
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generators: dict[str, torch.Generator] = {}
+
+    def apply(self, scheduler_output: SchedulerOutput) -> None:
+        """Forgets finished and preempted requests (a preempted one keeps its generator), adds
+        the new ones and applies the running ones' diffs."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in scheduler_output.preempted_req_ids:
+            self.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            if len(new.block_ids) != self.num_kv_groups:
+                raise ValueError(
+                    f"block_ids of {new.req_id!r}: expected one table per KV cache group "
+                    f"({self.num_kv_groups}), got {len(new.block_ids)}"
+                )
+            params = new.sampling_params
+            self[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                token_ids=new.prompt_token_ids + new.output_token_ids,
+                params=params,
+                block_ids=tuple(list(ids) for ids in new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=self._generator_for(new.req_id, params, len(new.output_token_ids)),
+            )
+        for cached in scheduler_output.scheduled_cached_reqs:
+            state = self[cached.req_id]
+            for block_ids, new_block_ids in zip(state.block_ids, cached.new_block_ids):
+                block_ids.extend(new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _generator_for(
+        self, req_id: str, params: SamplingParams, num_output_tokens: int
+    ) -> torch.Generator | None:
+        """A seeded request's generator. One made for a request that already has output tokens
+        (resumed by a new engine core) replays the draws that sampled them: its next token is
+        the one the request would have drawn without the restart."""
+        if params.seed is None or params.temperature == 0.0:
+            return None
+        generator = self.generators.get(req_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+            advance_sampling_generator(generator, num_output_tokens, self.vocab_size, self.device)
+            self.generators[req_id] = generator
+        return generator
+
+
+def sampling_rows(states: list[CachedRequestState]) -> list[SamplingRow]:
+    return [
+        SamplingRow(
+            params=s.params,
+            prompt_token_ids=s.prompt_token_ids,
+            output_token_ids=s.output_token_ids,
+            generator=s.generator,
+            stop_token_ids=s.params.all_stop_token_ids,
+            num_output_placeholders=s.num_output_placeholders,
+        )
+        for s in states
+    ]
 
 
 @dataclass(slots=True)

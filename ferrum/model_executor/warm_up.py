@@ -34,12 +34,11 @@ from ferrum.kernels.sdpa_prefill import (
 )
 from ferrum.logger import init_logger
 from ferrum.model_executor.compile_watch import start_up_compiles
-from ferrum.model_executor.input_batch import profile_batch
 from ferrum.model_executor.layers.attention import Attention
 from ferrum.structured_output import apply_token_bitmask_, bitmask_width
 
 if TYPE_CHECKING:
-    from ferrum.model_executor.model_runner import ModelRunner
+    from ferrum.model_executor.runner_interface import StartUpRunner
 
 logger = init_logger(__name__)
 
@@ -79,7 +78,7 @@ def _split(total: int, num_requests: int) -> list[int]:
     return [base + (i < extra) for i in range(num_requests)]
 
 
-def warm_up_runner(runner: ModelRunner, num_blocks: int | list[int]) -> None:
+def warm_up_runner(runner: StartUpRunner, num_blocks: int | list[int]) -> None:
     """Runs `warm_up_batches` through the runner, SDPA's prefill at each padded length (cuDNN's
     plans) with the cache gather and cuDNN probe, and, on the last pipeline stage, xgrammar's
     bitmask kernel; its compiles count as start-up's."""
@@ -88,7 +87,7 @@ def warm_up_runner(runner: ModelRunner, num_blocks: int | list[int]) -> None:
     num_forwards, max_tokens = run_warm_up_batches(runner, num_blocks)
     sdpa_plans = _warm_up_sdpa_prefill(runner, runner.inputs.sdpa_max_len)
     _warm_up_sdpa_fp8_rows(runner)
-    if runner.pp_group.is_last:
+    if runner.stage.is_last:
         _warm_up_grammar_bitmask(runner)
     torch.cuda.synchronize(runner.device)
     logger.info(
@@ -101,22 +100,18 @@ def warm_up_runner(runner: ModelRunner, num_blocks: int | list[int]) -> None:
 
 
 @torch.inference_mode()
-def run_warm_up_batches(runner: ModelRunner, num_blocks: int | list[int]) -> tuple[int, int]:
+def run_warm_up_batches(runner: StartUpRunner, num_blocks: int | list[int]) -> tuple[int, int]:
     """One forward per batch of `warm_up_batches`; returns (forwards, most tokens)."""
     sched = runner.config.scheduler_config
     if not isinstance(num_blocks, int):  # the smallest attention pool
         num_blocks = min(n for n, g in zip(num_blocks, runner.kv_cache_groups) if not g.recurrent)
     max_tokens = min(sched.max_num_batched_tokens, sched.max_model_len)
-    # Block 0 stays free: profile_batch places prompts from block 1.
+    # Block 0 stays free: the prompts take blocks from 1 on.
     batches = warm_up_batches(
         max_tokens, runner.block_size, num_blocks - 1, max_requests=sched.max_num_seqs
     )
     for query_lens in batches:
-        requests, num_scheduled = profile_batch(
-            query_lens, runner.block_size, len(runner.kv_cache_groups), runner._recurrent_groups
-        )
-        batch = runner.inputs.prepare(requests, num_scheduled, sum(query_lens), {})
-        hidden_states = runner._run_stage(batch, sum(query_lens))
+        hidden_states = runner.forward_prompts(query_lens)
         # Logits run outside the CUDA graphs; one row takes the LM head's own GEMV variant.
         if hidden_states is not None and len(hidden_states) == 1:
             runner.model.compute_logits(hidden_states)
@@ -124,7 +119,7 @@ def run_warm_up_batches(runner: ModelRunner, num_blocks: int | list[int]) -> tup
 
 
 @torch.inference_mode()
-def _warm_up_sdpa_prefill(runner: ModelRunner, max_len: int) -> int:
+def _warm_up_sdpa_prefill(runner: StartUpRunner, max_len: int) -> int:
     """cuDNN builds an execution plan per shape on first use: runs SDPA at each padded prefill
     length up to `max_len` (the longest context the step inputs send through SDPA) for each
     distinct attention shape that takes it (kernels/sdpa_prefill.py), and the gather of a
@@ -148,12 +143,12 @@ def _warm_up_sdpa_prefill(runner: ModelRunner, max_len: int) -> int:
                 kv_heads,
                 head_dim,
             )
-            runner.inputs.sdpa_prefix_per_chunk = 0
+            runner.disable_sdpa_after_prefixes()
     return sum(warm_up_sdpa_prefill(*shape, max_tokens=max_len) for shape in layers)
 
 
 @torch.inference_mode()
-def _warm_up_sdpa_fp8_rows(runner: ModelRunner) -> None:
+def _warm_up_sdpa_fp8_rows(runner: StartUpRunner) -> None:
     """A step with SDPA's prompts quantizes their attention output for an FP8 o_proj by the
     per-group pass (`Attention._attend_by_segments`); no warm-up forward runs it (warm-up's
     prompts are too short for SDPA, and every other W8A8 input arrives quantized), so it runs
@@ -175,7 +170,7 @@ def _warm_up_sdpa_fp8_rows(runner: ModelRunner) -> None:
         per_token_group_quant_fp8(torch.zeros(2, width, dtype=dtype, device=device))
 
 
-def _warm_up_grammar_bitmask(runner: ModelRunner) -> None:
+def _warm_up_grammar_bitmask(runner: StartUpRunner) -> None:
     """xgrammar's Triton kernel masks the sampled rows of constrained steps; Triton compiles it
     per row-count class (1, a multiple of 16, other), so one batch of each runs here."""
     width = bitmask_width(runner.vocab_size)

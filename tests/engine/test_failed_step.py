@@ -58,4 +58,4 @@ def test_a_launch_failing_before_the_runner_reads_the_step_loses_no_cleanup(
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()
-    assert "done" not in runner.requests and "done" not in runner._seeded_generators
+    assert "done" not in runner.requests and "done" not in runner.requests.generators

@@ -126,8 +126,10 @@ def test_sdpa_layers_build_their_plans_and_gather_once_a_shape(monkeypatch, cudn
                 else None
             ),
         )
-    inputs = SimpleNamespace(sdpa_prefix_per_chunk=2)
-    runner = SimpleNamespace(model=torch.nn.ModuleList(layers), inputs=inputs)
+    disabled = []
+    runner = SimpleNamespace(
+        model=torch.nn.ModuleList(layers), disable_sdpa_after_prefixes=lambda: disabled.append(1)
+    )
     assert warm_up._warm_up_sdpa_prefill(runner, 4096) == 6
     assert [shape[0] for shape in plans] == [4, 8]
     assert len(gathers) == 2
@@ -135,7 +137,7 @@ def test_sdpa_layers_build_their_plans_and_gather_once_a_shape(monkeypatch, cudn
         (4, True),
         (8, True),
     ]
-    assert inputs.sdpa_prefix_per_chunk == (2 if 8 in cudnn_heads else 0)
+    assert disabled == ([] if 8 in cudnn_heads else [1])
 
 
 def test_the_runner_bounds_sdpa_contexts_by_the_budget_and_the_model_length(tiny_checkpoint):
