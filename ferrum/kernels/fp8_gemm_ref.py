@@ -1,7 +1,10 @@
-"""Torch references for the FP8 GEMMs: W8A8 (dequantize both operands to fp32, then matmul) and
-the weight-only product of the one-row GEMV (the activations as given)."""
+"""Torch references for the FP8 GEMMs: W8A8 (dequantize both operands to fp32, then matmul), also
+with the fp8_linear launchers' signatures, and the weight-only product of the one-row GEMV (the
+activations as given)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -64,3 +67,34 @@ def w8a8_channel_fp8_matmul_ref(
         a, a_scale = per_token_quant_fp8_ref(a)
     a_f = dequantize_per_token_group_ref(a, a_scale)
     return _finish(a_f, dequantize_weight_per_channel(weight, weight_scale), bias, out_dtype)
+
+
+def fp8_block_linear_ref(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale_inv: torch.Tensor,  # [ceil(N / 128), K / 128] fp32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """`w8a8_block_fp8_matmul_ref` with fp8_block_linear's signature: [..., N] in x's dtype."""
+    return _over_rows(w8a8_block_fp8_matmul_ref, x, weight, weight_scale_inv, bias)
+
+
+def fp8_channel_linear_ref(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N, 1] fp32
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """`w8a8_channel_fp8_matmul_ref` with fp8_channel_linear's signature: [..., N] in x's dtype."""
+    return _over_rows(w8a8_channel_fp8_matmul_ref, x, weight, weight_scale, bias)
+
+
+def _over_rows(
+    matmul: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    out = matmul(x.reshape(-1, x.shape[-1]), weight, scale, x.dtype, bias=bias)
+    return out.view(*x.shape[:-1], out.shape[-1])

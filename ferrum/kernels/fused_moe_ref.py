@@ -1,4 +1,5 @@
-"""Torch reference for the fused mixture-of-experts op: the CPU path and the oracle for Triton.
+"""Torch references for the MoE router (`select_experts`) and the fused mixture-of-experts op:
+the CPU path and the oracles for Triton.
 
 Expert weights are stacked: `w13[e]` holds expert e's gate rows then its up rows ([2I, H]) and
 `w2[e]` its down projection ([H, I]). The activation is SiLU-and-multiply.
@@ -11,12 +12,27 @@ import torch
 from ferrum.kernels.activation_ref import silu_and_mul_ref
 
 
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax (float32) over experts, top-k, optionally renormalised to sum to 1.
+    Returns (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids
+
+
 def fused_moe_ref(
     hidden: torch.Tensor,  # [num_tokens, hidden_size]
     w13: torch.Tensor,  # [num_experts, 2 * intermediate_size, hidden_size]
     w2: torch.Tensor,  # [num_experts, hidden_size, intermediate_size]
     topk_weights: torch.Tensor,  # [num_tokens, top_k] float32
     topk_ids: torch.Tensor,  # [num_tokens, top_k] integer expert ids
+    *,
+    w13_scale: torch.Tensor | None = None,  # FP8 experts' block scales: see fused_moe_fp8_ref
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u), where e = topk_ids[t, j] and
     (g, u) = split(w13[e] @ hidden[t]). Expert matmuls run in the weights' dtype (the input's,
@@ -24,6 +40,8 @@ def fused_moe_ref(
     accumulates in float32. Returns [num_tokens, hidden_size] in hidden's dtype. A pair whose
     expert id lies outside [0, num_experts) contributes zero (another rank's expert).
     """
+    if w13_scale is not None:
+        return fused_moe_fp8_ref(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.reshape(-1)

@@ -1,7 +1,7 @@
 """The kernel backend a model is built with: the torch references or the Triton kernels.
 
-Layers take a `TritonKernels | None` at construction (None runs the `kernels/*_ref.py` torch
-references). On the CPU the Triton kernels run in Triton's interpreter (slow, for tests), which
+Layers take a `Kernels` (ferrum/kernels/interface.py) at construction, one implementation or the
+other. On the CPU the Triton kernels run in Triton's interpreter (slow, for tests), which
 must be on before triton is first imported: `@triton.jit` reads TRITON_INTERPRET when it decorates.
 """
 
@@ -10,40 +10,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ferrum import envs
+from ferrum.kernels.interface import Kernels, torch_kernels, triton_kernels
 
 if TYPE_CHECKING:
     import torch
-
-    from ferrum.kernels.fp8_quant import Fp8GroupRows
-
-
-@dataclass(frozen=True, slots=True)
-class TritonKernels:
-    """The Triton launchers the layers call (see each one's signature in ferrum/kernels/)."""
-
-    rms_norm: Callable[..., torch.Tensor]
-    fused_add_rms_norm: Callable[..., None]
-    rms_norm_fp8: Callable[..., tuple[torch.Tensor, Fp8GroupRows]]
-    fused_add_rms_norm_fp8: Callable[..., Fp8GroupRows]
-    silu_and_mul: Callable[..., torch.Tensor]
-    silu_and_mul_fp8: Callable[..., tuple[torch.Tensor, Fp8GroupRows]]
-    rotary_kv: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-    moe_router: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    fused_moe: Callable[..., torch.Tensor]
-    dense_linear: Callable[..., torch.Tensor]
-    fp8_block_linear: Callable[..., torch.Tensor]
-    fp8_block_linear_takes_rows: Callable[..., bool]
-    fp8_channel_linear: Callable[..., torch.Tensor]
-    causal_conv1d_prefill: Callable[..., torch.Tensor]
-    causal_conv1d_update: Callable[..., torch.Tensor]
-    gated_delta_rule_prefill: Callable[..., torch.Tensor]
-    gated_delta_rule_decode: Callable[..., torch.Tensor]
 
 
 def resolve_kernel_backend(kernel_backend: str, device: torch.device) -> str:
@@ -70,41 +43,11 @@ def enable_triton_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-def load_kernels(kernel_backend: str) -> TritonKernels | None:
-    """The Triton kernels for backend "triton" (imports triton), None for "torch"."""
+def load_kernels(kernel_backend: str) -> Kernels:
+    """The Triton launchers for backend "triton" (imports triton), the torch references for
+    "torch"."""
     if kernel_backend == "torch":
-        return None
+        return torch_kernels()
     if kernel_backend != "triton":
         raise ValueError(f"kernel_backend: must be 'torch' or 'triton', got {kernel_backend!r}")
-    from ferrum.kernels import activation, fused_moe, moe_router, paged_attention, rms_norm
-    from ferrum.kernels.causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
-    from ferrum.kernels.dense_linear import dense_linear
-    from ferrum.kernels.fp8_linear import (
-        block_linear_takes_fp8_rows,
-        fp8_block_linear,
-        fp8_channel_linear,
-    )
-    from ferrum.kernels.gated_delta_rule_decode import gated_delta_rule_decode
-    from ferrum.kernels.gated_delta_rule_prefill import gated_delta_rule_prefill
-    from ferrum.kernels.rotary_kv import rotary_kv
-
-    return TritonKernels(
-        rms_norm=rms_norm.rms_norm,
-        fused_add_rms_norm=rms_norm.fused_add_rms_norm,
-        rms_norm_fp8=rms_norm.rms_norm_fp8,
-        fused_add_rms_norm_fp8=rms_norm.fused_add_rms_norm_fp8,
-        silu_and_mul=activation.silu_and_mul,
-        silu_and_mul_fp8=activation.silu_and_mul_fp8,
-        rotary_kv=rotary_kv,
-        paged_attention=paged_attention.paged_attention,
-        moe_router=moe_router.moe_router,
-        fused_moe=fused_moe.fused_moe,
-        dense_linear=dense_linear,
-        fp8_block_linear=fp8_block_linear,
-        fp8_block_linear_takes_rows=block_linear_takes_fp8_rows,
-        fp8_channel_linear=fp8_channel_linear,
-        causal_conv1d_prefill=causal_conv1d_prefill,
-        causal_conv1d_update=causal_conv1d_update,
-        gated_delta_rule_prefill=gated_delta_rule_prefill,
-        gated_delta_rule_decode=gated_delta_rule_decode,
-    )
+    return triton_kernels()

@@ -39,10 +39,11 @@ def gemv_calls(monkeypatch) -> list[tuple[int, int]]:
     return calls
 
 
-def test_unquantized_layers_take_the_dense_method_only_with_the_triton_kernels() -> None:
-    assert get_linear_method(None, None, ["mlp.down_proj"]) is None
+def test_unquantized_layers_take_the_dense_method_with_either_kernels() -> None:
+    torch_method = get_linear_method(None, load_kernels("torch"), ["mlp.down_proj"])
+    assert torch_method._linear is torch.nn.functional.linear
     method = get_linear_method(None, load_kernels("triton"), ["mlp.down_proj"])
-    assert isinstance(method, DenseLinearMethod)
+    assert isinstance(method, DenseLinearMethod) and method._linear is dense_linear
     layer = Linear(16, 8, bias=True, quant_method=method)
     assert layer.weight.shape == (8, 16) and layer.bias is not None
     torch.nn.init.normal_(layer.weight)

@@ -59,11 +59,10 @@ def test_attention_writes_rows_only_with_heads_of_128() -> None:
     """One quantization group of o_proj's input a head: heads of 64 would need two heads a
     group, so those layers write no rows (o_proj quantizes itself); the torch reference path
     writes none either."""
-    from types import SimpleNamespace
-
+    from ferrum.kernels.interface import torch_kernels, triton_kernels
     from ferrum.model_executor.layers.attention import Attention
 
-    kernels = SimpleNamespace()
+    kernels = triton_kernels()
     assert Attention(2, 128, 1, 0.1, kernels).writes_fp8_rows()
     assert not Attention(2, 64, 1, 0.1, kernels).writes_fp8_rows()
-    assert not Attention(2, 128, 1, 0.1, None).writes_fp8_rows()
+    assert not Attention(2, 128, 1, 0.1, torch_kernels()).writes_fp8_rows()

@@ -10,12 +10,12 @@ import ferrum.kernels.fused_moe as fused_moe_module
 import ferrum.kernels.moe_align as moe_align_module
 from ferrum.kernels.arrival_counters import arrival_counters
 from ferrum.kernels.fused_moe import SMALL_BATCH_MAX_TOKENS, fused_moe, get_config
-from ferrum.kernels.fused_moe_ref import fused_moe_ref
+from ferrum.kernels.fused_moe_ref import fused_moe_ref, select_experts
 from ferrum.kernels.moe_align import max_num_blocks, moe_align_block_size
 from ferrum.kernels.moe_align_ref import moe_align_block_size_ref
 from ferrum.kernels.moe_router import moe_router
 from ferrum.model_executor.kernel_backend import load_kernels
-from ferrum.model_executor.layers.fused_moe import FusedMoE, select_experts
+from ferrum.model_executor.layers.fused_moe import FusedMoE
 
 TOLERANCE = {
     torch.float32: {"atol": 1e-5, "rtol": 1e-5},

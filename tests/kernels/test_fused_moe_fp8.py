@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from ferrum.kernels.fused_moe import fused_moe
-from ferrum.kernels.fused_moe_ref import dequantize_experts, fused_moe_fp8_ref, fused_moe_ref
-from ferrum.model_executor.layers.fused_moe import select_experts
+from ferrum.kernels.fused_moe_ref import (
+    dequantize_experts,
+    fused_moe_fp8_ref,
+    fused_moe_ref,
+    select_experts,
+)
 
 FP8 = torch.float8_e4m3fn
 # Relative to the output's abs-max: the kernels sum in another order than the reference.

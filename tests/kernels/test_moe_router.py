@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ferrum.kernels.fused_moe_ref import select_experts
 from ferrum.kernels.moe_router import moe_router
-from ferrum.model_executor.layers.fused_moe import select_experts
 
 
 def distinct_logits(num_tokens: int, num_experts: int, device, seed: int = 0) -> torch.Tensor:

@@ -4,12 +4,15 @@ paged reference (SDPA's math backend; the paged kernels interpreted on the CPU).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend
 
 import ferrum.kernels.sdpa_prefill as sdpa_module
 from ferrum.kernels.attention_ref import paged_attention_ref
+from ferrum.kernels.interface import torch_kernels, triton_kernels
 from ferrum.kernels.sdpa_prefill import long_prefill_segments, sdpa_prefill
 
 
@@ -24,13 +27,11 @@ from ferrum.kernels.sdpa_prefill import long_prefill_segments, sdpa_prefill
 )
 def test_which_layers_take_it(monkeypatch, window, cache_dtype, kernels, expected) -> None:
     """The layer's rule, with the device check passed (this may run without a GPU)."""
-    from types import SimpleNamespace
-
     from ferrum.model_executor.layers import attention as attention_module
 
     monkeypatch.setattr(attention_module, "sdpa_takes", lambda device, dtype, head_dim: True)
     layer = attention_module.Attention(
-        4, 16, 2, 0.25, SimpleNamespace() if kernels else None, sliding_window=window
+        4, 16, 2, 0.25, triton_kernels() if kernels else torch_kernels(), sliding_window=window
     )
     layer.bind_kv_cache(torch.zeros(2, 3, 16, 2, 16, dtype=cache_dtype))
     assert layer.takes_sdpa_prefill() is expected
@@ -126,7 +127,7 @@ def test_a_mixed_step_equals_the_paged_reference(monkeypatch, device, paged) -> 
     step = _mixed_step(device, heads, kv_heads, dim)
     query, keys, values, cache, tables, starts, seq_lens, metadata, segments = step
     kernel = _paged_reference_kernel if paged == "reference" else paged_attention
-    layer = Attention(heads, dim, kv_heads, 0.25, SimpleNamespace(paged_attention=kernel))
+    layer = Attention(heads, dim, kv_heads, 0.25, replace(triton_kernels(), paged_attention=kernel))
     workspace = allocate_split_kv_workspace(8, heads, dim, device) if paged == "triton" else None
     # The layer's cache is group 1's: group 0's tables point at the wrong blocks.
     layer.bind_kv_cache(cache, workspace, kv_cache_group=1)
@@ -154,10 +155,8 @@ def test_a_mixed_step_writes_fp8_rows_of_its_whole_output(monkeypatch, device) -
     """With heads of 128, a mixed step fills o_proj's FP8 rows: the paged kernel's runs write
     theirs, SDPA's prompts are quantized after it; every row equals the per-group pass over the
     layer's output, as on a step without SDPA."""
-    from types import SimpleNamespace
-
     from ferrum.kernels.fp8_quant import empty_group_rows, per_token_group_quant_fp8
-    from ferrum.kernels.paged_attention import allocate_split_kv_workspace, paged_attention
+    from ferrum.kernels.paged_attention import allocate_split_kv_workspace
     from ferrum.model_executor.layers.attention import Attention
 
     _sdpa_from_32_tokens(monkeypatch)
@@ -165,7 +164,7 @@ def test_a_mixed_step_writes_fp8_rows_of_its_whole_output(monkeypatch, device) -
     query, keys, values, cache, _, starts, _, metadata, segments = _mixed_step(
         device, heads, kv_heads, dim
     )
-    layer = Attention(heads, dim, kv_heads, 0.1, SimpleNamespace(paged_attention=paged_attention))
+    layer = Attention(heads, dim, kv_heads, 0.1, triton_kernels())
     layer.bind_kv_cache(cache, allocate_split_kv_workspace(8, heads, dim, device))
     assert layer.writes_fp8_rows()
     rows = empty_group_rows(query.shape[0], heads * dim, query.device)

@@ -13,6 +13,7 @@ import torch
 from ferrum.config import ModelConfig
 from ferrum.kernels.fp8_weight import dequantize_weight_block
 from ferrum.model_executor.layers.linear import Linear
+from ferrum.model_executor.layers.quantization.dense import DenseLinearMethod
 from ferrum.model_executor.model_loader import load_model
 from tests.utils.fp8_checkpoints import write_fp8_checkpoint
 from tests.utils.model_step import CPU, load
@@ -68,7 +69,7 @@ def test_modules_to_not_convert_stay_in_the_model_dtype(tiny_checkpoint, tmp_pat
     fp8_dir = write_fp8_checkpoint(source, str(tmp_path / "fp8"), "fp8", ignore=kept)
     _, model = load(fp8_dir)
     down = model.model.layers[1].mlp.down_proj
-    assert down.quant_method is None and down.weight.dtype == torch.float32
+    assert isinstance(down.quant_method, DenseLinearMethod) and down.weight.dtype == torch.float32
     assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8
 
 
@@ -193,7 +194,8 @@ def test_dummy_fp8_experts(tiny_checkpoint, tmp_path, quantization, dtype) -> No
     )
     model = load_model(config, CPU)
     block = model.model.layers[0].mlp
-    assert block.gate.weight.dtype == dtype and block.gate.quant_method is None
+    assert block.gate.weight.dtype == dtype
+    assert isinstance(block.gate.quant_method, DenseLinearMethod)
     experts = block.experts
     assert experts.w13.dtype == FP8 and experts.w13_scale.shape == (8, 2, 1)
     assert experts.w2.dtype == FP8 and experts.w2_scale.shape == (8, 1, 1)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ferrum.config import ModelConfig
+from ferrum.kernels.fused_moe_ref import select_experts
 from ferrum.model_arch import rope_parameters
-from ferrum.model_executor.layers.fused_moe import select_experts
 from ferrum.model_executor.model_loader import load_model
 from ferrum.model_executor.models.registry import get_model_class, supported_architectures
 from tests.utils.model_step import CPU, Seq, load, new_kv_caches, prompt, run_step

@@ -47,10 +47,11 @@ def test_bad_stages_are_refused(args, message) -> None:  # noqa: ANN001
 
 def test_linear_attention_models_refuse_a_pipeline(tiny_checkpoint) -> None:  # noqa: ANN001
     from ferrum.config import ModelConfig
+    from ferrum.kernels.interface import torch_kernels
     from ferrum.model_executor.models.registry import get_model_class
 
     config = ModelConfig(tiny_checkpoint("qwen3_5"))
     model_class = get_model_class(config.architecture)
     stage = pipeline_stage(config.arch.num_hidden_layers, 0, 2)
     with pytest.raises(ValueError, match="pipeline_parallel_size: .* one GPU only"):
-        model_class(config.arch, None, pipeline_stage=stage)
+        model_class(config.arch, torch_kernels(), pipeline_stage=stage)

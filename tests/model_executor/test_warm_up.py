@@ -63,13 +63,14 @@ def test_fp8_models_compile_the_sdpa_rows_pass_at_start_up(monkeypatch) -> None:
     import torch
 
     from ferrum.kernels import fp8_quant
+    from ferrum.kernels.interface import triton_kernels
     from ferrum.model_executor import warm_up
     from ferrum.model_executor.layers.attention import Attention
 
     calls = []
     monkeypatch.setattr(fp8_quant, "per_token_group_quant_fp8", lambda x: calls.append(x.shape))
-    sdpa_layers = [Attention(4, 128, 2, 0.1, SimpleNamespace()) for _ in range(2)]
-    narrow = Attention(4, 64, 2, 0.1, SimpleNamespace())  # heads of 64: no rows
+    sdpa_layers = [Attention(4, 128, 2, 0.1, triton_kernels()) for _ in range(2)]
+    narrow = Attention(4, 64, 2, 0.1, triton_kernels())  # heads of 64: no rows
     for layer in [*sdpa_layers, narrow]:
         monkeypatch.setattr(
             layer,
@@ -100,6 +101,7 @@ def test_sdpa_layers_build_their_plans_and_gather_once_a_shape(monkeypatch, cudn
 
     import torch
 
+    from ferrum.kernels.interface import torch_kernels, triton_kernels
     from ferrum.model_executor import warm_up
     from ferrum.model_executor.layers.attention import Attention
 
@@ -111,9 +113,9 @@ def test_sdpa_layers_build_their_plans_and_gather_once_a_shape(monkeypatch, cudn
         warm_up, "warm_up_cached_pack", lambda heads, cache: gathers.append((heads, cache))
     )
     monkeypatch.setattr(warm_up, "cudnn_takes", lambda heads, *shape: heads in cudnn_heads)
-    layers = [Attention(4, 16, 2, 0.1, SimpleNamespace()) for _ in range(2)]
-    layers.append(Attention(8, 16, 2, 0.1, SimpleNamespace()))
-    layers.append(Attention(4, 16, 2, 0.1, None))  # the torch reference path: no SDPA
+    layers = [Attention(4, 16, 2, 0.1, triton_kernels()) for _ in range(2)]
+    layers.append(Attention(8, 16, 2, 0.1, triton_kernels()))
+    layers.append(Attention(4, 16, 2, 0.1, torch_kernels()))  # the torch references: no SDPA
     caches = [torch.zeros(2, 3, 16, 2, 16) for _ in layers]
     for layer, cache in zip(layers, caches):
         layer.bind_kv_cache(cache)
@@ -122,7 +124,7 @@ def test_sdpa_layers_build_their_plans_and_gather_once_a_shape(monkeypatch, cudn
             "sdpa_prefill_shape",
             lambda layer=layer: (
                 (layer.num_heads, 2, 16, 0.1, torch.float32, torch.device("cpu"))
-                if layer.kernels is not None
+                if layer.kernels.is_triton
                 else None
             ),
         )

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.kernels.interface import torch_kernels
 from ferrum.model_executor.layers.embed_head import LMHead, VocabEmbedding
 from ferrum.model_executor.layers.fused_moe import DOWN, GATE, GATE_UP, UP, FusedMoE
 from ferrum.model_executor.layers.parallel_linear import (
@@ -126,7 +127,10 @@ def linear_layers(group: TensorParallelGroup) -> dict[str, Pair]:
         lambda m: m(ids),
     )
     out["lm_head"] = _both(
-        group, lambda g: LMHead(vocab, HIDDEN, None, g), {"weight": (table, None)}, lambda m: m(x)
+        group,
+        lambda g: LMHead(vocab, HIDDEN, torch_kernels(), None, g),
+        {"weight": (table, None)},
+        lambda m: m(x),
     )
     return out
 
@@ -152,7 +156,7 @@ def moe_layers(group: TensorParallelGroup) -> dict[str, Pair]:
             out[f"ep={ep},{layout}"] = _both(
                 group,
                 lambda g, ep=ep: FusedMoE(
-                    num_experts, top_k, HIDDEN, inter, True, "silu", None, g, ep
+                    num_experts, top_k, HIDDEN, inter, True, "silu", torch_kernels(), g, ep
                 ),
                 tensors,
                 lambda m: m(x, logits),

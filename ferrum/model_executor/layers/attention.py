@@ -1,13 +1,13 @@
 """Paged attention layer: writes this step's K/V into the layer's cache, then attends over it.
 
 The cache per layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, bound once by the
-model runner through `bind_kv_cache`. Built with Triton kernels, the layer fuses RoPE, the
-optional Qwen3 q/k norm and the KV-cache write into one launch before paged attention; without,
-it runs the torch references. On an sm80+ GPU, long prompt chunks (after no cached prefix, or a
-short one) attend through torch's SDPA instead of the paged kernel (`kernels/sdpa_prefill.py`),
-the step's other requests through the paged kernel, unless the layer has a sliding window, an
-FP8 cache (whose prefill reads the rounded keys and values back) or a head size SDPA's fused
-backends do not take (a multiple of 8 up to 256); see `takes_sdpa_prefill`.
+model runner through `bind_kv_cache`. The layer's kernels fuse RoPE, the optional Qwen3 q/k norm
+and the KV-cache write into one call before paged attention. With the Triton kernels on an sm80+
+GPU, long prompt chunks (after no cached prefix, or a short one) attend through torch's SDPA
+instead of the paged kernel (`kernels/sdpa_prefill.py`), the step's other requests through the
+paged kernel, unless the layer has a sliding window, an FP8 cache (whose prefill reads the
+rounded keys and values back) or a head size SDPA's fused backends do not take (a multiple of 8
+up to 256); see `takes_sdpa_prefill`.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ import torch
 from torch import nn
 
 from ferrum.kernels import FP8_KV_DTYPE
-from ferrum.kernels.attention_ref import paged_attention_ref, write_kv_cache_ref
-from ferrum.kernels.rotary_kv_ref import qk_norm_rope_ref
+from ferrum.kernels.interface import Kernels
 from ferrum.kernels.sdpa_prefill import (
     AttentionSegment,
     CachedContext,
     sdpa_prefill,
     sdpa_takes,
 )
-from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.layernorm import RMSNorm
 
 if TYPE_CHECKING:
@@ -43,7 +41,7 @@ class Attention(nn.Module):
         head_dim: int,
         num_kv_heads: int,
         scale: float,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         sliding_window: int | None = None,
     ) -> None:
         super().__init__()
@@ -68,7 +66,7 @@ class Attention(nn.Module):
         self.split_kv_workspace: SplitKVWorkspace | None = None
         self.kernels = kernels
         self._writes_fp8_rows = False
-        if kernels is not None:
+        if kernels.is_triton:
             from ferrum.kernels.fp8_quant import GROUP_SIZE  # imports triton, as the kernels do
 
             self._writes_fp8_rows = head_dim == GROUP_SIZE
@@ -96,7 +94,7 @@ class Attention(nn.Module):
         a GPU SDPA's fused backends take."""
         cache = self.kv_cache
         return (
-            self.kernels is not None
+            self.kernels.is_triton
             and self.sliding_window is None
             and cache is not None
             and cache.dtype != FP8_KV_DTYPE
@@ -149,18 +147,6 @@ class Attention(nn.Module):
         group = self.kv_cache_group
         if out_fp8 is not None and not self.writes_fp8_rows():
             raise ValueError("out_fp8: this attention layer does not write FP8 rows")
-        if self.kernels is None:
-            query, key = qk_norm_rope_ref(query, key, cos, sin, q_norm_weight, k_norm_weight, eps)
-            write_kv_cache_ref(key, value, kv_cache, attn_metadata.slot_mapping[group])
-            return paged_attention_ref(
-                query,
-                kv_cache,
-                attn_metadata.block_tables[group],
-                attn_metadata.query_start_loc_cpu,
-                attn_metadata.seq_lens_cpu,
-                self.scale,
-                self.sliding_window,
-            )
         self.kernels.rotary_kv(
             query,
             key,
@@ -206,7 +192,7 @@ class Attention(nn.Module):
         requests between them through the paged kernel, each onto its own rows of the output
         (and of `out_fp8`: the paged kernel writes its rows, SDPA's are quantized after it).
         Only where `takes_sdpa_prefill` (no window: the paged calls pass none)."""
-        assert self.kernels is not None and self.kv_cache is not None
+        assert self.kv_cache is not None
         starts = attn_metadata.query_start_loc_cpu
         group = self.kv_cache_group
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ferrum.distributed.parallel_state import TensorParallelGroup
-from ferrum.model_executor.kernel_backend import TritonKernels
+from ferrum.kernels.interface import Kernels
 from ferrum.model_executor.layers.linear import check_shape, new_parameter, set_weight_loader
 from ferrum.model_executor.weight_loader import CheckpointTensor, materialize
 
@@ -66,20 +66,20 @@ class VocabEmbedding(nn.Module):
 class LMHead(nn.Module):
     """logits = hidden @ W^T with W: [vocab_size, hidden_size]; tied heads share the embedding's
     Parameter object (split the same way), so the checkpoint's (absent or duplicate) lm_head
-    tensor is not needed. With `kernels` (the Triton backend) the product is
-    `kernels.dense_linear` (the one-row GEMV where it was measured faster), else F.linear."""
+    tensor is not needed. The product is `kernels.dense_linear` (Triton: the one-row GEMV where
+    it was measured faster)."""
 
     def __init__(
         self,
         vocab_size: int,
         hidden_size: int,
+        kernels: Kernels,
         tied_to: VocabEmbedding | None = None,
         tp_group: TensorParallelGroup | None = None,
-        kernels: TritonKernels | None = None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self._linear = torch.nn.functional.linear if kernels is None else kernels.dense_linear
+        self._linear = kernels.dense_linear
         self.tp_group = tp_group or TensorParallelGroup()
         if tied_to is None:
             # Holds and loads its rows exactly as an embedding of the same vocabulary would.

@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from ferrum.distributed.parallel_state import TensorParallelGroup
-from ferrum.kernels.fused_moe_ref import fused_moe_ref
-from ferrum.model_executor.kernel_backend import TritonKernels
+from ferrum.kernels.interface import Kernels
 from ferrum.model_executor.layers.linear import (
     check_dtype,
     check_shape,
@@ -37,18 +36,6 @@ Loaded = torch.Tensor | CheckpointTensor
 # Shard ids of the expert weights: (projection, expert_id) for one expert's tensor, or
 # (projection, None) for a tensor holding all experts stacked.
 GATE, UP, GATE_UP, DOWN = "gate", "up", "gate_up", "down"
-
-
-def select_experts(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax (float32) over experts, top-k, optionally renormalised to sum to 1.
-    Returns (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids
 
 
 MoeKernel = Callable[
@@ -75,7 +62,7 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         hidden_act: str,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         tp_group: TensorParallelGroup | None = None,
         expert_parallel: bool = False,
         quant_method: Fp8MoEMethod | None = None,
@@ -107,9 +94,9 @@ class FusedMoE(nn.Module):
         self.intermediate_start = 0 if self.expert_parallel else rank * self.intermediate_size
         self.renormalize = renormalize
         # The reference expert loop asks the host which experts got tokens (no CUDA graphs); the
-        # Triton path sizes everything from the token count and is graph safe.
-        self._router: MoeRouter = select_experts if kernels is None else kernels.moe_router
-        self._kernel: MoeKernel = fused_moe_ref if kernels is None else kernels.fused_moe
+        # Triton kernels size everything from the token count and are graph safe.
+        self._router: MoeRouter = kernels.moe_router
+        self._kernel: MoeKernel = kernels.fused_moe
         local, inter = self.num_local_experts, self.intermediate_size
         self.quant_method = quant_method
         if quant_method is None:

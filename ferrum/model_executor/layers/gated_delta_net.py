@@ -19,13 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferrum.kernels.causal_conv1d_ref import causal_conv1d_prefill_ref, causal_conv1d_update_ref
-from ferrum.kernels.gated_delta_rule_ref import (
-    gated_delta_rule_decode_ref,
-    gated_delta_rule_prefill_ref,
-)
+from ferrum.kernels.interface import Kernels
 from ferrum.model_arch import ModelArchConfig
-from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.linear import (
     Linear,
     MergedLinear,
@@ -66,7 +61,7 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
+    def __init__(self, arch: ModelArchConfig, kernels: Kernels) -> None:
         super().__init__()
         self.num_k_heads = arch.linear_num_key_heads
         self.num_v_heads = arch.linear_num_value_heads
@@ -156,19 +151,6 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         pool, weight = self.conv_state, self.conv_weight
         assert pool is not None
-        if self.kernels is None:
-            if decode:
-                return causal_conv1d_update_ref(x, weight, None, pool, slot_ids, "silu")
-            return causal_conv1d_prefill_ref(
-                x,
-                weight,
-                None,
-                pool,
-                attn_metadata.query_start_loc_cpu,
-                slot_ids.tolist(),
-                None,
-                "silu",
-            )
         if decode:
             return self.kernels.causal_conv1d_update(x, weight, None, pool, slot_ids)
         return self.kernels.causal_conv1d_prefill(
@@ -194,22 +176,6 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         pool = self.recurrent_state
         assert pool is not None
-        if self.kernels is None:
-            if decode:
-                return gated_delta_rule_decode_ref(
-                    q, k, v, g, beta, pool, slot_ids, use_qk_l2norm=True
-                )
-            return gated_delta_rule_prefill_ref(
-                q,
-                k,
-                v,
-                g,
-                beta,
-                attn_metadata.query_start_loc_cpu,
-                pool,
-                slot_ids.tolist(),
-                use_qk_l2norm=True,
-            )
         if decode:
             return self.kernels.gated_delta_rule_decode(
                 q, k, v, g, beta, pool, slot_ids, use_qk_l2norm=True

@@ -7,8 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ferrum.kernels.rms_norm_ref import fused_add_rms_norm_ref, rms_norm_ref
-from ferrum.model_executor.kernel_backend import TritonKernels
+from ferrum.kernels.interface import Kernels
 from ferrum.model_executor.layers.linear import check_shape, new_parameter, set_weight_loader
 
 if TYPE_CHECKING:
@@ -16,7 +15,7 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, kernels: TritonKernels | None) -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: Kernels) -> None:
         super().__init__()
         self.eps = eps
         self.weight = new_parameter(hidden_size)
@@ -27,25 +26,18 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`norm(x)` -> normed; `norm(x, residual)` -> (normed(x + residual), x + residual).
 
-        The Triton path of the fused form works in place: x becomes the normed sum, residual
-        the sum.
+        The fused form works in place: x becomes the normed sum, residual the sum.
         """
-        if self.kernels is not None:
-            if residual is None:
-                return self.kernels.rms_norm(x, self.weight, self.eps)
-            self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
         if residual is None:
-            return rms_norm_ref(x, self.weight, self.eps)
-        return fused_add_rms_norm_ref(x, residual, self.weight, self.eps)
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return x, residual
 
     def forward_fp8(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, Fp8GroupRows]:
         """`forward`'s (normed, new residual or None), and the normed rows quantized per
         token-group of 128 for the FP8 layer that reads them. Triton backend only."""
-        if self.kernels is None:
-            raise ValueError("RMSNorm: FP8 rows need the Triton kernel backend")
         if residual is None:
             normed, rows = self.kernels.rms_norm_fp8(x, self.weight, self.eps)
             return normed, None, rows
@@ -65,6 +57,6 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm, x / rms(x) * (1 + w): the checkpoint's w is stored as 1 + w at load time
     (in fp32 exactly HF's product; in bf16 the scale is rounded once)."""
 
-    def __init__(self, hidden_size: int, eps: float, kernels: TritonKernels | None) -> None:
+    def __init__(self, hidden_size: int, eps: float, kernels: Kernels) -> None:
         super().__init__(hidden_size, eps, kernels)
         set_weight_loader(self.weight, _load_offset_by_one)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.kernels.interface import Kernels
 from ferrum.model_arch import SLIDING_ATTENTION, ModelArchConfig
-from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.embed_head import VocabEmbedding
 from ferrum.model_executor.layers.layernorm import GemmaRMSNorm
 from ferrum.model_executor.layers.rotary import RotaryEmbedding
@@ -67,7 +67,7 @@ class Gemma3Attention(LlamaAttention):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         layer_idx: int,
         tp_group: TensorParallelGroup | None = None,
         quant_config: QuantConfig | None = None,
@@ -92,7 +92,7 @@ class Gemma3DecoderLayer(nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         layer_idx: int,
         tp_group: TensorParallelGroup | None = None,
         quant_config: QuantConfig | None = None,
@@ -132,7 +132,7 @@ class Gemma3Model(nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         tp_group: TensorParallelGroup | None = None,
         quant_config: QuantConfig | None = None,
         stage: PipelineStage | None = None,

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.kernels.interface import Kernels
 from ferrum.model_arch import ModelArchConfig
-from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.activation import get_act_and_mul
 from ferrum.model_executor.layers.attention import Attention
 from ferrum.model_executor.layers.embed_head import LMHead, VocabEmbedding
@@ -63,7 +63,7 @@ class LlamaMLP(nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         bias: bool,
         tp_group: TensorParallelGroup | None = None,
         quant_config: QuantConfig | None = None,
@@ -106,7 +106,7 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         qkv_bias: bool,
         o_bias: bool,
         sliding_window: int | None = None,
@@ -200,7 +200,7 @@ class LlamaDecoderLayer(nn.Module):
         self_attn: nn.Module,
         mlp: nn.Module,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
     ) -> None:
         super().__init__()
         self.self_attn = self_attn
@@ -243,7 +243,7 @@ class LlamaModel(nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         make_layer: Callable[[int], nn.Module],
         tp_group: TensorParallelGroup | None = None,
         stage: PipelineStage | None = None,
@@ -278,7 +278,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         *,
         tp_group: TensorParallelGroup | None = None,
         enable_expert_parallel: bool = False,
@@ -303,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
             tied = arch.tie_word_embeddings and self.stage.is_first
             tied_to = self.model.embed_tokens if tied else None
             self.lm_head = LMHead(
-                arch.vocab_size, arch.hidden_size, tied_to, self.tp_group, kernels
+                arch.vocab_size, arch.hidden_size, kernels, tied_to, self.tp_group
             )
 
     def make_model(self) -> nn.Module:

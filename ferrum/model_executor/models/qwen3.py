@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.kernels.interface import Kernels
 from ferrum.model_arch import ModelArchConfig
-from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.layernorm import RMSNorm
 from ferrum.model_executor.models.llama import (
     LlamaAttention,
@@ -24,7 +24,7 @@ class Qwen3Attention(LlamaAttention):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         tp_group: TensorParallelGroup | None = None,
         quant_config: QuantConfig | None = None,
         prefix: str = "self_attn",

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.kernels.interface import Kernels
 from ferrum.kernels.rotary_kv_ref import rope_ref
 from ferrum.model_arch import LINEAR_ATTENTION, ModelArchConfig
-from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.attention import Attention
 from ferrum.model_executor.layers.embed_head import VocabEmbedding
 from ferrum.model_executor.layers.fused_moe import FusedMoE
@@ -53,7 +53,7 @@ _IN_PROJ_SHARDS = ("qkv", "z", "b", "a")
 class Qwen3_5Attention(nn.Module):
     """Gated full attention with partial rotary (see the module docstring)."""
 
-    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None) -> None:
+    def __init__(self, arch: ModelArchConfig, kernels: Kernels) -> None:
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_kv_heads
@@ -109,7 +109,7 @@ class Qwen3_5DecoderLayer(nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         layer_idx: int,
         mlp: nn.Module,
     ) -> None:
@@ -149,7 +149,7 @@ class Qwen3_5Model(nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         make_layer: Callable[[int], nn.Module],
     ) -> None:
         super().__init__()
@@ -182,7 +182,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         *,
         tp_group: TensorParallelGroup | None = None,
         enable_expert_parallel: bool = False,
@@ -276,7 +276,7 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
     """Routed experts (softmax top-k, renormalized) plus a shared expert scaled by
     sigmoid(shared_expert_gate(x))."""
 
-    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None, prefix: str) -> None:
+    def __init__(self, arch: ModelArchConfig, kernels: Kernels, prefix: str) -> None:
         super().__init__()
         self.gate = router_gate(arch, kernels, prefix)
         self.experts = FusedMoE(
@@ -298,7 +298,7 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
-    def __init__(self, arch: ModelArchConfig, kernels: TritonKernels | None, **kwargs) -> None:
+    def __init__(self, arch: ModelArchConfig, kernels: Kernels, **kwargs) -> None:
         if arch.num_experts < 1:
             raise ValueError(f"num_experts: missing from config.json ({arch.architecture})")
         if arch.shared_expert_intermediate_size < 1:

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.kernels.interface import Kernels
 from ferrum.model_arch import ModelArchConfig
-from ferrum.model_executor.kernel_backend import TritonKernels
 from ferrum.model_executor.layers.fused_moe import DOWN, GATE_UP, FusedMoE
 from ferrum.model_executor.layers.linear import Linear
 from ferrum.model_executor.layers.quantization import get_linear_method, get_moe_method
@@ -29,7 +29,7 @@ _PER_EXPERT = re.compile(
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj(\.weight)?$")
 
 
-def router_gate(arch: ModelArchConfig, kernels: TritonKernels | None, prefix: str) -> Linear:
+def router_gate(arch: ModelArchConfig, kernels: Kernels, prefix: str) -> Linear:
     """The MoE router's linear layer: in the model dtype (as in Qwen's FP8 checkpoints), on the
     dense method, so that a one-row step takes the GEMV where it has tiles."""
     return Linear(
@@ -46,7 +46,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         tp_group: TensorParallelGroup | None = None,
         expert_parallel: bool = False,
         quant_config: QuantConfig | None = None,
@@ -75,7 +75,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def __init__(
         self,
         arch: ModelArchConfig,
-        kernels: TritonKernels | None,
+        kernels: Kernels,
         *,
         tp_group: TensorParallelGroup | None = None,
         enable_expert_parallel: bool = False,

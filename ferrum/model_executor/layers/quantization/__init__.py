@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ferrum.model_executor.kernel_backend import TritonKernels
+from ferrum.kernels.interface import Kernels
 from ferrum.model_executor.layers.quantization.base import LinearMethod
+from ferrum.model_executor.layers.quantization.dense import DenseLinearMethod
 from ferrum.quant_config import QuantConfig
 
 if TYPE_CHECKING:
@@ -32,16 +33,12 @@ def _quantized(quant_config: QuantConfig, module_names: Sequence[str]) -> bool:
 
 
 def get_linear_method(
-    quant_config: QuantConfig | None, kernels: TritonKernels | None, module_names: Sequence[str]
-) -> LinearMethod | None:
+    quant_config: QuantConfig | None, kernels: Kernels, module_names: Sequence[str]
+) -> LinearMethod:
     """The method of a linear layer that loads the checkpoint modules `module_names` (one, or
     each shard of a merged layer: q_proj, k_proj, v_proj). Unquantized layers keep the model
-    dtype: with the Triton kernels through DenseLinearMethod, else with no method (F.linear)."""
+    dtype (DenseLinearMethod)."""
     if quant_config is None or not _quantized(quant_config, module_names):
-        if kernels is None:
-            return None
-        from ferrum.model_executor.layers.quantization.dense import DenseLinearMethod
-
         return DenseLinearMethod(kernels)
     from ferrum.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
@@ -49,7 +46,7 @@ def get_linear_method(
 
 
 def get_moe_method(
-    quant_config: QuantConfig | None, kernels: TritonKernels | None, prefix: str, num_experts: int
+    quant_config: QuantConfig | None, kernels: Kernels, prefix: str, num_experts: int
 ) -> Fp8MoEMethod | None:
     """The experts' method of the MoE block `prefix` ("model.layers.0.mlp"); None keeps them in
     the model dtype. Every expert projection must agree."""

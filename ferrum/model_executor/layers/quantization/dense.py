@@ -1,6 +1,6 @@
-"""The model-dtype weight format on the Triton backend: the layer's weight stays as loaded and its
-product runs `kernels.dense_linear` (the one-row GEMV where it was measured faster, else
-F.linear). On the torch backend a layer keeps no method and calls F.linear itself."""
+"""The model-dtype weight format: the layer's weight stays as loaded and its product runs
+`kernels.dense_linear` (Triton: the one-row GEMV where it was measured faster, else F.linear;
+torch: F.linear)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ferrum.model_executor.kernel_backend import TritonKernels
+from ferrum.kernels.interface import Kernels
 from ferrum.model_executor.layers.linear import new_parameter
 from ferrum.model_executor.layers.quantization.base import GeneratorFor
 
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class DenseLinearMethod:
-    def __init__(self, kernels: TritonKernels) -> None:
+    def __init__(self, kernels: Kernels) -> None:
         self._linear = kernels.dense_linear
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:

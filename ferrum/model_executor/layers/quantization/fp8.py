@@ -7,7 +7,7 @@ Parameters (names as the checkpoints spell them; W[n, k] ~= weight[n, k] * scale
 - channel: `weight` fp8 [N, K], `weight_scale` fp32 [N, 1].
 K must be a multiple of 128 (the activation group). Quantizing on load keeps `weight` in the model
 dtype until every shard is in, then replaces it by its 128x128-block quantization.
-On CUDA with the Triton kernel backend the product runs in kernels/fp8_linear.py; elsewhere the
+On CUDA the product runs in the layer's kernels (Triton: kernels/fp8_linear.py); elsewhere the
 torch reference dequantizes both operands and multiplies in fp32 (same quantization math).
 """
 
@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ferrum.kernels.fp8_gemm_ref import w8a8_block_fp8_matmul_ref, w8a8_channel_fp8_matmul_ref
+from ferrum.kernels.fp8_gemm_ref import fp8_block_linear_ref, fp8_channel_linear_ref
 from ferrum.kernels.fp8_quant import FP8_DTYPE, GROUP_SIZE, Fp8GroupRows
 from ferrum.kernels.fp8_weight import (
     WEIGHT_BLOCK,
     quantize_weight_block,
     quantize_weight_per_channel,
 )
-from ferrum.model_executor.kernel_backend import TritonKernels
+from ferrum.kernels.interface import Kernels
 from ferrum.model_executor.layers.linear import (
     default_weight_loader,
     new_parameter,
@@ -41,20 +41,16 @@ def _parameter(data: torch.Tensor, output_block: int = 1) -> nn.Parameter:
 
 
 class Fp8LinearMethod:
-    def __init__(
-        self, quant_config: QuantConfig, kernels: TritonKernels | None, layer_name: str
-    ) -> None:
+    def __init__(self, quant_config: QuantConfig, kernels: Kernels, layer_name: str) -> None:
         """`layer_name` names the layer in errors."""
         self.layer_name = layer_name
         self.block = quant_config.weight_scales == "block"
         self.scale_name = quant_config.scale_name
         self.quantize_on_load = quant_config.quantize_on_load
-        self._gemm = None
-        self._takes_rows = None
-        if kernels is not None:
-            self._gemm = kernels.fp8_block_linear if self.block else kernels.fp8_channel_linear
-            if self.block:
-                self._takes_rows = kernels.fp8_block_linear_takes_rows
+        self._is_triton = kernels.is_triton
+        self._gemm = kernels.fp8_block_linear if self.block else kernels.fp8_channel_linear
+        self._reference = fp8_block_linear_ref if self.block else fp8_channel_linear_ref
+        self._takes_rows = kernels.fp8_block_linear_takes_rows
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         if input_size % GROUP_SIZE:
@@ -63,7 +59,7 @@ class Fp8LinearMethod:
                 f"multiple of {GROUP_SIZE} (the activation group), got {input_size}"
             )
         device, dtype = torch.get_default_device(), torch.get_default_dtype()
-        if self._gemm is not None and device.type == "cuda" and dtype == torch.float32:
+        if self._is_triton and device.type == "cuda" and dtype == torch.float32:
             raise ValueError(
                 "dtype: FP8 layers compute in bfloat16 or float16 on CUDA, got float32"
             )
@@ -101,7 +97,7 @@ class Fp8LinearMethod:
     def takes_fp8_rows(self, layer: nn.Module, x: torch.Tensor) -> bool:
         """Block-scaled layers on CUDA, at every bucket but the weight-only GEMV's
         (`block_linear_takes_fp8_rows`)."""
-        if self._takes_rows is None or not x.is_cuda or layer.weight.dtype != FP8_DTYPE:
+        if not self.block or not x.is_cuda or layer.weight.dtype != FP8_DTYPE:
             return False
         n, k = layer.weight.shape
         return self._takes_rows(x.device, x.dtype, n, k, x.numel() // k)
@@ -116,10 +112,8 @@ class Fp8LinearMethod:
         """`x_fp8` (x's rows quantized per token-group of 128) replaces the block GEMM's
         quantization pass; paths that quantize x another way ignore it (same values)."""
         scale = getattr(layer, self.scale_name)
-        if self._gemm is not None and x.is_cuda:
+        if x.is_cuda:
             if x_fp8 is not None and self.block:
                 return self._gemm(x, layer.weight, scale, bias, x_fp8=x_fp8)
             return self._gemm(x, layer.weight, scale, bias)
-        reference = w8a8_block_fp8_matmul_ref if self.block else w8a8_channel_fp8_matmul_ref
-        out = reference(x.reshape(-1, x.shape[-1]), layer.weight, scale, x.dtype, bias=bias)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return self._reference(x, layer.weight, scale, bias)

@@ -14,8 +14,8 @@ from torch import nn
 
 from ferrum.kernels.fp8_quant import FP8_DTYPE
 from ferrum.kernels.fp8_weight import WEIGHT_BLOCK, quantize_weight_block
-from ferrum.kernels.fused_moe_ref import fused_moe_fp8_ref
-from ferrum.model_executor.kernel_backend import TritonKernels
+from ferrum.kernels.fused_moe_ref import fused_moe_ref
+from ferrum.kernels.interface import Kernels
 from ferrum.model_executor.layers.linear import new_parameter
 from ferrum.model_executor.layers.quantization.base import GeneratorFor
 from ferrum.quant_config import QuantConfig
@@ -31,9 +31,7 @@ def _parameter(data: torch.Tensor, output_block: int = 1) -> nn.Parameter:
 
 
 class Fp8MoEMethod:
-    def __init__(
-        self, quant_config: QuantConfig, kernels: TritonKernels | None, layer_name: str
-    ) -> None:
+    def __init__(self, quant_config: QuantConfig, kernels: Kernels, layer_name: str) -> None:
         if quant_config.weight_scales != "block":
             raise ValueError(
                 f"quantization: FP8 experts with {quant_config.weight_scales} scales "
@@ -41,7 +39,7 @@ class Fp8MoEMethod:
             )
         self.layer_name = layer_name
         self.quantize_on_load = quant_config.quantize_on_load
-        self._kernel = None if kernels is None else kernels.fused_moe
+        self._kernel = kernels.fused_moe
 
     def create_weights(
         self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int
@@ -96,7 +94,7 @@ class Fp8MoEMethod:
         topk_weights: torch.Tensor,  # [T, k] float32
         topk_ids: torch.Tensor,  # [T, k]
     ) -> torch.Tensor:
+        """The kernels on CUDA tensors, the torch reference elsewhere."""
         w13, w2, s13, s2 = layer.w13, layer.w2, layer.w13_scale, layer.w2_scale
-        if self._kernel is not None and hidden.is_cuda:
-            return self._kernel(hidden, w13, w2, topk_weights, topk_ids, w13_scale=s13, w2_scale=s2)
-        return fused_moe_fp8_ref(hidden, w13, w2, topk_weights, topk_ids, s13, s2)
+        kernel = self._kernel if hidden.is_cuda else fused_moe_ref
+        return kernel(hidden, w13, w2, topk_weights, topk_ids, w13_scale=s13, w2_scale=s2)
