@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ferrum.errors import FieldError
 
-def field_error(field_name: str, message: str) -> ValueError:
+
+def field_error(field_name: str, message: str) -> FieldError:
     """The error for a bad value: "<field>: <what is wrong>"."""
-    return ValueError(f"{field_name}: {message}")
+    return FieldError(field_name, f"{field_name}: {message}")
 
 
 def field_help(text: str, **extra: Any) -> dict[str, Any]:

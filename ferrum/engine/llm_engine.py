@@ -1,46 +1,88 @@
-"""The synchronous front end: text in, RequestOutputs out, over an in-process EngineCore.
+"""The synchronous front end: text in, RequestOutputs out, over a core client (`core_client.py`):
+the core in this thread, or data-parallel replicas in their own processes.
 
-Structured outputs: the front end and the core share the core's grammar manager, so a grammar
-compiles once; `add_request` waits for it (at most the compile timeout) and raises ValueError for
-a bad grammar before anything is queued.
+Structured outputs: `add_request` compiles the grammar here (at most the compile timeout) and
+raises ValueError for a bad one before anything is queued; an in-process core shares this
+manager, so a grammar compiles once. A core that fails is not restarted: the in-process core's
+error raises from `step`, a core process's failure raises EngineDeadError from the next call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
+from collections.abc import Callable
 
 from ferrum.config import EngineConfig
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.engine.core import EngineCore
-from ferrum.engine.core_messages import SchedulerStats
+from ferrum.engine.core_client import (
+    ClientEvent,
+    CoreClient,
+    EngineDied,
+    FrontEndThread,
+    RequestsFailed,
+    make_core_client,
+)
+from ferrum.engine.core_messages import CoreInfo, CoreOutputs, SchedulerStats
+from ferrum.engine.errors import EngineDeadError
+from ferrum.engine.grammar_frontend import tokenizer_info_builder
+from ferrum.engine.inprocess_client import InProcessClient
 from ferrum.engine.input_processor import InputProcessor, PromptType, load_tokenizer
 from ferrum.engine.output_processor import OutputProcessor
+from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput
 from ferrum.request import RequestStatus
 from ferrum.sampling_params import SamplingParams
+from ferrum.structured_output.manager import StructuredOutputManager
+
+logger = init_logger(__name__)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model_config)
-        self.core = EngineCore(config)
-        self.input_processor = InputProcessor(
-            config.model_config, self.tokenizer, self.core.kv_cache_manager.max_tokens_in_pool()
+        self.tokenizer = tokenizer = load_tokenizer(config.model_config)
+        self.grammars = StructuredOutputManager(
+            config.structured_outputs_config,
+            tokenizer_info_builder(config.model_config, lambda: tokenizer),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor: InputProcessor | None = None
+        self.dead_reason: str | None = None
         self._request_counter = itertools.count()
-
-    def shutdown(self) -> None:
-        """Stops the executor (its worker processes, bounded) and the grammar compiler threads;
-        the engine serves no more. Safe to call twice."""
-        self.core.shutdown()
-        self.core.grammars.shutdown()
+        self._thread = FrontEndThread()
+        self._outputs: list[RequestOutput] = []
+        self.client: CoreClient = make_core_client(config, grammars=self.grammars)
+        # The core(s) stop when this engine is collected or the interpreter exits: the client
+        # only holds a weak reference back to it.
+        self._finalizer = weakref.finalize(self, _shut_down, self.client, self.grammars)
+        try:
+            self.client.start(_weak_sink(self), self._thread)
+            while self.input_processor is None:
+                self._check_alive()
+                self.client.poll(self._thread)
+        except BaseException:
+            self.shutdown()
+            raise
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         return cls(engine_args.create_engine_config())
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine core, when it runs in this thread (no data parallelism)."""
+        if not isinstance(self.client, InProcessClient) or self.client.core is None:
+            raise AttributeError("the engine core runs in other processes")
+        return self.client.core
+
+    def shutdown(self) -> None:
+        """Stops the core(s) (their worker processes, bounded) and the grammar compiler threads;
+        the engine serves no more. Safe to call twice."""
+        self.dead_reason = self.dead_reason or "the engine was shut down"
+        self._finalizer()
 
     def next_request_id(self) -> str:
         return str(next(self._request_counter))
@@ -51,7 +93,7 @@ class LLMEngine:
         for `add_request` to raise."""
         if params.structured_outputs is not None and self.tokenizer is not None:
             with contextlib.suppress(ValueError):
-                self.core.grammars.submit(params.structured_outputs)
+                self.grammars.submit(params.structured_outputs)
 
     def add_request(
         self,
@@ -61,35 +103,88 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         """Validates and queues one request (n completions); on error nothing is queued."""
+        self._check_alive()
+        assert self.input_processor is not None
         prompt, requests = self.input_processor.process(request_id, prompt, params, arrival_time)
         if params.structured_outputs is not None:
-            self.core.grammars.compile(params.structured_outputs)
+            self.grammars.compile(params.structured_outputs)
         self.output_processor.add_request(request_id, prompt, requests)
-        for request in requests:
-            self.core.add_request(request)
+        self.client.add_requests(requests)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
-        """Aborts requests (unknown ids are ignored); their KV blocks return to the pool now."""
+        """Aborts requests (unknown ids are ignored); their KV blocks return to the pool as soon
+        as their core reads it."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         outputs = []
         for request_id in request_ids:
-            self.core.finish_requests(self.output_processor.child_ids(request_id))
+            child_ids = self.output_processor.child_ids(request_id)
+            self.client.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
             output = self.output_processor.abort(request_id)
             if output is not None:
                 outputs.append(output)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.client.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
-        return self.core.stats()
+        return self.client.stats() or SchedulerStats(0, 0, 0.0, 0, 0, 0)
+
+    def replica_stats(self) -> list[SchedulerStats | None]:
+        return self.client.replica_stats()
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the outputs of the requests that advanced (as their
+        """Runs one engine step (in process), or waits for the next outputs of any core (none
+        when no request is open); returns the outputs of the requests that advanced (as their
         SamplingParams.output_kind asks)."""
-        outputs, stopped = self.output_processor.process(self.core.step())
-        if stopped:
-            self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._check_alive()
+        if not self.client.has_unfinished_requests():
+            return []
+        self.client.poll(self._thread)
+        self._check_alive()
+        outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _on_event(self, event: ClientEvent) -> None:
+        match event:
+            case CoreInfo(max_tokens_in_pool=pool_tokens):
+                self.input_processor = InputProcessor(
+                    self.config.model_config, self.tokenizer, pool_tokens
+                )
+            case CoreOutputs(core_outputs, _):
+                outputs, stopped = self.output_processor.process(core_outputs)
+                if stopped:
+                    self.client.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+                self._outputs.extend(outputs)
+            case RequestsFailed(req_ids, error):
+                for req_id in req_ids:
+                    logger.error("request %s failed: %s", req_id, error)
+                    parent = self.output_processor.parent_id(req_id)
+                    if parent is not None:
+                        self._outputs.extend(self.abort_request(parent))
+            case EngineDied(reason):
+                self.dead_reason = reason
+
+    def _check_alive(self) -> None:
+        """Raises EngineDeadError once a core died (its siblings are stopped first)."""
+        if self.dead_reason is not None:
+            self._finalizer()
+            raise EngineDeadError(self.dead_reason)
+
+
+def _weak_sink(engine: LLMEngine) -> Callable[[ClientEvent], None]:
+    """`engine._on_event`, without keeping the engine alive."""
+    ref = weakref.ref(engine)
+
+    def sink(event: ClientEvent) -> None:
+        target = ref()
+        if target is not None:
+            target._on_event(event)
+
+    return sink
+
+
+def _shut_down(client: CoreClient, grammars: StructuredOutputManager) -> None:
+    client.shutdown()
+    grammars.shutdown()

@@ -91,17 +91,14 @@ class OutputProcessor:
         """Whether the id is taken, as a request's or as one of its completions' internal id."""
         return request_id in self._parents or request_id in self._parent_of
 
+    def parent_id(self, child_id: str) -> str | None:
+        """The request a completion belongs to (None once it is finished or unknown)."""
+        parent = self._parent_of.get(child_id)
+        return None if parent is None else parent.request_id
+
     def child_ids(self, request_id: str) -> list[str]:
         parent = self._parents.get(request_id)
         return list(parent.children) if parent else []
-
-    def output_token_ids(self, child_id: str) -> list[int] | None:
-        """The tokens a completion has so far (a copy); None once it is finished or unknown."""
-        parent = self._parent_of.get(child_id)
-        if parent is None:
-            return None
-        child = parent.children[child_id]
-        return None if child.finish_reason is not None else list(child.detokenizer.token_ids)
 
     def process(
         self, core_outputs: list[EngineCoreOutput]

@@ -10,7 +10,6 @@ from tqdm import tqdm
 
 from ferrum.default_model import DEFAULT_MODEL_NAME
 from ferrum.engine.arg_utils import EngineArgs, check_not_supported_yet
-from ferrum.engine.dp_llm_engine import DataParallelLLMEngine
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.outputs import RequestOutput
@@ -35,12 +34,7 @@ class LLM:
         check_not_supported_yet({k: v for k, v in kwargs.items() if k not in _ENGINE_ARG_NAMES})
         kwargs = {k: v for k, v in kwargs.items() if k in _ENGINE_ARG_NAMES}
         self.engine_args = EngineArgs(model=model, **kwargs)
-        config = self.engine_args.create_engine_config()
-        self.llm_engine: LLMEngine | DataParallelLLMEngine
-        if config.parallel_config.data_parallel_size > 1:
-            self.llm_engine = DataParallelLLMEngine(config)
-        else:
-            self.llm_engine = LLMEngine(config)
+        self.llm_engine = LLMEngine(self.engine_args.create_engine_config())
         self._shut_down = False
 
     def shutdown(self) -> None:

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from ferrum.default_model import DEFAULT_MODEL_DIR
-from ferrum.engine import async_llm as async_llm_module
+from ferrum.engine import process_client as process_client_module
 from ferrum.engine.arg_utils import EngineArgs
-from ferrum.engine.async_llm import AsyncLLM, EngineDeadError, RequestCrashedEngineError
+from ferrum.engine.async_llm import AsyncLLM
+from ferrum.engine.errors import EngineDeadError, RequestCrashedEngineError
 from ferrum.engine.core_messages import (
     CoreFailed,
     CoreInfo,
@@ -84,7 +85,7 @@ class Harness:
             self.cores.append(FakeCoreClient(*args, **kwargs))
             return self.cores[-1]
 
-        monkeypatch.setattr(async_llm_module, "EngineCoreClient", make_client)
+        monkeypatch.setattr(process_client_module, "CoreProcess", make_client)
         config = EngineArgs(DEFAULT_MODEL_DIR, device="cpu", dtype="float32").create_engine_config()
         self.engine = AsyncLLM(config, EngineRecoveryConfig(**recovery))
 

@@ -8,7 +8,7 @@ import pytest
 
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
-from ferrum.engine.dp_llm_engine import DataParallelLLMEngine
+from ferrum.engine.dp_client import DataParallelClient
 
 PROMPTS = [
     "Once upon a time",
@@ -38,7 +38,7 @@ def dp_llm():
 def test_same_greedy_text_as_one_core_and_both_replicas_serve(dp_llm, shipped_llm) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     engine = dp_llm.llm_engine
-    assert isinstance(engine, DataParallelLLMEngine)
+    assert isinstance(engine.client, DataParallelClient)
     before = [s.iteration_tokens_sum if s else 0 for s in engine.replica_stats()]
     got = dp_llm.generate(PROMPTS, params, use_tqdm=False)
     want = shipped_llm.generate(PROMPTS, params, use_tqdm=False)
@@ -47,7 +47,7 @@ def test_same_greedy_text_as_one_core_and_both_replicas_serve(dp_llm, shipped_ll
     after = [s.iteration_tokens_sum if s else 0 for s in engine.replica_stats()]
     # Each replica computed at least one prompt and its tokens.
     assert all(a - b >= 4 + 8 for a, b in zip(after, before)), (before, after)
-    assert engine.router.num_open_requests == 0
+    assert engine.client.router.num_open_requests == 0
     assert engine.stats().iteration_tokens_sum == sum(after)
 
 
@@ -70,8 +70,8 @@ def test_n_completions_and_stop_strings_finish_on_their_replica(dp_llm, shipped_
     assert stopped.outputs[0].finish_reason == "stop"
     assert [len(c.token_ids) for c in fanned.outputs] == [6, 6, 6]
     engine = dp_llm.llm_engine
-    assert engine.router.num_open_requests == 0
-    assert engine.router.load(0) == engine.router.load(1) == 0
+    assert engine.client.router.num_open_requests == 0
+    assert engine.client.router.load(0) == engine.client.router.load(1) == 0
 
 
 def test_abort_frees_the_replicas_blocks(dp_llm) -> None:
@@ -79,7 +79,7 @@ def test_abort_frees_the_replicas_blocks(dp_llm) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:2]):
         engine.add_request(f"abort-{i}", prompt, params)
-    replicas = {engine.router.replica_of(f"abort-{i}") for i in range(2)}
+    replicas = {engine.client.router.replica_of(f"abort-{i}") for i in range(2)}
     assert replicas == {0, 1}
     # Bounded: each step returns the outputs of at least one core step.
     for _ in range(200):
@@ -91,7 +91,7 @@ def test_abort_frees_the_replicas_blocks(dp_llm) -> None:
         pytest.fail(f"the requests never held KV blocks on both replicas: {stats}")
     engine.abort_request(["abort-0", "abort-1"])
     assert not engine.has_unfinished_requests()
-    assert engine.router.load(0) == engine.router.load(1) == 0
+    assert engine.client.router.load(0) == engine.client.router.load(1) == 0
     # Each core frees the aborted blocks before its next step: after one more request on each,
     # both pools are empty.
     dp_llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False)

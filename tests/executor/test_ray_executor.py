@@ -132,30 +132,30 @@ def test_data_parallel_replicas_share_the_cluster_and_keep_their_requests(
     checkpoint: str,
 ) -> None:
     # Two replica cores (processes) of two actors each join this process's Ray instance.
-    from ferrum.engine.dp_llm_engine import DataParallelLLMEngine
+    from ferrum.engine.dp_client import DataParallelClient
 
     prompts = random_prompts(PROMPT_LENGTHS, seed=5)
     expected = greedy(make_llm(checkpoint, **ENGINE), prompts)
     llm = ray_llm(checkpoint, data_parallel_size=2)
     engine = llm.llm_engine
-    assert isinstance(engine, DataParallelLLMEngine)
+    assert isinstance(engine.client, DataParallelClient)
     try:
         # Both replicas' four actors hold this instance's CPUs, not instances of their own.
         assert ray.available_resources().get("CPU", 0.0) == pytest.approx(2 - 4 * 0.25)
         assert greedy(llm, prompts) == expected
-        served = [s.iteration_tokens_sum for s in engine.replica_stats()]  # type: ignore[union-attr]
+        served = [s.iteration_tokens_sum for s in engine.replica_stats()]
         assert all(n > 0 for n in served), served
         # An abort frees the blocks of the replica that holds the request.
         params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         engine.add_request("held", {"prompt_token_ids": prompts[0]}, params)
-        replica = engine.router.replica_of("held")
+        replica = engine.client.router.replica_of("held")
         for _ in range(100):
             engine.step()
             stats = engine.replica_stats()[replica]
             if stats is not None and stats.kv_cache_usage > 0:
                 break
         engine.abort_request("held")
-        assert engine.router.load(replica) == 0
+        assert engine.client.router.load(replica) == 0
         greedy(llm, prompts[:2])  # the core frees the aborted blocks before its next step
         assert [s.kv_cache_usage for s in engine.replica_stats()] == [0.0, 0.0]  # type: ignore[union-attr]
     finally:

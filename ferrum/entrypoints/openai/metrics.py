@@ -22,8 +22,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from ferrum.engine.async_llm import AsyncLLM
 from ferrum.engine.core_messages import ITERATION_TOKENS_BUCKETS, SchedulerStats
-from ferrum.engine.dp_async_llm import AsyncEngine
 from ferrum.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -75,7 +75,7 @@ _E2E_BUCKETS = (
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
@@ -149,7 +149,7 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.registry.register(_EngineStatsCollector(engine, model_name))

@@ -1,8 +1,8 @@
 """`ferrum serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
 
-The API process tokenizes, detokenizes and speaks HTTP; the engine core runs in its own process
-(`AsyncLLM` over `EngineCoreClient`, or `DPAsyncLLM` over one per data-parallel replica). The port opens before the model is loaded: `/health` answers
-503 until the core is ready, while a crashed core restarts, and once the engine is dead; a dead
+The API process tokenizes, detokenizes and speaks HTTP; each engine core (one, or one per
+data-parallel replica) runs in its own process behind `AsyncLLM`. The port opens before the model
+is loaded: `/health` answers 503 until the core is ready, while a crashed core restarts, and once the engine is dead; a dead
 engine (it failed to load, crashed with --engine-failure-policy exit, or crashed too often) ends
 the process with exit code 1.
 """
@@ -29,8 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ferrum import __version__
 from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from ferrum.engine.arg_utils import EngineArgs, config_from_args
-from ferrum.engine.async_llm import EngineDeadError
-from ferrum.engine.dp_async_llm import AsyncEngine, build_async_engine
+from ferrum.engine.async_llm import AsyncLLM
+from ferrum.engine.errors import EngineDeadError
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.entrypoints.openai.api_key import APIKeyMiddleware
 from ferrum.entrypoints.openai.chat_protocol import (
@@ -107,7 +107,7 @@ _STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
 
 
 def build_app(
-    engine: AsyncEngine,
+    engine: AsyncLLM,
     model_names: list[str],
     api_key: str | None = None,
     limits: HttpLimits | None = None,
@@ -273,7 +273,7 @@ async def _respond(raw: Request, work: Awaitable[Any]) -> Any:
     return result
 
 
-async def _start_engine(app: FastAPI, engine: AsyncEngine) -> None:
+async def _start_engine(app: FastAPI, engine: AsyncLLM) -> None:
     try:
         await engine.start()
     except EngineDeadError as e:
@@ -288,7 +288,7 @@ async def _start_engine(app: FastAPI, engine: AsyncEngine) -> None:
         logger.info("ready: serving at http://%s:%d/v1", config.host, config.port)
 
 
-async def _exit_when_dead(app: FastAPI, engine: AsyncEngine) -> None:
+async def _exit_when_dead(app: FastAPI, engine: AsyncLLM) -> None:
     """A dead engine ends the server (exit code 1), so that a supervisor can restart it."""
     reason = await engine.wait_dead()
     logger.error("the engine is dead (%s): shutting the server down", reason)
@@ -301,7 +301,7 @@ class _Server(uvicorn.Server):
     """uvicorn with a graceful SIGTERM/SIGINT: in-flight requests are aborted (their streams end
     with finish_reason "abort"), the core process stops, and the process exits 0."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine) -> None:
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLM) -> None:
         super().__init__(config)
         self.engine = engine
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -358,7 +358,7 @@ def run_server(args: argparse.Namespace) -> int:
     if config.model_config.skip_tokenizer_init:
         raise ValueError("skip_tokenizer_init: the server needs a tokenizer")
     model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
-    engine = build_async_engine(config, config_from_args(EngineRecoveryConfig, args))
+    engine = AsyncLLM(config, config_from_args(EngineRecoveryConfig, args))
     logger.info(
         "ferrum %s serving %s as %s; config and tokenizer ready in %.2f s",
         __version__,

@@ -13,9 +13,9 @@ from typing import Any
 
 import jinja2
 
-from ferrum.engine.async_llm import RequestStream
-from ferrum.engine.dp_async_llm import AsyncEngine
+from ferrum.engine.async_llm import AsyncLLM
 from ferrum.engine.input_processor import ProcessedPrompt
+from ferrum.engine.request_stream import RequestStream
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.entrypoints.openai.chat_choices import (
     StreamedChoice,
@@ -105,7 +105,7 @@ class ChatPlan:
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(
-        self, engine: AsyncEngine, model_names: list[str], frontend: FrontendConfig | None = None
+        self, engine: AsyncLLM, model_names: list[str], frontend: FrontendConfig | None = None
     ) -> None:
         super().__init__(engine, model_names)
         self.frontend = frontend or FrontendConfig()

@@ -7,8 +7,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ferrum.engine.async_llm import RequestStream
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
+from ferrum.engine.request_stream import RequestStream
 from ferrum.entrypoints.openai.protocol import (
     MAX_CHOICES,
     APIError,

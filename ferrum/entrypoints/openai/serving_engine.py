@@ -8,14 +8,10 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ferrum.engine.async_llm import (
-    EngineDeadError,
-    EngineNotReadyError,
-    RequestCrashedEngineError,
-    RequestStream,
-)
-from ferrum.engine.dp_async_llm import AsyncEngine
+from ferrum.engine.async_llm import AsyncLLM
+from ferrum.engine.errors import EngineDeadError, EngineNotReadyError, RequestCrashedEngineError
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
+from ferrum.engine.request_stream import RequestStream
 from ferrum.entrypoints.openai.protocol import (
     APIError,
     SamplingRequest,
@@ -110,7 +106,7 @@ def stream_error_event(error: Exception) -> str:
 class OpenAIServing:
     """Model-name and engine-state checks, prompt length limits, request submission."""
 
-    def __init__(self, engine: AsyncEngine, model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, model_names: list[str]) -> None:
         self.engine = engine
         self.model_names = model_names
         # generation_config.json values: the defaults of fields a request leaves unset.
