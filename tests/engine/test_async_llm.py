@@ -13,7 +13,6 @@ from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.engine import process_client as process_client_module
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.engine.async_llm import AsyncLLM
-from ferrum.engine.errors import EngineDeadError, RequestCrashedEngineError
 from ferrum.engine.core_messages import (
     CoreFailed,
     CoreInfo,
@@ -23,6 +22,7 @@ from ferrum.engine.core_messages import (
     FromCore,
     SchedulerStats,
 )
+from ferrum.engine.errors import EngineDeadError, RequestCrashedEngineError
 from ferrum.outputs import RequestOutput
 from ferrum.recovery_config import EngineRecoveryConfig
 from ferrum.request import RequestStatus
