@@ -4,8 +4,6 @@ activations as given)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ferrum.kernels.fp8_quant import FP8_DTYPE
@@ -69,32 +67,15 @@ def w8a8_channel_fp8_matmul_ref(
     return _finish(a_f, dequantize_weight_per_channel(weight, weight_scale), bias, out_dtype)
 
 
-def fp8_block_linear_ref(
+def fp8_linear_ref(
     x: torch.Tensor,  # [..., K]
     weight: torch.Tensor,  # [N, K] fp8
-    weight_scale_inv: torch.Tensor,  # [ceil(N / 128), K / 128] fp32
+    weight_scale: torch.Tensor,  # [ceil(N / 128), K / 128] (block_scales) or [N, 1] fp32
     bias: torch.Tensor | None = None,  # [N]
+    *,
+    block_scales: bool,
 ) -> torch.Tensor:
-    """`w8a8_block_fp8_matmul_ref` with fp8_block_linear's signature: [..., N] in x's dtype."""
-    return _over_rows(w8a8_block_fp8_matmul_ref, x, weight, weight_scale_inv, bias)
-
-
-def fp8_channel_linear_ref(
-    x: torch.Tensor,  # [..., K]
-    weight: torch.Tensor,  # [N, K] fp8
-    weight_scale: torch.Tensor,  # [N, 1] fp32
-    bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:
-    """`w8a8_channel_fp8_matmul_ref` with fp8_channel_linear's signature: [..., N] in x's dtype."""
-    return _over_rows(w8a8_channel_fp8_matmul_ref, x, weight, weight_scale, bias)
-
-
-def _over_rows(
-    matmul: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> torch.Tensor:
-    out = matmul(x.reshape(-1, x.shape[-1]), weight, scale, x.dtype, bias=bias)
+    """The W8A8 reference with the fp8_linear launchers' signature: [..., N] in x's dtype."""
+    matmul = w8a8_block_fp8_matmul_ref if block_scales else w8a8_channel_fp8_matmul_ref
+    out = matmul(x.reshape(-1, x.shape[-1]), weight, weight_scale, x.dtype, bias=bias)
     return out.view(*x.shape[:-1], out.shape[-1])

@@ -109,9 +109,9 @@ def torch_kernels() -> Kernels:
         moe_router=select_experts,
         fused_moe=fused_moe_ref,
         dense_linear=torch.nn.functional.linear,
-        fp8_block_linear=_fp8_block_linear,
+        fp8_block_linear=_fp8_linear(block_scales=True),
         fp8_block_linear_takes_rows=lambda *args: False,  # the reference quantizes x itself
-        fp8_channel_linear=_fp8_channel_linear,
+        fp8_channel_linear=_fp8_linear(block_scales=False),
         causal_conv1d_prefill=_causal_conv1d_prefill,
         causal_conv1d_update=causal_conv1d_update_ref,
         gated_delta_rule_prefill=_gated_delta_rule_prefill,
@@ -167,9 +167,8 @@ def _paged_attention(
     sliding_window: int | None = None,
     out_fp8: None = None,
 ) -> torch.Tensor:
-    """Into `out`; the length bounds are not needed, and there is no split-KV workspace."""
-    if workspace is not None or out_fp8 is not None:
-        raise ValueError("paged_attention: a split-KV workspace and FP8 rows need Triton")
+    """Into `out`. Bounds, split-KV workspace and FP8 rows are the launcher's alone (the runner
+    allocates no workspace and the layer asks no rows of the references)."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     return out.copy_(
         paged_attention_ref(query, kv_cache, block_tables, starts, lens, scale, sliding_window)
@@ -210,13 +209,12 @@ def _gated_delta_rule_prefill(
     )
 
 
-def _fp8_block_linear(*args: Any) -> torch.Tensor:
-    from ferrum.kernels.fp8_gemm_ref import fp8_block_linear_ref  # its FP8 constants: triton
+def _fp8_linear(block_scales: bool) -> Callable[..., torch.Tensor]:
+    """`fp8_linear_ref`, imported at the first call (its FP8 constants import triton)."""
 
-    return fp8_block_linear_ref(*args)
+    def linear(*args: Any) -> torch.Tensor:
+        from ferrum.kernels.fp8_gemm_ref import fp8_linear_ref
 
+        return fp8_linear_ref(*args, block_scales=block_scales)
 
-def _fp8_channel_linear(*args: Any) -> torch.Tensor:
-    from ferrum.kernels.fp8_gemm_ref import fp8_channel_linear_ref  # its FP8 constants: triton
-
-    return fp8_channel_linear_ref(*args)
+    return linear

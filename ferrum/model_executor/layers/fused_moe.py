@@ -11,7 +11,7 @@ and runs the experts; every size and offset of such a parameter is in blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,12 +36,6 @@ Loaded = torch.Tensor | CheckpointTensor
 # Shard ids of the expert weights: (projection, expert_id) for one expert's tensor, or
 # (projection, None) for a tensor holding all experts stacked.
 GATE, UP, GATE_UP, DOWN = "gate", "up", "gate_up", "down"
-
-
-MoeKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
-]
-MoeRouter = Callable[[torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor]]
 
 
 class FusedMoE(nn.Module):
@@ -95,8 +89,8 @@ class FusedMoE(nn.Module):
         self.renormalize = renormalize
         # The reference expert loop asks the host which experts got tokens (no CUDA graphs); the
         # Triton kernels size everything from the token count and are graph safe.
-        self._router: MoeRouter = kernels.moe_router
-        self._kernel: MoeKernel = kernels.fused_moe
+        self._router = kernels.moe_router
+        self._kernel = kernels.fused_moe
         local, inter = self.num_local_experts, self.intermediate_size
         self.quant_method = quant_method
         if quant_method is None:

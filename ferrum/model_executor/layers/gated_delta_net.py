@@ -123,71 +123,36 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, hidden]; advances each request's state."""
-        if self.conv_state is None or self.recurrent_state is None:
+        conv_pool, state_pool, kernels = self.conv_state, self.recurrent_state, self.kernels
+        if conv_pool is None or state_pool is None:
             raise ValueError("kv_caches: no state bound; call model.bind_kv_caches first")
         num_tokens = hidden.shape[0]
         qkv, z, b, a = self.in_proj(hidden).split(
             [self.conv_dim, self.value_size, self.num_v_heads, self.num_v_heads], dim=-1
         )
         slot_ids = attn_metadata.block_tables[self.kv_cache_group][:, 0].contiguous()
+        starts, weight = attn_metadata.query_start_loc, self.conv_weight
         decode = attn_metadata.num_tokens == attn_metadata.num_reqs
-        qkv = self._conv(qkv.contiguous(), slot_ids, attn_metadata, decode)
+        if decode:
+            qkv = kernels.causal_conv1d_update(qkv.contiguous(), weight, None, conv_pool, slot_ids)
+        else:
+            max_len = attn_metadata.max_query_len
+            qkv = kernels.causal_conv1d_prefill(
+                qkv.contiguous(), weight, None, conv_pool, starts, slot_ids, max_len
+            )
         q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         q = q.view(num_tokens, self.num_k_heads, self.k_dim)
         k = k.view(num_tokens, self.num_k_heads, self.k_dim)
         v = v.view(num_tokens, self.num_v_heads, self.v_dim)
         beta = b.sigmoid().contiguous()
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).contiguous()
-        out = self._delta_rule(q, k, v, g, beta, slot_ids, attn_metadata, decode)
+        if decode:
+            out = kernels.gated_delta_rule_decode(
+                q, k, v, g, beta, state_pool, slot_ids, use_qk_l2norm=True
+            )
+        else:
+            out = kernels.gated_delta_rule_prefill(
+                q, k, v, g, beta, starts, state_pool, slot_ids, use_qk_l2norm=True
+            )
         out = self.norm(out, z.reshape(num_tokens, self.num_v_heads, self.v_dim))
         return self.out_proj(out.reshape(num_tokens, self.value_size))
-
-    def _conv(
-        self,
-        x: torch.Tensor,
-        slot_ids: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        decode: bool,
-    ) -> torch.Tensor:
-        pool, weight = self.conv_state, self.conv_weight
-        assert pool is not None
-        if decode:
-            return self.kernels.causal_conv1d_update(x, weight, None, pool, slot_ids)
-        return self.kernels.causal_conv1d_prefill(
-            x,
-            weight,
-            None,
-            pool,
-            attn_metadata.query_start_loc,
-            slot_ids,
-            attn_metadata.max_query_len,
-        )
-
-    def _delta_rule(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        slot_ids: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        decode: bool,
-    ) -> torch.Tensor:
-        pool = self.recurrent_state
-        assert pool is not None
-        if decode:
-            return self.kernels.gated_delta_rule_decode(
-                q, k, v, g, beta, pool, slot_ids, use_qk_l2norm=True
-            )
-        return self.kernels.gated_delta_rule_prefill(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            attn_metadata.query_start_loc,
-            pool,
-            slot_ids,
-            use_qk_l2norm=True,
-        )

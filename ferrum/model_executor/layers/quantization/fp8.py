@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ferrum.kernels.fp8_gemm_ref import fp8_block_linear_ref, fp8_channel_linear_ref
+from ferrum.kernels.fp8_gemm_ref import fp8_linear_ref
 from ferrum.kernels.fp8_quant import FP8_DTYPE, GROUP_SIZE, Fp8GroupRows
 from ferrum.kernels.fp8_weight import (
     WEIGHT_BLOCK,
@@ -49,7 +49,6 @@ class Fp8LinearMethod:
         self.quantize_on_load = quant_config.quantize_on_load
         self._is_triton = kernels.is_triton
         self._gemm = kernels.fp8_block_linear if self.block else kernels.fp8_channel_linear
-        self._reference = fp8_block_linear_ref if self.block else fp8_channel_linear_ref
         self._takes_rows = kernels.fp8_block_linear_takes_rows
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
@@ -116,4 +115,4 @@ class Fp8LinearMethod:
             if x_fp8 is not None and self.block:
                 return self._gemm(x, layer.weight, scale, bias, x_fp8=x_fp8)
             return self._gemm(x, layer.weight, scale, bias)
-        return self._reference(x, layer.weight, scale, bias)
+        return fp8_linear_ref(x, layer.weight, scale, bias, block_scales=self.block)
