@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ferrum.sampling_params import SamplingParams
+from ferrum.errors import FieldError
+from ferrum.sampling_params import ResolvedSamplingParams
 
 if TYPE_CHECKING:
     from ferrum.structured_output.manager import RequestGrammar
@@ -74,7 +75,7 @@ class Request:
         self,
         req_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: ResolvedSamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
     ) -> None:
@@ -120,8 +121,6 @@ class Request:
 
     @property
     def max_tokens(self) -> int:
-        # The engine resolves max_tokens=None to the room left in the context before admission.
-        assert self.sampling_params.max_tokens is not None
         return self.sampling_params.max_tokens
 
     @property
@@ -152,16 +151,19 @@ class Logprobs:
 def check_request_fits(
     num_prompt_tokens: int, max_tokens: int, max_model_len: int, pool_tokens: int
 ) -> None:
-    """Raises ValueError if a request could never run, whatever else is in the engine."""
+    """Raises FieldError("prompt") if a request could never run, whatever else is in the
+    engine."""
     total = num_prompt_tokens + max_tokens
     if total > max_model_len:
-        raise ValueError(
+        raise FieldError(
+            "prompt",
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-            f"exceeds max_model_len={max_model_len}"
+            f"exceeds max_model_len={max_model_len}",
         )
     if total > pool_tokens:
-        raise ValueError(
+        raise FieldError(
+            "prompt",
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
             f"exceeds the KV cache capacity of {pool_tokens} tokens (num_kv_blocks); "
-            f"raise num_kv_blocks or lower max_tokens"
+            f"raise num_kv_blocks or lower max_tokens",
         )

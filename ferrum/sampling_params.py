@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json as json_lib
+from collections.abc import Iterable
 from copy import deepcopy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
+
+from ferrum.errors import FieldError
 
 # Temperatures below this are treated as greedy decoding.
 _GREEDY_EPS = 1e-5
@@ -50,8 +53,10 @@ class StructuredOutputsParams:
     structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
-        def bad(name: str, limit: str, value: object) -> ValueError:
-            return ValueError(f"structured_outputs.{name} {limit}, got {value!r:.200}")
+        def bad(name: str, limit: str, value: object) -> FieldError:
+            return FieldError(
+                "structured_outputs", f"structured_outputs.{name} {limit}, got {value!r:.200}"
+            )
 
         for name, what in (("json", "a JSON schema"), ("structural_tag", "a structural tag")):
             value = getattr(self, name)
@@ -81,9 +86,10 @@ class StructuredOutputsParams:
             raise bad("json_object", "must be a bool", self.json_object)
         kinds = self.kinds_set()
         if len(kinds) != 1:
-            raise ValueError(
+            raise FieldError(
+                "structured_outputs",
                 f"structured_outputs: exactly one of {', '.join(STRUCTURED_OUTPUT_KINDS)} "
-                f"must be set, got {', '.join(kinds) if kinds else 'none'}"
+                f"must be set, got {', '.join(kinds) if kinds else 'none'}",
             )
 
     def kinds_set(self) -> list[str]:
@@ -98,15 +104,6 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         """The one set field's name."""
         return self.kinds_set()[0]
-
-    def clone(self) -> StructuredOutputsParams:
-        return deepcopy(self)
-
-
-class SamplingType(Enum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
 
 
 @dataclass
@@ -146,10 +143,6 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # Per prompt position, the logprob of its token given the prefix plus the top-k.
     prompt_logprobs: int | None = None
-    # Filled by the engine from the model's generation config; never part of the user's request.
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
-    # Filled by the engine: each bad word's token ids, with and without a leading space.
-    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -170,11 +163,10 @@ class SamplingParams:
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-        self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        def bad(name: str, limit: str, value: object) -> ValueError:
-            return ValueError(f"SamplingParams.{name} {limit}, got {value!r}")
+        def bad(name: str, limit: str, value: object) -> FieldError:
+            return FieldError(name, f"SamplingParams.{name} {limit}, got {value!r}")
 
         def is_int(value: object) -> bool:
             return isinstance(value, int) and not isinstance(value, bool)
@@ -260,12 +252,6 @@ class SamplingParams:
                     raise bad("bad_words", "must contain only non-blank strings", word)
 
     @property
-    def sampling_type(self) -> SamplingType:
-        if self.temperature == 0.0:
-            return SamplingType.GREEDY
-        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
-
-    @property
     def uses_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0
@@ -274,18 +260,76 @@ class SamplingParams:
         )
 
     def clone(self) -> SamplingParams:
-        copy = SamplingParams.__new__(SamplingParams)
-        copy.__dict__.update(self.__dict__)
-        copy.stop = list(self.stop)
-        copy.stop_token_ids = list(self.stop_token_ids)
-        copy.all_stop_token_ids = set(self.all_stop_token_ids)
-        if self.logit_bias is not None:
-            copy.logit_bias = dict(self.logit_bias)
-        if self.allowed_token_ids is not None:
-            copy.allowed_token_ids = list(self.allowed_token_ids)
-        if self.bad_words is not None:
-            copy.bad_words = list(self.bad_words)
-        copy.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
-        if self.structured_outputs is not None:
-            copy.structured_outputs = self.structured_outputs.clone()
-        return copy
+        """A deep copy (vLLM's `clone`); the engine never changes the params it is given."""
+        return deepcopy(self)
+
+    def resolve(
+        self,
+        max_tokens: int | None = None,
+        seed: int | None = None,
+        stop_token_ids: Iterable[int] = (),
+        bad_words_token_ids: Iterable[Iterable[int]] = (),
+    ) -> ResolvedSamplingParams:
+        """What the engine core runs: these params with `max_tokens` (default: this one's) and
+        `seed` (default: this one's) resolved, stopped by `stop_token_ids` (the model's EOS ids)
+        as well as this one's (`stop_token_ids` only), banning `bad_words_token_ids`."""
+        max_tokens = self.max_tokens if max_tokens is None else max_tokens
+        assert max_tokens is not None, "max_tokens is resolved before a request is queued"
+        return ResolvedSamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed if seed is None else seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            logit_bias=None if self.logit_bias is None else dict(self.logit_bias),
+            allowed_token_ids=(
+                None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)
+            ),
+            structured_outputs=self.structured_outputs,
+            all_stop_token_ids=frozenset((*self.stop_token_ids, *stop_token_ids)),
+            bad_words_token_ids=tuple(tuple(ids) for ids in bad_words_token_ids),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedSamplingParams:
+    """One completion's sampling as the engine core runs it, built once by the front end
+    (`SamplingParams.resolve`): the user's values, plus what only the engine knows."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    # This completion's: completion i of n draws from the request's seed + i.
+    seed: int | None
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    logprobs: int | None
+    prompt_logprobs: int | None
+    logit_bias: dict[int, float] | None
+    allowed_token_ids: tuple[int, ...] | None
+    structured_outputs: StructuredOutputsParams | None
+    # stop_token_ids, and the model's EOS ids unless ignore_eos.
+    all_stop_token_ids: frozenset[int]
+    # Each bad word's token ids, with and without a leading space.
+    bad_words_token_ids: tuple[tuple[int, ...], ...]
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ferrum.sampling_params import SamplingParams, StructuredOutputsParams
@@ -114,3 +116,14 @@ def test_token_level_fields_are_kept_and_copied():
 def test_token_level_fields_name_the_field_and_the_limit(kwargs, message):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{message}"):
         SamplingParams(**kwargs)
+
+
+def test_resolve_adds_what_the_engine_decides_and_keeps_the_rest():
+    params = SamplingParams(n=2, seed=3, max_tokens=None, stop_token_ids=[4], logit_bias={1: 2.0})
+    resolved = params.resolve(max_tokens=9, seed=4, stop_token_ids=[2], bad_words_token_ids=[[5]])
+    assert (resolved.max_tokens, resolved.seed) == (9, 4)
+    assert resolved.all_stop_token_ids == {2, 4} and resolved.bad_words_token_ids == ((5,),)
+    assert resolved.logit_bias == {1: 2.0} and resolved.logit_bias is not params.logit_bias
+    assert params.max_tokens is None and params.seed == 3
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolved.max_tokens = 1  # type: ignore[misc]

@@ -26,10 +26,15 @@ from ferrum.engine.core_client import (
     RequestsFailed,
     make_core_client,
 )
-from ferrum.engine.core_messages import CoreInfo, CoreOutputs, EngineCoreRequest, SchedulerStats
+from ferrum.engine.core_messages import CoreInfo, CoreOutputs, SchedulerStats
 from ferrum.engine.errors import EngineDeadError, EngineNotReadyError
 from ferrum.engine.grammar_frontend import GrammarFrontend
-from ferrum.engine.input_processor import InputProcessor, PromptType, load_tokenizer
+from ferrum.engine.input_processor import (
+    InputProcessor,
+    ProcessedRequest,
+    PromptType,
+    load_tokenizer,
+)
 from ferrum.engine.output_processor import OutputProcessor
 from ferrum.engine.request_stream import RequestStream
 from ferrum.logger import init_logger
@@ -116,25 +121,30 @@ class AsyncLLM:
         return self.input_processor
 
     def add_request(
-        self, request_id: str, prompt: PromptType, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        default_max_tokens: int | None = None,
     ) -> RequestStream:
         """Validates and queues one request (n completions); on error nothing is queued. While
-        a core restarts, the request waits for it.
+        a core restarts, the request waits for it. Unset `max_tokens`: `default_max_tokens`
+        capped by the room the prompt leaves, else all of it.
 
         Iterate the returned stream to get outputs; leaving the iteration early (break, error,
         cancellation) aborts the request in the core.
         """
-        prompt, requests = self.check_can_serve().process(request_id, prompt, params)
+        request = self.check_can_serve().process(
+            request_id, prompt, params, default_max_tokens=default_max_tokens
+        )
         compiled = params.structured_outputs is None or self.grammars.check_compiled(params)
-        self.output_processor.add_request(request_id, prompt, requests)
-        merge_deltas = params.output_kind is RequestOutputKind.DELTA
+        self.output_processor.add_request(request)
+        merge_deltas = request.output_kind is RequestOutputKind.DELTA
         stream = self._streams[request_id] = RequestStream(request_id, self.abort, merge_deltas)
         if compiled:
-            self.client.add_requests(requests)
+            self.client.add_requests(request.core_requests)
         else:
-            asyncio.get_running_loop().create_task(
-                self._add_when_compiled(stream, params, requests)
-            )
+            asyncio.get_running_loop().create_task(self._add_when_compiled(stream, request))
         return stream
 
     async def compile_grammar(self, params: SamplingParams) -> None:
@@ -144,11 +154,9 @@ class AsyncLLM:
         if params.structured_outputs is not None and not self.grammars.check_compiled(params):
             await self.grammars.compile(params)
 
-    async def _add_when_compiled(
-        self, stream: RequestStream, params: SamplingParams, requests: list[EngineCoreRequest]
-    ) -> None:
+    async def _add_when_compiled(self, stream: RequestStream, request: ProcessedRequest) -> None:
         try:
-            await self.grammars.compile(params)
+            await self.grammars.compile(request.params)
         except Exception as e:
             if self._streams.get(stream.request_id) is stream:
                 del self._streams[stream.request_id]
@@ -157,7 +165,7 @@ class AsyncLLM:
             return
         # Aborted while it compiled: the core never hears of it.
         if self._streams.get(stream.request_id) is stream and self.dead_reason is None:
-            self.client.add_requests(requests)
+            self.client.add_requests(request.core_requests)
 
     async def generate(
         self, request_id: str, prompt: PromptType, params: SamplingParams

@@ -131,8 +131,8 @@ class EngineCore:
         )
 
     def add_request(self, r: EngineCoreRequest) -> None:
-        """Builds the core's own `Request`; raises ValueError if the scheduler refuses it. A
-        resumed request's earlier output tokens are its outputs here too (length limits,
+        """Builds the core's own `Request` from one the front end validated. A resumed
+        request's earlier output tokens are its outputs here too (length limits,
         min_tokens, penalties, its seeded generator): it continues like a preempted one."""
         args = (r.req_id, r.prompt_token_ids, r.sampling_params, r.eos_token_id, r.arrival_time)
         request = Request(*args)

@@ -8,17 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ferrum.request import Logprobs, RequestStatus
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import ResolvedSamplingParams
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineCoreRequest:
-    """One sequence to generate, validated by the front end; the core builds its `Request`."""
+    """One completion to generate, validated and resolved once by the front end
+    (`InputProcessor`); the core builds its `Request` from it and checks nothing again."""
 
     req_id: str
     prompt_token_ids: list[int]
-    # Resolved: max_tokens set, all_stop_token_ids holding the EOS ids unless ignore_eos.
-    sampling_params: SamplingParams
+    sampling_params: ResolvedSamplingParams
     # The primary EOS id (it stops with stop_reason None); None with ignore_eos.
     eos_token_id: int | None
     arrival_time: float

@@ -89,7 +89,7 @@ def _busy_loop(core: EngineCore, inbox: Connection, outbox: Connection) -> None:
         for message in messages:
             match message:
                 case EngineCoreRequest():
-                    # The front end checked it against the same limits: a refusal is a bug.
+                    # Validated by the front end against this core's limits.
                     core.add_request(message)
                 case FinishRequests(req_ids, status):
                     core.finish_requests(req_ids, status)

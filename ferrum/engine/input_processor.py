@@ -1,5 +1,7 @@
-"""The one path from a user's prompt and SamplingParams to the core's requests: validation,
-max_tokens and EOS resolution, and the fan-out of `n` into one core request per completion."""
+"""The one place a request is checked: from a user's prompt and SamplingParams to a frozen
+`ProcessedRequest` (the prompt's type, text length, token ids and the length limits; token-id
+fields; max_tokens, each completion's seed and stop ids resolved; `n` fanned out into one core
+request per completion). Every layer below trusts it; errors are `FieldError`s naming the field."""
 
 from __future__ import annotations
 
@@ -10,8 +12,11 @@ from typing import Any
 from ferrum.config import ModelConfig
 from ferrum.engine.core_messages import EngineCoreRequest
 from ferrum.engine.tokenizer import Tokenizer
+from ferrum.errors import FieldError
 from ferrum.request import check_request_fits
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import RequestOutputKind, SamplingParams
+
+_PROMPT_TYPES = "a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +30,19 @@ class ProcessedPrompt:
 # Text, {"prompt": text} / {"prompt_token_ids": [...]} (vLLM's TextPrompt / TokensPrompt), or a
 # prompt already processed.
 PromptType = str | dict[str, Any] | ProcessedPrompt
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A request as accepted: the user's SamplingParams (read for detokenization, never changed),
+    and its completions as the engine core runs them."""
+
+    request_id: str
+    prompt: ProcessedPrompt
+    params: SamplingParams
+    output_kind: RequestOutputKind
+    arrival_time: float
+    core_requests: tuple[EngineCoreRequest, ...]
 
 
 def load_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
@@ -65,18 +83,16 @@ class InputProcessor:
         return min(self.max_model_len, self.pool_tokens) - num_prompt_tokens
 
     def check_prompt_chars(self, num_chars: int, field: str = "prompt") -> None:
-        """Raises ValueError when a text of `num_chars` characters is sure to exceed
+        """Raises FieldError when a text of `num_chars` characters is sure to exceed
         max_model_len tokens."""
         if num_chars > self.max_prompt_chars:
-            raise ValueError(
-                f"{field}: {num_chars} characters cannot fit in max_model_len={self.max_model_len} "
-                f"tokens (at most {self.max_prompt_chars} characters: no token of this tokenizer "
-                f"spans more than {self.max_prompt_chars // self.max_model_len})"
+            raise FieldError(
+                field,
+                f"{field}: {num_chars} characters cannot fit in max_model_len="
+                f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters: no "
+                f"token of this tokenizer spans more than "
+                f"{self.max_prompt_chars // self.max_model_len})",
             )
-
-    def describe_limits(self) -> str:
-        """The length limits a request is checked against, for error messages."""
-        return f"max_model_len={self.max_model_len}, KV cache capacity {self.pool_tokens} tokens"
 
     def process(
         self,
@@ -84,24 +100,34 @@ class InputProcessor:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
-    ) -> tuple[ProcessedPrompt, list[EngineCoreRequest]]:
+        *,
+        output_kind: RequestOutputKind | None = None,
+        default_max_tokens: int | None = None,
+    ) -> ProcessedRequest:
         """Validates one request and fans it out into one core request per completion of `n`
-        (seeded completions get seeds seed, seed+1, ...); raises ValueError naming what is wrong."""
+        (seeded completions get seeds seed, seed+1, ...). `output_kind` overrides the params';
+        unset `max_tokens` is `default_max_tokens` capped by the room left, else all of it."""
         prompt = self.process_prompt(prompt)
-        params = self.resolve_params(params, len(prompt.token_ids))
+        self._check_token_fields(params)
+        max_tokens = self._resolve_max_tokens(params, len(prompt.token_ids), default_max_tokens)
+        stop_ids = () if params.ignore_eos else self.eos_token_ids
+        bad_words = self._bad_words_token_ids(params)
         eos = None if params.ignore_eos or not self.eos_token_ids else self.eos_token_ids[0]
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
         requests = []
         for index in range(params.n):
-            child = params.clone() if index else params
-            if index and params.seed is not None:
-                child.seed = params.seed + index
+            seed = None if params.seed is None else params.seed + index
+            resolved = params.resolve(max_tokens, seed, stop_ids, bad_words)
             req_id = child_request_id(request_id, index, params.n)
-            requests.append(EngineCoreRequest(req_id, prompt.token_ids, child, eos, arrival_time))
-        return prompt, requests
+            requests.append(
+                EngineCoreRequest(req_id, prompt.token_ids, resolved, eos, arrival_time)
+            )
+        kind = params.output_kind if output_kind is None else output_kind
+        return ProcessedRequest(request_id, prompt, params, kind, arrival_time, tuple(requests))
 
     def process_prompt(self, prompt: PromptType) -> ProcessedPrompt:
-        """Tokenizes and checks a prompt; raises ValueError naming what is wrong."""
+        """Tokenizes and checks a prompt (a ProcessedPrompt is already checked); raises
+        TypeError for a prompt of the wrong type, FieldError for a bad one."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
         if isinstance(prompt, str):
@@ -111,52 +137,58 @@ class InputProcessor:
         elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
             text, token_ids = prompt["prompt"], None
         else:
-            raise ValueError(
-                "prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
-                f"got {type(prompt).__name__}"
+            hint = (
+                " (token ids go in {'prompt_token_ids': [...]})" if isinstance(prompt, int) else ""
             )
+            raise TypeError(f"prompt must be {_PROMPT_TYPES}; got {type(prompt).__name__}{hint}")
         if token_ids is None:
             if self.tokenizer is None:
-                raise ValueError("prompt: text prompts need a tokenizer (skip_tokenizer_init=True)")
-            if not isinstance(text, str):
-                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+                raise FieldError(
+                    "prompt", "prompt: text prompts need a tokenizer (skip_tokenizer_init=True)"
+                )
             self.check_prompt_chars(len(text))
             token_ids = self.tokenizer.encode(text)
         if not isinstance(token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in token_ids
         ):
-            raise ValueError("prompt_token_ids must be a list of integers")
+            raise FieldError("prompt_token_ids", "prompt_token_ids must be a list of integers")
         if not token_ids:
-            raise ValueError("prompt: the prompt is empty (0 tokens)")
+            raise FieldError("prompt", "prompt: the prompt is empty (0 tokens)")
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside [0, {self.vocab_size})")
+            raise FieldError(
+                "prompt_token_ids",
+                f"prompt_token_ids: token id {bad} is outside [0, {self.vocab_size})",
+            )
         return ProcessedPrompt(text, token_ids)
 
-    def resolve_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """A copy with max_tokens=None resolved and the model's EOS ids; checks length limits."""
-        params = params.clone()
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop: stop strings need a tokenizer (skip_tokenizer_init=True)")
-        self._check_token_fields(params)
-        if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - num_prompt_tokens
-            if params.max_tokens < 1:
-                raise ValueError(
-                    f"prompt ({num_prompt_tokens} tokens) leaves no room for output under "
-                    f"max_model_len={self.max_model_len}"
+    def _resolve_max_tokens(
+        self, params: SamplingParams, num_prompt_tokens: int, default: int | None
+    ) -> int:
+        """The request's max_tokens, checked to fit; unset: `default` capped by the room left
+        (context and KV pool), else all of it."""
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            room = self.max_tokens_room(num_prompt_tokens)
+            if room < 1:
+                raise FieldError(
+                    "prompt",
+                    f"prompt ({num_prompt_tokens} tokens) leaves no room for output: "
+                    f"max_model_len={self.max_model_len}, KV cache capacity {self.pool_tokens} "
+                    "tokens",
                 )
-        check_request_fits(
-            num_prompt_tokens, params.max_tokens, self.max_model_len, self.pool_tokens
-        )
-        params.all_stop_token_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            params.all_stop_token_ids.update(self.eos_token_ids)
-        return params
+            max_tokens = room if default is None else min(default, room)
+            if params.min_tokens > max_tokens:
+                raise FieldError(
+                    "min_tokens",
+                    f"SamplingParams.min_tokens must be <= max_tokens={max_tokens} (the room "
+                    f"the prompt leaves), got {params.min_tokens}",
+                )
+        check_request_fits(num_prompt_tokens, max_tokens, self.max_model_len, self.pool_tokens)
+        return max_tokens
 
     def _check_token_fields(self, params: SamplingParams) -> None:
-        """Token ids within the model's vocabulary; bad words tokenized; grammars need a
-        tokenizer. Raises ValueError naming the field."""
+        """Token ids within the model's vocabulary; text fields need a tokenizer."""
         vocab = self.vocab_size
         for name, ids in (
             ("logit_bias", params.logit_bias or ()),
@@ -164,30 +196,35 @@ class InputProcessor:
         ):
             bad = next((t for t in ids if t >= vocab), None)
             if bad is not None:
-                raise ValueError(f"{name}: token id {bad} is outside [0, {vocab})")
-        params.bad_words_token_ids = []
-        if params.bad_words:
-            if self.tokenizer is None:
-                raise ValueError("bad_words: need a tokenizer (skip_tokenizer_init=True)")
-            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
-            bad = next((t for w in params.bad_words_token_ids for t in w if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(f"bad_words: token id {bad} is outside [0, {vocab})")
-        if params.structured_outputs is not None and self.tokenizer is None:
-            raise ValueError(
-                "structured_outputs: grammars need a tokenizer (skip_tokenizer_init=True)"
+                raise FieldError(name, f"{name}: token id {bad} is outside [0, {vocab})")
+        if self.tokenizer is None:
+            for name, needs in (
+                ("stop", "stop strings"),
+                ("bad_words", "bad words"),
+                ("structured_outputs", "grammars"),
+            ):
+                if getattr(params, name):
+                    raise FieldError(
+                        name, f"{name}: {needs} need a tokenizer (skip_tokenizer_init=True)"
+                    )
+
+    def _bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token ids as it would start the text and, when that tokenizes into
+        as many tokens but a different first one, after a space (vLLM's rule)."""
+        if not params.bad_words:
+            return []
+        assert self.tokenizer is not None
+        result: list[list[int]] = []
+        for word in params.bad_words:
+            word = word.lstrip()
+            plain = self.tokenizer.encode(word, add_special_tokens=False)
+            result.append(plain)
+            spaced = self.tokenizer.encode(" " + word, add_special_tokens=False)
+            if len(spaced) == len(plain) and spaced[0] != plain[0]:
+                result.append(spaced)
+        bad = next((t for ids in result for t in ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise FieldError(
+                "bad_words", f"bad_words: token id {bad} is outside [0, {self.vocab_size})"
             )
-
-
-def bad_words_token_ids(tokenizer: Tokenizer, bad_words: list[str]) -> list[list[int]]:
-    """Each bad word's token ids as it would start the text and, when that tokenizes into as
-    many tokens but a different first one, after a space (vLLM's rule)."""
-    result: list[list[int]] = []
-    for word in bad_words:
-        word = word.lstrip()
-        plain = tokenizer.encode(word, add_special_tokens=False)
-        result.append(plain)
-        spaced = tokenizer.encode(" " + word, add_special_tokens=False)
-        if len(spaced) == len(plain) and spaced[0] != plain[0]:
-            result.append(spaced)
-    return result
+        return result

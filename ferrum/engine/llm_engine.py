@@ -34,7 +34,7 @@ from ferrum.engine.output_processor import OutputProcessor
 from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput
 from ferrum.request import RequestStatus
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import RequestOutputKind, SamplingParams
 from ferrum.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
@@ -101,15 +101,19 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
-        """Validates and queues one request (n completions); on error nothing is queued."""
+        """Validates and queues one request (n completions); on error nothing is queued.
+        `output_kind` (default: the params') says what `step` returns of it."""
         self._check_alive()
         assert self.input_processor is not None
-        prompt, requests = self.input_processor.process(request_id, prompt, params, arrival_time)
+        request = self.input_processor.process(
+            request_id, prompt, params, arrival_time, output_kind=output_kind
+        )
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
-        self.output_processor.add_request(request_id, prompt, requests)
-        self.client.add_requests(requests)
+        self.output_processor.add_request(request)
+        self.client.add_requests(request.core_requests)
 
     def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
         """Aborts requests (unknown ids are ignored); their KV blocks return to the pool as soon

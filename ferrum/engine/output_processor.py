@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ferrum.engine.core_messages import EngineCoreOutput, EngineCoreRequest
+from ferrum.engine.core_messages import EngineCoreOutput
 from ferrum.engine.detokenizer import IncrementalDetokenizer
-from ferrum.engine.input_processor import ProcessedPrompt
+from ferrum.engine.input_processor import ProcessedPrompt, ProcessedRequest
 from ferrum.engine.tokenizer import Tokenizer
+from ferrum.errors import FieldError
 from ferrum.outputs import (
     CompletionOutput,
     Logprob,
@@ -63,26 +64,27 @@ class OutputProcessor:
         self._parents: dict[str, _ParentState] = {}
         self._parent_of: dict[str, _ParentState] = {}
 
-    def add_request(
-        self, request_id: str, prompt: ProcessedPrompt, requests: list[EngineCoreRequest]
-    ) -> None:
-        """Tracks a request's completions (in index order); raises ValueError if an id is taken."""
+    def add_request(self, request: ProcessedRequest) -> None:
+        """Tracks a request's completions (in index order); raises FieldError("request_id") if
+        its id, or one of its completions' ids, is taken: the one duplicate check."""
+        request_id = request.request_id
+        taken = next((r.req_id for r in request.core_requests if self.has_request(r.req_id)), None)
         if self.has_request(request_id):
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        taken = next((r.req_id for r in requests if self.has_request(r.req_id)), None)
+            raise FieldError("request_id", f"request_id {request_id!r} is already in use")
         if taken is not None:
-            raise ValueError(f"request_id {request_id!r} collides with request {taken!r}")
+            raise FieldError(
+                "request_id", f"request_id {request_id!r} collides with request {taken!r}"
+            )
+        params = request.params
         children = {}
-        for index, request in enumerate(requests):
-            params = request.sampling_params
-            detokenizer = IncrementalDetokenizer(self.tokenizer, prompt.token_ids, params)
+        for index, core_request in enumerate(request.core_requests):
+            detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt.token_ids, params)
             child = _ChildState(index=index, detokenizer=detokenizer)
             if params.logprobs is not None:
                 child.logprobs, child.cumulative_logprob = [], 0.0
-            children[request.req_id] = child
-        params = requests[0].sampling_params
-        metrics = RequestMetrics(requests[0].arrival_time)
-        parent = _ParentState(request_id, prompt, children, params.output_kind, metrics)
+            children[core_request.req_id] = child
+        metrics = RequestMetrics(request.arrival_time)
+        parent = _ParentState(request_id, request.prompt, children, request.output_kind, metrics)
         self._parents[request_id] = parent
         for child_id in children:
             self._parent_of[child_id] = parent

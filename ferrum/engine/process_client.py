@@ -219,7 +219,6 @@ class ProcessClient(CoreClient):
         max_model_len = self.config.model_config.max_model_len
         for req_id, request in list(self._requests.items()):
             max_tokens = request.sampling_params.max_tokens
-            assert max_tokens is not None
             try:
                 check_request_fits(
                     len(request.prompt_token_ids), max_tokens, max_model_len, pool_tokens

@@ -116,8 +116,8 @@ def resumed_request(request: EngineCoreRequest, token_ids: list[int]) -> EngineC
 def trial_request(request: EngineCoreRequest) -> EngineCoreRequest:
     """A probation run: one more token, then the core finishes the request itself, so that no
     later output of this run can reach the completion once it rejoins the others."""
-    params = request.sampling_params.clone()
-    params.max_tokens = len(request.output_token_ids) + 1
+    max_tokens = len(request.output_token_ids) + 1
+    params = dataclasses.replace(request.sampling_params, max_tokens=max_tokens)
     return dataclasses.replace(request, sampling_params=params)
 
 
@@ -131,7 +131,6 @@ def unclip_trial_output(
         return output
     num_output = num_output_tokens + len(output.new_token_ids)
     max_tokens = request.sampling_params.max_tokens
-    assert max_tokens is not None
     if num_output >= max_tokens or len(request.prompt_token_ids) + num_output >= max_model_len:
         return output
     return dataclasses.replace(output, finish_reason=None, stop_reason=None)

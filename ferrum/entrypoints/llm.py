@@ -12,6 +12,7 @@ from ferrum.default_model import DEFAULT_MODEL_NAME
 from ferrum.engine.arg_utils import EngineArgs, check_not_supported_yet
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.engine.llm_engine import LLMEngine
+from ferrum.errors import FieldError
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
@@ -73,11 +74,11 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             request_id = engine.next_request_id()
             try:
-                engine.add_request(request_id, prompt, p)
-            except ValueError as e:
+                engine.add_request(request_id, prompt, p, output_kind=RequestOutputKind.FINAL_ONLY)
+            except (TypeError, ValueError) as e:
                 # All or nothing: a bad prompt leaves no request of this call in the engine.
                 engine.abort_request(request_ids)
-                raise ValueError(f"prompts[{i}]: {e}") from e
+                raise _for_prompt(i, e) from e
             request_ids.append(request_id)
         return self._run_engine(request_ids, use_tqdm)
 
@@ -117,17 +118,15 @@ class LLM:
     def _per_prompt_params(
         sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
     ) -> list[SamplingParams]:
-        """One SamplingParams per prompt, each asking for its final output only."""
+        """One SamplingParams per prompt."""
         if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * num_prompts
-        params = [p.clone() for p in sampling_params]
+            return [sampling_params] * num_prompts
+        params = list(sampling_params)
         if len(params) != num_prompts:
             raise ValueError(
                 f"sampling_params: got {len(params)} for {num_prompts} prompts (give one, or one "
                 "per prompt)"
             )
-        for p in params:
-            p.output_kind = RequestOutputKind.FINAL_ONLY
         return params
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -162,17 +161,17 @@ class LLM:
 
 
 def _prompt_list(prompts: Any) -> list[PromptType]:
+    """One prompt, or a list of them (each is checked when its request is added)."""
     if isinstance(prompts, (str, dict, ProcessedPrompt)):
         return [prompts]
     if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
         raise TypeError(f"prompts must be {_PROMPT_TYPES}; got {type(prompts).__name__}")
-    for i, prompt in enumerate(prompts):
-        if not isinstance(prompt, (str, dict, ProcessedPrompt)):
-            hint = (
-                " (token ids go in {'prompt_token_ids': [...]})" if isinstance(prompt, int) else ""
-            )
-            raise TypeError(
-                f"prompts[{i}] must be a string, {{'prompt': str}} or "
-                f"{{'prompt_token_ids': [int, ...]}}; got {type(prompt).__name__}{hint}"
-            )
     return list(prompts)
+
+
+def _for_prompt(index: int, error: TypeError | ValueError) -> TypeError | ValueError:
+    """`error`, its message saying which prompt it is about."""
+    message = f"prompts[{index}]: {error}"
+    if isinstance(error, FieldError):
+        return FieldError(error.field, message)
+    return type(error)(message)

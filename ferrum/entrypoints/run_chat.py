@@ -10,6 +10,7 @@ template each turn. Ctrl-C during a reply stops that reply only.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -57,8 +58,7 @@ class ChatSession:
         if engine.tokenizer is None:
             raise ValueError("skip_tokenizer_init: chat needs a tokenizer")
         self.engine = engine
-        self.params = params.clone()
-        self.params.output_kind = RequestOutputKind.DELTA
+        self.params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         self.system = system
         self.messages: list[dict[str, str]] = []
         self.clear()
@@ -98,8 +98,7 @@ class ChatSession:
                 "over"
             )
         if params.max_tokens is None or params.max_tokens > room:
-            params = params.clone()
-            params.max_tokens = room
+            params = dataclasses.replace(params, max_tokens=room)
         request_id = f"chat-{next(self._ids)}"
         self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)
         sent = ""

@@ -7,20 +7,21 @@ looking at tensor values (no device-to-host syncs).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ferrum.model_executor.staging_buffer import StagingBuffer, staging_bytes
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import ResolvedSamplingParams
 
 
 @dataclass(slots=True)
 class SamplingRow:
     """What the runner knows about one batch row."""
 
-    params: SamplingParams
+    params: ResolvedSamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     # The request's own generator when params.seed is set, on the logits' device.
@@ -64,8 +65,7 @@ def _token_counts(
     if total == 0:
         return counts
     ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(f"{field} must lie in [0, vocab_size={vocab_size})")
+    assert ids.min() >= 0 and ids.max() < vocab_size, f"{field} outside the vocabulary"
     row_index = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
     flat = to_device(row_index * vocab_size + ids, torch.int64, device)
     counts.view(-1).index_add_(0, flat, torch.ones(total, dtype=dtype, device=device))
@@ -240,10 +240,7 @@ class SamplingMetadata:
         values: list[float] = []
         for i, row in enumerate(rows):
             for token_id, bias in (row.params.logit_bias or {}).items():
-                if token_id >= self.vocab_size:
-                    raise ValueError(
-                        f"logit_bias: token id {token_id} is outside [0, {self.vocab_size})"
-                    )
+                assert token_id < self.vocab_size, "the front end checks logit_bias"
                 row_index.append(i)
                 token_ids.append(token_id)
                 values.append(bias)
@@ -263,8 +260,7 @@ class SamplingMetadata:
             assert ids is not None
             local_index.extend([k] * len(ids))
             token_ids.extend(ids)
-        if max(token_ids) >= self.vocab_size:
-            raise ValueError(f"allowed_token_ids must lie in [0, vocab_size={self.vocab_size})")
+        assert max(token_ids) < self.vocab_size, "the front end checks allowed_token_ids"
         mask = torch.ones(len(allowed_rows), self.vocab_size, dtype=torch.bool, device=device)
         mask[
             to_device(local_index, torch.int64, device), to_device(token_ids, torch.int64, device)
@@ -273,13 +269,15 @@ class SamplingMetadata:
         self.disallowed_mask = mask
 
 
-def _bad_word_ends(bad_words_token_ids: list[list[int]], output_token_ids: list[int]) -> set[int]:
+def _bad_word_ends(
+    bad_words_token_ids: Sequence[tuple[int, ...]], output_token_ids: list[int]
+) -> set[int]:
     """The last token of every bad word whose other tokens end the output (vLLM's rule)."""
     banned = set()
     for word in bad_words_token_ids:
         prefix = word[:-1]
         if len(prefix) > len(output_token_ids):
             continue
-        if not prefix or output_token_ids[-len(prefix) :] == prefix:
+        if not prefix or tuple(output_token_ids[-len(prefix) :]) == prefix:
             banned.add(word[-1])
     return banned

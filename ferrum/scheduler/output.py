@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ferrum.request import Logprobs
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import ResolvedSamplingParams
 
 
 @dataclass(slots=True)
@@ -21,7 +21,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     # Tokens generated before a preemption; they are recomputed like the prompt.
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: ResolvedSamplingParams
     # One block table per KV cache layer group.
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ferrum.config import SchedulerConfig
 from ferrum.kv.kv_cache_manager import GroupBlockIds, KVCacheManager
 from ferrum.logger import init_logger
-from ferrum.request import Request, RequestStatus, check_request_fits
+from ferrum.request import Request, RequestStatus
 from ferrum.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -83,16 +83,11 @@ class Scheduler:
     # -- requests in and out -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queues a request; raises ValueError for a taken id or a request that could never run
-        (it would wait forever)."""
-        if request.req_id in self.requests:
-            raise ValueError(f"request_id {request.req_id!r} is already in use")
-        check_request_fits(
-            request.num_prompt_tokens,
-            request.max_tokens,
-            self.config.max_model_len,
-            self.kv_cache_manager.max_tokens_in_pool(),
-        )
+        """Queues a request the front end validated: a new id, and it fits the context and the
+        KV pool (else it would wait forever)."""
+        assert request.req_id not in self.requests, f"request_id {request.req_id!r} is taken"
+        limit = min(self.config.max_model_len, self.kv_cache_manager.max_tokens_in_pool())
+        assert request.num_prompt_tokens + request.max_tokens <= limit, request
         self.requests[request.req_id] = request
         self.waiting.append(request)
 
@@ -278,7 +273,7 @@ class Scheduler:
         (penalties, bad words): the previous step's tokens must arrive before the next step is
         scheduled. (A grammar's matcher catches up while the next forward runs: see core.py.)"""
         return any(
-            r.sampling_params.uses_penalties or r.sampling_params.bad_words is not None
+            r.sampling_params.uses_penalties or r.sampling_params.bad_words_token_ids
             for r in self.running
         )
 

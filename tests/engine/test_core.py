@@ -44,7 +44,7 @@ def test_resumed_request_continues_exactly(tiny_checkpoint, params: SamplingPara
     engine = llm.llm_engine
     params = dataclasses.replace(params, max_tokens=NUM_TOKENS, ignore_eos=True)
     prompt = {"prompt_token_ids": random_prompts([11], seed=3)[0]}
-    _, (request,) = engine.input_processor.process("whole", prompt, params)
+    (request,) = engine.input_processor.process("whole", prompt, params).core_requests
     whole = run_to_end(engine.core, [request])["whole"]
     assert len(whole) == NUM_TOKENS
     resumed = [
@@ -62,7 +62,7 @@ def test_resumed_request_counts_earlier_tokens_for_min_tokens(tiny_checkpoint) -
     engine = llm.llm_engine
     prompt = {"prompt_token_ids": random_prompts([9], seed=8)[0]}
     free = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    _, (request,) = engine.input_processor.process("free", prompt, free)
+    (request,) = engine.input_processor.process("free", prompt, free).core_requests
     free_tokens = run_to_end(engine.core, [request])["free"]
     # Stopping on the 6th token needs min_tokens to count the 4 tokens a resumed request had.
     assert free_tokens[5] not in free_tokens[:5]
@@ -70,7 +70,7 @@ def test_resumed_request_counts_earlier_tokens_for_min_tokens(tiny_checkpoint) -
         temperature=0.0, max_tokens=NUM_TOKENS, min_tokens=5, stop_token_ids=[free_tokens[5]]
     )
     stop.ignore_eos = True
-    _, (request,) = engine.input_processor.process("stop", prompt, stop)
+    (request,) = engine.input_processor.process("stop", prompt, stop).core_requests
     whole = run_to_end(engine.core, [request])["stop"]
     assert whole == free_tokens[:6]
     resumed = dataclasses.replace(request, req_id="resumed", output_token_ids=whole[:4])
@@ -80,7 +80,7 @@ def test_resumed_request_counts_earlier_tokens_for_min_tokens(tiny_checkpoint) -
 def test_a_raising_step_names_its_requests(tiny_checkpoint, monkeypatch) -> None:
     monkeypatch.setenv("FERRUM_DEBUG_FAIL_ON_TOKEN", "199")
     core = make_llm(tiny_checkpoint("qwen3"), num_kv_blocks=128).llm_engine.core
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True).resolve()
     clean = EngineCoreRequest("clean", [1, 2, 3], params, None, 0.0)
     poisoned = EngineCoreRequest("poisoned", [4, 199, 5], params, None, 0.0)
     core.add_request(clean)

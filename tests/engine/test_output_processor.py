@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ferrum.engine.core_messages import EngineCoreOutput, EngineCoreRequest
-from ferrum.engine.input_processor import ProcessedPrompt, child_request_id
+from ferrum.engine.input_processor import ProcessedPrompt, ProcessedRequest, child_request_id
 from ferrum.engine.output_processor import OutputProcessor
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.outputs import Logprob
@@ -34,8 +34,12 @@ def add(processor: OutputProcessor, request_id: str, n: int = 1, **params) -> li
     """Adds a request with n completions; returns their ids (the core's request ids)."""
     child_ids = [child_request_id(request_id, i, n) for i in range(n)]
     sampling = SamplingParams(max_tokens=16, **params)
-    requests = [EngineCoreRequest(c, PROMPT.token_ids, sampling, None, 0.0) for c in child_ids]
-    processor.add_request(request_id, PROMPT, requests)
+    requests = tuple(
+        EngineCoreRequest(c, PROMPT.token_ids, sampling.resolve(), None, 0.0) for c in child_ids
+    )
+    processor.add_request(
+        ProcessedRequest(request_id, PROMPT, sampling, sampling.output_kind, 0.0, requests)
+    )
     return child_ids
 
 

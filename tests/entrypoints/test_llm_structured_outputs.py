@@ -181,7 +181,7 @@ def test_a_compile_past_the_timeout_fails_its_request_alone(llm: LLM, blocked_co
         engine.add_request("slow", PROMPTS[1], slow)
     # The same failure inside the core (the front end of another process let it through): that
     # request alone is aborted, the other finishes.
-    request = EngineCoreRequest("slow-core", [5, 6, 7], slow, None, 0.0)
+    request = EngineCoreRequest("slow-core", [5, 6, 7], slow.resolve(), None, 0.0)
     engine.core.add_request(request)
     finished = {}
     while engine.has_unfinished_requests():

@@ -16,7 +16,7 @@ GROUPS = (KVCacheGroupSpec((1,)), KVCacheGroupSpec((0,), 6))
 
 
 def make_request(req_id: str, prompt_token_ids: list[int]) -> Request:
-    return Request(req_id, prompt_token_ids, SamplingParams(max_tokens=64))
+    return Request(req_id, prompt_token_ids, SamplingParams(max_tokens=64).resolve())
 
 
 def hybrid(num_blocks: list[int]) -> KVCacheManager:

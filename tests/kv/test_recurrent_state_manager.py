@@ -18,7 +18,7 @@ HYBRID_GROUPS = kv_cache_groups([None] * 4, recurrent_layers=(0, 1, 3))
 
 
 def make_request(req_id: str, num_tokens: int) -> Request:
-    return Request(req_id, list(range(num_tokens)), SamplingParams(max_tokens=64))
+    return Request(req_id, list(range(num_tokens)), SamplingParams(max_tokens=64).resolve())
 
 
 def test_recurrent_layers_form_the_last_group() -> None:

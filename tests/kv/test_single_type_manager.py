@@ -15,7 +15,7 @@ BS = 4
 
 
 def make_request(req_id: str, prompt_token_ids: list[int]) -> Request:
-    return Request(req_id, prompt_token_ids, SamplingParams(max_tokens=64))
+    return Request(req_id, prompt_token_ids, SamplingParams(max_tokens=64).resolve())
 
 
 def admit(manager: FullAttentionManager, request: Request) -> list[int] | None:

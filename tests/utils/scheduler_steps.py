@@ -35,7 +35,7 @@ def make_request(
     req_id: str, num_prompt: int, max_tokens: int = 8, start: int = 0, eos: int | None = None, **kw
 ) -> Request:
     """Prompt `start, start + 1, ...` of `num_prompt` tokens, greedy."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw).resolve()
     return Request(req_id, list(range(start, start + num_prompt)), params, eos_token_id=eos)
 
 

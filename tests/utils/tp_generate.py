@@ -88,7 +88,7 @@ def generate(
     )
     scheduler = Scheduler(config.scheduler_config, kv)
     requests = [
-        Request(f"r{i}", prompt, params)
+        Request(f"r{i}", prompt, params.resolve())
         for i, (prompt, params) in enumerate(workload(config.model_config.vocab_size))
     ]
     # The first three arrive first; the rest once the first steps ran (prefix hits, preemption).

@@ -294,7 +294,7 @@ class SamplingRequest(RequestModel):
 
     def to_sampling_params(
         self,
-        max_tokens: int,
+        max_tokens: int | None,
         logprobs: int | None,
         defaults: dict[str, Any],
         structured_outputs: StructuredOutputsParams | None,

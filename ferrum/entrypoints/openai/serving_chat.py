@@ -217,8 +217,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request.model)
         plan = self.plan(request)
         tokenized = await self.render(request)
-        requested = request.max_completion_tokens or request.max_tokens
-        max_tokens = self.max_tokens_for(requested, len(tokenized.token_ids), "messages")
+        max_tokens = request.max_completion_tokens or request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         try:
             constraint = plan.output_constraint(tokenized)

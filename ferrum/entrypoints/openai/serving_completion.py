@@ -85,8 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenized = [await self.tokenize(p) for p in prompts]
         submissions = []
         for index, prompt in enumerate(tokenized):
-            max_tokens = self.max_tokens_for(request.max_tokens, len(prompt.token_ids), "prompt")
-            params = self.sampling_params(request, max_tokens, request.logprobs, constraint)
+            params = self.sampling_params(request, request.max_tokens, request.logprobs, constraint)
             if request.echo and request.logprobs is not None:
                 # The echoed prompt's tokens carry logprobs too.
                 params.prompt_logprobs = max(params.prompt_logprobs or 0, request.logprobs)

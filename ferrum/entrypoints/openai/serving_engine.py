@@ -4,7 +4,6 @@ submission, error mapping, SSE framing and per-choice streaming state."""
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,6 +22,7 @@ from ferrum.entrypoints.openai.responses import (
     UsageInfo,
 )
 from ferrum.entrypoints.openai.structured_outputs import requested_constraint
+from ferrum.errors import FieldError
 from ferrum.logger import init_logger
 from ferrum.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from ferrum.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -31,8 +31,8 @@ logger = init_logger(__name__)
 
 T = TypeVar("T")
 
-_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+)")
-
+# The engine's names for a prompt's parts; an error naming one names the request's prompt field.
+_PROMPT_FIELDS = frozenset({"prompt", "prompt_token_ids"})
 
 NOT_UNICODE = "not valid Unicode text (it holds a lone surrogate such as \\ud800)"
 
@@ -75,8 +75,9 @@ def sse_event(payload: str) -> str:
 SSE_DONE = sse_event("[DONE]")
 
 
-def as_api_error(error: BaseException, param: str | None = None) -> APIError:
-    """The HTTP answer to an engine-side error."""
+def as_api_error(error: BaseException, prompt_param: str | None = None) -> APIError:
+    """The HTTP answer to an engine-side error; `prompt_param`: the request field that holds
+    the prompt ("prompt", "messages")."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, EngineDeadError):
@@ -85,10 +86,11 @@ def as_api_error(error: BaseException, param: str | None = None) -> APIError:
         return APIError(503, str(error), code="engine_loading")
     if isinstance(error, RequestCrashedEngineError):
         return APIError(500, str(error), code="request_crashed_engine")
+    if isinstance(error, FieldError):
+        param = prompt_param if error.field in _PROMPT_FIELDS else error.field
+        return APIError(400, str(error), param=param)
     if isinstance(error, ValueError):
-        # An error about a sampling field names it: "SamplingParams.<field> ...".
-        field = _SAMPLING_FIELD.match(str(error))
-        return APIError(400, str(error), param=field.group(1) if field else param)
+        return APIError(400, str(error), param=prompt_param)
     raise error
 
 
@@ -142,38 +144,22 @@ class OpenAIServing:
         except (ValueError, EngineDeadError, EngineNotReadyError) as e:
             raise as_api_error(e, param) from None
 
-    def max_tokens_for(self, requested: int | None, num_prompt_tokens: int, param: str) -> int:
-        """`requested`, else the model's default capped by the room left for this prompt."""
-        if requested is not None:
-            return requested
-        processor = self.engine.check_can_serve()
-        room = processor.max_tokens_room(num_prompt_tokens)
-        if room < 1:
-            raise APIError(
-                400,
-                f"prompt ({num_prompt_tokens} tokens) leaves no room for output: "
-                f"{processor.describe_limits()}",
-                param=param,
-            )
-        default = self.defaults.get("max_tokens")
-        return room if default is None else min(int(default), room)
-
     def sampling_params(
         self,
         request: SamplingRequest,
-        max_tokens: int,
+        max_tokens: int | None,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
-        """A stream consumes DELTA outputs; a plain response waits for the final one."""
+        """A stream consumes DELTA outputs; a plain response waits for the final one. Unset
+        `max_tokens` is resolved when the request is added (the model's default, capped by the
+        room the prompt leaves)."""
         try:
             params = request.to_sampling_params(
                 max_tokens, logprobs, self.defaults, structured_outputs
             )
         except ValueError as e:
-            # SamplingParams names the field: "SamplingParams.<field> must be ...".
-            field = _SAMPLING_FIELD.match(str(e))
-            raise APIError(400, str(e), param=field.group(1) if field else None) from None
+            raise as_api_error(e) from None
         stream = bool(request.stream)
         params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         return params
@@ -212,8 +198,10 @@ class OpenAIServing:
             compiled.add(id(constraint))
         streams: list[RequestStream] = []
         try:
+            default_max_tokens = self.defaults.get("max_tokens")
             for request_id, prompt, params in requests:
-                streams.append(self.engine.add_request(request_id, prompt, params))
+                stream = self.engine.add_request(request_id, prompt, params, default_max_tokens)
+                streams.append(stream)
         except (ValueError, EngineDeadError, EngineNotReadyError) as e:
             for stream in streams:
                 self.engine.abort(stream.request_id)

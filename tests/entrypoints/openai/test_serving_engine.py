@@ -27,7 +27,13 @@ class _Engine:
         if params.structured_outputs.regex == "slow":
             raise ValueError(TIMEOUT)
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams):
+    def add_request(
+        self,
+        request_id: str,
+        prompt: ProcessedPrompt,
+        params: SamplingParams,
+        default_max_tokens: int | None = None,
+    ):
         self.queued.append(request_id)
         return request_id
 
@@ -35,6 +41,7 @@ class _Engine:
 def _serving(engine: _Engine) -> OpenAIServing:
     serving = OpenAIServing.__new__(OpenAIServing)
     serving.engine = engine  # type: ignore[assignment]
+    serving.defaults = {}
     return serving
 
 
