@@ -1,7 +1,8 @@
 """The package's imports run one way, bottom up (docs: /work/shared/DESIGN.md, "Import direction"):
 kernels -> request, config, kv, ... -> scheduler -> model_executor, ... -> engine -> entrypoints,
-bench. A module may import its own layer or a lower one, never a higher one; request.py, kv/ and
-scheduler/ never import torch. Checked on the source with `ast`, lazy imports included."""
+bench. A module may import its own layer or a lower one, never a higher one, and no module
+imports itself back through others; request.py, kv/ and scheduler/ never import torch. Checked
+on the source with `ast`, lazy and TYPE_CHECKING imports included."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ LAYERS = [
         "sampling_params",
         "outputs",
         "default_model",
+        "errors",
         "kv",
         "structured_output",
     },
@@ -106,3 +108,61 @@ def test_the_checker_sees_lazy_and_package_level_imports() -> None:
     )
     modules = sorted(_imported_modules(ast.parse(source)))
     assert modules == ["ferrum.engine.core", "ferrum.entrypoints.llm", "ferrum.envs"]
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each ferrum module (a package by its __init__) -> the ferrum modules it imports."""
+    paths = {
+        ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(
+            ".__init__"
+        ): path
+        for path in PACKAGE.rglob("*.py")
+    }
+
+    def resolve(name: str) -> str:
+        while name not in paths:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                edges.update(resolve(a.name) for a in node.names if a.name.startswith("ferrum"))
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ferrum"):
+                edges.update(resolve(f"{node.module}.{a.name}") for a in node.names)
+        graph[name] = edges - {name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` as a path (first module repeated at the end), or None."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for imported in sorted(graph[module]):
+            if (found := visit(imported)) is not None:
+                return found
+        path.pop()
+        done.add(module)
+        return None
+
+    return next((c for module in sorted(graph) if (c := visit(module)) is not None), None)
+
+
+def test_no_module_imports_itself_back() -> None:
+    cycle = _cycle(_module_graph())
+    assert cycle is None, " -> ".join(cycle or ())
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycle(graph) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

@@ -24,9 +24,9 @@ from ferrum.engine.core_client import (
     EngineDied,
     FrontEndThread,
     RequestsFailed,
-    make_core_client,
 )
 from ferrum.engine.core_messages import CoreInfo, CoreOutputs, SchedulerStats
+from ferrum.engine.dp_client import core_processes
 from ferrum.engine.errors import EngineDeadError, EngineNotReadyError
 from ferrum.engine.grammar_frontend import GrammarFrontend
 from ferrum.engine.input_processor import (
@@ -56,7 +56,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.input_processor: InputProcessor | None = None
         self.grammars = GrammarFrontend(config, self.tokenizer)
-        self.client = make_core_client(config, self.recovery_config)
+        self.client = core_processes(config, self.recovery_config)
         self.dead_reason: str | None = None
         self._streams: dict[str, RequestStream] = {}
         self._finished_listeners: list[Callable[[RequestOutput], None]] = []

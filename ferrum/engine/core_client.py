@@ -1,6 +1,6 @@
-"""What a front end (`LLMEngine`, `AsyncLLM`) holds of its engine core(s): one interface, four
-kinds behind it (`make_core_client`): the core in this thread, a core process (restarted or not
-after a crash), or data-parallel replicas of either.
+"""What a front end (`LLMEngine`, `AsyncLLM`) holds of its engine core(s): one interface, with
+the core in this thread, a core process (restarted or not after a crash), or data-parallel
+replicas of core processes behind it (`core_clients.make_core_client` picks).
 
 Contract: requests go in by `add_requests` / `finish_requests`; every event comes out through the
 sink given to `start`, always on the front end's own thread (`FrontEndThread`): on its event loop,
@@ -19,15 +19,10 @@ import queue
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ferrum.config import EngineConfig
 from ferrum.engine.core_messages import CoreInfo, CoreOutputs, EngineCoreRequest, SchedulerStats
-from ferrum.recovery_config import EngineRecoveryConfig
 from ferrum.request import RequestStatus
-
-if TYPE_CHECKING:
-    from ferrum.structured_output.manager import StructuredOutputManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,31 +118,3 @@ class CoreClient(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stops the core(s), bounded (stragglers are killed); safe to call twice."""
-
-
-def make_core_client(
-    config: EngineConfig,
-    recovery_config: EngineRecoveryConfig | None = None,
-    grammars: StructuredOutputManager | None = None,
-) -> CoreClient:
-    """With `recovery_config` (an asynchronous front end) every core runs in a process of its
-    own, restarted after a crash as it says. Without it (synchronous), the core runs in this
-    thread (sharing the front end's `grammars`), or data-parallel replicas run in processes that
-    are never restarted."""
-    from ferrum.engine.dp_client import DataParallelClient
-    from ferrum.engine.dp_router import replica_config
-    from ferrum.engine.process_client import ProcessClient
-
-    num_replicas = config.parallel_config.data_parallel_size
-    recovery = recovery_config or EngineRecoveryConfig(engine_failure_policy="exit")
-    if num_replicas > 1:
-        replicas: list[CoreClient] = [
-            ProcessClient(replica_config(config, i), recovery) for i in range(num_replicas)
-        ]
-        return DataParallelClient(config, replicas)
-    if recovery_config is not None:
-        return ProcessClient(config, recovery)
-    from ferrum.engine.inprocess_client import InProcessClient
-
-    assert grammars is not None, "an in-process core shares the front end's grammar manager"
-    return InProcessClient(config, grammars)

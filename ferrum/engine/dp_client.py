@@ -24,11 +24,25 @@ from ferrum.engine.core_client import (
 )
 from ferrum.engine.core_messages import CoreInfo, CoreOutputs, EngineCoreRequest, SchedulerStats
 from ferrum.engine.core_stats import sum_replica_stats
-from ferrum.engine.dp_router import ReplicaRouter, shared_ray_cluster
+from ferrum.engine.dp_router import ReplicaRouter, replica_config, shared_ray_cluster
+from ferrum.engine.process_client import ProcessClient
 from ferrum.logger import init_logger
+from ferrum.recovery_config import EngineRecoveryConfig
 from ferrum.request import RequestStatus
 
 logger = init_logger(__name__)
+
+
+def core_processes(config: EngineConfig, recovery_config: EngineRecoveryConfig) -> CoreClient:
+    """A client of core processes, each restarted after a crash as `recovery_config` says: one
+    core, or one per data-parallel replica."""
+    num_replicas = config.parallel_config.data_parallel_size
+    if num_replicas == 1:
+        return ProcessClient(config, recovery_config)
+    replicas: list[CoreClient] = [
+        ProcessClient(replica_config(config, i), recovery_config) for i in range(num_replicas)
+    ]
+    return DataParallelClient(config, replicas)
 
 
 class DataParallelClient(CoreClient):

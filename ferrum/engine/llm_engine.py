@@ -23,9 +23,9 @@ from ferrum.engine.core_client import (
     EngineDied,
     FrontEndThread,
     RequestsFailed,
-    make_core_client,
 )
 from ferrum.engine.core_messages import CoreInfo, CoreOutputs, SchedulerStats
+from ferrum.engine.dp_client import core_processes
 from ferrum.engine.errors import EngineDeadError
 from ferrum.engine.grammar_frontend import tokenizer_info_builder
 from ferrum.engine.inprocess_client import InProcessClient
@@ -33,6 +33,7 @@ from ferrum.engine.input_processor import InputProcessor, PromptType, load_token
 from ferrum.engine.output_processor import OutputProcessor
 from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput
+from ferrum.recovery_config import EngineRecoveryConfig
 from ferrum.request import RequestStatus
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
 from ferrum.structured_output.manager import StructuredOutputManager
@@ -54,7 +55,11 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._thread = FrontEndThread()
         self._outputs: list[RequestOutput] = []
-        self.client: CoreClient = make_core_client(config, grammars=self.grammars)
+        self.client: CoreClient = (
+            InProcessClient(config, self.grammars)
+            if config.parallel_config.data_parallel_size == 1
+            else core_processes(config, EngineRecoveryConfig(engine_failure_policy="exit"))
+        )
         # The core(s) stop when this engine is collected or the interpreter exits: the client
         # only holds a weak reference back to it.
         self._finalizer = weakref.finalize(self, _shut_down, self.client, self.grammars)

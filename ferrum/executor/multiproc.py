@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 
-import ferrum
 from ferrum.config import EngineConfig
 from ferrum.executor.abstract import WorkerDiedError, WorkerStepError
 from ferrum.executor.bitmask_channel import BitmaskLayout, BitmaskWriter
@@ -127,7 +126,7 @@ class MultiprocExecutor(MultiRankExecutor):
             fcntl.fcntl(inbox_w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
         env = dict(os.environ)
         # The worker imports the same ferrum as this process.
-        package_root = str(Path(ferrum.__file__).resolve().parents[1])
+        package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
         args = WorkerArgs(
             self.config,
