@@ -12,6 +12,7 @@ from ferrum.config_fields import field_help as _help
 from ferrum.model_arch import ModelArchConfig
 from ferrum.parallel_config import ParallelConfig, check_parallel_fits_model
 from ferrum.quant_config import QUANTIZATION_METHODS, QuantConfig, resolve_quant_config
+from ferrum.structured_outputs_config import StructuredOutputsConfig
 
 _DTYPES = ("float32", "float16", "bfloat16")
 _DTYPE_ALIASES = {
@@ -341,44 +342,6 @@ class DeviceConfig:
             raise _fail(
                 "kernel_backend", f"must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}"
             )
-
-
-STRUCTURED_OUTPUT_BACKENDS = ("xgrammar",)
-
-
-@dataclass(frozen=True)
-class StructuredOutputsConfig:
-    """Grammar compilation for structured outputs (vLLM's field names where vLLM has them)."""
-
-    backend: str = "xgrammar"
-    # JSON grammars allow any whitespace between JSON tokens unless this is set.
-    disable_any_whitespace: bool = False
-    # A request whose grammar is not compiled within this many seconds fails with a ValueError.
-    compile_timeout_s: float = 10.0
-    # Compiled grammars kept for reuse (least recently used dropped first).
-    compile_cache_size: int = 256
-    # Grammars compiled at once, each on its own thread.
-    compile_max_workers: int = 4
-
-    def __post_init__(self) -> None:
-        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
-            raise _fail(
-                "backend", f"must be one of {STRUCTURED_OUTPUT_BACKENDS}, got {self.backend!r}"
-            )
-        timeout = self.compile_timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not (0.0 < timeout <= 3600.0)
-        ):
-            raise _fail(
-                "compile_timeout_s",
-                f"must be a number in (0, 3600], got {self.compile_timeout_s!r}",
-            )
-        for name in ("compile_cache_size", "compile_max_workers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise _fail(name, f"must be an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -198,31 +198,8 @@ class ModelArchConfig:
         arch = check_architecture(hf)
         hf = text_config(hf)
 
-        def get(key: str, kind: Callable[[Any], T], default: Any = _REQUIRED) -> T:
-            value = hf.get(key)
-            if value is None:
-                if default is _REQUIRED:
-                    raise ValueError(f"{key}: missing from config.json ({arch})")
-                return default
-            try:
-                return kind(value)
-            except (TypeError, ValueError) as e:
-                raise ValueError(
-                    f"{key}: unreadable value {value!r} in config.json ({arch})"
-                ) from e
-
-        if hf.get("use_sliding_window"):
-            raise ValueError(
-                f"use_sliding_window: sliding-window attention is not supported ({arch})"
-            )
-        if hf.get("attn_logit_softcapping") is not None:
-            raise ValueError(
-                f"attn_logit_softcapping: attention soft-capping is not supported ({arch})"
-            )
-        if hf.get("use_bidirectional_attention"):
-            raise ValueError(
-                f"use_bidirectional_attention: only causal attention is supported ({arch})"
-            )
+        get = _config_reader(hf, arch)
+        _refuse_unsupported(hf, arch)
         num_layers = get("num_hidden_layers", int)
         layer_types = _layer_types(hf, arch, num_layers)
         sliding_window = (
@@ -287,4 +264,35 @@ class ModelArchConfig:
             linear_value_head_dim=get("linear_value_head_dim", int, linear_default),
             linear_conv_kernel_dim=get("linear_conv_kernel_dim", int, linear_default),
             shared_expert_intermediate_size=get("shared_expert_intermediate_size", int, 0),
+        )
+
+
+def _config_reader(hf: dict[str, Any], arch: str) -> Callable[..., Any]:
+    """`get(key, kind, default)`: config.json's `key` as `kind`; missing (or null), `default`,
+    unless there is none; an unreadable value names the key."""
+
+    def get(key: str, kind: Callable[[Any], T], default: Any = _REQUIRED) -> T:
+        value = hf.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise ValueError(f"{key}: missing from config.json ({arch})")
+            return default
+        try:
+            return kind(value)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{key}: unreadable value {value!r} in config.json ({arch})") from e
+
+    return get
+
+
+def _refuse_unsupported(hf: dict[str, Any], arch: str) -> None:
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"use_sliding_window: sliding-window attention is not supported ({arch})")
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ValueError(
+            f"attn_logit_softcapping: attention soft-capping is not supported ({arch})"
+        )
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(
+            f"use_bidirectional_attention: only causal attention is supported ({arch})"
         )

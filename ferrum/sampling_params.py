@@ -106,6 +106,18 @@ class StructuredOutputsParams:
         return self.kinds_set()[0]
 
 
+def _bad(name: str, limit: str, value: object) -> FieldError:
+    return FieldError(name, f"SamplingParams.{name} {limit}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each output token and when to stop.
@@ -165,17 +177,9 @@ class SamplingParams:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     def _verify(self) -> None:
-        def bad(name: str, limit: str, value: object) -> FieldError:
-            return FieldError(name, f"SamplingParams.{name} {limit}, got {value!r}")
-
-        def is_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
-
-        def is_real(value: object) -> bool:
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise bad("n", f"must be an integer in [1, {MAX_N}]", self.n)
+        """Numbers and lengths first, then the token and text fields."""
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise _bad("n", f"must be an integer in [1, {MAX_N}]", self.n)
         for name, low, high in (
             ("presence_penalty", -2.0, 2.0),
             ("frequency_penalty", -2.0, 2.0),
@@ -183,73 +187,78 @@ class SamplingParams:
             ("min_p", 0.0, 1.0),
         ):
             value = getattr(self, name)
-            if not is_real(value) or not low <= value <= high:
-                raise bad(name, f"must be a number in [{low:g}, {high:g}]", value)
-        if not is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", "must be a number in (0, 2]", self.repetition_penalty)
-        if not is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", "must be a number in (0, 1]", self.top_p)
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "must be 0 or -1 (disabled) or a positive integer", self.top_k)
+            if not _is_real(value) or not low <= value <= high:
+                raise _bad(name, f"must be a number in [{low:g}, {high:g}]", value)
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 2.0:
+            raise _bad("repetition_penalty", "must be a number in (0, 2]", self.repetition_penalty)
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _bad("top_p", "must be a number in (0, 1]", self.top_p)
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise _bad("top_k", "must be 0 or -1 (disabled) or a positive integer", self.top_k)
         # Completion i of n draws from seed + i: all of them must be valid 64-bit seeds.
         if self.seed is not None and (
-            not is_int(self.seed) or not -(2**63) <= self.seed <= 2**63 - self.n
+            not _is_int(self.seed) or not -(2**63) <= self.seed <= 2**63 - self.n
         ):
-            raise bad("seed", "must be an integer in [-2**63, 2**63 - n] or None", self.seed)
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", "must be an integer >= 1", self.max_tokens)
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise bad("min_tokens", "must be an integer >= 0", self.min_tokens)
+            raise _bad("seed", "must be an integer in [-2**63, 2**63 - n] or None", self.seed)
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad("max_tokens", "must be an integer >= 1", self.max_tokens)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise _bad("min_tokens", "must be an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
+            raise _bad("min_tokens", f"must be <= max_tokens={self.max_tokens}", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]", value)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise _bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]", value)
+        self._verify_token_fields()
+
+    def _verify_token_fields(self) -> None:
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise bad("stop", "must contain only non-empty strings", s)
+                raise _bad("stop", "must contain only non-empty strings", s)
         if self.stop and not self.detokenize:
-            raise bad("stop", "strings need detokenize=True", self.stop)
+            raise _bad("stop", "strings need detokenize=True", self.stop)
         for t in self.stop_token_ids:
-            if not is_int(t) or t < 0:
-                raise bad("stop_token_ids", "must contain only non-negative integers", t)
+            if not _is_int(t) or t < 0:
+                raise _bad("stop_token_ids", "must contain only non-negative integers", t)
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
-            raise bad(
+            raise _bad(
                 "structured_outputs",
                 "must be a StructuredOutputsParams or None",
                 self.structured_outputs,
             )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
-                raise bad("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
+                raise _bad("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
             for token_id, bias in self.logit_bias.items():
-                if not is_int(token_id) or token_id < 0:
-                    raise bad("logit_bias", "keys must be non-negative integer token ids", token_id)
-                if not is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                    raise bad(
+                if not _is_int(token_id) or token_id < 0:
+                    raise _bad(
+                        "logit_bias", "keys must be non-negative integer token ids", token_id
+                    )
+                if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                    raise _bad(
                         "logit_bias",
                         f"values must be numbers in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
                         bias,
                     )
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
-                raise bad(
+                raise _bad(
                     "allowed_token_ids",
                     "must be a non-empty list of token ids",
                     self.allowed_token_ids,
                 )
             for t in self.allowed_token_ids:
-                if not is_int(t) or t < 0:
-                    raise bad("allowed_token_ids", "must contain only non-negative integers", t)
+                if not _is_int(t) or t < 0:
+                    raise _bad("allowed_token_ids", "must contain only non-negative integers", t)
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list):
-                raise bad("bad_words", "must be a list of strings", self.bad_words)
+                raise _bad("bad_words", "must be a list of strings", self.bad_words)
             for word in self.bad_words:
                 if not isinstance(word, str) or not word.strip():
-                    raise bad("bad_words", "must contain only non-blank strings", word)
+                    raise _bad("bad_words", "must contain only non-blank strings", word)
 
     @property
     def uses_penalties(self) -> bool:

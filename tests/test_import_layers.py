@@ -31,6 +31,7 @@ LAYERS = [
         "errors",
         "kv",
         "structured_output",
+        "structured_outputs_config",
     },
     {"scheduler"},
     {"distributed", "executor", "model_executor"},

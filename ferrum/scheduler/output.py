@@ -112,6 +112,3 @@ class ModelRunnerOutput:
     # prompt_logprobs: per request computing prompt positions this step, the first position it
     # covers (>= 1: position 0 has none) and one entry per position, the prompt token first.
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
-
-
-EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -33,6 +33,7 @@ from ferrum.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from ferrum.scheduler.step_plan import StepPlan
 
 logger = init_logger(__name__)
 
@@ -131,21 +132,26 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.kv_cache_manager.begin_step()
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
-        computed_before: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        preempted: list[Request] = []
-
         # Pipeline parallelism: each step in flight takes its share of the requests that can
         # run at once (the running ones and those max_num_seqs still admits).
         runnable = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
-        max_step_reqs = -(-max(runnable, len(self.running)) // self.pipeline_depth)
+        step = StepPlan(
+            self.config.max_num_batched_tokens,
+            -(-max(runnable, len(self.running)) // self.pipeline_depth),
+        )
+        self._schedule_running(step)
+        # A step that had to preempt admits nobody: the pool is already short.
+        if not step.preempted:
+            self._schedule_waiting(step)
+        return self._close_step(step)
+
+    def _schedule_running(self, step: StepPlan) -> None:
+        """The running requests' next chunks, in order; preempts from the back when the pool
+        runs short."""
         index = 0
-        while index < len(self.running) and budget > 0 and len(num_scheduled) < max_step_reqs:
+        while index < len(self.running) and step.budget > 0 and step.has_room:
             request = self.running[index]
-            num_new = min(self._num_tokens_to_compute(request), budget)
+            num_new = min(self._num_tokens_to_compute(request), step.budget)
             if num_new == 0:
                 index += 1  # nothing to compute until its next token is known
                 continue
@@ -155,28 +161,27 @@ class Scheduler:
             while new_block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                step.preempted.append(victim)
                 if victim is request:
                     break
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_block_ids is None:
                 break
-            num_scheduled[request.req_id] = num_new
-            computed_before[request.req_id] = request.num_computed_tokens
-            cached_reqs.append(
+            step.add(request.req_id, num_new, request.num_computed_tokens)
+            step.cached_reqs.append(
                 CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens)
             )
-            budget -= num_new
             index += 1
 
-        # A step that had to preempt admits nobody: the pool is already short.
+    def _schedule_waiting(self, step: StepPlan) -> None:
+        """Admits waiting requests in order while the budget, max_num_seqs and the pool allow;
+        those whose grammar still compiles (or whose token is in flight) keep their place."""
         compiling: list[Request] = []
         while (
-            not preempted
-            and self.waiting
-            and budget > 0
+            self.waiting
+            and step.budget > 0
             and len(self.running) < self.config.max_num_seqs
-            and len(num_scheduled) < max_step_reqs
+            and step.has_room
         ):
             request = self.waiting[0]
             if request.status == RequestStatus.PREEMPTED and self._has_step_in_flight(request):
@@ -197,22 +202,14 @@ class Scheduler:
             if request.prompt_logprobs is not None:
                 # Prompt logprobs come from the forward: the whole prompt is computed.
                 computed_blocks, num_computed = None, 0
-            num_new = min(request.num_tokens - num_computed, budget)
+            num_new = min(request.num_tokens - num_computed, step.budget)
             end = self.kv_cache_manager.chunk_end(request, num_computed, num_computed + num_new)
             num_new = end - num_computed
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 break
-            self.waiting.popleft()
-            self._looked_up.discard(request.req_id)
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = num_computed
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_computed
-                request.first_scheduled_time = time.monotonic()
-            num_scheduled[request.req_id] = num_new
-            computed_before[request.req_id] = num_computed
-            new_reqs.append(
+            self._admit(request, num_computed)
+            step.add(request.req_id, num_new, num_computed)
+            step.new_reqs.append(
                 NewRequestData(
                     req_id=request.req_id,
                     prompt_token_ids=request.prompt_token_ids,
@@ -222,25 +219,36 @@ class Scheduler:
                     num_computed_tokens=num_computed,
                 )
             )
-            budget -= num_new
         # Still compiling (or a token in flight): back to the head of the queue, in their order.
         self.waiting.extendleft(reversed(compiling))
 
+    def _admit(self, request: Request, num_computed: int) -> None:
+        self.waiting.popleft()
+        self._looked_up.discard(request.req_id)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+            request.first_scheduled_time = time.monotonic()
+
+    def _close_step(self, step: StepPlan) -> SchedulerOutput:
+        """Advances the scheduled requests as if the step ran (the ones it samples get a
+        placeholder) and hands the step out with the finishes and preemptions since the last."""
         self._num_steps += 1
         step_requests = self._step_requests[self._num_steps] = {}
-        for req_id, num_new in num_scheduled.items():
+        for req_id, num_new in step.num_scheduled.items():
             request = step_requests[req_id] = self.requests[req_id]
-            request.num_computed_tokens = computed_before[req_id] + num_new
+            request.num_computed_tokens = step.computed_before[req_id] + num_new
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
-
         output = SchedulerOutput(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            scheduled_new_reqs=step.new_reqs,
+            scheduled_cached_reqs=step.cached_reqs,
+            num_scheduled_tokens=step.num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
             finished_req_ids=self._finished_req_ids,
-            preempted_req_ids={r.req_id for r in preempted} | self._preempted_req_ids,
+            preempted_req_ids={r.req_id for r in step.preempted} | self._preempted_req_ids,
             step_id=self._num_steps,
         )
         self._finished_req_ids = set()

@@ -6,8 +6,8 @@ import hmac
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ferrum.entrypoints.openai.http_errors import APIError
 from ferrum.entrypoints.openai.http_guard import send_error
-from ferrum.entrypoints.openai.protocol import APIError
 
 # Routes open without the API key: liveness probes and the version, which do no work and
 # reveal no traffic. Every other path (unknown ones too) needs the key.

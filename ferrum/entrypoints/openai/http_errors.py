@@ -1,5 +1,6 @@
-"""How the server answers what it refuses: APIError as OpenAI's error JSON, request validation
-errors as a 400 naming the field, and an OpenAPI schema without FastAPI's 422 responses."""
+"""How the server answers what it refuses: APIError in OpenAI's error envelope, request validation
+errors as a 400 naming the field, an OpenAPI schema without FastAPI's 422 responses, and the
+responses each route documents."""
 
 from __future__ import annotations
 
@@ -10,7 +11,54 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 
-from ferrum.entrypoints.openai.protocol import UNION_TAG, APIError, shorten
+from ferrum.entrypoints.openai.protocol import UNION_TAG, OpenAIModel
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error the server answers in OpenAI's envelope with this HTTP status."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(
+            message=encodable(shorten(message)),
+            type=type or ("invalid_request_error" if status_code < 500 else "server_error"),
+            param=None if param is None else encodable(shorten(param, 100)),
+            code=code,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=self.info).model_dump()
+
+
+def encodable(text: str) -> str:
+    """`text` with lone surrogates (valid in JSON, not in UTF-8) written as `\\udXXX` escapes,
+    so that an error echoing user input can always be sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def shorten(text: str, limit: int = 500) -> str:
+    """Error messages stay short: a huge input never comes back in full."""
+    return text if len(text) <= limit else text[: limit - 15] + "... (truncated)"
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -49,3 +97,34 @@ def validation_api_error(error: RequestValidationError) -> APIError:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more error(s))"
     return APIError(400, shorten(message, 300), param=param)
+
+
+# The documented answers of the API's routes (FastAPI's `responses=`).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in (
+        (400, "Invalid request"),
+        (401, "Missing or wrong API key"),
+        (404, "Unknown model"),
+        (503, "Engine loading or dead"),
+    )
+}
+STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The response, or with stream=true a server-sent event stream",
+        # Each server-sent event: `data` holds one JSON chunk, or "[DONE]" at the end.
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {
+                        "data": {"type": "string"},
+                        "event": {"type": "string"},
+                        "id": {"type": "string"},
+                    },
+                }
+            }
+        },
+    }
+}

@@ -12,8 +12,8 @@ import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ferrum.entrypoints.openai.http_errors import APIError
 from ferrum.entrypoints.openai.http_limits import HttpLimits
-from ferrum.entrypoints.openai.protocol import APIError
 from ferrum.logger import init_logger
 
 logger = init_logger(__name__)

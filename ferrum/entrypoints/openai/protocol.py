@@ -1,14 +1,8 @@
-"""Pydantic models of the OpenAI-compatible HTTP API shared by every endpoint: errors, the sampling
-fields of completions and chat (OpenAI's names plus vLLM's extensions: top_k, min_p,
-repetition_penalty, ignore_eos, ...), /v1/completions, /tokenize and the small endpoints. Chat's
-own models are in chat_protocol.py, the responses in responses.py.
-
-Requests are validated strictly, and the published OpenAPI schema is generated from these models,
-so the schema and the validation are one thing: an unknown field is a 400 naming it (no field is
-silently ignored), a boolean is not an integer, an integer is not a string. Fields that OpenAI
-defines but that have no effect on a local model are listed in `NO_EFFECT_FIELDS`; they are
-accepted and documented as such.
-"""
+"""Pydantic models of the OpenAI-compatible API shared by every endpoint: errors, the sampling
+fields of completions and chat (OpenAI's names plus vLLM's extensions), /v1/completions and
+/tokenize (chat's own models: chat_protocol.py; responses: responses.py). Validation is strict
+and the OpenAPI schema comes from these models: an unknown field is a 400 naming it, a boolean is
+not an integer. OpenAI fields with no effect on a local model are `NO_EFFECT_FIELDS`."""
 
 from __future__ import annotations
 
@@ -83,56 +77,6 @@ def _field_values(fields: dict[str, Any]) -> dict[str, Any]:
         name: {"not": {"type": "null"}} if value is NOT_NULL else {"const": value}
         for name, value in fields.items()
     }
-
-
-# -- errors ----------------------------------------------------------------------------------------
-
-
-class ErrorInfo(OpenAIModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(OpenAIModel):
-    error: ErrorInfo
-
-
-class APIError(Exception):
-    """An error the server answers in OpenAI's envelope with this HTTP status."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        type: str | None = None,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.info = ErrorInfo(
-            message=encodable(shorten(message)),
-            type=type or ("invalid_request_error" if status_code < 500 else "server_error"),
-            param=None if param is None else encodable(shorten(param, 100)),
-            code=code,
-        )
-
-    def body(self) -> dict[str, Any]:
-        return ErrorResponse(error=self.info).model_dump()
-
-
-def encodable(text: str) -> str:
-    """`text` with lone surrogates (valid in JSON, not in UTF-8) written as `\\udXXX` escapes,
-    so that an error echoing user input can always be sent."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def shorten(text: str, limit: int = 500) -> str:
-    """Error messages stay short: a huge input never comes back in full."""
-    return text if len(text) <= limit else text[: limit - 15] + "... (truncated)"
 
 
 # -- requests --------------------------------------------------------------------------------------

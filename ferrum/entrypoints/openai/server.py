@@ -41,6 +41,9 @@ from ferrum.entrypoints.openai.chat_protocol import (
 from ferrum.entrypoints.openai.disconnect import until_disconnect
 from ferrum.entrypoints.openai.frontend_args import FrontendConfig
 from ferrum.entrypoints.openai.http_errors import (
+    ERROR_RESPONSES,
+    STREAM_RESPONSE,
+    APIError,
     error_response,
     openapi_without_422,
     validation_api_error,
@@ -52,10 +55,8 @@ from ferrum.entrypoints.openai.http_guard import (
 from ferrum.entrypoints.openai.http_limits import HttpLimits, raise_open_files_limit
 from ferrum.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from ferrum.entrypoints.openai.protocol import (
-    APIError,
     CompletionRequest,
     DetokenizeRequest,
-    ErrorResponse,
     TokenizeCompletionRequest,
 )
 from ferrum.entrypoints.openai.responses import (
@@ -76,36 +77,6 @@ from ferrum.recovery_config import EngineRecoveryConfig
 logger = init_logger(__name__)
 
 
-_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse, "description": description}
-    for status, description in (
-        (400, "Invalid request"),
-        (401, "Missing or wrong API key"),
-        (404, "Unknown model"),
-        (503, "Engine loading or dead"),
-    )
-}
-_STREAM_RESPONSE: dict[int | str, dict[str, Any]] = {
-    200: {
-        "description": "The response, or with stream=true a server-sent event stream",
-        # Each server-sent event: `data` holds one JSON chunk, or "[DONE]" at the end.
-        "content": {
-            "text/event-stream": {
-                "schema": {
-                    "type": "object",
-                    "required": ["data"],
-                    "properties": {
-                        "data": {"type": "string"},
-                        "event": {"type": "string"},
-                        "id": {"type": "string"},
-                    },
-                }
-            }
-        },
-    }
-}
-
-
 def build_app(
     engine: AsyncLLM,
     model_names: list[str],
@@ -114,11 +85,6 @@ def build_app(
     frontend: FrontendConfig | None = None,
 ) -> FastAPI:
     frontend = frontend or FrontendConfig()
-    completion = OpenAIServingCompletion(engine, model_names)
-    chat = OpenAIServingChat(engine, model_names, frontend)
-    metrics = ServerMetrics(engine, model_names[0])
-    created = int(time.time())
-    max_model_len = engine.config.model_config.max_model_len
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -139,7 +105,18 @@ def build_app(
         description="OpenAI-compatible API of the ferrum inference engine",
         lifespan=lifespan,
     )
-    limits = limits or HttpLimits()
+    _add_middleware(app, api_key, limits or HttpLimits(), frontend)
+    _add_error_handlers(app)
+    _add_info_routes(app, engine, model_names)
+    chat = OpenAIServingChat(engine, model_names, frontend)
+    _add_generation_routes(app, OpenAIServingCompletion(engine, model_names), chat)
+    _add_token_routes(app, engine, chat)
+    return app
+
+
+def _add_middleware(
+    app: FastAPI, api_key: str | None, limits: HttpLimits, frontend: FrontendConfig
+) -> None:
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=limits.max_request_body_bytes)
     if api_key:
         # Outermost: a request without the key is refused before its body is read.
@@ -154,6 +131,8 @@ def build_app(
     )
     app.openapi = lambda: openapi_without_422(app)  # type: ignore[method-assign]
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
         return error_response(error)
@@ -179,7 +158,13 @@ def build_app(
         api_error = APIError(500, f"internal error: {type(error).__name__}")
         return error_response(api_error)
 
-    @app.get("/health", response_model=HealthResponse, responses=_ERROR_RESPONSES)
+
+def _add_info_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> None:
+    metrics = ServerMetrics(engine, model_names[0])
+    created = int(time.time())
+    max_model_len = engine.config.model_config.max_model_len
+
+    @app.get("/health", response_model=HealthResponse, responses=ERROR_RESPONSES)
     async def health() -> HealthResponse:
         problem = engine.health_problem()
         if problem is not None:
@@ -195,7 +180,7 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(content=metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", response_model=ModelList, responses=_ERROR_RESPONSES)
+    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> ModelList:
         root = engine.config.model_config.model
         cards = [
@@ -204,10 +189,14 @@ def build_app(
         ]
         return ModelList(data=cards)
 
+
+def _add_generation_routes(
+    app: FastAPI, completion: OpenAIServingCompletion, chat: OpenAIServingChat
+) -> None:
     @app.post(
         "/v1/completions",
         response_model=CompletionResponse,
-        responses={**_ERROR_RESPONSES, **_STREAM_RESPONSE},
+        responses={**ERROR_RESPONSES, **STREAM_RESPONSE},
     )
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         return await _respond(raw, completion.create_completion(body))
@@ -215,17 +204,24 @@ def build_app(
     @app.post(
         "/v1/chat/completions",
         response_model=ChatCompletionResponse,
-        responses={**_ERROR_RESPONSES, **_STREAM_RESPONSE},
+        responses={**ERROR_RESPONSES, **STREAM_RESPONSE},
     )
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
         return await _respond(raw, chat.create_chat_completion(body))
 
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERROR_RESPONSES)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        chat.check_request(body.model)
-        tokenizer = engine.tokenizer
-        if tokenizer is None:
+
+def _add_token_routes(app: FastAPI, engine: AsyncLLM, chat: OpenAIServingChat) -> None:
+    max_model_len = engine.config.model_config.max_model_len
+
+    def tokenizer_of(model: str | None) -> Tokenizer:
+        chat.check_request(model)
+        if engine.tokenizer is None:
             raise APIError(400, "the server runs without a tokenizer (skip_tokenizer_init)")
+        return engine.tokenizer
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        tokenizer = tokenizer_of(body.model)
         if isinstance(body, TokenizeCompletionRequest):
             chat.check_prompt_chars(len(body.prompt), "prompt")
             tokens = await off_loop(
@@ -235,16 +231,11 @@ def build_app(
             tokens = (await chat.render(body)).token_ids
         return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
 
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERROR_RESPONSES)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        chat.check_request(body.model)
-        tokenizer = engine.tokenizer
-        if tokenizer is None:
-            raise APIError(400, "the server runs without a tokenizer (skip_tokenizer_init)")
+        tokenizer = tokenizer_of(body.model)
         text = await off_loop(len(body.tokens), _decode, tokenizer, body.tokens)
         return DetokenizeResponse(prompt=text)
-
-    return app
 
 
 def _encode(tokenizer: Tokenizer, prompt: str, add_special_tokens: bool) -> list[int]:

@@ -35,7 +35,7 @@ from ferrum.entrypoints.openai.chat_protocol import (
     message_dict,
 )
 from ferrum.entrypoints.openai.frontend_args import FrontendConfig
-from ferrum.entrypoints.openai.protocol import APIError
+from ferrum.entrypoints.openai.http_errors import APIError
 from ferrum.entrypoints.openai.reasoning import ReasoningParser, get_reasoning_parser
 from ferrum.entrypoints.openai.serving_engine import (
     NOT_UNICODE,

@@ -9,11 +9,8 @@ from typing import Any
 
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.engine.request_stream import RequestStream
-from ferrum.entrypoints.openai.protocol import (
-    MAX_CHOICES,
-    APIError,
-    CompletionRequest,
-)
+from ferrum.entrypoints.openai.http_errors import APIError
+from ferrum.entrypoints.openai.protocol import MAX_CHOICES, CompletionRequest
 from ferrum.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionLogprobs,

@@ -11,10 +11,8 @@ from ferrum.engine.async_llm import AsyncLLM
 from ferrum.engine.errors import EngineDeadError, EngineNotReadyError, RequestCrashedEngineError
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.engine.request_stream import RequestStream
-from ferrum.entrypoints.openai.protocol import (
-    APIError,
-    SamplingRequest,
-)
+from ferrum.entrypoints.openai.http_errors import APIError
+from ferrum.entrypoints.openai.protocol import SamplingRequest
 from ferrum.entrypoints.openai.responses import (
     PromptLogprob,
     PromptLogprobsJSON,

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ferrum.engine.input_processor import ProcessedPrompt
-from ferrum.entrypoints.openai.protocol import APIError
+from ferrum.entrypoints.openai.http_errors import APIError
 from ferrum.entrypoints.openai.serving_engine import OpenAIServing
 from ferrum.sampling_params import SamplingParams, StructuredOutputsParams
 
