@@ -1,5 +1,6 @@
-"""How many KV blocks a runner gets: on the CPU a default budget, on the GPU what is left after
-one profiled forward at the largest step (unless kv_cache_memory_bytes sets the budget)."""
+"""A runner's KV cache memory: the cache's element type, the split-KV decode scratch, and how many
+blocks each layer group gets: on the CPU a default budget, on the GPU what is left after one
+profiled forward at the largest step (unless kv_cache_memory_bytes sets the budget)."""
 
 from __future__ import annotations
 
@@ -7,47 +8,74 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ferrum.config import EngineConfig
+from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.logger import init_logger
 from ferrum.model_executor.kv_cache_sizing import cpu_kv_budget, num_blocks_from_budget
 from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow
+from ferrum.parallel_config import kv_heads_per_rank
 from ferrum.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from ferrum.kernels.paged_attention import SplitKVWorkspace
     from ferrum.model_executor.runner_interface import StartUpRunner
 
 logger = init_logger(__name__)
 _GIB = float(1 << 30)
 
 
+def kv_cache_torch_dtype(
+    config: EngineConfig, model_dtype: torch.dtype, kernel_backend: str, device: torch.device
+) -> torch.dtype:
+    """The model's dtype ("auto") or FP8 e4m3 ("fp8", "fp8_e4m3"), where the layers take it."""
+    name = config.cache_config.kv_cache_dtype
+    if name == "auto":
+        return model_dtype
+    if config.model_config.arch.linear_attention_layers:
+        raise ValueError(
+            f"kv_cache_dtype={name!r}: an FP8 KV cache is not supported yet with "
+            f"linear-attention layers ({config.model_config.architecture})"
+        )
+    if kernel_backend == "triton" and device.type != "cuda":
+        raise ValueError(
+            f"kv_cache_dtype={name!r}: Triton's CPU interpreter does not convert FP8; use "
+            "kernel_backend='torch' on the CPU"
+        )
+    logger.info("KV cache in %s, per-tensor scales 1.0 (not calibrated)", FP8_KV_DTYPE)
+    return FP8_KV_DTYPE
+
+
+def split_kv_workspace(
+    config: EngineConfig, kv_cache_dtype: torch.dtype, tp_size: int, device: torch.device
+) -> SplitKVWorkspace:
+    """Scratch for the Triton split-KV decode kernel on CUDA, sized once for the whole run."""
+    from ferrum.kernels.paged_attention import allocate_split_kv_workspace, split_kv_max_programs
+
+    model_config = config.model_config
+    # Batches of at least split_kv_max_programs / num_kv_heads requests take one pass.
+    max_programs = split_kv_max_programs(kv_cache_dtype == FP8_KV_DTYPE)
+    num_kv_heads = kv_heads_per_rank(model_config.num_kv_heads, tp_size)
+    max_num_seqs = min(config.scheduler_config.max_num_seqs, -(-max_programs // num_kv_heads))
+    num_heads = model_config.num_attention_heads // tp_size
+    return allocate_split_kv_workspace(max_num_seqs, num_heads, model_config.head_dim, device)
+
+
 def num_kv_blocks(runner: StartUpRunner) -> list[int]:
     """KV blocks per layer group of the runner's pipeline stage."""
     cfg = runner.config
+    configs = (cfg.model_config, cfg.cache_config, cfg.scheduler_config, runner.kv_cache_dtype)
     on_cpu = runner.device.type != "cuda"
     layer_ids = runner.stage.layer_ids
     if on_cpu:
-        budget = cpu_kv_budget(
-            cfg.model_config,
-            cfg.cache_config,
-            cfg.scheduler_config,
-            runner.kv_cache_dtype,
-            runner.tp_size,
-            layer_ids,
-        )
+        budget = cpu_kv_budget(*configs, runner.tp_size, layer_ids)
     elif cfg.cache_config.kv_cache_memory_bytes is not None:
         budget = cfg.cache_config.kv_cache_memory_bytes
     else:
         budget = profile_gpu_kv_budget(runner)
+    # On the CPU an unused default budget would only cost memory; a GPU keeps every block it can
+    # for the prefix cache.
     return num_blocks_from_budget(
-        budget,
-        cfg.model_config,
-        cfg.cache_config,
-        cfg.scheduler_config,
-        runner.kv_cache_dtype,
-        # On the CPU an unused default budget would only cost memory; a GPU keeps every block it
-        # can for the prefix cache.
-        cap_to_need=on_cpu,
-        tp_size=runner.tp_size,
-        layer_ids=layer_ids,
+        budget, *configs, cap_to_need=on_cpu, tp_size=runner.tp_size, layer_ids=layer_ids
     )
 
 

@@ -2,30 +2,27 @@
 
 Beside the step the runner holds its requests' states (`runner_state.py`), the pipeline stage's
 traffic (`pipeline_transport.py`), the linear-attention state slots (`recurrent_state_cache.py`),
-grammar bitmasks and prompt logprobs; it never touches the block pool. Start-up's warm-up and
-memory profile see it as a `StartUpRunner`.
-
-Structured outputs: the rows that sample a step get their bitmask filled on the host from the
-matchers of the constrained requests and applied to the logits by the sampler. With
-`defer_sampling` the fill and the sampling wait for `sample`, so the caller can bring the
-matchers up to date while the forward runs.
+grammar bitmasks and prompt logprobs; it never touches the block pool. Start-up's passes see it
+as a `StartUpRunner`. Structured outputs: a step's sampled rows get their bitmask filled on the
+host from the constrained requests' matchers; with `defer_sampling` the fill and the sampling
+wait for `sample`, so the caller can bring the matchers up to date while the forward runs.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 
 from ferrum.config import EngineConfig
 from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.distributed.pipeline_group import PipelineGroup
-from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.kv.kv_cache_spec import layer_group_ids
-from ferrum.logger import init_logger
 from ferrum.model_executor.compile_watch import start_up_compiles, watch_serving_compiles
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
-from ferrum.model_executor.gpu_memory_profile import num_kv_blocks
+from ferrum.model_executor.gpu_memory_profile import (
+    kv_cache_torch_dtype,
+    num_kv_blocks,
+    split_kv_workspace,
+)
 from ferrum.model_executor.grammar_bitmask import GrammarBitmaskBuffers
 from ferrum.model_executor.input_batch import InputBuffers, StepInputs, profile_batch
 from ferrum.model_executor.kernel_backend import resolve_kernel_backend
@@ -45,14 +42,9 @@ from ferrum.model_executor.runner_state import (
 from ferrum.model_executor.sampler import Sampler
 from ferrum.model_executor.sampling_metadata import SamplingMetadata, sampling_staging
 from ferrum.model_executor.warm_up import warm_up_runner
-from ferrum.parallel_config import kv_heads_per_rank
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.structured_output import StructuredOutputMatcher
 
-if TYPE_CHECKING:
-    from ferrum.kernels.paged_attention import SplitKVWorkspace
-
-logger = init_logger(__name__)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -99,7 +91,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = model_config.vocab_size
         self.kernel_backend = resolve_kernel_backend(config.device_config.kernel_backend, device)
-        self.kv_cache_dtype = self._kv_cache_dtype()
+        self.kv_cache_dtype = kv_cache_torch_dtype(config, self.dtype, self.kernel_backend, device)
         self.model = load_model(
             model_config,
             device,
@@ -111,9 +103,12 @@ class ModelRunner:
         self.transport = StageTransport(
             self.pp_group, self.model, arch.hidden_size, self.dtype, device
         )
-        self.split_kv_workspace = self._allocate_split_kv_workspace()
-        # Layer groups of the KV cache (full attention, each sliding window, linear attention's
-        # state slots): a block table each.
+        self.split_kv_workspace = (
+            split_kv_workspace(config, self.kv_cache_dtype, tp_size, device)
+            if self._compiles_triton()
+            else None
+        )
+        # KV cache layer groups (full attention, each sliding window, linear attention).
         self.kv_cache_groups = kv_cache_group_specs(model_config)
         self.recurrent = RecurrentStateCache(self.kv_cache_groups, self.block_size, device)
         sched = config.scheduler_config
@@ -139,41 +134,6 @@ class ModelRunner:
         self._last_sampled_rows: dict[str, int] = {}
         self.grammar_bitmasks = GrammarBitmaskBuffers(sched.max_num_seqs, self.vocab_size, device)
 
-    def _kv_cache_dtype(self) -> torch.dtype:
-        """The model's dtype ("auto") or FP8 e4m3 ("fp8", "fp8_e4m3"), where the layers take it."""
-        name = self.config.cache_config.kv_cache_dtype
-        if name == "auto":
-            return self.dtype
-        if self.config.model_config.arch.linear_attention_layers:
-            raise ValueError(
-                f"kv_cache_dtype={name!r}: an FP8 KV cache is not supported yet with "
-                f"linear-attention layers ({self.config.model_config.architecture})"
-            )
-        if self.kernel_backend == "triton" and self.device.type != "cuda":
-            raise ValueError(
-                f"kv_cache_dtype={name!r}: Triton's CPU interpreter does not convert FP8; use "
-                "kernel_backend='torch' on the CPU"
-            )
-        logger.info("KV cache in %s, per-tensor scales 1.0 (not calibrated)", FP8_KV_DTYPE)
-        return FP8_KV_DTYPE
-
-    def _allocate_split_kv_workspace(self) -> SplitKVWorkspace | None:
-        """Scratch for the split-KV decode kernel on CUDA, sized once for the whole run."""
-        if not self._compiles_triton():
-            return None
-        from ferrum.kernels.paged_attention import allocate_split_kv_workspace as allocate
-        from ferrum.kernels.paged_attention import split_kv_max_programs
-
-        cfg = self.config.model_config
-        # Batches of at least split_kv_max_programs / num_kv_heads requests take one pass.
-        max_programs = split_kv_max_programs(self.kv_cache_dtype == FP8_KV_DTYPE)
-        num_kv_heads = kv_heads_per_rank(cfg.num_kv_heads, self.tp_size)
-        max_num_seqs = min(
-            self.config.scheduler_config.max_num_seqs, -(-max_programs // num_kv_heads)
-        )
-        num_heads = cfg.num_attention_heads // self.tp_size
-        return allocate(max_num_seqs, num_heads, cfg.head_dim, self.device)
-
     def determine_num_kv_blocks(self) -> list[int]:
         """KV blocks per layer group: the CPU budget, or what a profiled peak leaves on the GPU."""
         return num_kv_blocks(self)
@@ -195,8 +155,7 @@ class ModelRunner:
         self.recurrent.bind(kv_caches)
 
     def disable_sdpa_after_prefixes(self) -> None:
-        """Chunks after a cached prefix attend through the paged kernel (warm-up found a layer
-        shape cuDNN does not take)."""
+        """Chunks after a cached prefix attend through the paged kernel, not through SDPA."""
         self.inputs.sdpa_prefix_per_chunk = 0
 
     def release_kv_cache(self) -> None:
@@ -205,8 +164,7 @@ class ModelRunner:
         self.model.bind_kv_caches([])
 
     def forward_prompts(self, seq_lens: list[int]) -> torch.Tensor | None:
-        """One eager forward of whole prompts of these lengths (`input_batch.profile_batch`):
-        the hidden states, None on a pipeline stage before the last."""
+        """An eager forward of whole prompts (`profile_batch`); None before the last stage."""
         requests, num_scheduled = profile_batch(
             seq_lens, self.block_size, len(self.kv_cache_groups), self.recurrent.groups
         )

@@ -1,11 +1,9 @@
-"""The linear-attention state slots of a runner's KV caches: a request's slot is zeroed when it
-starts from its first token, filled from a snapshot on a prefix-cache hit, and copied into a
-snapshot slot after a chunk that ends on a block the KV manager took one for
-(`kv/recurrent_state_manager.py`).
+"""The linear-attention state slots of a runner's KV caches (`kv/recurrent_state_manager.py`): a
+request's slot is zeroed when it starts from its first token, filled from a snapshot on a prefix
+hit, and copied into a snapshot slot after a chunk that ends on a block holding one.
 
-A linear-attention layer's cache is a (conv state, recurrent state) pair of pools indexed by slot;
-every copy is queued on the device, all reads before any write. A model without such layers has
-no recurrent group, and every method returns at once.
+A layer's states are a (conv, recurrent) pair of pools indexed by slot; every copy is queued on
+the device, all reads before any write. Without linear-attention layers every method returns.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ class RecurrentStateCache:
         self._pools: list[torch.Tensor] = []
 
     def bind(self, kv_caches: Iterable[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Takes the state pools of the linear-attention layers among `kv_caches` (none: unbinds)."""
+        """Takes the state pools of the linear-attention layers' caches (none: unbinds)."""
         self._pools = [pool for cache in kv_caches if isinstance(cache, tuple) for pool in cache]
 
     def start_requests(self, new_reqs: Iterable[NewRequestData]) -> None:
