@@ -1,8 +1,7 @@
-"""The only reader of os.environ: a few typed FERRUM_* debugging knobs.
-
-Everything that changes what the engine computes is a config field and a CLI flag, never one of
-these.
-"""
+"""The only module that touches os.environ: a few typed FERRUM_* debugging knobs, and the
+variables ferrum hands to libraries and child processes (Triton's interpreter, Ray's address,
+the devices a worker sees). Everything that changes what the engine computes is a config field
+and a CLI flag, never one of these."""
 
 from __future__ import annotations
 
@@ -69,3 +68,21 @@ def debug_profile_steps() -> tuple[int, int, str] | None:
     if window[0] < 1 or window[1] < 1 or not directory:
         return None
     return window[0], window[1], directory
+
+
+def ray_address() -> str | None:
+    """RAY_ADDRESS: the Ray cluster `ray.init()` joins (None: none set)."""
+    return os.environ.get("RAY_ADDRESS")
+
+
+def set_variable(name: str, value: str | None) -> None:
+    """Sets `name` for this process and the processes it starts (None: unsets it)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    """This process's environment with `extra` set: what a child process is started with."""
+    return {**os.environ, **extra}

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ferrum import envs
 from ferrum.config import EngineConfig
 from ferrum.executor.abstract import WorkerDiedError, WorkerStepError
 from ferrum.executor.bitmask_channel import BitmaskLayout, BitmaskWriter
@@ -124,7 +125,7 @@ class MultiprocExecutor(MultiRankExecutor):
         lifeline_r, lifeline_w = os.pipe()
         with contextlib.suppress(OSError):
             fcntl.fcntl(inbox_w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
-        env = dict(os.environ)
+        env = envs.child_environment()
         # The worker imports the same ferrum as this process.
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))

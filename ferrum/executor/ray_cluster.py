@@ -5,9 +5,9 @@ releasing actors and groups."""
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
+from ferrum import envs
 from ferrum.logger import init_logger
 
 logger = init_logger(__name__)
@@ -48,17 +48,14 @@ class SharedRayCluster:
         ray = import_ray()
         self._connected_here = connect(ray)
         self.address: str = ray.get_runtime_context().gcs_address
-        self._previous = os.environ.get("RAY_ADDRESS")
-        os.environ["RAY_ADDRESS"] = self.address
+        self._previous = envs.ray_address()
+        envs.set_variable("RAY_ADDRESS", self.address)
         logger.info("data-parallel replicas join the Ray cluster at %s", self.address)
 
     def release(self) -> None:
         """Restores RAY_ADDRESS and disconnects (stopping a local instance started here); safe
         to call twice. Call it after the replicas' cores have stopped."""
-        if self._previous is None:
-            os.environ.pop("RAY_ADDRESS", None)
-        else:
-            os.environ["RAY_ADDRESS"] = self._previous
+        envs.set_variable("RAY_ADDRESS", self._previous)
         if self._connected_here:
             self._connected_here = False
             import_ray().shutdown()

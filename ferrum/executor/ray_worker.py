@@ -10,13 +10,13 @@ returns the formatted exception, and the executor then kills every actor.
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import traceback
 
 import torch
 
+from ferrum import envs
 from ferrum.config import EngineConfig
 from ferrum.executor.messages import FromWorker, ToWorker, WorkerReady
 from ferrum.executor.rank import RankServer, start_rank
@@ -65,7 +65,7 @@ class RayWorker:
         sees the node's GPUs of the group (`visible_devices`) and runs on `device_index`."""
         try:
             if visible_devices is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+                envs.set_variable("CUDA_VISIBLE_DEVICES", visible_devices)
                 device = torch.device("cuda", device_index)
             else:
                 device = torch.device(self.config.device_config.device)

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from ferrum.kv import block_hash
 from ferrum.kv.kv_cache_spec import KVCacheGroupSpec
+from ferrum.kv.layer_group_manager import LayerGroupManager
 from ferrum.kv.recurrent_state_manager import RecurrentStateManager
 from ferrum.kv.single_type_manager import FullAttentionManager
 from ferrum.kv.sliding_window_manager import SlidingWindowManager
@@ -52,11 +53,11 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.specs = tuple(groups)
-        self.groups: list[FullAttentionManager | RecurrentStateManager] = []
+        self.groups: list[LayerGroupManager] = []
         self._recurrent: list[RecurrentStateManager] = []
         for spec, count in zip(groups, counts):
             if spec.recurrent:
-                group: FullAttentionManager | RecurrentStateManager = RecurrentStateManager(
+                group: LayerGroupManager = RecurrentStateManager(
                     count, block_size, enable_prefix_caching, snapshot_interval_blocks
                 )
                 self._recurrent.append(group)

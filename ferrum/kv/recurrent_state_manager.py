@@ -22,15 +22,14 @@ the runner copies the snapshot into the live slot before the forward.
 
 from __future__ import annotations
 
-from collections import deque
-
 from ferrum.kv import block_hash
-from ferrum.kv.block_pool import NULL_BLOCK_ID, ROOT_ENTRY_ID, BlockPool
+from ferrum.kv.block_pool import NULL_BLOCK_ID, ROOT_ENTRY_ID
+from ferrum.kv.layer_group_manager import LayerGroupManager
 from ferrum.kv.sliding_window_manager import UNBOUNDED_TOKENS
 from ferrum.request import Request
 
 
-class RecurrentStateManager:
+class RecurrentStateManager(LayerGroupManager):
     def __init__(
         self,
         num_slots: int,
@@ -39,15 +38,11 @@ class RecurrentStateManager:
         snapshot_interval_blocks: int = 2,
     ) -> None:
         """`num_slots` includes the null slot 0, which is never handed out (padding rows)."""
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+        super().__init__(num_slots, block_size, enable_prefix_caching)
         if not isinstance(snapshot_interval_blocks, int) or snapshot_interval_blocks < 2:
             raise ValueError(
                 f"snapshot_interval_blocks must be an integer >= 2, got {snapshot_interval_blocks!r}"
             )
-        self.block_pool = BlockPool(num_slots)
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
         self.snapshot_interval_blocks = snapshot_interval_blocks
         self._tables: dict[str, list[int]] = {}
         # Snapshot slots each request holds until its next allocation (or its end).
@@ -55,40 +50,17 @@ class RecurrentStateManager:
         # Snapshots taken this scheduling pass, cached at the next begin_step: (slot, block index,
         # request) — the request's hashes and tokens cover the block.
         self._pending: list[tuple[int, int, Request]] = []
-        # Snapshot slots cached for each step begun and not yet ended (see FullAttentionManager).
-        self._unfinished_steps: deque[list[int]] = deque()
 
     def begin_step(self) -> None:
         registered = [self._cache_snapshot(*pending) for pending in self._pending]
         self._pending = []
         if self._unfinished_steps:  # the previous step, still running (async scheduling)
             self._unfinished_steps[-1].extend(s for s in registered if s is not None)
-        self._unfinished_steps.append([])
-
-    def end_step(self) -> None:
-        if self._unfinished_steps:
-            self._unfinished_steps.popleft()
+        super().begin_step()
 
     def discard_step_cache(self) -> None:
-        """Uncaches the snapshots of every unfinished step (their forward failed)."""
-        for slots in self._unfinished_steps:
-            for slot in slots:
-                self.block_pool.uncache(slot)
-        self._unfinished_steps.clear()
+        super().discard_step_cache()
         self._pending = []
-
-    @property
-    def num_usable_blocks(self) -> int:
-        return self.block_pool.num_usable_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of usable slots held by a request."""
-        return 1.0 - self.block_pool.num_free_blocks / self.block_pool.num_usable_blocks
 
     def max_tokens_in_pool(self) -> int:
         """A slot holds a state of any length."""
@@ -96,13 +68,6 @@ class RecurrentStateManager:
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return list(self._tables.get(req_id, []))
-
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        if not self.enable_prefix_caching:
-            return [], 0
-        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
-        hit = self.find_cached_prefix(request, (request.num_tokens - 1) // self.block_size)
-        return hit, len(hit) * self.block_size
 
     def find_cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
         """The longest b <= max_blocks with a cached snapshot after b blocks:
@@ -144,8 +109,7 @@ class RecurrentStateManager:
         table to the other groups' length and takes a snapshot slot when the chunk ends on a
         snapshot boundary. Returns the entries appended, or None, changing nothing but releasing
         held snapshots, when no live slot is free."""
-        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
+        self.check_num_new_tokens(num_new_tokens)
         computed = new_computed_blocks or []
         self._release_held(request.req_id)
         if computed:
@@ -239,6 +203,3 @@ class RecurrentStateManager:
         table = self._tables.pop(request.req_id, None)
         if table is not None:
             self.block_pool.free(table[:1])
-
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()

@@ -9,11 +9,11 @@ releases the blocks that slid out of the window, leaving the null block 0 in the
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from ferrum.kv import block_hash
-from ferrum.kv.block_pool import NULL_BLOCK_ID, ROOT_ENTRY_ID, BlockPool
+from ferrum.kv.block_pool import NULL_BLOCK_ID, ROOT_ENTRY_ID
+from ferrum.kv.layer_group_manager import LayerGroupManager
 from ferrum.request import Request
 
 # The entry id recorded for a released (or never held) leading block of a sliding-window table.
@@ -30,69 +30,19 @@ class RequestBlocks:
     num_released: int = 0
 
 
-class FullAttentionManager:
+class FullAttentionManager(LayerGroupManager):
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True
     ) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        self.block_pool = BlockPool(num_blocks)
-        self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
         self._requests: dict[str, RequestBlocks] = {}
-        # Blocks registered in the prefix cache by each step begun and not yet ended, oldest
-        # first: their KV is only written by that step's forward, so a failed step must take them
-        # back out. With async scheduling two steps can be unfinished at once.
-        self._unfinished_steps: deque[list[int]] = deque()
-
-    def begin_step(self) -> None:
-        self._unfinished_steps.append([])
-
-    def end_step(self) -> None:
-        """The oldest unfinished step's forward completed: its cache entries hold real KV."""
-        if self._unfinished_steps:
-            self._unfinished_steps.popleft()
-
-    def discard_step_cache(self) -> None:
-        """Uncaches the blocks registered by every unfinished step (their forward failed)."""
-        for block_ids in self._unfinished_steps:
-            for block_id in block_ids:
-                self.block_pool.uncache(block_id)
-        self._unfinished_steps.clear()
-
-    @property
-    def num_usable_blocks(self) -> int:
-        return self.block_pool.num_usable_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of usable blocks held by at least one request."""
-        return 1.0 - self.block_pool.num_free_blocks / self.block_pool.num_usable_blocks
 
     def max_tokens_in_pool(self) -> int:
-        """The most tokens one request can ever hold; a longer one can never be scheduled."""
         return self.num_usable_blocks * self.block_size
 
     def get_block_ids(self, req_id: str) -> list[int]:
         state = self._requests.get(req_id)
         return [] if state is None else list(state.block_ids)
-
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The longest verified cached prefix of full blocks, short of the last token.
-
-        Returns `(block_ids, num_computed_tokens)`; takes no references, so the blocks must be
-        passed to `allocate_slots` before any other allocation. `([], 0)` with caching off.
-        """
-        if not self.enable_prefix_caching:
-            return [], 0
-        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
-        # At least the last token is always computed: it yields the logits of the next one.
-        block_ids = self.find_cached_prefix(request, (request.num_tokens - 1) // self.block_size)
-        return block_ids, len(block_ids) * self.block_size
 
     def find_cached_prefix(self, request: Request, max_blocks: int) -> list[int]:
         """The cached blocks verified, each after its parent, against the request's first full
@@ -124,8 +74,7 @@ class FullAttentionManager:
         reference and come first. Returns the block ids appended, or None, changing nothing, when
         the pool is short. Every block full once these tokens are computed is then cached.
         """
-        if not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be an integer >= 0, got {num_new_tokens!r}")
+        self.check_num_new_tokens(num_new_tokens)
         computed_blocks = new_computed_blocks or []
         state = self._requests.get(request.req_id)
         if (
@@ -211,10 +160,6 @@ class FullAttentionManager:
         state = self._requests.pop(request.req_id, None)
         if state is not None:
             self.block_pool.free(reversed(state.block_ids[state.num_released :]))
-
-    def reset_prefix_cache(self) -> bool:
-        """Forgets every cached block; False (and no change) while any block is in use."""
-        return self.block_pool.reset_prefix_cache()
 
     def _check_computed_blocks(
         self, request: Request, num_held_blocks: int, computed_blocks: list[int]
