@@ -31,7 +31,7 @@ class AttentionMetadata:
     block_tables: tuple[torch.Tensor, ...]
     # Per KV cache group: [num_tokens] int64, on the model's device.
     slot_mapping: tuple[torch.Tensor, ...]
-    # Host copies for the torch reference path, so it never syncs on the device tensors.
+    # Host copies, so the SDPA prefill segments never sync on the device tensors.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     # Where a step with long prompt chunks splits between SDPA and the paged kernel
