@@ -3,8 +3,8 @@
 `triton_kernels()` holds the Triton launchers (it imports triton); `torch_kernels()` holds the
 torch references (`*_ref.py`), adapted here to the launchers' signatures for the arguments the
 layers pass: in place where the launcher works in place, host copies of the index tensors where
-the reference loops on the host. A layer binds the ops it calls once, at construction, and asks
-`is_triton` only where what the two can do differs.
+the reference loops on the host. Layers call the ops with no branch on which set they hold and
+ask `is_triton` only where what the two can do differs.
 """
 
 from __future__ import annotations
