@@ -8,7 +8,6 @@ must be on before triton is first imported: `@triton.jit` reads TRITON_INTERPRET
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -40,7 +39,7 @@ def enable_triton_interpreter() -> None:
             "kernel_backend: Triton kernels on the CPU need TRITON_INTERPRET=1 in the "
             "environment before triton is imported (set it when starting the process)"
         )
-    os.environ["TRITON_INTERPRET"] = "1"
+    envs.set_variable("TRITON_INTERPRET", "1")
 
 
 def load_kernels(kernel_backend: str) -> Kernels:

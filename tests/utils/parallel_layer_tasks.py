@@ -18,7 +18,6 @@ from ferrum.kernels.interface import torch_kernels
 from ferrum.model_executor.layers.embed_head import LMHead, VocabEmbedding
 from ferrum.model_executor.layers.fused_moe import DOWN, GATE, GATE_UP, UP, FusedMoE
 from ferrum.model_executor.layers.parallel_linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -59,15 +58,6 @@ def linear_layers(group: TensorParallelGroup) -> dict[str, Pair]:
     x = torch.randn(NUM_TOKENS, HIDDEN, generator=gen)
     rank, tp = group.rank, group.world_size
     out: dict[str, Pair] = {}
-
-    w, b = torch.randn(8, HIDDEN, generator=gen), torch.randn(8, generator=gen)
-    mine, whole = _both(
-        group,
-        lambda g: ColumnParallelLinear(HIDDEN, 8, True, g),
-        {"weight": (w, None), "bias": (b, None)},
-        lambda m: m(x),
-    )
-    out["column"] = (mine, whole.chunk(tp, dim=1)[rank])
 
     gate, up = torch.randn(6, HIDDEN, generator=gen), torch.randn(6, HIDDEN, generator=gen)
     mine, whole = _both(

@@ -67,34 +67,6 @@ def _in_blocks(param: nn.Parameter, start: int, length: int, what: str) -> tuple
     return start // block, -(-length // block)
 
 
-class ColumnParallelLinear(Linear):
-    """y_r = x W_r^T + b_r: rank r holds output rows [r * n, (r + 1) * n), n = output / tp."""
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        tp_group: TensorParallelGroup | None = None,
-        **linear_kwargs: Any,
-    ) -> None:
-        group = tp_group or _SINGLE
-        local = split_evenly(output_size, group.world_size, "output size")
-        super().__init__(input_size, local, bias, **linear_kwargs)
-        self.tp_group = group
-        if group.world_size > 1:
-            for param in self.parameters(recurse=False):
-                set_weight_loader(param, self._load_rank_rows)
-                _reads_slices(param)
-
-    def _load_rank_rows(
-        self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard_id: Hashable
-    ) -> set[Hashable]:
-        local = self.output_size
-        start, n = _in_blocks(param, self.tp_group.rank * local, local, "output rows")
-        return default_weight_loader(param, _rows(loaded, 0, start, n), shard_id)
-
-
 class MergedColumnParallelLinear(MergedLinear):
     """Several column-parallel projections of the same input in one matrix (e.g. gate, up):
     rank r holds block r of each projection, stacked in `shard_sizes` order."""
