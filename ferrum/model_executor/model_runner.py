@@ -37,10 +37,9 @@ from ferrum.model_executor.runner_state import (
     PendingSample,
     RequestStates,
     append_sampled,
-    sampling_rows,
 )
 from ferrum.model_executor.sampler import Sampler
-from ferrum.model_executor.sampling_metadata import SamplingMetadata, sampling_staging
+from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow, sampling_staging
 from ferrum.model_executor.warm_up import warm_up_runner
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.structured_output import StructuredOutputMatcher
@@ -282,9 +281,18 @@ class ModelRunner:
         pending, step.pending = step.pending, None
         assert pending is not None, "the step was sampled already"
         states = step.states
-        metadata = SamplingMetadata.from_rows(
-            sampling_rows(states), self.vocab_size, self.sampling_staging
-        )
+        rows = [
+            SamplingRow(
+                params=s.params,
+                prompt_token_ids=s.prompt_token_ids,
+                output_token_ids=s.output_token_ids,
+                generator=s.generator,
+                stop_token_ids=s.params.all_stop_token_ids,
+                num_output_placeholders=s.num_output_placeholders,
+            )
+            for s in states
+        ]
+        metadata = SamplingMetadata.from_rows(rows, self.vocab_size, self.sampling_staging)
         if pending.matchers:
             metadata.grammar_bitmask = self.grammar_bitmasks.fill(states, pending.matchers)
         sampler_output = self.sampler(pending.logits, metadata, self.generator)

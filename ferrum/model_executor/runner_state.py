@@ -13,7 +13,6 @@ import torch
 
 from ferrum.model_executor.prompt_logprobs import PromptLogprobsChunk
 from ferrum.model_executor.sampler import SamplerOutput, advance_sampling_generator
-from ferrum.model_executor.sampling_metadata import SamplingRow
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.structured_output import StructuredOutputMatcher
@@ -93,20 +92,6 @@ class RequestStates(dict[str, CachedRequestState]):
             advance_sampling_generator(generator, num_output_tokens, self.vocab_size, self.device)
             self.generators[req_id] = generator
         return generator
-
-
-def sampling_rows(states: list[CachedRequestState]) -> list[SamplingRow]:
-    return [
-        SamplingRow(
-            params=s.params,
-            prompt_token_ids=s.prompt_token_ids,
-            output_token_ids=s.output_token_ids,
-            generator=s.generator,
-            stop_token_ids=s.params.all_stop_token_ids,
-            num_output_placeholders=s.num_output_placeholders,
-        )
-        for s in states
-    ]
 
 
 @dataclass(slots=True)
