@@ -1,13 +1,11 @@
-"""The executor: what the engine core drives instead of a model runner, so that the runner may
-live in this process (`UniProcExecutor`) or in one worker process per tensor-parallel rank
-(`MultiprocExecutor`, and a Ray executor later), behind the same calls.
+"""The executor the engine core drives instead of a model runner: the runner lives in this process
+(`UniProcExecutor`), in one worker process per tensor-parallel rank (`MultiprocExecutor`) or in one
+Ray actor per rank (`RayExecutor`), behind the same calls.
 
-Contract (the runner's, for all ranks at once): set-up calls in order (`determine_num_kv_blocks`
-unless the pool size is given, `initialize_kv_cache`, `warm_up`, `capture_cuda_graphs`); then
-steps: `launch` returns once the step is queued, `complete` waits for the oldest launched step's
-tokens; steps complete in launch order, at most one in flight while the next launches. A step
-launched with `defer_sampling` whose handle `awaits_sampling` is sampled by `sample` once the
-caller has brought the grammar matchers up to date.
+Contract: set-up calls in order (`determine_num_kv_blocks` unless the pool size is given,
+`initialize_kv_cache`, `warm_up`, `capture_cuda_graphs`); then `launch` queues a step and
+`complete` waits for the oldest one's tokens, in launch order, at most one in flight while the next
+launches. `sample` samples a step launched with `defer_sampling` once the matchers are up to date.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ class Executor(ABC):
 
     @abstractmethod
     def determine_num_kv_blocks(self) -> list[int]:
-        """KV blocks per layer group that every rank can hold: the smallest of the ranks' sizings."""
+        """KV blocks per layer group every rank can hold: the smallest of the ranks' sizings."""
 
     @abstractmethod
     def initialize_kv_cache(self, num_blocks: int | list[int]) -> None: ...

@@ -1,14 +1,10 @@
-"""Next-token bitmask rows from the engine core to its worker processes, through shared memory.
+"""Next-token bitmask rows from the engine core to its workers through shared memory: pickling 256
+rows (19 KB each) into every pipe took 14.6 ms a step (RESULTS.md). The core writes them into one
+of SLOTS round-robin slots of a mapped file; the message names the slot and a sequence number.
 
-A row is 19 KB at Qwen3's vocabulary, so 256 constrained rows pickled into every worker's pipe
-took 14.6 ms a step (RESULTS.md). Instead the core fills the rows straight into one of SLOTS slots
-of a memory file every worker maps, and the step's message names the slot and a sequence number.
-
-Slots are reused round-robin. A slot is safe to refill SLOTS row-carrying messages later: the core
-is at most two launches ahead of rank 0's completed step, and every rank takes part in each
-forward's collectives, so no rank lags the core by more than three steps (one rows message each).
-The reader still checks the slot's sequence number before and after copying its rows and raises
-if the core overwrote them, so a broken bound fails loudly instead of masking the wrong tokens.
+A slot is safe to refill SLOTS row messages later: the core is at most two launches ahead of rank
+0 and collectives keep every rank within three steps of the core. The reader checks the sequence
+number before and after copying and raises if overwritten, so a broken bound fails loudly.
 """
 
 from __future__ import annotations

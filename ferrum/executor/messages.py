@@ -1,12 +1,8 @@
-"""Every message between the engine core and its worker processes (`ToWorker`, `FromWorker`):
-one slotted dataclass each, pickled once by the core and written to every worker's pipe.
-
-Order: the core sends the set-up messages one at a time and waits for every rank's reply
-(`NumKVBlocks` or `WorkerDone`). Steps flow without replies: `LaunchStep` queues a step (with
-`deferred_req_ids`, its forward only: `SampleStep` brings the bitmask rows of those requests and
-queues its sampling), and `CompleteStep` waits for the oldest launched one, for which rank 0 alone answers `StepOutput`
-(every rank samples the same tokens). A rank that raises answers `WorkerFailed` instead, at any
-point, and stops serving.
+"""Every message between the engine core and its workers (`ToWorker`, `FromWorker`), pickled once.
+Set-up messages wait for every rank's reply (`NumKVBlocks` or `WorkerDone`). Steps flow without
+replies: `LaunchStep` queues one (with `deferred_req_ids`, its forward only; `SampleStep` brings
+their bitmask rows), `CompleteStep` waits for the oldest, answered by rank 0 alone (`StepOutput`).
+A rank that raises answers `WorkerFailed`, at any point, and stops serving.
 """
 
 from __future__ import annotations

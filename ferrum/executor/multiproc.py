@@ -1,19 +1,13 @@
 """Tensor parallelism over one worker process per rank (`worker.py`), all on this host.
 
-Every call goes to every rank: the message is pickled once and its bytes written to each
-worker's pipe (`benchmarks/bench_executor_broadcast.py` measures it per step). Set-up calls wait
-for every rank's reply; `launch` returns once the step is written (async scheduling keeps the
-device busy while the core schedules the next step), and `complete` waits for rank 0's tokens
-(every rank samples the same ones). Structured outputs: the matchers stay in the core process,
-which fills the constrained rows of the next-token bitmask itself and sends them with the step,
-or, for a step launched with deferred sampling, in `sample`, while the workers run its forward.
+Every call goes to every rank, pickled once and written to each worker's pipe. Set-up calls wait
+for every rank; `launch` returns once the step is written and `complete` waits for rank 0's tokens
+(every rank samples the same ones). The core fills the constrained bitmask rows itself and sends
+them with the step (or, with deferred sampling, in `sample` while the forward runs).
 
-Failures: a worker that exits (its pipe reads end-of-file) or raises (it says so, then exits)
-fails the current call with WorkerDiedError / WorkerStepError; every worker is then killed at
-once (the survivors may be stuck in a collective waiting for the lost rank) and every later call
-raises. A worker that hangs delays `complete`: after `worker_step_timeout` seconds without rank 0's
-tokens the workers count as hung and fail the same way (the API server's stall watchdog,
-`engine_stall_timeout`, usually fires first and restarts the core).
+Failures: a worker that exits or raises fails the call (WorkerDiedError / WorkerStepError); every
+worker is then killed (survivors may wait in a collective for the lost rank) and later calls raise.
+A worker silent for `worker_step_timeout` seconds counts as hung and fails the same way.
 """
 
 from __future__ import annotations

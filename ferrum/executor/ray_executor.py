@@ -1,28 +1,15 @@
-"""Tensor parallelism over Ray actors (`ray_worker.py`): one actor per rank, the ranks of the group
-packed on one node of a Ray cluster by a placement group (one bundle per GPU).
+"""Tensor parallelism over Ray actors (`ray_worker.py`): one per rank, packed on one node by a
+placement group (one bundle per GPU). Cluster: the connected one, else the one `ray.init()` finds,
+else a local one stopped with the executor. Rank 0's actor names the torch.distributed address.
 
-Cluster: the one this process is connected to already (`ray.init` called before), else the one
-`ray.init()` finds (RAY_ADDRESS, or the latest `ray start` on this host), else a local one
-started here and stopped with the executor.
+Steps reach every rank through one compiled Ray graph (input: a list of messages; outputs: the
+ranks' replies to the last), far cheaper than actor calls (`bench_executor_broadcast.py`). The core
+completes or samples right after each launch, so `launch` holds its step back and the next message
+carries it: one execution per step. Constrained rows travel in the message (ranks may be remote).
 
-Rendezvous: rank 0's actor names its node's IP and a free port there; every rank joins
-torch.distributed at that address (NCCL on CUDA, gloo on the CPU).
-
-Steps: messages (`messages.py`) reach every rank through one compiled Ray graph whose input is a
-list of messages and whose outputs are the ranks' replies to the last one; an execution costs a
-fraction of a plain actor call per rank (`benchmarks/bench_executor_broadcast.py --transport
-ray-graph ray-actor`). The engine core completes (or, deferring sampling, samples) right after
-each launch, so `launch` holds its step back and the next message carries it: one execution per
-step. `complete` reads every execution sent so far. Constrained rows travel inside the message
-(the ranks may be on other hosts).
-
-Failures: a thread waits on each actor's `wait_for_failure` (its own concurrency group). It
-returns when a call of that actor raised (the formatted exception) or errors when the actor died
-(killed, its process or node lost). The thread records the failure, kills every actor (the
-others may wait in a collective for the lost rank, which only a kill ends) and marks the failure
-sentinel; the graph read of the step in flight then raises and `complete` raises the recorded
-failure: WorkerStepError or WorkerDiedError, as the multiprocess executor does. No step call has
-a timeout of its own beyond `worker_step_timeout` (a hung rank, as for worker processes).
+Failures: a thread per actor waits on `wait_for_failure`; on a failure it kills every actor (the
+others may wait in a collective, which only a kill ends), so the graph read raises and `complete`
+raises the recorded WorkerStepError / WorkerDiedError. A hung rank: `worker_step_timeout`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""One tensor-parallel rank as a Ray actor: `RayExecutor` wraps `RayWorker` with `ray.remote` and
-places one per bundle of its placement group. The actor serves the same messages with the same
-`RankServer` as a worker process (`rank.py`); they reach it through a compiled Ray graph whose
-input is a list of messages and whose outputs are the ranks' replies to the last.
-
-A step that raises stays visible to the executor even while another rank blocks in a collective
-(so that the graph's outputs never arrive): `wait_for_failure`, run in its own concurrency group,
-returns the formatted exception, and the executor then kills every actor.
-"""
+"""One tensor-parallel rank as a Ray actor, serving the same messages with the same `RankServer` as
+a worker process (`rank.py`), through the executor's compiled Ray graph. `wait_for_failure` runs
+in its own concurrency group, so a rank's exception reaches the executor even while another rank
+blocks in a collective (and the graph's outputs never arrive)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""One tensor-parallel rank in its own process: joins the process group, builds its model runner
-(its shard of the model) and serves the core's messages (`messages.py`) in order until told to
-stop.
-
-Started by `MultiprocExecutor` as `python -m ferrum.executor.worker` (never a re-import of the
-user's main module), with its `WorkerArgs` pickled on stdin and three inherited pipe ends: the
-inbox (core -> worker), the outbox (worker -> core) and a lifeline the core never writes to. When
-the core process ends, for any reason, the lifeline reads end-of-file and the worker exits at
-once, even while its main thread waits in a collective for a peer that is gone.
+"""One tensor-parallel rank in its own process: joins the process group, builds its runner and
+serves the core's messages (`messages.py`) in order until told to stop. Started by
+`MultiprocExecutor` as `python -m ferrum.executor.worker` (never re-importing the user's main) with
+`WorkerArgs` on stdin and three pipe ends: inbox, outbox and a lifeline the core never writes. When
+the core ends the lifeline reads EOF and the worker exits, even while blocked in a collective.
 """
 
 from __future__ import annotations
