@@ -1,10 +1,7 @@
-"""EngineArgs: the user-facing engine knobs, shared by `LLM(...)` and every CLI command.
-
-Each field is an `LLM` keyword argument and a CLI flag of the same name in kebab-case
-(`max_num_seqs` -> `--max-num-seqs`; booleans also get `--no-...`). Its default, help and choices
-are those of the config dataclass field of the same name; `device` and `async_scheduling` default
-to None here, which picks them from the hardware. `structured_outputs_config` (vLLM's name) is a
-`StructuredOutputsConfig`, a dict of its fields, or on the command line their JSON.
+"""EngineArgs: the user-facing engine knobs, shared by `LLM(...)` and every CLI command. Each field
+is an `LLM` keyword and a kebab-case flag (booleans also get `--no-...`), with the default, help
+and choices of the config field of the same name; `device` and `async_scheduling` default to None
+(picked from the hardware). `structured_outputs_config`: a config, a dict of its fields, or JSON.
 """
 
 from __future__ import annotations

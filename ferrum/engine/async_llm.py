@@ -1,15 +1,10 @@
-"""The asyncio front end: text in, streams of RequestOutputs out, over a core client whose cores
-run in their own processes (`core_client.py`): one, or data-parallel replicas, each restarted
-after a crash as the recovery config says (`process_client.py`).
+"""The asyncio front end: text in, streams of RequestOutputs out, over a core client whose cores run
+in their own processes, restarted after a crash as the recovery config says (`process_client.py`).
 
-Every method runs on the event loop thread that called `start()`; the client delivers its events
-there. Structured outputs: this process compiles each grammar too (`structured_output/
-manager.py` says why), imported and built on the first such request, off the event loop; a
-request reaches a core only once its grammar compiled, and a bad grammar or a compile past the
-timeout fails it with a ValueError (`compile_grammar` raises it before the request is queued; a
-request added while its grammar compiles gets it from its stream). Dead (a core failed and was
-not restarted, or the client gave up): every stream fails and `wait_dead()` returns, for the
-server to exit non-zero.
+Every method runs on the event loop thread that called `start()`. This process compiles grammars
+too (`structured_output/manager.py` says why), off the loop; a request reaches a core only once its
+grammar compiled, and a bad or timed-out grammar fails it with a ValueError. Dead (a core failed
+for good): every stream fails and `wait_dead()` returns, for the server to exit non-zero.
 """
 
 from __future__ import annotations

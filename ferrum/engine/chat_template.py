@@ -26,7 +26,7 @@ ChatTemplates = str | dict[str, str]
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
-# Names under which a message's reasoning arrives; templates read `reasoning_content` (or `thinking`).
+# Keys a message's reasoning may arrive under; templates read `reasoning_content` (or `thinking`).
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 # Appended to the final message to find where it ends in the rendered text.
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -61,7 +61,8 @@ def load_chat_templates(
             named[str(entry["name"])] = str(entry["template"])
         return named
     raise ValueError(
-        f"tokenizer_config.json chat_template must be a string or a list, got {type(value).__name__}"
+        "tokenizer_config.json chat_template must be a string or a list, "
+        f"got {type(value).__name__}"
     )
 
 
@@ -290,8 +291,8 @@ class ChatTemplateRenderer:
             raise ValueError("messages must be a non-empty list of dicts")
         if continue_final_message and add_generation_prompt:
             raise ValueError(
-                "continue_final_message and add_generation_prompt cannot both be set: one continues "
-                "the last message, the other starts a new assistant message"
+                "continue_final_message and add_generation_prompt cannot both be set: one "
+                "continues the last message, the other starts a new assistant message"
             )
         if tools is not None:
             if not isinstance(tools, list | tuple):

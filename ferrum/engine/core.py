@@ -1,23 +1,13 @@
-"""EngineCore: scheduler + executor (the model runner of each rank), token ids in and out.
+"""EngineCore: scheduler + executor, token ids in and out. Text (tokenizing, detokenizing, stop
+strings, `n` fan-out) lives in the front end, so the core can run in its own process and keep the
+device busy; only grammars are compiled here (a request waits unscheduled until its grammar is).
 
-It knows nothing of text: tokenization, detokenization, stop strings and `n` fan-out live in the
-front end (`LLMEngine`, the API server), so the core can run in its own process and keep the
-device busy while the front end handles HTTP and text. The one exception is structured outputs:
-grammars are compiled against the tokenizer's vocabulary (`StructuredOutputManager`, built on
-first use, off the loop); a request waits, unscheduled, until its grammar is compiled.
-
-Structured outputs and async scheduling: a step's bitmask needs every earlier output token
-accepted by the request's matcher. A step that samples a constrained request is launched as its
-forward alone while the previous step is still in flight, and stays in flight awaiting its
-sampling when `step` returns: the host completes the previous step (its tokens reach the
-matchers), hands back the outputs, and on the next call schedules the following step, fills the
-bitmask and queues the sampling (`Executor.sample`, which applies the mask on the device; with
-worker processes the executor fills it here and sends it to the workers), and queues the
-following forward straight after it. So output processing, scheduling and the fill all run while
-the device runs the forward; only the next step's launch sits between a sampling and the forward
-after it. Tokens are the same as with synchronous scheduling. (Penalties and bad words still
-make a step wait for the previous one's tokens before it is scheduled:
-`Scheduler.needs_host_history`.)
+Structured outputs under async scheduling: a step's bitmask needs every earlier token accepted by
+the matcher, so a step sampling a constrained request launches its forward alone and stays in
+flight awaiting its sampling when `step` returns. The next call completes the previous step (its
+tokens reach the matchers), fills the bitmask, queues the sampling (`Executor.sample`) and the next
+forward straight after: processing, scheduling and the fill overlap the forward, and tokens equal
+synchronous scheduling. Penalties and bad words still wait (`Scheduler.needs_host_history`).
 """
 
 from __future__ import annotations
@@ -157,15 +147,11 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or bool(self._completed_outputs)
 
     def step(self) -> list[EngineCoreOutput]:
-        """Schedules and launches one step; returns the outputs of the steps completed meanwhile.
-
-        Synchronous: that is the step just launched. Async scheduling: the step launched by the
-        previous call, completed after this one is queued, so the host schedules and processes
-        outputs while the device computes. Outputs then lag one call; a step launched when
-        nothing was left to run completes (with no outputs) on the next call. Pipeline
-        parallelism: the oldest step once pipeline_depth are in flight, or when this call
-        scheduled nothing (every runnable request is in the pipe). Outputs of steps completed
-        before an exception are returned by the next call.
+        """Schedules and launches one step; returns the outputs of the steps completed meanwhile:
+        the step just launched (synchronous), or the previous call's step, completed once this one
+        is queued (async scheduling: outputs lag one call, so the host works while the device
+        computes). Pipeline parallelism: the oldest step once pipeline_depth are in flight or when
+        nothing was scheduled. Outputs of steps completed before an exception come next call.
         """
         self.failed_step_req_ids = []
         pipelined = self.pipeline_depth > 1

@@ -1,14 +1,9 @@
-"""What a front end (`LLMEngine`, `AsyncLLM`) holds of its engine core(s): one interface, with
-the core in this thread, a core process (restarted or not after a crash), or data-parallel
-replicas of core processes behind it (`core_clients.make_core_client` picks).
-
-Contract: requests go in by `add_requests` / `finish_requests`; every event comes out through the
-sink given to `start`, always on the front end's own thread (`FrontEndThread`): on its event loop,
-or inside `poll` for a synchronous front end. Events, in order of a core's life:
-- `CoreInfo`: the core(s) are loaded, again after each restart (the pool a request must fit);
-- `CoreOutputs`: a step's tokens (already rid of what a restart must hide);
-- `RequestsFailed`: completions failed alone, the others go on;
-- `EngineDied`: last event; the engine serves no more.
+"""What a front end holds of its engine core(s): the core in this thread, a core process (restarted
+or not) or data-parallel replicas of them, behind one interface (`make_core_client` picks).
+Requests go in by `add_requests` / `finish_requests`; events come out through the sink given to
+`start`, always on the front end's thread (its event loop, or inside `poll`), in this order:
+`CoreInfo` (loaded, again after each restart), `CoreOutputs` (a step's tokens, minus what a restart
+must hide), `RequestsFailed` (those alone), `EngineDied` (last: the engine serves no more).
 """
 
 from __future__ import annotations

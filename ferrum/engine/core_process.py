@@ -1,11 +1,7 @@
-"""One engine core in its own process, and the two pipes and two threads that talk to it.
-
-`CoreProcess.start()` spawns a process that builds the `EngineCore` and runs its busy loop
-(`core_process_main.py`, which this module never imports: it pulls in torch, and the API process
-does not). Each direction has its own one-way pipe carrying pickled lists of the messages in
-`core_messages.py`. The core never waits on HTTP, tokenization or detokenization; this side sends
-from one daemon thread and receives on another, handing every message to a callback, so the
-caller's thread never blocks on a pipe either.
+"""One engine core in its own process (`core_process_main.py`, never imported here: it pulls in
+torch) and the two one-way pipes, carrying pickled lists of `core_messages.py`, and two daemon
+threads (send, receive) that talk to it, so neither the core nor the caller's thread ever blocks
+on a pipe, HTTP or text.
 """
 
 from __future__ import annotations

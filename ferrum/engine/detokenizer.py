@@ -1,10 +1,7 @@
-"""Incremental detokenization of generated tokens, with stop-string matching.
-
-Each step decodes only a small window of tokens: the prefix `window[:read_offset]` (text already
-emitted, decoded again as left context) plus the tokens after it; earlier ids are dropped. The new text is the
-window's decode minus the prefix's decode, so decoders that depend on the left neighbour (leading
-spaces, byte fallback) match a decode of the whole sequence. While the window ends in an unfinished
-UTF-8 character (U+FFFD at the end), only the text before it is emitted and the window stays open.
+"""Incremental detokenization with stop-string matching. Each step decodes a small window: the
+already emitted prefix `window[:read_offset]` (left context) plus the new tokens; the new text is
+the window's decode minus the prefix's, so left-neighbour effects (leading spaces, byte fallback)
+match a full decode. While the window ends in U+FFFD (an unfinished UTF-8 character) it stays open.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""`data_parallel_size` engine cores behind one client, each on its own devices
-(`dp_router.replica_config`).
-
-A request goes to one replica (`ReplicaRouter`: least open completions, prefix affinity) with all
-its `n` completions and stays there until the last of them finishes; aborts and stop-string
-finishes follow it there. Each replica restarts (or not) on its own, while the others keep
-serving; one that dies kills them all, so that a server exits non-zero, as with one core.
+"""`data_parallel_size` engine cores behind one client, each on its own devices. A request goes to
+one replica (`ReplicaRouter`) with all its `n` completions and stays there, aborts and stop-string
+finishes with it. Each replica restarts (or not) on its own while the others serve; one that dies
+kills them all, so that a server exits non-zero, as with one core.
 """
 
 from __future__ import annotations

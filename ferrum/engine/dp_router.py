@@ -1,14 +1,10 @@
-"""Which engine core (replica) of a data-parallel front end gets a request.
+"""Which replica of a data-parallel front end gets a request. Every open request is assigned to one
+replica, with all its `n` completions, from `route` until `release`; a replica's load is its open
+completions, counted here exactly (the core's stats lag the requests still in the pipe).
 
-Invariant: every open request is assigned to exactly one replica, from `route` until `release`,
-with all its `n` completions; a replica's load is the number of open completions assigned to it.
-The front end counts that load itself, exactly: it is what the core's running + waiting will be
-once it has read every request sent to it (its stats lag the requests still in the pipe).
-
-A request goes to the least loaded replica that can serve now (ties: lower KV cache usage, then
-the one chosen least recently). Prefix affinity: a prompt longer than one KV block whose first
-block matches one routed recently goes where that one went (its blocks may be cached there),
-unless that replica is more than `PREFIX_AFFINITY_SLACK` completions above the least load.
+The least loaded replica wins (ties: lower KV usage, then least recently chosen), unless the
+prompt's first KV block matches one routed recently: then it follows that one (its blocks may be
+cached there) if that replica is at most `PREFIX_AFFINITY_SLACK` completions above the least load.
 """
 
 from __future__ import annotations

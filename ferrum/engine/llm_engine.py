@@ -1,10 +1,7 @@
-"""The synchronous front end: text in, RequestOutputs out, over a core client (`core_client.py`):
-the core in this thread, or data-parallel replicas in their own processes.
-
-Structured outputs: `add_request` compiles the grammar here (at most the compile timeout) and
-raises ValueError for a bad one before anything is queued; an in-process core shares this
-manager, so a grammar compiles once. A core that fails is not restarted: the in-process core's
-error raises from `step`, a core process's failure raises EngineDeadError from the next call.
+"""The synchronous front end: text in, RequestOutputs out, over a core client (in this thread, or
+data-parallel replicas in processes). `add_request` compiles the grammar (an in-process core shares
+the manager) and raises ValueError for a bad one before queueing. A failed core is not restarted:
+its error raises from `step`, or EngineDeadError from the next call.
 """
 
 from __future__ import annotations

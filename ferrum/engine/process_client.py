@@ -1,11 +1,8 @@
-"""An engine core in its own process, restarted after a crash when the recovery policy says so.
-
-The core can fail: a step raises, the process dies, or (on an event loop) it stops stepping while
-it holds requests (no step for `engine_stall_timeout` seconds). With `engine_failure_policy=
-"restart"` a fresh core then resumes every open completion from the tokens it has, and the front
-end sees no seam (its streams and detokenizers never left it); `recovery.py` decides which
-requests are blamed and when to give up. Otherwise, and once it gives up, the engine is dead.
-Every method runs on the front end's thread (`FrontEndThread`), messages from the core too.
+"""An engine core in its own process, restarted after a crash when the recovery policy says so. A
+core fails when a step raises, the process dies or (on an event loop) it holds requests without
+stepping for `engine_stall_timeout` s. With `engine_failure_policy="restart"` a fresh core resumes
+every open completion from its tokens, seamlessly for the front end (`recovery.py` blames and gives
+up); otherwise the engine is dead. Everything runs on the front end's thread (`FrontEndThread`).
 """
 
 from __future__ import annotations

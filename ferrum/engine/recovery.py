@@ -1,11 +1,7 @@
-"""What the front end decides when its engine core crashes: whether one more restart is allowed
-(the crash-loop limit), which requests are to blame, and which must first run alone.
-
-A crash whose failing step is known (an exception in a step) gives each request of that step a
-strike. A request with two strikes is failed: it crashed the core twice. A request with one
-strike is on probation: after the restart it runs alone in the core until it has one more token,
-so that if it crashes the core again it is the only one blamed. A crash with no known step (the
-process was killed or stopped stepping) blames nobody; the crash-loop limit bounds those.
+"""What the front end decides when its engine core crashes: whether to restart (the crash-loop
+limit), which requests to blame, which must run alone. A crash in a known step gives its requests
+a strike: two strikes fail a request; one puts it on probation, alone in the core until one more
+token, so that a repeat crash blames it alone. A crash with no known step blames nobody.
 """
 
 from __future__ import annotations

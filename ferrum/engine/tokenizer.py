@@ -1,9 +1,6 @@
-"""A Hugging Face tokenizer folder read with `tokenizers` alone (no transformers at runtime).
-
-`encode`/`decode` give the same ids and text as transformers' `AutoTokenizer` on the same folder:
-named special tokens from the config are registered as special added tokens, the post-processor
-of tokenizer.json alone decides which special tokens `encode` adds (transformers ignores the
-config's `add_bos_token` / `add_eos_token` when tokenizer.json exists), and the WordPiece-era
+"""A Hugging Face tokenizer folder read with `tokenizers` alone, giving transformers' ids and text:
+the config's named special tokens are special added tokens, tokenizer.json's post-processor alone
+decides which specials `encode` adds (as transformers, which then ignores `add_bos_token`), and
 `clean_up_tokenization_spaces` applies to non-BPE models only.
 """
 
@@ -130,7 +127,8 @@ class Tokenizer:
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(
-                f"tokenizer path {str(path)!r} has no tokenizer.json (only fast tokenizers are supported)"
+                f"tokenizer path {str(path)!r} has no tokenizer.json "
+                "(only fast tokenizers are supported)"
             )
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
