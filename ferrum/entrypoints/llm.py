@@ -22,13 +22,9 @@ _PROMPT_TYPES = "a string, {'prompt': str}, {'prompt_token_ids': [int, ...]}, or
 
 
 class LLM:
-    """An engine for offline batched generation.
-
-    `model` is a local Hugging Face model folder; left out (or the shipped model's name,
-    "ferrum-tiny-qwen3"), the small model shipped with ferrum. Keyword arguments are the fields
-    of `EngineArgs` (`dtype`, `device`, `load_format`, `max_model_len`, `block_size`,
-    `num_kv_blocks`, `enable_prefix_caching`, `max_num_seqs`, `max_num_batched_tokens`, `seed`,
-    `data_parallel_size`, ...); vLLM arguments ferrum does not have yet raise a ValueError saying so.
+    """An engine for offline batched generation. `model`: a local Hugging Face model folder, or the
+    shipped "ferrum-tiny-qwen3" when left out. Keyword arguments are the fields of `EngineArgs`;
+    vLLM arguments ferrum lacks raise a ValueError saying so.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL_NAME, **kwargs: Any) -> None:

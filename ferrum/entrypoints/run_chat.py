@@ -1,10 +1,7 @@
-"""`ferrum run [MODEL] [PROMPT]`: chat with a model in the terminal.
-
-With PROMPT it answers once and exits (`ferrum run "PROMPT"` alone uses the shipped model when
-PROMPT is no folder and has no path separator); without, it reads turns until `/exit`, Ctrl-D or Ctrl-C
-at the prompt. Lines starting with `/` are commands (`/help` lists them), never sent to the model.
-Replies stream as they are generated; the whole conversation goes through the model's chat
-template each turn. Ctrl-C during a reply stops that reply only.
+"""`ferrum run [MODEL] [PROMPT]`: chat with a model in the terminal. With PROMPT it answers once
+(`ferrum run "PROMPT"` alone uses the shipped model when PROMPT is not a path); without, it reads
+turns until `/exit`, Ctrl-D or Ctrl-C. Lines starting with `/` are commands (`/help`), never sent.
+Each turn renders the whole conversation through the chat template; Ctrl-C stops only the reply.
 """
 
 from __future__ import annotations

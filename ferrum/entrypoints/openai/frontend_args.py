@@ -1,4 +1,4 @@
-"""The API server's own options (vLLM's flag names): chat template, tool calling, reasoning, CORS."""
+"""The API server's own options (vLLM's flag names): chat template, tools, reasoning, CORS."""
 
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ class FrontendConfig:
         group.add_argument(
             "--enable-auto-tool-choice",
             action="store_true",
-            help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser',
+            help='let the model decide to call tools (tool_choice "auto"); '
+            "needs --tool-call-parser",
         )
         group.add_argument(
             "--tool-call-parser",

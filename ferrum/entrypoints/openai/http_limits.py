@@ -1,17 +1,8 @@
-"""What one HTTP client may cost the server: body size, read time, open connections (the
-flags and their config; `http_guard` enforces them).
-
-- A request body over `max_request_body_bytes` gets 413 before any route sees it: at once when
-  Content-Length announces it, else as soon as the bytes read pass the limit. Routes get the whole
-  body in one message.
-- A client that owes bytes has `timeout_request_header` seconds for a request's whole header block
-  (from the connection's start, or from the first byte after a keep-alive pause) and
-  `timeout_request_body` seconds between two reads of its body; then it gets 408 (or, when its
-  response has already started, nothing) and the connection closes. Idle keep-alive connections
-  close after uvicorn's `timeout_keep_alive`.
-- A request on a connection beyond `limit_concurrency` open connections gets 503.
-Every refusal is OpenAI's error envelope and closes the connection; a connection closed while
-its client is still sending a body lingers (reads and drops the rest) so the answer arrives.
+"""What one HTTP client may cost the server (the flags; `http_guard` enforces them): a body over
+`max_request_body_bytes` gets 413 before any route sees it; a client gets `timeout_request_header`
+seconds for a header block and `timeout_request_body` between body reads, then 408 (nothing once
+its response started); a connection beyond `limit_concurrency` gets 503. Every refusal is OpenAI's
+error envelope and closes the connection, lingering to drain a body still arriving.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""GET /metrics: Prometheus metrics of one server, in its own registry.
-
-vLLM's metric set under the `ferrum:` prefix. Scheduler gauges, the prefix-cache counters and the
-tokens-per-step histogram are read from each core's latest stats at scrape time, one sample per
-core labelled `engine` (vLLM's label: the data-parallel replica, "0" with one core); per-request
-histograms and counters are updated once per request (all its `n` completions) as it finishes.
-Times are time.monotonic() of one machine: queue time runs from arrival in the API process to the
-core's first scheduling, prefill to the first token, decode from the first token to the last.
+"""GET /metrics: vLLM's Prometheus metric set under `ferrum:`, in the server's own registry.
+Scheduler gauges, prefix-cache counters and the tokens-per-step histogram come from each core's
+latest stats at scrape time, labelled `engine` (the data-parallel replica); per-request metrics are
+updated once per request as it finishes. Times are time.monotonic(): queue time from arrival in
+the API process to first scheduling, prefill to the first token, decode from there to the last.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""`ferrum serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
-
-The API process tokenizes, detokenizes and speaks HTTP; each engine core (one, or one per
-data-parallel replica) runs in its own process behind `AsyncLLM`. The port opens before the model
-is loaded: `/health` answers 503 until the core is ready, while a crashed core restarts, and once the engine is dead; a dead
-engine (it failed to load, crashed with --engine-failure-policy exit, or crashed too often) ends
-the process with exit code 1.
+"""`ferrum serve`: the OpenAI-compatible HTTP server (FastAPI + uvicorn). This process tokenizes,
+detokenizes and speaks HTTP; each engine core runs in its own process behind `AsyncLLM`. The port
+opens before the model loads: `/health` answers 503 until the core is ready, while one restarts and
+once the engine is dead; a dead engine ends the process with exit code 1.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Request fields that constrain the output, as the engine's `StructuredOutputsParams`.
-
-OpenAI's `response_format` (json_object, json_schema) and vLLM's `structured_outputs` body field
-(json, regex, choice, grammar, json_object, structural_tag) become one `StructuredOutputsParams`.
-In chat, a forced `tool_choice` is a structural tag (tool_parsers/tool_choice.py), and with a
-reasoning parser the constraint applies after the reasoning only: the grammar becomes a
-structural tag whose first element is the parser's free reasoning block.
+"""OpenAI's `response_format` and vLLM's `structured_outputs` field as `StructuredOutputsParams`.
+In chat a forced `tool_choice` is a structural tag (`tool_parsers/tool_choice.py`), and with a
+reasoning parser the constraint starts after the reasoning: a structural tag whose first element
+is the parser's free reasoning block.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Qwen3 reasoning: `<think>reasoning</think>answer`.
-
-The output may open with `<think>` (after optional whitespace), or start inside the block when the
-chat template put `<think>` at the end of the prompt (`starts_in_reasoning`, see
-`prompt_ends_in_reasoning`). Output that does not open a block — e.g. with
-`enable_thinking=False`, whose template closes an empty block in the prompt — is all content.
-Whitespace just inside the tags and just after `</think>` is dropped, as Qwen3's chat template
-drops it when it renders the reasoning back. An unclosed block is all reasoning. Tags after the
-block are content, verbatim.
+"""Qwen3 reasoning: `<think>reasoning</think>answer`. The output opens with `<think>` (after
+optional whitespace) or starts inside the block when the prompt ends in `<think>`
+(`prompt_ends_in_reasoning`); otherwise (e.g. `enable_thinking=False`) it is all content. Whitespace
+just inside the tags and after `</think>` is dropped, as the chat template drops it; an unclosed
+block is all reasoning; tags after the block are content.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ def get_tool_parser(name: str) -> type[ToolParser]:
     parser = TOOL_PARSERS.get(name)
     if parser is None:
         raise ValueError(
-            f"tool_call_parser {name!r} is not supported; supported: {', '.join(sorted(TOOL_PARSERS))}"
+            f"tool_call_parser {name!r} is not supported; "
+            f"supported: {', '.join(sorted(TOOL_PARSERS))}"
         )
     return parser
 

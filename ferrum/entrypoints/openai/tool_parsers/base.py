@@ -1,20 +1,13 @@
-"""Tool-call parsers: find a model's tool calls in its output text, whole or streamed.
-
-A parser instance serves one response. Invariants, for every parser:
-- Streaming is chunk-independent: feeding the output in any pieces through
-  `extract_tool_calls_streaming` and then calling `finish()` yields exactly the content and the
-  calls that `extract_tool_calls` finds in the whole text. Nothing is lost or repeated: a tail
-  that could still become a tag is held back until the next piece (or `finish`) decides.
-- A block whose body starts with a complete call header (`stream_call`: hermes
-  `{"name": "f", "arguments": {`, qwen3_coder `<function=f>`) is a call from then on: its name
-  goes out at once and its arguments as the model writes them, whatever follows (arguments the
-  model leaves unfinished or writes as invalid JSON stay so, as with OpenAI's API).
-- Any other block is decided when it closes: a block that does not parse is content, verbatim.
-  Parsing never raises on model output.
-- Content is every character outside the parsed call blocks, except the whitespace just before a
-  parsed block and the whitespace between parsed blocks or after the last one (the separators the
-  model writes around calls); whitespace between a block and later text is kept.
-- Arguments are JSON text of an object (or the model's attempt at one), identical in both modes.
+"""Tool-call parsers: find a model's tool calls in its output text, whole or streamed; one instance
+per response. Invariants, for every parser:
+- Streaming is chunk-independent: any pieces through `extract_tool_calls_streaming`, then
+  `finish()`, yield exactly what `extract_tool_calls` finds in the whole text (a tail that could
+  still become a tag is held back until the next piece decides).
+- A block starting with a complete call header (`stream_call`) is a call: its name goes out at once,
+  its arguments as written, even unfinished or invalid (as OpenAI's API). Any other block is decided
+  when it closes; one that does not parse is content, verbatim. Parsing never raises.
+- Content is everything outside parsed blocks, less the whitespace before a parsed block and
+  between or after them; whitespace between a block and later text is kept.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The hermes tool-call format (Qwen2.5, Qwen3): a JSON object inside `<tool_call>` tags.
-
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-
-A body that starts `{"name": <string>, "arguments": {` (any whitespace between the tokens) streams:
-the name goes out at once and the arguments object's text as it arrives, up to the brace that
-closes it (or the end of the block, if none does). Other bodies are decided when the block closes.
-Accepted there: `arguments` as an object, as a string holding a JSON object, or absent (no
-arguments), keys in any order; other keys are ignored. Refused (the block stays content): a body
-that is not one JSON object, a missing or non-string `name`, arguments that are not an object.
+"""The hermes tool-call format (Qwen2.5, Qwen3): `{"name": ..., "arguments": {...}}` inside
+`<tool_call>` tags. A body starting `{"name": <string>, "arguments": {` streams: the name at once,
+the arguments' text up to their closing brace (or the block's end). Other bodies are decided when
+the block closes: `arguments` an object, a string holding one, or absent; other keys ignored. Not
+one JSON object, no string `name` or non-object arguments: the block is content.
 """
 
 from __future__ import annotations
@@ -93,7 +86,8 @@ class HermesToolParser(ToolParser):
     def call_format(cls, name: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
         return {
             "type": "tag",
-            "begin": f'{cls.START_TAG}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
+            "begin": f"{cls.START_TAG}\n"
+            f'{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": ',
             "content": {
                 "type": "json_schema",
                 "json_schema": dict(parameters) or {"type": "object"},

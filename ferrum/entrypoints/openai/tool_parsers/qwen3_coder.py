@@ -1,30 +1,14 @@
-"""The qwen3_coder tool-call format (Qwen3-Coder, Qwen3.5): XML with one element per parameter.
+"""The qwen3_coder tool-call format (Qwen3-Coder, Qwen3.5): XML, one element per parameter:
+`<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`.
 
-    <tool_call>
-    <function=get_weather>
-    <parameter=city>
-    Paris
-    </parameter>
-    <parameter=days>
-    3
-    </parameter>
-    </function>
-    </tool_call>
+A value is the text between its tags less one newline each side, typed by its parameter schema:
+`string` stays text; other JSON types parse as JSON (booleans case-insensitively), else stay text;
+an `enum`/`const` value is the member it spells. Unknown parameters or functions keep text. A
+missing `</parameter>` is accepted; a value cannot contain `<parameter=` or `</parameter>`.
 
-A value is the text between its tags less one newline on each side. It becomes the type its
-function's parameter schema names: `string` stays text; `integer`, `number`, `boolean`, `null`,
-`object` and `array` are parsed as JSON (booleans case-insensitively) and kept as text when they do
-not parse as that type; an `enum`/`const` value is the member it spells (blanks around it
-ignored), else text. Parameters the schema does not know, and functions not in `tools`, keep
-text values. A missing `</parameter>` is accepted (the next `<parameter=` or `</function>` closes
-it). A value cannot contain the text `<parameter=` or `</parameter>`.
-
-Streaming: a block is a call once `<function=NAME>` is complete (NAME without `<` or a newline);
-the name goes out then, and the arguments as a JSON object built one parameter at a time: `{"a": 1`
-when the first parameter ends, `, "b": "x"` when the next does, `}` when the block ends (a
-cut-off call keeps the parameters it finished; text outside the parameter elements ends them). The
-pieces join to the JSON of the whole call. A block that does not start with `<function=NAME>` is
-content.
+Streaming: a block is a call once `<function=NAME>` is complete; the name goes out then and the
+arguments as JSON one parameter at a time (`{"a": 1`, `, "b": "x"`, `}`), joining to the whole
+call's JSON. A block not starting with `<function=NAME>` is content.
 """
 
 from __future__ import annotations

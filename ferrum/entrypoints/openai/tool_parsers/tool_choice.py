@@ -1,10 +1,7 @@
-"""OpenAI `tool_choice` to the grammar that forces a parseable tool call.
-
-With `tool_choice="required"` or a named function, the output must be tool calls only. The
-grammar is a structural tag (vLLM's `StructuredOutputsParams.structural_tag`, xgrammar's JSON
-format): one or more call blocks in the parser's own syntax, each block's arguments constrained by
-that function's `parameters` JSON schema, blocks separated by a newline. Every output it accepts
-parses with the same parser into calls of the allowed functions.
+"""OpenAI `tool_choice` ("required" or a named function: tool calls only) to the grammar forcing it:
+a structural tag (xgrammar's JSON format) of one or more call blocks in the parser's own syntax,
+newline-separated, each block's arguments constrained by its function's `parameters` schema, so
+every output it accepts parses with the same parser into calls of the allowed functions.
 """
 
 from __future__ import annotations
