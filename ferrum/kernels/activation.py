@@ -1,10 +1,7 @@
-"""Triton SiLU-and-mul for SwiGLU MLPs: out = silu(gate) * up over a fused [gate | up] input.
-
-silu(g) = g / (1 + exp(-g)) is computed in fp32 and rounded to the input dtype before the multiply
-by up, whose fp32 product is rounded once more: the roundings of Hugging Face's
-`act_fn(gate_proj(x)) * up_proj(x)` in low precision. `silu_and_mul_fp8` also writes the output
-rows quantized per token-group of 128 (`Fp8GroupRows`, bit-equal to `per_token_group_quant_fp8`
-of the output), for an FP8 linear layer that reads them in place of its own quantization pass.
+"""Triton SiLU-and-mul for SwiGLU MLPs: out = silu(gate) * up over a fused [gate | up] input, with
+Hugging Face's roundings: silu in fp32 rounded to the input dtype, then the fp32 product rounded.
+`silu_and_mul_fp8` also writes the rows quantized per token-group of 128 (`Fp8GroupRows`, bit-equal
+to `per_token_group_quant_fp8`) for an FP8 linear layer to read instead of quantizing itself.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Torch reference for paged attention: the CPU path and the oracle the Triton kernels are tested on.
-
-KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys,
-1 values). Slot s lives at block `s // block_size`, offset `s % block_size`.
+"""Torch reference for paged attention: the CPU path and the Triton kernels' oracle. KV cache per
+layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, values); slot s is at block
+s // block_size, offset s % block_size.
 """
 
 from __future__ import annotations
@@ -41,13 +40,10 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each request's query chunk over its paged context.
-
-    Query token j of request i (chunk length q_i, context length L_i) sits at position
-    p = L_i - q_i + j and attends to context positions 0..p, or with `sliding_window` W to
-    p - W + 1..p (transformers' convention). Blocks wholly below the chunk's first window are
-    not read (a sliding-window cache may have freed them). Math in float32.
-    Returns [num_tokens, num_heads, head_dim] in the query's dtype.
+    """Causal attention of each request's query chunk over its paged context, in fp32 math;
+    [num_tokens, num_heads, head_dim] in the query's dtype. Query j of a chunk of q tokens over L
+    context sits at p = L - q + j and sees 0..p, or p - W + 1..p with `sliding_window` W; blocks
+    wholly below the chunk's first window are never read (a sliding-window cache may free them).
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")

@@ -1,17 +1,9 @@
-"""Torch reference for the short causal depthwise conv1d with per-request state (the convolution
-before gated DeltaNet): the CPU path and the oracle the Triton kernels are tested on.
-
-For channel c of a sequence x with width-W weight w (fp32 math, one rounding to x's dtype):
-
-    y_t = act(bias_c + sum_{j<W} w[c, j] * x_{t - W + 1 + j})
-
-where positions before the sequence start read the slot's conv state (zeros without one) and
-act is SiLU or the identity. The conv state holds the last W - 1 inputs, oldest first: after a
-sequence it holds inputs t - W + 1 .. t - 1 relative to one past its last token. This is
-transformers' `causal_conv1d_fn` / `causal_conv1d_update` (whose state keeps one older input that
-no output reads).
-
-Conv state pool layout: `[num_slots, W - 1, dim]` (channels contiguous).
+"""Torch reference for the short causal depthwise conv1d with per-request state (before gated
+DeltaNet): the CPU path and the Triton kernels' oracle. Channel c, width-W weight w, fp32 math:
+    y_t = act(bias_c + sum_{j<W} w[c, j] * x_{t - W + 1 + j})      (act: SiLU or identity)
+where positions before the sequence read the slot's conv state (zeros without one). The state
+holds the last W - 1 inputs, oldest first, as transformers' `causal_conv1d_fn` / `_update` (whose
+state keeps one more input no output reads). Pool layout: `[num_slots, W - 1, dim]`.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""Triton W8A8 FP8 (e4m3fn) GEMM: out = A @ W^T with block or per-channel scales, fp32 accumulate.
-
-W is an FP8 weight [N, K] (K contiguous, as checkpoints store it); A [M, K] is either FP8 codes
-with their scales, or fp16/bf16/fp32 quantized inside the GEMM with fp8_quant's math, so that one
-launch does both (the "fused" mode, for small M where a second launch costs more than the work).
-
-Block scales (Qwen/DeepSeek FP8): a_scale [M, K / 128] per token-group of 128 columns, w_scale
-[ceil(N / 128), K / 128] per 128x128 weight block; each K step of 128 adds
-    acc[m, n] += (sum_k a[m, k] w[n, k]) * (a_scale[m, kb] * w_scale[n // 128, kb]).
-Per-channel scales (compressed-tensors FP8): a_scale [M, 1] per token, w_scale [N, 1] per output
-channel; out[m, n] = (sum_k a[m, k] w[n, k]) * a_scale[m] * w_scale[n], applied once after K.
-Then out = (acc (+ bias[n])).to(out dtype).
-
-Split-K (config SPLIT_K > 1, for decode-sized M where the output tiles alone cannot fill the
-GPU): program (tile, s) sums its share of the K steps and writes the fp32 partial to a workspace;
-the last of a tile's SPLIT_K programs to arrive (kernels/arrival_counters.py) adds the partials
-in the order s = 0..SPLIT_K-1 and writes the output. The order is fixed, so the result does not
-depend on which program arrives last.
+"""Triton W8A8 FP8 (e4m3fn) GEMM: out = A @ W^T (+ bias), fp32 accumulate. W [N, K] FP8 (K
+contiguous); A [M, K] FP8 codes with scales, or fp16/bf16/fp32 quantized inside the GEMM with
+fp8_quant's math ("fused": one launch, for small M).
+Block scales: a_scale [M, K / 128], w_scale [ceil(N / 128), K / 128]; each K step of 128 adds
+    acc[m, n] += (sum_k a[m, k] w[n, k]) * a_scale[m, kb] * w_scale[n // 128, kb].
+Per-channel: a_scale [M, 1], w_scale [N, 1], applied once after K.
+Split-K (SPLIT_K > 1, decode-sized M): each program writes its fp32 partial to a workspace and the
+last of a tile's programs to arrive (`arrival_counters.py`) sums them in the order s = 0..SPLIT_K-1,
+so the result does not depend on arrival order.
 """
 
 from __future__ import annotations

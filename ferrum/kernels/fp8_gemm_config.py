@@ -1,10 +1,7 @@
-"""Launch configs of the W8A8 FP8 GEMM per scale format, weight shape, device and batch bucket.
-
-A file `fp8_gemm_configs/{format}_N{N}_K{K}_{device}.json` (format: "block" or "channel"; device:
-the CUDA device name with spaces as underscores) maps a batch bucket (the most rows M it covers,
-as a string) to a config object with the fields of Fp8GemmConfig. A batch takes the smallest
-bucket covering it, or the largest. Without a file the defaults below apply (chosen for the H100;
-benchmarks/bench_fp8_gemm.py --sweep measures the alternatives and --save writes a file).
+"""Launch configs of the W8A8 FP8 GEMM per scale format, weight shape, device and batch bucket:
+`fp8_gemm_configs/{block|channel}_N{N}_K{K}_{device}.json` maps a bucket (the most rows it covers)
+to Fp8GemmConfig fields; a batch takes the smallest bucket covering it, or the largest. Without a
+file the H100 defaults below apply (`bench_fp8_gemm.py --sweep` measures, `--save` writes).
 """
 
 from __future__ import annotations
@@ -30,16 +27,12 @@ HOPPER_SHARED_MEMORY = 227 * 1024
 
 @dataclass(frozen=True, slots=True)
 class Fp8GemmConfig:
-    """One launch choice. backend "scaled_mm" (cuBLASLt: row-wise for per-channel weights,
-    block-wise on Hopper for block weights; bf16 output only, else the Triton tile below runs);
-    "gemv": fp8_gemv, one activation row a program (BLOCK_N x BLOCK_K weight tiles, weight-only:
-    the activations are not quantized; BLOCK_M, GROUP_M and quant unused); "wgmma" (block scales
-    only): fp8_gemm_wgmma's Hopper kernel, BLOCK_M x BLOCK_N tiles, num_stages TMA buffers,
-    UNROLL K steps an iteration (GROUP_M, SPLIT_K and quant unused; activations quantized
-    first), else the Triton tile below runs. quant "fused": the Triton GEMM quantizes its
-    activation tiles itself; "separate": a quantization pass writes fp8 activations first.
-    SPLIT_K (Triton only): programs sharing one output tile's K steps, their fp32 partials summed
-    in a fixed order by the last to finish (fp8_gemm)."""
+    """One launch choice. backend "scaled_mm": cuBLASLt (bf16 output only); "gemv": fp8_gemv,
+    weight-only (activations not quantized); "wgmma" (block scales): fp8_gemm_wgmma's Hopper
+    kernel, num_stages TMA buffers, UNROLL K steps an iteration; else, or where those do not take
+    the operands, the Triton tile. quant "fused": the Triton GEMM quantizes its activation tiles;
+    "separate": a quantization pass first. SPLIT_K (Triton): programs sharing one tile's K steps.
+    Fields a backend does not use are ignored."""
 
     backend: str = "triton"
     quant: str = "separate"
@@ -84,17 +77,12 @@ class Fp8GemmConfig:
 
 Buckets = dict[int, Fp8GemmConfig]
 
-# One row takes the GEMV: on the H100 at Qwen3-8B shapes it is 1.2-2.4x cuBLASLt there, and
-# slower from two rows on (benchmarks/RESULTS.md, issue 13). cuBLASLt wherever it takes the
-# operands above that: it beat these Triton tiles, untuned and without split-K, at every M (3-10x
-# at M <= 64). Tuned files (bench_fp8_gemm.py --sweep) take, where they measured faster, Triton
-# tiles (split-K for narrow outputs) up to 16 rows, and the Hopper wgmma GEMM from 17 to 256 rows
-# (to 128 on gate_up) at the H100 shapes of Qwen3-8B and Qwen3-30B-A3B's attention. A scaled_mm or
-# wgmma bucket's tile fields are the Triton tile that runs where that backend does not take the
-# operands (for wgmma buckets an untimed one: off Hopper, or with a Triton older than 3.5). The defaults stay without wgmma: at 256 rows its best tile lost to cuBLASLt on
-# gate_up, so no one tile is a safe default there (benchmarks/RESULTS.md, 2026-11-28). The
-# default Triton tiles below: decode batches take narrow N tiles and quantize their few activation
-# rows inside the GEMM (one launch); larger batches quantize once, then run wide tiles.
+# Defaults (H100, Qwen3-8B shapes; benchmarks/RESULTS.md): one row takes the GEMV (1.2-2.4x
+# cuBLASLt, slower from two rows); above it cuBLASLt wherever it takes the operands (3-10x these
+# untuned tiles at M <= 64); no wgmma (at 256 rows its best tile lost to cuBLASLt on gate_up).
+# Tuned files pick Triton split-K tiles up to 16 rows, wgmma from 17 to 256. A scaled_mm or wgmma
+# bucket's tile fields run where that backend does not take the operands. The Triton tiles: decode
+# batches take narrow N tiles and quantize inside the GEMM; larger ones quantize once, wide tiles.
 _FUSED = ("scaled_mm", "fused")
 _GEMV = Fp8GemmConfig("gemv", BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2)
 DEFAULT_BUCKETS: dict[str, Buckets] = {

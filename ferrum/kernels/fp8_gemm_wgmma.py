@@ -1,23 +1,14 @@
-"""Hopper W8A8 FP8 GEMM with block scales, written in Gluon: out = A @ W^T, bf16/fp16 out.
+"""Hopper W8A8 FP8 GEMM with block scales in Gluon: out = A @ W^T, bf16/fp16, scales as fp8_gemm's.
 
-A [M, K] FP8 codes with a_scale [M, K / 128] (one scale a row and group of 128 columns), W [N, K]
-FP8 with w_scale [ceil(N / 128), K / 128] (one scale a 128x128 block). Each K step of 128 adds
-    acc[m, n] += (sum_k a[m, k] w[n, k]) * (a_scale[m, kb] * w_scale[n // 128, kb]).
+Why Gluon: a K step's product must be complete before its scales apply, and Triton's tl.dot
+pipeliner waits for each wgmma right after issuing it, idling the tensor cores. Here each step
+issues its wgmma asynchronously, waits only for the previous one (`num_outstanding=1`) and scales
+that one while the new one runs; TMA loads run NUM_STAGES steps ahead. Needs Gluon's Hopper API
+(Triton 3.5+); else `wgmma_gemm_takes` is False and wgmma buckets run their tile on the Triton GEMM.
 
-Why Gluon: the product of a K step has to be complete before its scales apply, and Triton's
-tl.dot pipeliner waits for each wgmma right after issuing it, so the tensor cores idle while the
-scales are applied. Here each step issues its wgmma asynchronously, then waits only for the
-previous step's (`warpgroup_mma_wait(num_outstanding=1)`) and scales that one into the
-accumulator while the new one runs. TMA loads run NUM_STAGES steps ahead.
-
-The kernel (fp8_gemm_wgmma_kernel.py) needs Gluon's Hopper API (Triton 3.5 or later); with an
-older Triton `wgmma_gemm_takes` is False and wgmma buckets run their tile on the Triton GEMM (its
-fields read as a Triton tile, which no sweep timed: slower than a tuned Triton bucket).
-
-Invariants: BLOCK_K == 128 (one scale group a step); BLOCK_N divides 128, so a tile's columns
-share one weight block and its scale is one scalar a step; K % 128 == 0. Rows and columns past
-M and N are zero-filled by TMA on load and clipped on store. Measured against cuBLASLt and the
-Triton GEMM in benchmarks/RESULTS.md (2026-11-28); the tuned buckets pick it per shape and M.
+Invariants: BLOCK_K == 128 and K % 128 == 0 (one scale group a step); BLOCK_N divides 128 (one
+weight scale a step); TMA zero-fills loads past M and N and clips stores. Measured against
+cuBLASLt and Triton in benchmarks/RESULTS.md; the tuned buckets pick it per shape and M.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""Triton FP8 (e4m3fn) weight GEMV for decode-sized batches (the buckets give it one row):
-out = x @ dequant(W)^T.
+"""Triton FP8 (e4m3fn) weight GEMV for decode-sized batches: out = x @ dequant(W)^T. At one row a
+linear layer is a read of W that tensor-core tiles and cuBLASLt leave below HBM speed, so W streams
+through CUDA cores: program p computes out[p % M, n0:n0 + BLOCK_N], n0 = (p // M) * BLOCK_N (rows
+vary fastest so programs sharing a W tile share it in L2), fp32 per lane, summed once at the end.
 
-At one row a linear layer is a read of W: tensor-core tiles of 16+ rows and cuBLASLt's kernels
-leave HBM idle there, so this kernel streams W [N, K] through CUDA cores instead. Program p
-computes out[m, n0:n0 + BLOCK_N] for m = p % M (rows vary fastest, so the programs that read one
-W tile run together and share it in L2), n0 = (p // M) * BLOCK_N, accumulating per lane in fp32
-and summing once at the end.
-
-The activations stay in their dtype (weight-only FP8, as the small-batch MoE GEMVs run): the
-result is the fp32 product with the dequantized weights (`fp8_weight_only_matmul_ref`) up to the
-order of the sums. It differs from the W8A8 GEMMs of larger batches by their activation rounding
-(up to 2^-4 of each value), and is the closer of the two to the unquantized layer.
-
-Block scales (w_scale [ceil(N / 128), K / 128]): BLOCK_N divides 128, so a program's rows share one
-scale row, and BLOCK_K is a multiple of 128. Column k of the row enters the sum as
-x[k] * w_scale[n0 // 128, k // 128]: the scales are applied to the activation, once per column
-rather than once per weight. Per-channel scales (w_scale [N, 1]): out = sum(x * w) * w_scale[n].
+Weight-only: x stays in its dtype (closer to the unquantized layer than the W8A8 GEMMs, which
+round x to 2^-4). Block scales: BLOCK_N divides 128 and BLOCK_K is a multiple of 128, so x[k] is
+scaled once per column by w_scale[n0 // 128, k // 128]; per-channel: sum(x * w) * w_scale[n].
 """
 
 from __future__ import annotations

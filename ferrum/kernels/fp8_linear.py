@@ -1,18 +1,10 @@
-"""FP8 linear: out = x @ W^T (+ bias) for an FP8 weight, the GEMM picked per batch size.
-
-The output has x's dtype. The buckets (fp8_gemm_config) choose, per number of rows M: the GEMV
-(fp8_gemv, decode-sized M, one row by default; weight-only: x is not quantized), or with x
-[..., K] fp16/bf16 quantized dynamically (per token-group of 128 for block-scaled weights, per
-token for per-channel weights): the fused Triton GEMM (quantizes its own activation tiles), a
-quantization pass then the Triton GEMM, or a quantization pass then cuBLASLt ("scaled_mm"):
-torch._scaled_mm row-wise for per-channel weights, F.scaled_mm BlockWise1x128 x BlockWise128x128
-for block weights; for block weights also a quantization pass then the Hopper wgmma GEMM
-(fp8_gemm_wgmma, "wgmma"). cuBLASLt runs only where it takes the operands (bf16 output; N and K
-multiples of 16 row-wise; of 128 block-wise, on Hopper), the wgmma GEMM only on Hopper with a
-Triton that has Gluon (N % 8 == 0, K % 128 == 0); elsewhere that bucket's Triton tile runs instead.
-A block-scaled layer given x's rows already quantized (`Fp8GroupRows`, written by the kernel
-before it: an RMSNorm, SiLU-and-mul, the attention) skips its quantization pass on every path but
-the weight-only GEMV (`block_linear_takes_fp8_rows`).
+"""FP8 linear: out = x @ W^T (+ bias) in x's dtype, the path picked per row count M by the buckets
+(fp8_gemm_config): the weight-only GEMV, the fused Triton GEMM, or a dynamic quantization pass
+(per token-group of 128 for block weights, per token for per-channel) then the Triton GEMM,
+cuBLASLt ("scaled_mm": bf16 output, N and K multiples of 16 row-wise or 128 block-wise on Hopper)
+or the Hopper wgmma GEMM (Gluon, N % 8 == 0, K % 128 == 0); where one does not take the operands
+the bucket's Triton tile runs. A block-scaled layer given rows already quantized (`Fp8GroupRows`)
+skips its quantization pass on every path but the GEMV (`block_linear_takes_fp8_rows`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""Triton dynamic FP8 (e4m3fn) activation quantization: per token-group and per token.
-
-For each group g of a row x (128 consecutive columns, or the whole row per token):
-    scale_g = max(amax(|x_g|), AMAX_FLOOR) / FP8_MAX        (fp32)
-    q_g     = fp8(clamp(x_g / scale_g, -FP8_MAX, FP8_MAX))  (round to nearest even)
-so x_g ~= q_g * scale_g. The division is IEEE (div_rn), bit-equal to torch's fp32 division, and
-an all-zero group gets a tiny scale and zero codes. `quantize_fp8_tile` is the shared math; the
-FP8 GEMM calls it to quantize its activation tiles in place of this pass, and the RMSNorm and
-SiLU-and-mul kernels call it to write `Fp8GroupRows` of their output alongside it.
+"""Triton dynamic FP8 (e4m3fn) activation quantization, per token-group (128 columns) or per token:
+    scale_g = max(amax(|x_g|), AMAX_FLOOR) / FP8_MAX;  q_g = fp8(clamp(x_g / scale_g, FP8 range))
+in fp32, the division IEEE (bit-equal to torch's). `quantize_fp8_tile` is the shared math: the FP8
+GEMM quantizes its activation tiles with it, and RMSNorm and SiLU-and-mul write `Fp8GroupRows`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""FP8 (e4m3fn) weight quantization and dequantization for loading time, in torch.
-
-Two checkpoint layouts of a weight W [N, K] (out_features, in_features):
-- block (Qwen's official FP8, DeepSeek): `weight` fp8 [N, K] and `weight_scale_inv` fp32
-  [ceil(N / bn), ceil(K / bk)] (bn = bk = 128), W[n, k] ~= weight[n, k] * scale_inv[n // bn, k // bk];
-  edge blocks cover what is left of N and K.
-- per output channel (compressed-tensors FP8): `weight` fp8 [N, K] and `weight_scale` fp32 [N, 1],
-  W[n, k] ~= weight[n, k] * weight_scale[n, 0].
-Quantizing scales each block (or row) so its abs-max maps to FP8_MAX; an all-zero block gets a tiny
-scale. These run once per weight on the loading device, so they are plain torch ops, not kernels.
+"""FP8 (e4m3fn) weight (de)quantization at load time, in plain torch (once per weight). Layouts of
+W [N, K]: block (Qwen, DeepSeek): `weight_scale_inv` [ceil(N / 128), ceil(K / 128)],
+W[n, k] ~= weight[n, k] * scale_inv[n // 128, k // 128], edge blocks partial; per channel
+(compressed-tensors): `weight_scale` [N, 1]. Quantizing maps each block's (or row's) abs-max to
+FP8_MAX; an all-zero block gets a tiny scale.
 """
 
 from __future__ import annotations

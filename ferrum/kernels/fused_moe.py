@@ -1,22 +1,12 @@
-"""Triton fused mixture-of-experts over stacked expert weights.
-
-out[t] = sum_j w[t, j] * w2[e] @ (silu(g) * u), e = topk_ids[t, j], (g, u) = split(w13[e] @ x[t]).
-Two paths, both with the roundings of `fused_moe_ref` (each matmul, the silu and the product are
-rounded to the input dtype; the weighted sum over j is fp32, in order j = 0..k-1, then rounded):
-
-- small batch (num_tokens <= SMALL_BATCH_MAX_TOKENS): two GEMV launches, no align
-  (`fused_moe_small_batch`).
-- grouped: pairs grouped by expert and padded to BLOCK_M (`moe_align_block_size`); one grouped-
-  GEMM kernel runs twice (x @ w13[e]^T with SiLU-and-mul -> act [T*k, I], then act @ w2[e]^T times
-  the routing weight -> [T*k, H] fp32), and a combine kernel sums the k rows of each token.
-
-Every size is a function of (T, k, E, H, I): no host sync, safe in a CUDA graph.
-
-FP8 experts (`w13_scale` / `w2_scale` given): w13 and w2 are float8_e4m3fn with fp32 scales per
-128x128 block ([E, 2I / 128, H / 128] and [E, H / 128, I / 128]). The weights stream at one byte
-each and the activations stay in the input dtype: a K step (BLOCK_K divides 128) multiplies by the
-FP8 codes (exact in the input dtype) and scales its fp32 partial product by the block's scale, so
-the weights act as dequantized in fp32, as in `fused_moe_fp8_ref`.
+"""Triton fused mixture-of-experts over stacked expert weights:
+    out[t] = sum_j w[t, j] * w2[e] @ (silu(g) * u),  e = topk_ids[t, j],  (g, u) = w13[e] @ x[t]
+with `fused_moe_ref`'s roundings (each matmul, the silu and the product in the input dtype; the sum
+over j in fp32, j = 0..k-1). Small batches (<= SMALL_BATCH_MAX_TOKENS): two GEMV launches
+(`fused_moe_small_batch`). Else pairs are grouped by expert and padded to BLOCK_M (`moe_align`),
+one grouped GEMM runs twice (w13 with SiLU-and-mul, then w2 times the routing weight, fp32) and a
+combine kernel sums each token's k rows. Sizes depend on (T, k, E, H, I) only: CUDA-graph safe.
+FP8 experts: w13, w2 e4m3fn with fp32 scales per 128x128 block; activations stay in their dtype
+and each K step's fp32 partial is scaled by its block's scale, as `fused_moe_fp8_ref`.
 """
 
 from __future__ import annotations
@@ -323,17 +313,12 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,  # [num_experts, 2I / 128, H / 128] float32 (FP8)
     w2_scale: torch.Tensor | None = None,  # [num_experts, H / 128, I / 128] float32 (FP8)
 ) -> torch.Tensor:
-    """The mixture of `fused_moe_ref`, [num_tokens, hidden_size] in hidden's dtype.
-
-    The small-batch path runs when num_tokens <= small_batch_max_tokens, else the grouped path.
-    small_batch_max_tokens defaults to SMALL_BATCH_MAX_TOKENS, or to 0 when a grouped `config`
-    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) is given: passing one asks for the grouped
-    GEMM. Without one, tiles come from the tuned file for this shape and device, else the
-    defaults (`fused_moe_config`); `small_config` overrides the small path's tiles.
-    A (token, choice) pair whose expert id lies outside [0, num_experts) contributes zero and
-    reads no expert weights (expert parallelism: another rank's expert).
-    With the scales, w13 and w2 are FP8 experts (see the module docstring) and the result is
-    that of `fused_moe_fp8_ref`.
+    """The mixture of `fused_moe_ref` (of `fused_moe_fp8_ref` with the scales), [num_tokens,
+    hidden_size] in hidden's dtype. The small-batch path runs up to small_batch_max_tokens
+    (SMALL_BATCH_MAX_TOKENS, or 0 when a grouped `config` is given: that asks for the grouped GEMM);
+    tiles otherwise come from the tuned file, else the defaults; `small_config` overrides the small
+    path's. A pair whose expert id is outside [0, num_experts) (another rank's expert under expert
+    parallelism) adds zero and reads no weights.
     """
     _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape

@@ -1,16 +1,10 @@
-"""Tile configs of the fused MoE kernels: tuned JSON files per shape and device, else defaults.
-
-A file `fused_moe_configs/E{E}_I{I}_H{H}[_fp8]_{device}.json` (device: the CUDA device name with
-spaces as underscores; `_fp8` for FP8 experts, whose best tiles differ: a byte a weight) holds up
-to two sections, each mapping a batch-size bucket (the most tokens it covers, as a string) to a
-config:
-- "grouped": BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages (written by
-  benchmarks/tune_fused_moe.py --save);
-- "small": GATE_UP_BLOCK_N, GATE_UP_BLOCK_K, DOWN_BLOCK_E (may be left out: 1), DOWN_SPLIT (0 or
-  1, may be left out: 0), DOWN_BLOCK_N, DOWN_BLOCK_K, num_warps, num_stages (written by
-  benchmarks/bench_moe_layer.py --sweep --save).
-A batch takes the smallest bucket that covers it, or the largest one. A missing section falls
-back to the same shape's file without `_fp8`, then to the defaults below.
+"""Tile configs of the fused MoE kernels: `fused_moe_configs/E{E}_I{I}_H{H}[_fp8]_{device}.json`
+(FP8 experts' best tiles differ) maps batch buckets (the most tokens covered) to configs in up to
+two sections: "grouped" (BLOCK_M/N/K, num_warps, num_stages; `tune_fused_moe.py --save`) and
+"small" (GATE_UP_BLOCK_N/K, DOWN_BLOCK_E (default 1), DOWN_SPLIT (default 0), DOWN_BLOCK_N/K,
+num_warps, num_stages; `bench_moe_layer.py --sweep --save`). A batch takes the smallest bucket
+covering it, or the largest; a missing section falls back to the file without `_fp8`, then to the
+defaults below.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""Triton gated delta rule, decode: one recurrent step per request, state updated in place.
-
-Per request i and value head h, with S = state_pool[slot_ids[i], h] ([k_dim, v_dim], fp32 math):
-
-    q, k = l2norm(q), l2norm(k)                  (when use_qk_l2norm; x * rsqrt(sum(x^2) + 1e-6))
-    S  = exp(g) * S
-    S += k (beta * (v - S^T k))^T
-    o  = S^T (scale * q)
-
-Value head h reads query/key head h // (num_v_heads // num_k_heads). Same math as
-`gated_delta_rule_decode_ref`. Requests with slot id < 0 are padding (CUDA graph buckets): their
-output is zero and no state is touched. Slot ids of live requests must be distinct.
+"""Triton gated delta rule, decode: one recurrent step per request and value head h, the state
+S = state_pool[slot_ids[i], h] updated in place (fp32; `gated_delta_rule_decode_ref`):
+    q, k = l2norm(q), l2norm(k) (use_qk_l2norm);  S = exp(g) * S;  S += k (beta * (v - S^T k))^T
+    o = S^T (scale * q)        (value head h reads q/k head h // (num_v_heads // num_k_heads))
+Slot id < 0 is padding (CUDA graph buckets): zero output, no state touched; live slot ids differ.
 """
 
 from __future__ import annotations

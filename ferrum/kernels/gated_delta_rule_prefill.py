@@ -1,21 +1,13 @@
-"""Triton gated delta rule, prefill: chunked over variable-length sequences packed in one batch.
-
-Same values as the per-token recurrence of `gated_delta_rule_ref` (see there), computed a chunk of
-C = 64 tokens at a time (the WY / UT form of transformers' `torch_chunk_gated_delta_rule`). Per
-value head, with S the state entering the chunk, G_t = sum_{s<=t} g_s inside the chunk and
-q already l2-normalised and scaled:
-
-    N    = strict_lower((beta * K) K^T * exp(G_i - G_j))        [C, C]
-    T    = (I + N)^-1                                           (unit lower triangular)
-    U    = T (beta * V),  W = T (beta * exp(G) * K)
-    V'   = U - W S                                              (the delta-rule corrections)
-    O    = (exp(G) * Q) S + lower((Q K^T) * exp(G_i - G_j)) V'
-    S    = exp(G_C) S + (exp(G_C - G) * K)^T V'
-
-T is built by block doubling (`_unit_lower_inverse`) in fp32 matmuls.
-Sequence i (tokens cu_seqlens[i]:cu_seqlens[i+1]) starts from state_pool[slot_ids[i]] (zeros
-where has_initial_state[i] is False) and writes its final state back there; slot ids must be
-distinct, and sequences with slot id < 0 are padding (zero output, no state touched).
+"""Triton gated delta rule, prefill: the recurrence of `gated_delta_rule_ref` over packed
+variable-length sequences, C = 64 tokens at a time (the WY / UT form of transformers'
+`torch_chunk_gated_delta_rule`). Per value head, S the state entering the chunk, G_t the in-chunk
+cumulative sum of g, q l2-normalised and scaled:
+    N = strict_lower((beta * K) K^T * exp(G_i - G_j));  T = (I + N)^-1   (block doubling, fp32)
+    U = T (beta * V);  W = T (beta * exp(G) * K);  V' = U - W S
+    O = (exp(G) * Q) S + lower((Q K^T) * exp(G_i - G_j)) V'
+    S = exp(G_C) S + (exp(G_C - G) * K)^T V'
+Sequence i starts from state_pool[slot_ids[i]] (zeros unless has_initial_state[i]) and writes its
+final state back; slot ids are distinct, slot id < 0 is padding (zero output, no state touched).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
-"""Torch reference for the gated delta rule (gated DeltaNet linear attention): the CPU path and the
-oracle the Triton kernels are tested on.
-
-Per value head, with state S [k_dim, v_dim], for each token t (all math in float32):
-
-    q_t, k_t = l2norm(q_t), l2norm(k_t)          (when use_qk_l2norm; x * rsqrt(sum(x^2) + 1e-6))
-    S  = exp(g_t) * S                            (g_t <= 0: log decay)
-    S += k_t (beta_t * (v_t - S^T k_t))^T        (delta rule: write the correction, rate beta_t)
-    o_t = S^T (scale * q_t)                      (scale defaults to k_dim ** -0.5)
-
-Value head h reads query/key head h // (num_v_heads // num_k_heads). This is the recurrence of
-transformers' `torch_recurrent_gated_delta_rule` (Qwen3-Next, Qwen3.5); its chunked form
-`torch_chunk_gated_delta_rule` computes the same values.
-
-State pool layout: `[num_slots, num_v_heads, k_dim, v_dim]`; a request's state lives at its slot.
+"""Torch reference for the gated delta rule (gated DeltaNet): the CPU path and the Triton kernels'
+oracle. Per value head, state S [k_dim, v_dim], each token t, fp32 math:
+    q_t, k_t = l2norm(q_t), l2norm(k_t)      (use_qk_l2norm; x * rsqrt(sum(x^2) + 1e-6))
+    S = exp(g_t) * S                         (g_t <= 0: log decay)
+    S += k_t (beta_t * (v_t - S^T k_t))^T    (delta rule: write the correction at rate beta_t)
+    o_t = S^T (scale * q_t)                  (scale defaults to k_dim ** -0.5)
+Value head h reads q/k head h // (num_v_heads // num_k_heads): transformers'
+`torch_recurrent_gated_delta_rule`. Pool layout: `[num_slots, num_v_heads, k_dim, v_dim]`.
 """
 
 from __future__ import annotations

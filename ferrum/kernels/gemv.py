@@ -1,11 +1,7 @@
-"""Triton GEMV for fp16/bf16 weights at one activation row: out = x @ W^T (+ bias).
-
-At one row a linear layer is a read of W, and cuBLAS's kernels read it below HBM speed at some of
-the decode shapes (benchmarks/bench_gemv.py). Program p computes out[m, n0:n0 + BLOCK_N] for
-m = p % M (rows vary fastest, so programs reading one W tile run together and share it in L2),
-n0 = (p // M) * BLOCK_N: it streams W's [BLOCK_N, BLOCK_K] tiles through CUDA cores, multiplying
-in fp32 per lane and summing once at the end. Rows past the first re-read W, so only decode
-batches of one row take it (dense_linear.py).
+"""Triton GEMV for fp16/bf16 weights at one activation row: out = x @ W^T (+ bias), where cuBLAS
+reads W below HBM speed at some decode shapes (`bench_gemv.py`). Program p computes
+out[p % M, n0:n0 + BLOCK_N], n0 = (p // M) * BLOCK_N (programs sharing a W tile share it in L2),
+fp32 per lane, summed once. Rows past the first re-read W: only one-row batches take it.
 """
 
 from __future__ import annotations

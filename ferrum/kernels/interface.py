@@ -1,10 +1,7 @@
-"""The one kernel interface the model layers are built with, implemented twice.
-
-`triton_kernels()` holds the Triton launchers (it imports triton); `torch_kernels()` holds the
-torch references (`*_ref.py`), adapted here to the launchers' signatures for the arguments the
-layers pass: in place where the launcher works in place, host copies of the index tensors where
-the reference loops on the host. Layers call the ops with no branch on which set they hold and
-ask `is_triton` only where what the two can do differs.
+"""The one kernel interface the model layers are built with, twice: `triton_kernels()` (the Triton
+launchers) and `torch_kernels()` (the `*_ref.py` references, adapted to the launchers' signatures:
+in place where the launcher is, host copies of index tensors where a reference loops on the host).
+Layers never branch on the set; they ask `is_triton` only where the two can do different things.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Groups (token, choice) pairs by expert and pads each group to the GEMM's M tile, on the device.
-
-Pair p = t * top_k + j is token t's j-th expert choice. The result is sized by a static bound that
-depends only on (num_pairs, num_experts, block_m), with no host sync, so it can run inside a CUDA
-graph: `sorted_pair_ids [max_blocks * block_m]` lists each expert's pairs in ascending pair order,
-expert after expert, every group padded to a multiple of block_m with the sentinel num_pairs;
-`expert_ids [max_blocks]` is the expert of each M-block (-1 past the used blocks);
-`num_pairs_post_padded [1]` is the number of used entries (a multiple of block_m).
-
-Two launches over the same split of the pairs into spans (one span per program, CHUNK pairs at a
-time), deterministic and without atomics:
-  count:   program s stores span s's per-expert histogram in counts[s, :] and fills its share
-           of sorted_pair_ids with the sentinel;
-  scatter: program s sums counts over all spans (padded starts) and over spans < s (its offset
-           inside each group), then writes pair p to padded_start[e] + offset[e] + (pairs of e
-           before p in the span); it also fills its share of expert_ids, and span 0 the total.
+"""Groups (token, choice) pairs (p = t * top_k + j) by expert, each group padded to the GEMM's M
+tile, on the device with sizes bounded by (num_pairs, num_experts, block_m): no host sync, CUDA
+graph safe. `sorted_pair_ids [max_blocks * block_m]`: each expert's pairs ascending, padded with the
+sentinel num_pairs; `expert_ids [max_blocks]`: each M-block's expert (-1 unused);
+`num_pairs_post_padded [1]`: entries used.
+Two deterministic launches without atomics over the same spans (one per program): `count` stores
+span s's expert histogram in counts[s, :] and sentinel-fills its share; `scatter` sums counts over
+all spans (padded starts) and spans < s (its offsets) and writes each pair to its place.
 """
 
 from __future__ import annotations

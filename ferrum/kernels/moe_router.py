@@ -1,10 +1,7 @@
-"""Triton top-k router for mixture-of-experts: softmax over experts, top-k, optional renormalise.
-
-Row t: p = softmax(logits[t]) in float32; the k largest p in descending order, equal values
-taken lowest expert id first; with `renormalize` the k weights are divided by their sum. One
-program per token, one launch; every size is a function of (num_tokens, num_experts, top_k), so
-the op is safe inside a CUDA graph. The torch reference is `select_experts` in
-model_executor/layers/fused_moe.py.
+"""Triton top-k MoE router: p = softmax(logits[t]) in fp32, the k largest in descending order
+(ties: lowest expert id first), with `renormalize` divided by their sum. One program a token;
+sizes depend on (num_tokens, num_experts, top_k) only: CUDA graph safe. Reference:
+`fused_moe_ref.select_experts`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
-"""Pieces shared by the paged-attention kernels: the online-softmax KV loop, argument checks,
-the store of the output quantized per head for an FP8 o_proj (`store_fp8_heads`).
-
-KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys,
-1 values); slot s lives at block `s // block_size`, offset `s % block_size`.
-
-Sliding window W (off by default): the query at position p sees keys p - W < k <= p (transformers'
-convention). The kernels never read keys (nor their block-table entries) below the first window
-of a program's queries, so blocks that slid out of every window may be freed.
+"""Pieces shared by the paged-attention kernels: the online-softmax KV loop, argument checks, the
+per-head FP8 store of the output (`store_fp8_heads`). KV cache per layer:
+`[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, values); slot s is at block
+s // block_size, offset s % block_size. Sliding window W: the query at p sees p - W < k <= p; the
+kernels never read keys (nor block-table entries) below their queries' first window, so blocks
+that slid out of every window may be freed.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
-"""Programmatic dependent launch (PDL): on Hopper and later a kernel starts while the kernel before
-it in the stream is still finishing.
+"""Programmatic dependent launch (PDL, sm90+): a kernel launched with `**pdl_launch_args(device)`
+may start once every program of the kernel before it called `pdl_launch_dependents` (or exited);
+its `pdl_wait` returns once that kernel finished and its writes are visible. A decode step's
+kernels launch this way and call `pdl_launch_dependents` first, so they wait on the device instead
+of paying each launch in turn (a GEMV loads its first weight tile before the wait).
 
-A kernel launched with PDL (`**pdl_launch_args(device)`) may start once every program of the
-kernel before it has called `pdl_launch_dependents` (or exited). Its `pdl_wait` returns once that
-kernel has finished and its writes are visible. The kernels a decode step chains (norms, GEMVs,
-RoPE/KV write, split-KV attention, SiLU-and-mul, the MoE router and small-batch experts) launch
-this way wherever they run, so a step's kernels start early and wait on the device instead of
-paying each launch and ramp-up in turn. A GEMV loads its first weight tile before the wait,
-overlapping the previous kernel's tail.
-
-Invariants of a kernel launched with PDL:
-- Before `pdl_wait` it reads only what no kernel writes while serving (weights, scales) and
-  writes nothing.
-- Every program calls `pdl_wait`, also one with nothing to do. A kernel whose programs all
-  skipped the wait could finish before the kernel it follows. The kernel after it would then
-  read too soon: its own wait only covers its immediate predecessor.
-
-Kernels call `pdl_launch_dependents` first, so the next kernel is queued as soon as this one's
-last program has started; its programs take free slots and wait there.
-Off the GPU (Triton's interpreter), before sm90, on ROCm, with a Triton that lacks griddepcontrol
-(`triton.language.extra.cuda.gdc_wait`), and with FERRUM_DEBUG_NO_PDL=1 (an A/B switch), kernels
-launch plainly and both calls compile to nothing.
+Invariants of a PDL kernel: before `pdl_wait` it reads only what no serving kernel writes
+(weights, scales) and writes nothing; every program calls `pdl_wait`, even one with nothing to do
+(else it could finish before its predecessor, and the next kernel's wait covers only its own).
+Off the GPU, before sm90, on ROCm, without Triton's gdc_wait or with FERRUM_DEBUG_NO_PDL=1 (A/B
+switch), kernels launch plainly and both calls compile to nothing.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Triton RMSNorm and fused residual-add + RMSNorm, rounded like Hugging Face's LlamaRMSNorm.
-
-y = weight * (x / sqrt(mean(x^2) + eps)).to(dtype): statistics in fp32, the normalised row
-rounded to the input dtype before the weight multiply (one rounding of the product). The fused
-form first rounds residual + x to the input dtype, stores it as the new residual, then normalises it.
-The `*_fp8` forms also write the normalised rows quantized per token-group of 128
-(`Fp8GroupRows`, bit-equal to `per_token_group_quant_fp8` of the output), for an FP8 linear layer
-that reads them in place of its own quantization pass; they add the sum of squares group by
-group, so their output may differ from the plain forms' in the last bit.
+"""Triton RMSNorm and fused residual-add + RMSNorm, rounded like Hugging Face's LlamaRMSNorm:
+y = weight * (x / sqrt(mean(x^2) + eps)).to(dtype), statistics in fp32; the fused form first rounds
+residual + x to the input dtype and stores it as the new residual. The `*_fp8` forms also write
+`Fp8GroupRows` (as `silu_and_mul_fp8`); their sum of squares goes group by group, so their output
+may differ from the plain forms' in the last bit.
 """
 
 from __future__ import annotations

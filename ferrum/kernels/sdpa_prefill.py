@@ -1,26 +1,14 @@
-"""Causal attention of long prompt chunks through torch's SDPA (cuDNN's fused attention first).
+"""Causal attention of long prompt chunks through torch's SDPA, cuDNN first (H100, 8,000 tokens at
+Qwen3 shapes: 0.86 ms a layer, the Triton kernel 2.14, FlashAttention-2 1.64). Chunks of at least
+SDPA_PREFILL_MIN_TOKENS after a cached prefix of at most PREFIX_PER_CHUNK chunks take SDPA, one
+request at a time; the runs between take the paged kernel (`long_prefill_segments`). Such steps
+never replay a CUDA graph (those hold at most 512 tokens).
 
-On the H100, cuDNN's attention ran an 8,000-token prompt at Qwen3 shapes in 0.86 ms a layer
-against 2.14 ms for ferrum's Triton kernel and 1.64 ms for FlashAttention-2
-(benchmarks/bench_prefill_attention.py). The layer sends each chunk of at least
-SDPA_PREFILL_MIN_TOKENS tokens whose cached prefix is at most PREFIX_PER_CHUNK times as long
-through SDPA, and the runs of other requests between them (decodes, short chunks, chunks after a
-long prefix) through the paged kernel (`long_prefill_segments`). Such steps are never replayed
-from a CUDA graph (those hold at most 512 tokens). Each request runs on its own, the KV heads not
-repeated.
-- A fresh chunk (its whole context, no prefix-cache hit): its rotated q, k and v are at hand.
-- A chunk after a cached prefix of p tokens: SDPA's causal mask aligns the query rows with the
-  first keys, so the chunk's queries go to rows [p, p + chunk) of a square problem over the
-  whole context, the prefix's rows zero; keys and values come from the paged cache (the step
-  wrote the chunk's before attending). The p wasted query rows cost (p + chunk)^2 / 2 key-query
-  pairs at cuDNN's ~600 TFLOP/s against chunk * (p + chunk / 2) at the paged kernel's ~240:
-  below p = 3 x chunk the square is faster, and PREFIX_PER_CHUNK = 2 kept it 1.39x or more on
-  the H100 at Qwen3-8B's heads. FlashAttention-2 is no faster than the paged kernel there, so
-  if cuDNN does not take any one SDPA layer's shape (`cudnn_takes`), start-up turns chunks after
-  a prefix off for the whole model (`InputBuffers.sdpa_prefix_per_chunk = 0`).
-cuDNN builds an execution plan per shape (a compile in the serving path), so each request is
-copied into a buffer of one fixed layout, padded to one of a few lengths (`padded_length`), whose
-plans the runner builds at start-up up to `max_len` tokens of context.
+After a prefix of p tokens SDPA's causal mask aligns queries with the first keys, so the chunk's
+queries fill rows [p, p + chunk) of a square problem over the context, K and V read from the cache:
+cheaper than the paged kernel below p = 3 x chunk (~600 vs ~240 TFLOP/s; PREFIX_PER_CHUNK = 2 kept
+1.39x+). Where cuDNN rejects a layer's shape (`cudnn_takes`) chunks after a prefix are off. cuDNN
+plans per shape, so requests are padded into fixed buffers (`padded_length`), planned at start-up.
 """
 
 from __future__ import annotations
