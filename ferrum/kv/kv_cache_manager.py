@@ -1,15 +1,9 @@
-"""The KV cache of every layer group behind one small API: the scheduler sees one request.
-
-Each group (`KVCacheGroupSpec`: full attention or a sliding window) has its own block pool and a
-block table per request. `allocate_slots` grows every group's table for the same tokens, or none
-of them; a prefix hit is the longest prefix that every group can serve, so the KV of a hit in
-every layer is exactly what a cold run would compute. Block ids travel per group: a tuple with
-one list per group, in group order.
-
-A recurrent group (linear-attention layers) can only serve a prefix where it kept a snapshot of
-the state (every `snapshot_interval_blocks`, see recurrent_state_manager.py), so a hybrid
-model's hit is the longest prefix with both the attention blocks and a snapshot, and its prefill
-chunks end on a snapshot boundary when one falls inside (`chunk_end`).
+"""The KV cache of every layer group behind one API: the scheduler sees one request. Each group
+(full attention, sliding window, recurrent) has its own pool and per-request table; block ids travel
+as one list per group, in group order. `allocate_slots` grows every group's table for the same
+tokens or none; a prefix hit is the longest every group can serve, so its KV is exactly what a cold
+run computes. A recurrent group serves only prefixes ending at a state snapshot, so a hybrid
+model's prefill chunks end on a snapshot boundary when one falls inside (`chunk_end`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Layer groups of the KV cache: which layers share block tables, and how they use them.
-
-Layers of one group have the same attention kind and share one block pool and one block table per
-request; each layer keeps its own cache tensor over that pool. Full-attention layers keep every
-block of a request; sliding-window layers (window W: position p reads keys p - W < k <= p) release
-the blocks that slid out of every future query's window. Recurrent layers (gated DeltaNet) keep
-no KV: one fixed-size state slot per request (conv + recurrent state), whose id heads the
-group's block table (the other entries are the null block, so every group's table has the same
-length).
+"""Layer groups of the KV cache: layers of one attention kind share a block pool and a table per
+request, each keeping its own cache tensor over that pool. Full attention keeps every block;
+sliding window W (p reads p - W < k <= p) releases blocks out of every future window; recurrent
+layers (gated DeltaNet) keep one state slot per request, its id heading a table of null blocks as
+long as the other groups' tables.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
-"""State slots of recurrent (linear-attention) layers: one live slot per request, plus snapshots
-of the state at block boundaries for the prefix cache.
-
-A request's table in this group is as long as the other groups' tables (one entry per block of
-its computed and scheduled tokens), so the runner addresses every group alike:
-
-- entry 0 is the request's live slot: the conv and recurrent state of every layer of the group
-  after its computed tokens. It is taken when the request is first scheduled and released when
-  it finishes or is preempted (a preempted request recomputes its state, or restarts from a hit).
-- entry b - 1 (b a multiple of `snapshot_interval_blocks`, b >= 2) may hold a snapshot slot: the
-  state after the first b blocks. One is taken when a chunk ends exactly at b * block_size and
-  computes the whole block b - 1; the runner copies the live state into it after that step's
-  forward. It is cached under block b - 1's chained hash (which pins every token before it) at
-  the next `begin_step`, so no request of the same step can hit it before it is written, and the
-  request releases it at its next allocation (it stays hittable until evicted, LRU).
-- every other entry is the null slot 0.
-
-A prefix hit of b blocks (b a multiple of the interval) is `[0] * (b - 1) + [snapshot]`: the
-request takes a fresh live slot for entry 0 and holds the snapshot until its next allocation;
-the runner copies the snapshot into the live slot before the forward.
+"""State slots of recurrent (linear-attention) layers: one live slot per request plus snapshots at
+block boundaries for the prefix cache. A request's table is as long as the other groups':
+- entry 0: the live slot (every layer's conv and recurrent state after the computed tokens), taken
+  at first scheduling, released on finish or preemption (the state is then recomputed).
+- entry b - 1 (b >= 2 a multiple of `snapshot_interval_blocks`) may hold a snapshot of the state
+  after b blocks, taken when a chunk ends exactly there and filled by the runner from the live slot
+  after the forward. It is cached under block b - 1's chained hash at the next `begin_step` (so no
+  request of its step hits it unwritten) and released by the request at its next allocation.
+- every other entry: the null slot 0.
+A hit of b blocks is `[0] * (b - 1) + [snapshot]` with a fresh live slot, into which the runner
+copies the snapshot before the forward; the request holds the snapshot until its next allocation.
 """
 
 from __future__ import annotations
@@ -41,7 +32,8 @@ class RecurrentStateManager(LayerGroupManager):
         super().__init__(num_slots, block_size, enable_prefix_caching)
         if not isinstance(snapshot_interval_blocks, int) or snapshot_interval_blocks < 2:
             raise ValueError(
-                f"snapshot_interval_blocks must be an integer >= 2, got {snapshot_interval_blocks!r}"
+                "snapshot_interval_blocks must be an integer >= 2, "
+                f"got {snapshot_interval_blocks!r}"
             )
         self.snapshot_interval_blocks = snapshot_interval_blocks
         self._tables: dict[str, list[int]] = {}

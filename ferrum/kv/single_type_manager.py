@@ -1,10 +1,7 @@
-"""Per-request block tables of one layer group over its own block pool, with prefix caching.
-
-A request owns a list of block ids (its block table); block `i` holds the KV of tokens
-`[i * block_size, (i + 1) * block_size)` in every layer of the group. Blocks are taken on demand
-as tokens are scheduled and released, tail first, when the request finishes or is preempted.
-`FullAttentionManager` keeps every block; `SlidingWindowManager` (sliding_window_manager.py) also
-releases the blocks that slid out of the window, leaving the null block 0 in their table entries.
+"""Per-request block tables of one layer group over its own pool, with prefix caching: block i of a
+table holds tokens [i * block_size, (i + 1) * block_size) in every layer of the group. Blocks are
+taken as tokens are scheduled and released, tail first, on finish or preemption; the sliding-window
+manager also releases blocks that slid out of the window (null block 0 in their place).
 """
 
 from __future__ import annotations

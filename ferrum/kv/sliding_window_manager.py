@@ -11,15 +11,10 @@ UNBOUNDED_TOKENS = 1 << 62
 
 
 class SlidingWindowManager(FullAttentionManager):
-    """Block tables of sliding-window layers: query position p reads keys p - W < k <= p.
-
-    Before a request's next tokens (from position c) are allocated, every block wholly below
-    c - W + 1 is released (cached ones stay hittable until evicted), so a decoding request holds
-    at most ceil((W - 1) / block_size) + 2 blocks.
-
-    A prefix hit of n blocks needs only the blocks of the window before position n * block_size,
-    each verified by its tokens and chained to the one before it; the tokens before the window
-    are pinned by the chained block hash of its first block (whose parent may be evicted).
+    """Block tables of sliding-window layers (p reads p - W < k <= p). Before tokens from position c
+    are allocated, blocks wholly below c - W + 1 are released (cached ones stay hittable), so a
+    decode holds at most ceil((W - 1) / block_size) + 2 blocks. A hit of n blocks needs only the
+    window's blocks before n * block_size; the chained hash of its first pins the tokens before.
     """
 
     def __init__(

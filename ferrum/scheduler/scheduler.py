@@ -1,19 +1,10 @@
-"""Continuous batching under one token budget per step.
-
-Every step, running requests are served first (decodes and unfinished prompt chunks alike, in
-admission order), then waiting requests are admitted while budget, sequence slots and KV blocks
-last. "Prefill" and "decode" are not separate paths: each scheduled request simply gets
-`num_scheduled_tokens` so that its `num_computed_tokens` catches up with its `num_tokens`.
-When the KV pool runs dry, the most recently admitted running request is preempted (its blocks
-are freed and it is recomputed later), never a crash.
-
-A waiting request whose grammar (structured outputs) is still compiling is passed over, keeping
-its place; one whose compile failed is finished (aborted) and reported by `take_failed`. The
-grammar's matcher accepts every output token as it is appended; once the grammar has ended (its
-end token accepted) the request stops with "stop".
-
-A request that asks for prompt logprobs takes no prefix-cache hit until they are sent: they are
-computed by the forward over the prompt (as vLLM does).
+"""Continuous batching under one token budget per step: running requests first (decodes and prompt
+chunks alike, admission order), then waiting ones while budget, sequence slots and KV blocks last.
+Prefill and decode are one path: each request gets `num_scheduled_tokens` toward `num_tokens`. A dry
+KV pool preempts the most recently admitted running request (freed, recomputed), never a crash.
+A request whose grammar still compiles keeps its place unscheduled; a failed compile aborts it
+(`take_failed`); a grammar that ended stops the request with "stop". A request asking for prompt
+logprobs takes no prefix-cache hit until they are sent (the prompt's forward computes them).
 """
 
 from __future__ import annotations
