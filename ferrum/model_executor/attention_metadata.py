@@ -11,14 +11,11 @@ from ferrum.kernels.sdpa_prefill import AttentionSegment
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    """Describes a flattened batch of `num_tokens` query tokens from `num_reqs` requests.
-
-    Request i owns query tokens `query_start_loc[i] : query_start_loc[i + 1]`; they are the last
-    `query_len_i` tokens of its `seq_lens[i]`-token context, so attention is causal within the
-    chunk and sees the whole cached prefix (or its window). Each KV cache group g has its own
-    block tables; KV for token t is written to slot `slot_mapping[g][t]` (block_id * block_size +
-    offset) of every cache of group g before attention reads it.
-    `max_query_len` and `max_seq_len` may be upper bounds (CUDA-graph padding).
+    """A flattened batch of `num_tokens` query tokens from `num_reqs` requests. Request i's queries
+    `query_start_loc[i]:query_start_loc[i + 1]` are the last tokens of its `seq_lens[i]`-token
+    context (causal within the chunk, seeing the cached prefix or its window). Token t's KV goes to
+    slot `slot_mapping[g][t]` (block_id * block_size + offset) of every cache of group g before
+    attention reads it. `max_query_len` and `max_seq_len` may be upper bounds (CUDA-graph padding).
     """
 
     num_reqs: int

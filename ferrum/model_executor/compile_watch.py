@@ -1,12 +1,8 @@
-"""Reports every Triton kernel variant this process compiles after start-up.
-
-Start-up (the warm-up batches and CUDA graph capture) is meant to compile every variant serving
-can reach; a variant compiled later made the request that reached it wait for the compiler. The
-watch hooks Triton's post-compile hook (process-wide, in front of any hook already set), logs
-each such variant once with its specialisation (argument types, which integers were 1 or a
-multiple of 16), and keeps the list for benchmarks and tests. It is diagnostics only: a Triton
-without the hook (before 3.4), or a hook that fails, never stops a compile or a launch. Triton's
-interpreter compiles nothing, so on the CPU the list stays empty.
+"""Reports every Triton kernel variant compiled after start-up, which is meant to compile every
+variant serving reaches (a late one makes its request wait for the compiler). It chains Triton's
+post-compile hook, logs each variant once with its specialisation and keeps the list for
+benchmarks and tests. Diagnostics only: a Triton without the hook or a failing hook never stops a
+compile; the interpreter (CPU) compiles nothing.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""How many KV blocks fit, per layer group, and the per-layer cache tensors.
-
-Per layer the cache is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, with this rank's
-KV heads under tensor parallelism (`tp_size`) and num_blocks the pool size of the layer's group (`KVCacheGroupSpec`); block 0 of every pool is the padding
-block that the KV manager never hands out. A budget is split between the groups in proportion to
-what one sequence of max_model_len holds in each (a sliding-window group holds its window only).
-
-Under pipeline parallelism a rank holds the caches of its stage's layers only (`layer_ids`): its
-bytes per block count those, and a group with none of its layers there needs no room on it.
-
-Linear-attention layers (the recurrent group) get a state pool instead: per layer a conv state
-`[num_slots, conv_width - 1, conv_dim]` in the model dtype and a recurrent state
-`[num_slots, num_v_heads, k_dim, v_dim]` in float32, slot 0 again padding. The recurrent group
-takes a slot for every sequence (max_num_seqs + 1, and max_num_seqs more for prefix-cache
-snapshots when prefix caching is on) when that fits in half the budget (else half the budget's
-worth), before the attention groups split the rest.
+"""How many KV blocks fit per layer group, and the per-layer caches `[2, num_blocks, block_size,
+num_kv_heads, head_dim]` (this rank's KV heads; block 0 of every pool is padding, never handed out).
+A budget splits between groups by what one max_model_len sequence holds in each (a sliding window
+its window only); a pipeline stage counts only its own layers (`layer_ids`). Recurrent layers get
+state pools instead (conv `[num_slots, conv_width - 1, conv_dim]` in the model dtype, recurrent
+`[num_slots, num_v_heads, k_dim, v_dim]` fp32, slot 0 padding): max_num_seqs + 1 slots, plus
+max_num_seqs for snapshots with prefix caching, within half the budget, before attention's split.
 """
 
 from __future__ import annotations

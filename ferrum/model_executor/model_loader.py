@@ -40,11 +40,10 @@ def load_model(
     pipeline_stage: PipelineStage | None = None,
 ) -> nn.Module:
     """The model of `model_config.architecture` on `device` in `model_config.dtype`, built with
-    the (resolved) kernel backend, with weights from the checkpoint's safetensors ("auto",
-    "safetensors") or random ("dummy"). With a tensor-parallel group, this rank's shard, reading only its part of each
-    checkpoint tensor (dummy weights: this rank's share of the same random draw is not
-    reproduced; each rank draws its own shard from the seed). With a pipeline stage, that
-    stage's layers only."""
+    the (resolved) kernel backend, weights from the checkpoint's safetensors ("auto",
+    "safetensors") or random ("dummy"). With a tensor-parallel group, this rank's shard, reading
+    only its part of each checkpoint tensor (dummy weights: each rank draws its own shard from the
+    seed). With a pipeline stage, that stage's layers only."""
     model_class = get_model_class(model_config.architecture)
     kernels = load_kernels(kernel_backend)
     device = torch.device(device)

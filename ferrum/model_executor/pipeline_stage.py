@@ -1,10 +1,7 @@
-"""Which decoder layers a pipeline stage holds, and the parts of the model around them.
-
-Stage s of P holds the decoder layers [start_layer, end_layer) (an even split, the earlier stages
-taking one more where it does not divide: the last stage also holds the LM head). The first
-stage holds the token embedding, the last the final norm and the LM head; layer indices stay
-global, so checkpoint names and KV cache layer groups mean the same on every stage. A stage's
-forward takes the previous stage's `(hidden, residual)` and returns its own to the next one.
+"""Which decoder layers a pipeline stage holds: stage s of P holds [start_layer, end_layer) of an
+even split (earlier stages take one more where it does not divide); the first also holds the
+embedding, the last the final norm and LM head. Layer indices stay global, so checkpoint names and
+KV cache groups mean the same on every stage. A stage's forward maps `(hidden, residual)` in to out.
 """
 
 from __future__ import annotations

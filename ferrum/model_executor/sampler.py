@@ -1,11 +1,8 @@
-"""Token sampling on the logits' device, without device-to-host syncs.
-
-Order per step: logprobs from the raw logits; the structured-output bitmask, allowed_token_ids,
-the banned tokens (min_tokens' stop ids, bad words), logit_bias; repetition, frequency and
-presence penalties; greedy rows take the argmax; random rows apply temperature, top-k, top-p and
-min-p, then sample with the exponential race `argmax(probs / q)`, q ~ Exp(1), which picks token i
-with probability probs[i]. Seeded rows draw q from their own generator, so their tokens do not
-depend on the rest of the batch.
+"""Token sampling on the logits' device, without device-to-host syncs. Order: logprobs of the raw
+logits; bitmask, allowed_token_ids, banned tokens (min_tokens, bad words), logit_bias; repetition,
+frequency and presence penalties; greedy rows take the argmax; random rows apply temperature,
+top-k, top-p and min-p, then take `argmax(probs / q)`, q ~ Exp(1) (token i with probability
+probs[i]). Seeded rows draw q from their own generator, independent of the rest of the batch.
 """
 
 from __future__ import annotations

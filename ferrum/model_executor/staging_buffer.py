@@ -1,13 +1,8 @@
-"""A device buffer filled from host staging memory by one host->device copy per step.
-
-Each step lays its arrays out from offset 0 (`take`), fills their host views, then `copy`s the
-bytes taken at once; each device view aliases the same offset of the device buffer. Arrays start
-on 64-byte boundaries: a Triton kernel is compiled for its pointers' alignment, so a layout must
-not change it from step to step.
-
-The host may run ahead of the device (async scheduling; prompt chunks that sample nothing are
-never waited for), so the host memory alternates between two sets (pinned on CUDA) and a set is
-rewritten only once the event recorded after its last copy has fired.
+"""A device buffer filled from host staging memory by one host->device copy per step: a step lays
+its arrays out from offset 0 (`take`), fills their host views and `copy`s the taken bytes at once.
+Arrays start on 64-byte boundaries (Triton compiles for its pointers' alignment, so it must not
+change between steps). The host may run ahead of the device, so host memory alternates between two
+sets (pinned on CUDA), each rewritten only once the event after its last copy has fired.
 """
 
 from __future__ import annotations

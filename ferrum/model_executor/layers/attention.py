@@ -1,13 +1,9 @@
-"""Paged attention layer: writes this step's K/V into the layer's cache, then attends over it.
-
-The cache per layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`, bound once by the
-model runner through `bind_kv_cache`. The layer's kernels fuse RoPE, the optional Qwen3 q/k norm
-and the KV-cache write into one call before paged attention. With the Triton kernels on an sm80+
-GPU, long prompt chunks (after no cached prefix, or a short one) attend through torch's SDPA
-instead of the paged kernel (`kernels/sdpa_prefill.py`), the step's other requests through the
-paged kernel, unless the layer has a sliding window, an FP8 cache (whose prefill reads the
-rounded keys and values back) or a head size SDPA's fused backends do not take (a multiple of 8
-up to 256); see `takes_sdpa_prefill`.
+"""Paged attention layer: one kernel call writes this step's K/V into the layer's cache (fused with
+RoPE and the optional q/k norm), then attention reads it. The runner binds the cache
+`[2, num_blocks, block_size, num_kv_heads, head_dim]` (`bind_kv_cache`). With Triton on sm80+, long
+prompt chunks after no or a short cached prefix attend through SDPA (`kernels/sdpa_prefill.py`),
+unless the layer has a sliding window, an FP8 cache (its prefill reads the rounded K/V back) or a
+head size SDPA's fused backends reject (`takes_sdpa_prefill`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""Token embedding and the LM head (optionally tied to the embedding), whole or split over the
-ranks of a tensor-parallel group by vocabulary rows.
-
-Split, the vocabulary is padded to a multiple of the group size; rank r holds rows
-[r * n, (r + 1) * n), n = padded / tp (padding rows are zero and never loaded). The embedding
-looks up the ids in its range (zeros elsewhere) and all-reduces; the LM head computes its logits
-columns and all-gathers them, so every rank holds the same full [n, vocab_size] logits.
+"""Token embedding and the LM head (optionally tied), whole or split over a tensor-parallel group
+by vocabulary rows: padded to a multiple of tp, rank r holds rows [r * n, (r + 1) * n) (padding
+zero, never loaded). The embedding looks up its range and all-reduces; the LM head all-gathers its
+logit columns, so every rank holds the same full logits.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""Mixture-of-experts layer: top-k router plus the fused expert op over stacked weights,
-split over the ranks of a tensor-parallel group by intermediate rows or by whole experts.
-
-Experts are stored stacked: `w13 [E, 2I, H]` (each expert's gate rows, then its up rows) and
-`w2 [E, H, I]`. Checkpoints load either per expert (gate / up / down tensors of one expert, copied
-into that expert's slice) or already stacked (HF `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`).
-A `quant_method` (layers/quantization/fp8_moe.py) makes the expert weights in its format, with
-scale parameters each of whose entries covers an `output_block` x `output_block` weight block,
-and runs the experts; every size and offset of such a parameter is in blocks.
+"""Mixture-of-experts layer: top-k router plus the fused expert op over stacked weights `w13`
+[E, 2I, H] (gate rows, then up rows) and `w2` [E, H, I], split over tensor-parallel ranks by
+intermediate rows or whole experts. Checkpoints load per expert or already stacked (HF
+`gate_up_proj`, `down_proj`). A `quant_method` (fp8_moe.py) makes the weights in its format and runs
+the experts; its scale parameters' sizes and offsets are in `output_block` blocks.
 """
 
 from __future__ import annotations
@@ -39,13 +35,10 @@ GATE, UP, GATE_UP, DOWN = "gate", "up", "gate_up", "down"
 
 
 class FusedMoE(nn.Module):
-    """The experts of one MoE block, this rank's share of them.
-
-    Tensor parallel (default): every rank holds every expert with intermediate rows
-    [r * I_r, (r + 1) * I_r), I_r = I / tp, and the partial outputs are all-reduced. Expert
-    parallel: rank r holds experts [r * E_r, (r + 1) * E_r), E_r = E / tp, whole; the router
-    still picks among all E, ids of other ranks' experts become -1 (they contribute zero here)
-    and the all-reduce adds every rank's experts. Loading reads only the rank's share.
+    """The experts of one MoE block, this rank's share. Tensor parallel (default): every expert,
+    intermediate rows [r * I / tp, (r + 1) * I / tp). Expert parallel: experts
+    [r * E / tp, (r + 1) * E / tp) whole; other ranks' expert ids become -1 (zero here). Either
+    way the partial outputs are all-reduced and loading reads only the rank's share.
     """
 
     def __init__(

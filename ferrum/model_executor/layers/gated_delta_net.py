@@ -1,14 +1,9 @@
-"""Gated DeltaNet linear attention (Qwen3.5's `linear_attn`) over per-request state slots.
-
-Per token: a fused projection gives qkv (through a short causal depthwise conv + SiLU), the
-output gate z, beta = sigmoid(b) and the log decay g = -exp(A_log) * softplus(a + dt_bias); the
-gated delta rule (kernels/gated_delta_rule_ref.py, q and k L2-normed) mixes q, k, v into each
-value head's recurrent state; a per-head RMSNorm gated by SiLU(z) and `out_proj` follow.
-
-State: the layer's conv pool `[num_slots, conv_width - 1, conv_dim]` and recurrent pool
-`[num_slots, num_v_heads, k_dim, v_dim]` (float32), bound by the runner. Request i's slot is the
-first entry of its block table in the layer's KV cache group; the runner zeroes a slot before a
-request's first token, so every sequence continues from its slot's state.
+"""Gated DeltaNet linear attention (Qwen3.5's `linear_attn`) over per-request state slots. A fused
+projection gives qkv (through a short causal conv + SiLU), the gate z, beta = sigmoid(b) and
+g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule (kernels/gated_delta_rule_ref.py)
+updates each value head's state; a per-head RMSNorm gated by SiLU(z) and `out_proj` follow. The
+runner binds the conv and recurrent (fp32) pools; a request's slot heads its block table and is
+zeroed before its first token, so every sequence continues from its slot's state.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""Linear layers, plain and merged (fused qkv / gate_up), and the parameter loading protocol.
-
-Every parameter made here carries `weight_loader(param, tensor, shard_id) -> covered shard keys`
-and `shard_ids` (the keys that must all be covered before the parameter counts as loaded).
-A layer built with a `quant_method` (layers/quantization) holds the weights that method makes
-(e.g. FP8 codes and their scales) and runs its GEMM; a parameter whose rows each cover
-`output_block` output rows (block scales: 128) loads a merged shard into rows offset // block.
+"""Linear layers, plain and merged (qkv, gate_up), and the parameter loading protocol: every
+parameter carries `weight_loader(param, tensor, shard_id) -> covered shard keys` and `shard_ids`
+(all must be covered before it counts as loaded). A `quant_method` makes the weights (e.g. FP8
+codes and scales) and runs the GEMM; a parameter whose rows each cover `output_block` output rows
+loads a merged shard into rows offset // block.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""Tensor-parallel linear layers: one class per way of splitting a weight over the ranks.
-
-- Column parallel: each rank holds a block of output rows and produces its slice of the output
-  (no communication). The merged variants (gate/up, q/k/v) split each projection on its own, so
-  every rank's local matrix is again [gate_r; up_r] or [q_r; k_r; v_r].
-- Row parallel: each rank holds a block of input columns, multiplies its slice of the input and
-  the partial outputs are summed over the ranks (all-reduce); the bias is added once, after.
-
-With a group of one rank these are exactly `Linear` / `MergedLinear` (same parameters, loaders
-and forward). With more, each parameter's loader `reads_slices`: it narrows the checkpoint
-tensor to this rank's block before anything is read from the file. A quantized layer's block
-scales (`output_block` = 128 weight rows and columns per entry) are narrowed in blocks, so each
-rank's share must start and end on block boundaries (else a ValueError names the sizes);
-per-channel scales ([N, 1]) split with the output rows and stay whole across input columns.
+"""Tensor-parallel linear layers, one class per way of splitting a weight over the ranks. Column
+parallel: each rank holds a block of output rows, no communication (the merged variants split each
+projection on its own: every rank's matrix is again [gate_r; up_r] or [q_r; k_r; v_r]). Row
+parallel: each rank holds a block of input columns; partial outputs are all-reduced, bias added
+once. With one rank these are exactly `Linear` / `MergedLinear`. Loaders `reads_slices`: only the
+rank's block is read from the file. Block scales narrow in 128-blocks, so each share must start
+and end on block boundaries (else a ValueError); per-channel scales split with the output rows.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Qwen3.5 (text): gated DeltaNet linear-attention layers interleaved with gated full attention.
-
-Full attention (every `full_attention_interval`-th layer): q_proj yields each head's query and
-an output gate side by side, q/k get a per-head (1 + w) RMSNorm, RoPE rotates only the first
-head_dim * partial_rotary_factor dims, and the attention output is multiplied by sigmoid(gate).
-Linear layers: `GatedDeltaNet` (a recurrent state per request; layers/gated_delta_net.py).
-Norms are (1 + w) RMSNorms. Text input only: the multi-axis RoPE of the multimodal checkpoints
-reduces to plain RoPE when every axis has the text position, and the vision tower is skipped.
+"""Qwen3.5 (text): gated DeltaNet linear-attention layers (layers/gated_delta_net.py) interleaved
+with gated full attention every `full_attention_interval` layers: q_proj yields each head's query
+and a gate, q/k get a per-head RMSNorm, RoPE rotates the first head_dim * partial_rotary_factor
+dims, and the output is multiplied by sigmoid(gate). Norms are (1 + w) RMSNorms. Text only: the
+multimodal RoPE reduces to plain RoPE when every axis has the text position; no vision tower.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""W8A8 FP8 linear layers: float8_e4m3fn weights with fp32 scales, activations quantized
-dynamically (per token-group of 128 for block scales, per token for per-channel scales).
-
-Parameters (names as the checkpoints spell them; W[n, k] ~= weight[n, k] * scale):
-- block:   `weight` fp8 [N, K], `weight_scale_inv` (fp8 checkpoints) or `weight_scale`
-           (compressed-tensors) fp32 [ceil(N / 128), K / 128], each row covering 128 output rows;
-- channel: `weight` fp8 [N, K], `weight_scale` fp32 [N, 1].
-K must be a multiple of 128 (the activation group). Quantizing on load keeps `weight` in the model
-dtype until every shard is in, then replaces it by its 128x128-block quantization.
-On CUDA the product runs in the layer's kernels (Triton: kernels/fp8_linear.py); elsewhere the
-torch reference dequantizes both operands and multiplies in fp32 (same quantization math).
+"""W8A8 FP8 linear layers: e4m3fn weights with fp32 scales, activations quantized dynamically (per
+token-group of 128 for block scales, per token for per-channel). W[n, k] ~= weight[n, k] * scale,
+scale `weight_scale_inv` / `weight_scale` [ceil(N / 128), K / 128] (block) or `weight_scale` [N, 1]
+(channel); K % 128 == 0. Quantizing on load keeps `weight` in the model dtype until every shard is
+in, then quantizes it in 128x128 blocks. On CUDA the layer's kernels run the product
+(kernels/fp8_linear.py); elsewhere the torch reference dequantizes and multiplies in fp32.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""FP8 experts of a FusedMoE layer: float8_e4m3fn `w13` [E, 2I, H] and `w2` [E, H, I] with fp32
-scales per 128x128 block, `w13_scale` [E, 2I / 128, H / 128] and `w2_scale` [E, H / 128, I / 128]
-(from the experts' `weight_scale_inv`; gate rows then up rows, so I % 128 == 0).
-
-The experts are weight-only FP8: the kernels apply the block scales to their fp32 sums
-(kernels/fused_moe.py), the torch reference dequantizes whole experts in fp32. Quantizing on load
-keeps the stacked experts in the model dtype until loaded, then quantizes each expert.
+"""FP8 experts of a FusedMoE layer, weight-only: e4m3fn `w13` [E, 2I, H] and `w2` [E, H, I] with
+fp32 scales per 128x128 block (from `weight_scale_inv`; gate rows then up rows, so I % 128 == 0).
+The kernels scale their fp32 sums; the torch reference dequantizes whole experts. Quantizing on
+load keeps the stacked experts in the model dtype until loaded, then quantizes each.
 """
 
 from __future__ import annotations
