@@ -106,7 +106,8 @@ def profile_gpu_kv_budget(runner: StartUpRunner) -> int:
     if hidden is not None:  # the last stage samples
         num_sampled = min(sched.max_num_seqs, num_tokens)
         logits = runner.model.compute_logits(hidden[:num_sampled])
-        row = SamplingRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50), [], [], None, set())
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50).resolve()
+        row = SamplingRow(params, [], [], None, set())
         runner.sampler(
             logits,
             SamplingMetadata.from_rows(
