@@ -1,4 +1,4 @@
-"""Typed, validated engine configuration. Every knob is a field here and a CLI flag of the same name."""
+"""Typed, validated engine configuration: every knob is a field here and a CLI flag of its name."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """How a model's linear layers are quantized: config.json's `quantization_config` and the
-`quantization` engine argument (vLLM's name), resolved once into a typed QuantConfig.
-
-Supported (W8A8 FP8 e4m3, activations quantized dynamically at run time):
-- "fp8" checkpoints (Qwen's and DeepSeek's official FP8): float8_e4m3fn weights with
-  `weight_scale_inv` per 128x128 block; `modules_to_not_convert` stay in the model dtype.
-- "compressed-tensors" FP8 checkpoints (llm-compressor's FP8_DYNAMIC / FP8_BLOCK): float8 weights
-  with `weight_scale` per output channel or per 128x128 block; `ignore` modules stay unquantized.
-- `quantization="fp8"` on an unquantized checkpoint: weights quantized per 128x128 block while
-  loading (the same weight format, so one GEMM path).
-Anything else (static activation scales, other block sizes, int formats, FP8 MoE experts) is a
-ValueError naming the field and what is supported. This module reads config dicts only.
+`quantization` engine argument, resolved once into a typed QuantConfig (from config dicts only).
+Supported, W8A8 FP8 e4m3 with dynamic activations: "fp8" checkpoints (Qwen, DeepSeek;
+`weight_scale_inv` per 128x128 block; `modules_to_not_convert` unquantized); "compressed-tensors"
+FP8 (`weight_scale` per output channel or 128x128 block; `ignore` unquantized); `quantization="fp8"`
+on an unquantized checkpoint (quantized per 128x128 block while loading). Anything else (static
+activation scales, other block sizes, int formats) is a ValueError naming the field; config.py
+refuses MoE models with per-channel scales.
 """
 
 from __future__ import annotations

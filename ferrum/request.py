@@ -42,13 +42,10 @@ _FINISH_REASONS = {
 
 
 class Request:
-    """One sequence: its tokens, how many of them are in the KV cache, and its status.
-
-    Invariant: `num_computed_tokens <= num_tokens + num_output_placeholders`. The tokens in
-    `[num_computed_tokens, num_tokens)` still have to go through a forward before the next token
-    can be sampled. A placeholder is an output token that a launched step samples but whose value
-    the scheduler has not seen yet: with async scheduling the next step is scheduled (and its
-    input read on the device) before the previous step's tokens reach the host.
+    """One sequence: its tokens, how many are in the KV cache, and its status. Invariant:
+    `num_computed_tokens <= num_tokens + num_output_placeholders`; tokens in
+    `[num_computed_tokens, num_tokens)` still need a forward before the next sample. A placeholder
+    is a token a launched step samples that the scheduler has not seen yet (async scheduling).
     """
 
     __slots__ = (

@@ -37,12 +37,9 @@ MAX_LOGIT_BIAS = 100.0
 @dataclass
 class StructuredOutputsParams:
     """Constrains the output to a JSON schema, a regex, one of fixed strings, an EBNF grammar
-    (xgrammar's GBNF dialect, root rule `root`), any JSON object, or an xgrammar structural tag
-    (what `tool_choice` compiles to) (vLLM's names).
-
-    Exactly one field is set. `json` is a schema and `structural_tag` a structural tag, each as a
-    dict or its JSON text. This validates the shape of the fields only; whether a schema, regex or grammar compiles is decided by the
-    grammar compiler (`ferrum.structured_output`), which reports problems as `ValueError`.
+    (xgrammar's GBNF, root rule `root`), any JSON object, or an xgrammar structural tag (vLLM's
+    names). Exactly one is set; `json` and `structural_tag` are dicts or JSON text. This checks the
+    fields' shapes only: the grammar compiler raises ValueError for what does not compile.
     """
 
     json: dict[str, Any] | str | None = None

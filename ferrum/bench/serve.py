@@ -1,10 +1,8 @@
 """Online load generator for any OpenAI-compatible server (TTFT, TPOT, ITL, E2EL, throughput).
 
-Requests stream (`stream_options.include_usage`, `ignore_eos`), so output lengths are the
-server's own counts. A request succeeds only if its stream ends with `data: [DONE]` and carried
-output; HTTP errors, error events, truncated streams, timeouts and refused or reset connections
-are failures with their error string. Exit code: 0 when at least one request completed (failures
-are reported in the summary), 1 when every request failed.
+Requests stream with `include_usage` and `ignore_eos`, so output lengths are the server's counts.
+A request succeeds only if its stream carried output and ended with `data: [DONE]`; anything else
+is a failure with its error string. Exit code 0 when at least one request completed, else 1.
 """
 
 from __future__ import annotations

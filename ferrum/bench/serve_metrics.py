@@ -88,7 +88,7 @@ def summarize(
         result["request_goodput"] = good / duration
     else:
         result["request_goodput"] = None
-    # The same figure under the name.
+    # The same figure under the `--goodput` flag's name.
     result["goodput"] = result["request_goodput"]
     samples = {
         "ttft": [r.ttft for r in done],

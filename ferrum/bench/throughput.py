@@ -32,7 +32,7 @@ class ThroughputResult:
     num_requests: int
     num_prompt_tokens: int
     num_output_tokens: int
-    # Prompt tokens served from the prefix cache (0 unless prompts share prefixes with earlier ones).
+    # Prompt tokens served from the prefix cache (0 unless prompts share earlier ones' prefixes).
     num_cached_prompt_tokens: int
     requests_per_second: float
     tokens_per_second: float

@@ -1,10 +1,7 @@
-"""The tensor-parallel group of one rank and the collectives the model layers call.
-
-Layers hold a `TensorParallelGroup` passed to them at build time and never see the backend (NCCL
-on CUDA, gloo on CPU) or the executor that started the process. A group of world size 1 needs no
-torch.distributed at all: every collective returns its input unchanged (today's single-process
-path). Collectives run on the caller's current CUDA stream, so with NCCL they can be captured in
-CUDA graphs as long as the group is initialised before capture.
+"""The tensor-parallel group of one rank and the collectives the model layers call. Layers hold a
+`TensorParallelGroup` and never see the backend (NCCL, gloo) or the executor. At world size 1 every
+collective returns its input (no torch.distributed). Collectives run on the current CUDA stream,
+so NCCL ones can be captured in CUDA graphs once the group is initialised.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""One rank's view of the pipeline: its stage, the peer ranks activations go to and come from,
-and the broadcast that brings the last stage's sampled tokens to every rank.
-
-Global rank r is tensor-parallel rank r % tp of stage r // tp; a stage sends to and receives
-from the ranks of the same tensor-parallel index in the neighbouring stages. Every call runs on
-the caller's current CUDA stream with NCCL (the host does not wait): a stage's launch order is
-the order its peers post the matching calls, which every rank follows because every rank runs
-the same steps in the same order.
+"""One rank's view of the pipeline: its stage, its peers, and the broadcast of the last stage's
+sampled tokens. Global rank r is tensor-parallel rank r % tp of stage r // tp and talks to the
+same tp index in the neighbouring stages. Calls run on the caller's CUDA stream with NCCL (the
+host never waits); they match because every rank runs the same steps in the same order.
 """
 
 from __future__ import annotations

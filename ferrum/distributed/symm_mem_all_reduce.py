@@ -1,14 +1,9 @@
 """All-reduce of small bf16 messages through torch symmetric memory (peer loads over NVLink).
-
-Measured on 2 H200s (benchmarks/bench_all_reduce.py --symm-mem, RESULTS.md), per all-reduce
-replayed in a CUDA graph, [tokens, 4096] bf16: one-shot 7.7 / 11.0 us at 1 / 64 tokens against
-NCCL's 9.3 / 12.9; two-shot 16.9 / 25.1 us at 256 / 512 tokens against NCCL's 29.2 / 34.7. So
-messages up to ONE_SHOT_MAX_BYTES go one-shot (every rank reads every peer's buffer), those up to
-MAX_BYTES two-shot (reduce-scatter then all-gather through the buffers), larger ones stay on
-NCCL. Multicast (multimem) is not used: it is off on the machines measured.
-
-Both ops are graph-capturable and end with a barrier across ranks, so the one symmetric buffer
-is reused by the next all-reduce on the same stream.
+On 2 H200s in a CUDA graph, [tokens, 4096] (RESULTS.md): one-shot 7.7 / 11.0 us at 1 / 64 tokens
+vs NCCL's 9.3 / 12.9; two-shot 16.9 / 25.1 us at 256 / 512 vs 29.2 / 34.7. So messages up to
+ONE_SHOT_MAX_BYTES go one-shot, up to MAX_BYTES two-shot (reduce-scatter, all-gather), larger on
+NCCL; no multicast (off on the machines measured). Both ops are graph-capturable and end with a
+barrier, so the one symmetric buffer is free for the next all-reduce on the stream.
 """
 
 from __future__ import annotations

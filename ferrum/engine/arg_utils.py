@@ -26,8 +26,8 @@ from ferrum.logger import init_logger
 
 logger = init_logger(__name__)
 
-# vLLM engine arguments ferrum does not have yet -> the value that means "off" in vLLM (accepted:
-# it asks for what ferrum does). The issue that adds one removes its entry here.
+# vLLM engine arguments ferrum does not have -> the value that means "off" in vLLM (accepted: it
+# asks for what ferrum does); any other value raises a ValueError naming the argument.
 NOT_SUPPORTED_YET: dict[str, Any] = {
     "enable_lora": False,
     "max_lora_rank": None,

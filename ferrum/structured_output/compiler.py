@@ -1,15 +1,9 @@
 """GrammarCompilerService: grammars compiled off the engine loop, cached, each with a deadline.
-
-Every compile runs on a thread of its own, at most `max_workers` at once, queued in order beyond
-that; requests for an equal GrammarSpec share one compile while it is in flight and one result
-after (an LRU cache of successes; failures are not kept). A request's grammar has a deadline,
-`timeout_s` after it was asked for: `PendingGrammar.done()` never blocks, and `result()` blocks at
-most until the deadline, then raises GrammarCompileTimeoutError (a ValueError: a bad request).
-
-xgrammar cannot stop a compile. A compile still running `timeout_s` after it started is overdue:
-it runs on to its end (the result is cached) but no longer holds a worker slot, so a slow grammar
-never delays the ones queued behind it. At most `max_overdue` compiles run overdue; past that they
-keep their slots (the service slows down rather than starting threads without bound).
+Compiles run on threads, at most `max_workers` at once; equal GrammarSpecs share one compile and
+one cached result (LRU, successes only). `PendingGrammar.done()` never blocks; `result()` blocks
+until `timeout_s` after the ask, then raises GrammarCompileTimeoutError (a ValueError). xgrammar
+cannot stop a compile: an overdue one runs on (its result cached) but frees its worker slot, so it
+delays no other; past `max_overdue` overdue ones keep their slots (threads stay bounded).
 """
 
 from __future__ import annotations
@@ -73,7 +67,7 @@ class PendingGrammar:
         self._timeout_s = timeout_s
 
     def done(self) -> bool:
-        """True when `result()` returns or raises at once: compiled, failed, or past the deadline."""
+        """Whether `result()` returns or raises at once: compiled, failed, or past the deadline."""
         return self._future.done() or time.monotonic() >= self.deadline
 
     def result(self) -> CompiledGrammar:

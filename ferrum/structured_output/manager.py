@@ -1,16 +1,9 @@
-"""StructuredOutputManager: one process's grammar compiles, and each request's grammar state.
-
-The compile service needs xgrammar's view of the vocabulary, which takes seconds to build for a
-150k-token vocabulary: it is built on a thread of its own when the first structured request
-arrives, so processes that never see one never pay for it and the engine loop never waits on it.
-A request's compile deadline (`compile_timeout_s`) starts once the service exists.
-
-In one process (the offline `LLMEngine`) the front end and the engine core share one manager, so
-a grammar compiles once. With the core in its own process (the API server) each process has its
-own: the front end compiles to answer a bad grammar with a 400 before the request is accepted,
-the core compiles again from the same spec (a cache hit for repeated schemas). Shipping the
-compiled grammar instead would cost about as much: serializing and deserializing a tool-call
-schema's grammar over Qwen3's vocabulary takes ~100-170 ms and ~0.5-0.8 MB per request.
+"""StructuredOutputManager: one process's grammar compiles and each request's grammar state.
+xgrammar's vocabulary view takes seconds to build, so it is built on its own thread at the first
+structured request (compile deadlines start once it exists). The offline `LLMEngine` and its core
+share one manager; with the core in its own process each side compiles: the front end to answer a
+bad grammar with a 400, the core again from the spec (cache hits for repeated schemas). Shipping
+the compiled grammar would cost as much (~100-170 ms and ~0.5-0.8 MB per tool-call schema).
 """
 
 from __future__ import annotations

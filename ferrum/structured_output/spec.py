@@ -25,11 +25,9 @@ class GrammarKind(Enum):
 
 @dataclass(frozen=True, slots=True)
 class GrammarSpec:
-    """A grammar to compile. Equal specs compile to the same grammar.
-
-    `text` is canonical: a JSON schema or a structural tag as compact JSON (key order kept: it
-    orders the output's properties), choices as a compact JSON list, a regex or an EBNF grammar verbatim, and "" for
-    `json_object`.
+    """A grammar to compile; equal specs compile to the same grammar. `text` is canonical: a JSON
+    schema or structural tag as compact JSON (key order kept: it orders the output's properties),
+    choices as a compact JSON list, a regex or EBNF grammar verbatim, "" for `json_object`.
     """
 
     kind: GrammarKind

@@ -1,11 +1,7 @@
-"""xgrammar's view of a model's vocabulary, built from ferrum's Tokenizer (no transformers).
-
-Invariants of the built `TokenizerInfo`:
-- it has the MODEL's vocab size (the logits' width): ids the tokenizer does not define (padded
-  lm_head rows) and special tokens are empty entries, which xgrammar never allows;
-- the stop tokens are allowed only where the grammar may end, and end it;
-- regular tokens are given in the tokenizer's own encoding (byte-level, byte-fallback or raw),
-  which xgrammar decodes to bytes; added non-special tokens (e.g. `<think>`) are text.
+"""xgrammar's view of a model's vocabulary, from ferrum's Tokenizer. It has the MODEL's vocab size
+(the logits' width): undefined ids (padded lm_head rows) and special tokens are empty entries,
+never allowed; stop tokens are allowed only where the grammar may end, and end it. Regular tokens
+are in the tokenizer's own encoding (xgrammar decodes them); added non-special tokens are text.
 """
 
 from __future__ import annotations
