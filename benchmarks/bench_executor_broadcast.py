@@ -1,5 +1,5 @@
-"""Per-step cost of sending a SchedulerOutput to tensor-parallel workers (issue 14's bar: < 5% of
-a decode step at batch 256).
+"""Per-step cost of sending a SchedulerOutput to tensor-parallel workers (the bar: < 5% of a
+decode step at batch 256).
 
 What the multiprocess executor does each step, timed on the host alone (no model, no GPU):
 the core pickles the step once and writes the bytes to every worker's pipe (`send`); each worker
@@ -15,7 +15,8 @@ core publishes their bitmask rows, Qwen3's vocabulary, in the shared-memory slot
 through a compiled Ray graph (constrained rows inline in the message, as the Ray executor sends
 them); `ray-actor` one plain actor call per rank and message, the alternative it was chosen over.
 The Ray executor sends each step's LaunchStep with the CompleteStep that follows it, in one
-execution answered by rank 0, so a step costs about `round_trip_ms` there. Needs `pip install 'ferrum[ray]'`; starts a local Ray instance.
+execution answered by rank 0, so a step costs about `round_trip_ms` there. Needs
+`pip install 'ferrum[ray]'`; starts a local Ray instance.
 
     python benchmarks/bench_executor_broadcast.py --batch 256 --workers 2 --steps 2000
     python benchmarks/bench_executor_broadcast.py --transport ray-graph ray-actor --workers 2

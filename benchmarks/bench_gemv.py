@@ -7,7 +7,8 @@ in graphs); prints microseconds and the weight bytes read per second. --sweep ti
 GEMV tiles per shape and prints the best; --save writes ferrum/kernels/gemv_configs/<device>.json
 with the shapes where that tile beat F.linear by more than --min-gain (only those take the GEMV).
 
-    python benchmarks/bench_gemv.py --models benchmarks/models/qwen3-8b,benchmarks/models/qwen3-0.6b \
+    python benchmarks/bench_gemv.py \
+        --models benchmarks/models/qwen3-8b,benchmarks/models/qwen3-0.6b \
         --sweep --save --out $OUT/gemv.json
 """
 

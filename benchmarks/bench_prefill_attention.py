@@ -52,14 +52,19 @@ def main() -> int:
     context = args.prefix_len + seq
     gen = torch.Generator(device="cuda").manual_seed(0)
     # Views of one packed projection output, as the models hand them to the attention layer.
-    qkv = torch.randn(context, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16, generator=gen)  # fmt: skip
+    qkv = torch.randn(
+        context, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16, generator=gen
+    )
     query, keys, values = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     query = query[args.prefix_len :].view(seq, heads, dim)
     keys, values = keys.view(context, kv_heads, dim), values.view(context, kv_heads, dim)
     num_blocks = -(-context // BLOCK_SIZE)
     pool = torch.randperm(num_blocks, device="cuda", generator=gen) + 1
-    kv_cache = torch.zeros(2, num_blocks + 1, BLOCK_SIZE, kv_heads, dim, device="cuda", dtype=torch.bfloat16)  # fmt: skip
-    slots = (pool[torch.arange(context, device="cuda") // BLOCK_SIZE] * BLOCK_SIZE) + torch.arange(context, device="cuda") % BLOCK_SIZE  # fmt: skip
+    kv_cache = torch.zeros(
+        2, num_blocks + 1, BLOCK_SIZE, kv_heads, dim, device="cuda", dtype=torch.bfloat16
+    )
+    positions = torch.arange(context, device="cuda")
+    slots = pool[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
     kv_cache[0].view(-1, kv_heads, dim)[slots] = keys
     kv_cache[1].view(-1, kv_heads, dim)[slots] = values
     scale = dim**-0.5
@@ -106,16 +111,23 @@ def main() -> int:
         unified = {k: v for k, v in paged.items() if k != "max_seq_len"}
         for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
             tile = dict(block_n=block_n, num_warps=warps, num_stages=stages)
-            record(f"ferrum n{block_n} w{warps} s{stages}", lambda: paged_attention_unified(**unified, **tile))  # noqa: B023  # fmt: skip
+            name = f"ferrum n{block_n} w{warps} s{stages}"
+            record(name, lambda tile=tile: paged_attention_unified(**unified, **tile))
     # ferrum's SDPA path as the layer runs it on a step of this one chunk (packed, padded), per
     # backend, then with its backend order.
     cached = CachedContext(kv_cache, paged["block_tables"], [context])
+    chunk_kv = (keys[args.prefix_len :], values[args.prefix_len :])
     for name, backends in (
         ("sdpa_prefill cudnn", [SDPBackend.CUDNN_ATTENTION]),
         ("sdpa_prefill flash", [SDPBackend.FLASH_ATTENTION]),
         ("sdpa_prefill", PREFILL_BACKENDS),
     ):
-        record(name, lambda: sdpa_prefill(query, keys[args.prefix_len :], values[args.prefix_len :], [0, seq], scale, None, backends, cached))  # noqa: B023  # fmt: skip
+        record(
+            name,
+            lambda backends=backends: sdpa_prefill(
+                query, *chunk_kv, [0, seq], scale, None, backends, cached
+            ),
+        )
     if args.prefix_len:
         paged_attention(**paged)
         ours = sdpa_prefill(query, query, query, [0, seq], scale, None, context=cached)
@@ -132,7 +144,10 @@ def main() -> int:
         ("sdpa_efficient", SDPBackend.EFFICIENT_ATTENTION),
     ):
         with sdpa_kernel(backend):
-            record(name, lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale))  # noqa: B023  # fmt: skip
+            record(
+                name,
+                lambda: F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale),
+            )
             if reference is None and "ms" in results["rows"][name]:
                 reference = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
     if reference is not None:

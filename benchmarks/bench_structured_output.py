@@ -10,7 +10,8 @@ vocabulary width without any download.
 For each batch size (`--batch`, default 1,64): `batch` requests with `--input-len` token prompts
 are prefilled, then `--steps` decode steps are timed (wall time per engine step = TPOT), once
 unconstrained and once with every request under the schema below (it cannot end before
-`--steps` tokens: a minimum item count; `constrained_running_at_end` checks it). The host time spent filling bitmasks is reported too.
+`--steps` tokens: a minimum item count; `constrained_running_at_end` checks it). The host time
+spent filling bitmasks is reported too.
 Async scheduling (the CUDA default) is on for both runs: a constrained step's forward is queued
 first, and its mask is filled (after the previous step's tokens reach the matchers) while the
 device runs it; `deferred_sampling_steps` counts the steps sampled that way.

@@ -84,9 +84,9 @@ def main() -> int:
         f"{args.num_prompts} x {args.input_len}-token prompts, {args.output_len} tokens out: "
         f"wall {[round(w * 1e3, 1) for w in walls]} ms (the last profiled)"
     )
-    print(f"kernels {device_ms:.1f} ms: " + ", ".join(
-        f"{kind} {us / 1e3:.1f} ms ({us / 1e3 / device_ms:.0%})" for kind, us in sorted(totals.items())
-    ))  # fmt: skip
+    kinds = sorted(totals.items())
+    shares = [f"{kind} {us / 1e3:.1f} ms ({us / 1e3 / device_ms:.0%})" for kind, us in kinds]
+    print(f"kernels {device_ms:.1f} ms: " + ", ".join(shares))
     for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {us / 1e3:8.2f} ms  {kind_of(name):9s} {name[:90]}")
     llm.shutdown()

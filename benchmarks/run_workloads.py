@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--scale",
         type=float,
         default=1.0,
-        help="multiply every token and prompt count (tiny CPU runs: 0.02; nano lengths stay >= 100)",
+        help="multiply every token and prompt count (tiny CPU runs: 0.02; nano lengths >= 100)",
     )
     parser.add_argument("--lat-iters", type=int, default=5, help="timed repetitions of lat")
     parser.add_argument("--lat-warmup", type=int, default=2, help="untimed repetitions of lat")

@@ -1,10 +1,11 @@
-"""Times the Triton fused MoE over a grid of tile configs, per token count, on Qwen3-30B-A3B shapes.
+"""Times the Triton fused MoE over a grid of tile configs per token count, at Qwen3-30B-A3B shapes.
 
 Prints, for each token count, the default config's time, the best config and its time, and the
 time the active experts' weights take to stream at HBM bandwidth. Times are CUDA events around
 eager calls (median of repeats), so small token counts include launch gaps that CUDA graphs hide:
 confirm a config change with the end-to-end `lat` workload.
-Usage: python benchmarks/tune_fused_moe.py [--tokens 16,64,256] [--save ferrum/kernels/fused_moe_configs]
+Usage: python benchmarks/tune_fused_moe.py [--tokens 16,64,256]
+    [--save ferrum/kernels/fused_moe_configs]
 """
 
 # ruff: noqa: E402
