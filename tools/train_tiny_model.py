@@ -239,7 +239,8 @@ def _train_loop(
     val = windows(heldout_ids[:half], args.seq_len)
     test = windows(heldout_ids[half:], args.seq_len)
     log(
-        f"device={device} train_tokens={len(train_ids):,} val_windows={len(val)} test_windows={len(test)}"
+        f"device={device} train_tokens={len(train_ids):,} val_windows={len(val)} "
+        f"test_windows={len(test)}"
     )
 
     model = Qwen3ForCausalLM(cfg.MODEL_CONFIG, dropout=args.dropout).to(device)

@@ -304,7 +304,10 @@ def test_template_helpers() -> None:
     assert renderer.render(generation, messages, add_generation_prompt=False) == "<hi>"
     loops = "{% for i in range(5) %}{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}"
     assert renderer.render(loops, messages, add_generation_prompt=False) == "012"
-    ns = "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}"
+    ns = (
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}"
+        "{{ ns.n }}"
+    )
     assert renderer.render(ns, messages, add_generation_prompt=False) == "1"
     # trim_blocks + lstrip_blocks: block tags leave no newline or indentation behind.
     blocks = "  {% if true %}\nA\n  {% endif %}\nB"

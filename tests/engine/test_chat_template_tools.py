@@ -19,10 +19,13 @@ transformers = pytest.importorskip("transformers")
 QWEN3_CODER_TEMPLATE = """{% macro render_extra_keys(json_dict, handled_keys) %}
     {%- if json_dict is mapping %}
         {%- for json_key in json_dict if json_key not in handled_keys %}
-            {%- if json_dict[json_key] is mapping or (json_dict[json_key] is sequence and json_dict[json_key] is not string) %}
-                {{- '\\n<' ~ json_key ~ '>' ~ (json_dict[json_key] | tojson | safe) ~ '</' ~ json_key ~ '>' }}
+            {%- if json_dict[json_key] is mapping
+                    or (json_dict[json_key] is sequence and json_dict[json_key] is not string) %}
+                {{- '\\n<' ~ json_key ~ '>' ~ (json_dict[json_key] | tojson | safe)
+                    ~ '</' ~ json_key ~ '>' }}
             {%- else %}
-                {{- '\\n<' ~ json_key ~ '>' ~ (json_dict[json_key] | string) ~ '</' ~ json_key ~ '>' }}
+                {{- '\\n<' ~ json_key ~ '>' ~ (json_dict[json_key] | string)
+                    ~ '</' ~ json_key ~ '>' }}
             {%- endif %}
         {%- endfor %}
     {%- endif %}
@@ -52,7 +55,9 @@ QWEN3_CODER_TEMPLATE = """{% macro render_extra_keys(json_dict, handled_keys) %}
             {{- '\\n<description>' ~ (tool.description | trim) ~ '</description>' }}
         {%- endif %}
         {{- '\\n<parameters>' }}
-        {%- if tool.parameters is defined and tool.parameters is mapping and tool.parameters.properties is defined and tool.parameters.properties is mapping %}
+        {%- if tool.parameters is defined and tool.parameters is mapping
+                and tool.parameters.properties is defined
+                and tool.parameters.properties is mapping %}
             {%- for param_name, param_fields in tool.parameters.properties|items %}
                 {{- '\\n<parameter>\\n<name>' ~ param_name ~ '</name>' }}
                 {%- if param_fields.type is defined %}
@@ -71,9 +76,11 @@ QWEN3_CODER_TEMPLATE = """{% macro render_extra_keys(json_dict, handled_keys) %}
     {{- '<|im_end|>\\n' }}
 {%- endif %}
 {%- for message in loop_messages %}
-    {%- if message.role == "assistant" and message.tool_calls is defined and message.tool_calls is iterable and message.tool_calls | length > 0 %}
+    {%- if message.role == "assistant" and message.tool_calls is defined
+            and message.tool_calls is iterable and message.tool_calls | length > 0 %}
         {{- '<|im_start|>' + message.role }}
-        {%- if message.content is defined and message.content is string and message.content | trim | length > 0 %}
+        {%- if message.content is defined and message.content is string
+                and message.content | trim | length > 0 %}
             {{- '\\n' + message.content | trim + '\\n' }}
         {%- endif %}
         {%- for tool_call in message.tool_calls %}
@@ -84,7 +91,10 @@ QWEN3_CODER_TEMPLATE = """{% macro render_extra_keys(json_dict, handled_keys) %}
             {%- if tool_call.arguments is defined %}
                 {%- for args_name, args_value in tool_call.arguments|items %}
                     {{- '<parameter=' + args_name + '>\\n' }}
-                    {%- set args_value = args_value | tojson | safe if args_value is mapping or (args_value is sequence and args_value is not string) else args_value | string %}
+                    {%- set args_value = args_value | tojson | safe
+                        if args_value is mapping
+                            or (args_value is sequence and args_value is not string)
+                        else args_value | string %}
                     {{- args_value }}
                     {{- '\\n</parameter>\\n' }}
                 {%- endfor %}

@@ -147,7 +147,9 @@ def test_close_to_the_unquantized_model(fp8_checkpoint, fmt) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the FP8 kernels run on CUDA")
-@pytest.mark.parametrize(("arch", "fmt"), [("qwen3", "fp8"), ("qwen3", "compressed-tensors"), ("qwen3_moe", "fp8")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("arch", "fmt"), [("qwen3", "fp8"), ("qwen3", "compressed-tensors"), ("qwen3_moe", "fp8")]
+)
 def test_cuda_fp8_greedy_tokens_are_the_twins_choice(fp8_checkpoint, tmp_path, arch, fmt):
     """The FP8 engine on CUDA (cuBLASLt / Triton FP8 GEMMs for a batch of 32, the decode GEMV one
     prompt at a time, FP8 experts, CUDA graphs, bf16) against the bf16 twin holding the same

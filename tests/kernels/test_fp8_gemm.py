@@ -135,10 +135,15 @@ def test_split_k_sums_partials_in_order_and_resets_its_counters(
     # The same sum by hand: one launch per quarter of K (2 scale groups each), added in order.
     one = dataclasses.replace(split, SPLIT_K=1)
     quarters = [
-        gemm(x[:, q * 256 : (q + 1) * 256].contiguous(), weight[:, q * 256 : (q + 1) * 256].contiguous(),
-             scale[:, q * 2 : (q + 1) * 2].contiguous(), torch.float32, one)
+        gemm(
+            x[:, q * 256 : (q + 1) * 256].contiguous(),
+            weight[:, q * 256 : (q + 1) * 256].contiguous(),
+            scale[:, q * 2 : (q + 1) * 2].contiguous(),
+            torch.float32,
+            one,
+        )
         for q in range(4)
-    ]  # fmt: skip
+    ]
     expected = ((quarters[0] + quarters[1]) + quarters[2]) + quarters[3]
     assert torch.equal(outs[0], expected)
     assert not torch.equal(outs[0], ((quarters[3] + quarters[2]) + quarters[1]) + quarters[0])

@@ -93,7 +93,7 @@ def test_moe_experts_stack_from_per_expert_and_fused_layouts(tiny_checkpoint, tm
     # Layer 1 is in mlp_only_layers: a dense MLP.
     assert per_expert.get_parameter("model.layers.1.mlp.gate_up_proj.weight").shape == (192, 64)
 
-    # The stacked layout transformers 5 keeps in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I].
+    # transformers 5's stacked layout in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I].
     fused = single_file_copy(source, tmp_path / "fused")
     pattern = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 

@@ -1,4 +1,4 @@
-"""Scheduler: token budget, chunked prefill, prefix hits, preemption, stops — with exact block ids."""
+"""Scheduler: token budget, chunked prefill, prefix hits, preemption, stops; exact block ids."""
 
 from __future__ import annotations
 

@@ -124,7 +124,8 @@ def test_overdue_compile_fails_its_request_and_frees_its_worker(tokenizer_info):
         started.wait()
         with pytest.raises(
             GrammarCompileTimeoutError,
-            match=r"structured_outputs\.regex: the grammar did not compile within the 0\.05 s limit",
+            match=r"structured_outputs\.regex: the grammar did not compile within the 0\.05 s "
+            r"limit",
         ):
             pending.result()
         assert service.num_running == 1  # xgrammar cannot stop it: it runs on

@@ -16,8 +16,8 @@
         time (per token-group of `group` columns, or per token when group is None), so that the
         twin computes exactly what an FP8 engine computes, in fp32.
 Only decoder-layer projections (`*_proj.weight` under model.layers, MoE experts included) are
-quantized, except the checkpoint modules named in `ignore`. Scales follow the usual recipe (block or row abs-max / 448),
-written here independently of ferrum's quantizer.
+quantized, except the checkpoint modules named in `ignore`. Scales follow the usual recipe (block
+or row abs-max / 448), written here independently of ferrum's quantizer.
 """
 
 from __future__ import annotations

@@ -115,9 +115,11 @@ HERMES_SAMPLES = [
     ),
     Sample(
         "malformed-body-is-content",
-        'Trying.\n<tool_call>\n{"name": "get_weather" "arguments": {"city": "x"}}\n</tool_call>\nok',
+        'Trying.\n<tool_call>\n{"name": "get_weather" "arguments": {"city": "x"}}'
+        "\n</tool_call>\nok",
         "",
-        'Trying.\n<tool_call>\n{"name": "get_weather" "arguments": {"city": "x"}}\n</tool_call>\nok',
+        'Trying.\n<tool_call>\n{"name": "get_weather" "arguments": {"city": "x"}}'
+        "\n</tool_call>\nok",
     ),
     Sample(
         "started-call-keeps-invalid-arguments-as-written",

@@ -95,13 +95,15 @@ QWEN3_TEMPLATE = """{%- if tools %}
             {%- set reasoning_content = message.reasoning_content %}
         {%- else %}
             {%- if '</think>' in content %}
-                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')
+                    .split('<think>')[-1].lstrip('\\n') %}
                 {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
             {%- endif %}
         {%- endif %}
         {%- if loop.index0 > ns.last_query_index %}
             {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n')
+                    + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
             {%- else %}
                 {{- '<|im_start|>' + message.role + '\\n' + content }}
             {%- endif %}

@@ -182,11 +182,16 @@ def test_invalid_schema_or_grammar_is_400(server: RemoteServer, body: dict, word
     [
         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
             "response_format",
         ),
     ],
-)  # fmt: skip
+)
 def test_streamed_invalid_grammar_is_400_before_the_stream(
     server: RemoteServer, endpoint: str, body: dict, param: str
 ) -> None:
