@@ -38,13 +38,9 @@ import torch
 
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.engine.tokenizer import Tokenizer
+from ferrum.model_executor.token_bitmask import allocate_token_bitmask
 from ferrum.sampling_params import StructuredOutputsParams
-from ferrum.structured_output import (
-    GrammarCompilerService,
-    GrammarSpec,
-    allocate_token_bitmask,
-    build_tokenizer_info,
-)
+from ferrum.structured_output import GrammarCompilerService, GrammarSpec, build_tokenizer_info
 
 try:
     import llguidance

@@ -1,16 +1,11 @@
-"""Tensor parallelism over Ray actors (`ray_worker.py`): one per rank, packed on one node by a
-placement group (one bundle per GPU). Cluster: the connected one, else the one `ray.init()` finds,
-else a local one stopped with the executor. Rank 0's actor names the torch.distributed address.
-
-Steps reach every rank through one compiled Ray graph (input: a list of messages; outputs: the
-ranks' replies to the last), far cheaper than actor calls (`bench_executor_broadcast.py`). The core
-completes or samples right after each launch, so `launch` holds its step back and the next message
-carries it: one execution per step. Constrained rows travel in the message (ranks may be remote).
-
-Failures: a thread per actor waits on `wait_for_failure`; on a failure it kills every actor (the
-others may wait in a collective, which only a kill ends), so the graph read raises and `complete`
-raises the recorded WorkerStepError / WorkerDiedError. A hung rank: `worker_step_timeout`.
-"""
+"""Tensor parallelism over Ray actors (`ray_worker.py`), one per rank, packed on one node by a
+placement group; the cluster is the connected one, else `ray.init()`'s, else a local one. Steps
+reach every rank through one compiled Ray graph (`bench_executor_broadcast.py`: far cheaper than
+actor calls); `launch` holds its step back for the next message (the core completes or samples
+right after), so one execution per step. Bitmask rows travel in the message (ranks may be remote).
+Failures: a thread per actor waits on `wait_for_failure`, then kills every actor (others may wait
+in a collective, which only a kill ends), so the graph read raises and `complete` raises the
+recorded WorkerStepError / WorkerDiedError; a hung rank hits `worker_step_timeout`."""
 
 from __future__ import annotations
 
@@ -40,8 +35,9 @@ from ferrum.executor.multi_rank import LaunchedRankStep, MultiRankExecutor
 from ferrum.executor.ray_cluster import connect, import_ray, kill, release, reserve
 from ferrum.executor.ray_worker import MONITOR_GROUP, RayWorker
 from ferrum.logger import init_logger
+from ferrum.model_executor.token_bitmask import allocate_token_bitmask
 from ferrum.scheduler.output import ModelRunnerOutput
-from ferrum.structured_output import StructuredOutputMatcher, allocate_token_bitmask
+from ferrum.structured_output import StructuredOutputMatcher
 
 logger = init_logger(__name__)
 

@@ -13,12 +13,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferrum.structured_output import (
-    BatchBitmaskFiller,
-    StructuredOutputMatcher,
+from ferrum.model_executor.token_bitmask import (
     allocate_token_bitmask,
     forbid_tokens_unless_only_ones,
 )
+from ferrum.structured_output import BatchBitmaskFiller, StructuredOutputMatcher
 
 if TYPE_CHECKING:
     from ferrum.model_executor.runner_state import CachedRequestState

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ferrum.model_executor.sampling_metadata import SamplingMetadata
+from ferrum.model_executor.token_bitmask import apply_token_bitmask_
 from ferrum.request import Logprobs
-from ferrum.structured_output import apply_token_bitmask_
 
 
 @dataclass(slots=True)

@@ -35,7 +35,8 @@ from ferrum.kernels.sdpa_prefill import (
 from ferrum.logger import init_logger
 from ferrum.model_executor.compile_watch import start_up_compiles
 from ferrum.model_executor.layers.attention import Attention
-from ferrum.structured_output import apply_token_bitmask_, bitmask_width
+from ferrum.model_executor.token_bitmask import apply_token_bitmask_
+from ferrum.structured_output import bitmask_width
 
 if TYPE_CHECKING:
     from ferrum.model_executor.runner_interface import StartUpRunner

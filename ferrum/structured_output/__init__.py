@@ -1,15 +1,8 @@
 """Structured outputs on xgrammar: grammars compiled off the engine loop (cached, with a
-deadline), one matcher per request, and the next-token bitmask filled on the host and applied to
-the logits on the device."""
+deadline), one matcher per request filling its next-token bitmask row on the host (the runner
+applies the mask on the device: `model_executor/token_bitmask.py`)."""
 
-from ferrum.structured_output.bitmask import (
-    allocate_token_bitmask,
-    allow_all_tokens,
-    apply_token_bitmask_,
-    apply_token_bitmask_reference,
-    bitmask_width,
-    forbid_tokens_unless_only_ones,
-)
+from ferrum.structured_output.bitmask_layout import bitmask_width
 from ferrum.structured_output.compiler import (
     CompiledGrammar,
     GrammarCompilerService,
@@ -34,11 +27,6 @@ __all__ = [
     "GrammarSpec",
     "PendingGrammar",
     "StructuredOutputMatcher",
-    "allocate_token_bitmask",
-    "allow_all_tokens",
-    "apply_token_bitmask_",
-    "apply_token_bitmask_reference",
     "bitmask_width",
     "build_tokenizer_info",
-    "forbid_tokens_unless_only_ones",
 ]

@@ -12,11 +12,14 @@ safe for concurrent use). Distinct matchers may be used from distinct threads.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
 import xgrammar as xgr
 
-from ferrum.structured_output.bitmask import int32_bit
+from ferrum.structured_output.bitmask_layout import int32_bit
+
+if TYPE_CHECKING:
+    import torch
 
 
 class StructuredOutputMatcher:

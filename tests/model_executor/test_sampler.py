@@ -14,8 +14,11 @@ from ferrum.model_executor.sampler import (
     apply_top_k_top_p,
 )
 from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow, sampling_staging
+from ferrum.model_executor.token_bitmask import (
+    allocate_token_bitmask,
+    apply_token_bitmask_reference,
+)
 from ferrum.sampling_params import ResolvedSamplingParams, SamplingParams
-from ferrum.structured_output import allocate_token_bitmask, apply_token_bitmask_reference
 
 CPU = torch.device("cpu")
 NEG_INF = float("-inf")

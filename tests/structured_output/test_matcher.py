@@ -12,6 +12,7 @@ from grammar_fixtures import MODEL_VOCAB_SIZE, STOP_TOKEN_IDS, TOKENIZER_VOCAB_S
 
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.engine.tokenizer import Tokenizer
+from ferrum.model_executor.token_bitmask import allocate_token_bitmask, apply_token_bitmask_
 from ferrum.sampling_params import StructuredOutputsParams
 from ferrum.structured_output import (
     BatchBitmaskFiller,
@@ -19,8 +20,6 @@ from ferrum.structured_output import (
     FilledBitmaskRow,
     GrammarCompilerService,
     GrammarSpec,
-    allocate_token_bitmask,
-    apply_token_bitmask_,
 )
 
 SEEDS = range(6)

@@ -1,10 +1,6 @@
-"""The next-token bitmask: filled on the host, one row per batch row, applied on the device.
-
-Layout (xgrammar's): int32 `[num_rows, ceil(vocab_size / 32)]`; bit `j % 32` of word `j // 32` of
-row `r` is 1 iff token `j` is allowed in row `r`. A row of all ones (-1) constrains nothing, so a
-batch mixing constrained and free requests applies one mask to all rows: no index lists, fixed
-shapes, no host sync.
-"""
+"""The next-token bitmask on the runner's side (layout: `structured_output/bitmask_layout.py`):
+host buffers, rows forbidden or freed on the host, and the mask applied to the logits on the
+device: one mask for every row, no index lists, fixed shapes, no host sync."""
 
 from __future__ import annotations
 
@@ -13,12 +9,7 @@ from collections.abc import Iterable
 import torch
 import xgrammar as xgr
 
-ALL_ALLOWED = -1  # an int32 word with all 32 bits set
-
-
-def bitmask_width(vocab_size: int) -> int:
-    """int32 words per row for a vocabulary of `vocab_size` tokens."""
-    return (vocab_size + 31) // 32
+from ferrum.structured_output.bitmask_layout import ALL_ALLOWED, bitmask_width, int32_bit
 
 
 def allocate_token_bitmask(
@@ -56,11 +47,6 @@ def forbid_tokens_unless_only_ones(
     for word, value in saved.items():
         bitmask[row, word] = value
     return False
-
-
-def int32_bit(position: int) -> int:
-    """The int32 value with only bit `position` set."""
-    return (1 << position) - (1 << 32 if position == 31 else 0)
 
 
 def _check(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrum.structured_output import (
+from ferrum.model_executor.token_bitmask import (
     allocate_token_bitmask,
     allow_all_tokens,
     apply_token_bitmask_,
     apply_token_bitmask_reference,
-    bitmask_width,
     forbid_tokens_unless_only_ones,
 )
+from ferrum.structured_output import bitmask_width
 
 
 def test_width_rounds_up_to_whole_words():
