@@ -1,12 +1,9 @@
-"""How a model's linear layers are quantized: config.json's `quantization_config` and the
-`quantization` engine argument, resolved once into a typed QuantConfig (from config dicts only).
-Supported, W8A8 FP8 e4m3 with dynamic activations: "fp8" checkpoints (Qwen, DeepSeek;
-`weight_scale_inv` per 128x128 block; `modules_to_not_convert` unquantized); "compressed-tensors"
-FP8 (`weight_scale` per output channel or 128x128 block; `ignore` unquantized); `quantization="fp8"`
-on an unquantized checkpoint (quantized per 128x128 block while loading). Anything else (static
-activation scales, other block sizes, int formats) is a ValueError naming the field; config.py
-refuses MoE models with per-channel scales.
-"""
+"""How a model's linear layers are quantized (config.json's `quantization_config`, `quantization`),
+resolved from config dicts into a typed QuantConfig. Supported, W8A8 FP8 e4m3 with dynamic
+activations: "fp8" checkpoints (`weight_scale_inv` per 128x128 block), "compressed-tensors" FP8
+(`weight_scale` per output channel or 128x128 block), each with its unquantized modules, and
+`quantization="fp8"` on an unquantized checkpoint (128x128 blocks at load). Anything else (static
+activation scales, other block sizes, int formats) is a ValueError naming the field."""
 
 from __future__ import annotations
 

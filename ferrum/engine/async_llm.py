@@ -1,11 +1,8 @@
-"""The asyncio front end: text in, streams of RequestOutputs out, over a core client whose cores run
-in their own processes, restarted after a crash as the recovery config says (`process_client.py`).
-
-Every method runs on the event loop thread that called `start()`. This process compiles grammars
-too (`structured_output/manager.py` says why), off the loop; a request reaches a core only once its
-grammar compiled, and a bad or timed-out grammar fails it with a ValueError. Dead (a core failed
-for good): every stream fails and `wait_dead()` returns, for the server to exit non-zero.
-"""
+"""The asyncio front end: text in, streams of RequestOutputs out, over cores in their own processes
+(restarted after a crash as the recovery config says). Every method runs on the loop that called
+`start()`. Grammars compile here too, off the loop (`structured_output/manager.py` says why): a
+request reaches a core only once compiled; a bad or timed-out grammar fails it with a ValueError.
+Dead (a core failed for good): every stream fails and `wait_dead()` returns, to exit non-zero."""
 
 from __future__ import annotations
 

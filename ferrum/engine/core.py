@@ -1,14 +1,13 @@
 """EngineCore: scheduler + executor, token ids in and out. Text (tokenizing, detokenizing, stop
 strings, `n` fan-out) lives in the front end, so the core can run in its own process and keep the
-device busy; only grammars are compiled here (a request waits unscheduled until its grammar is).
+device busy; only grammars compile here (a request waits unscheduled until its grammar has).
 
-Structured outputs under async scheduling: a step's bitmask needs every earlier token accepted by
-the matcher, so a step sampling a constrained request launches its forward alone and stays in
-flight awaiting its sampling when `step` returns. The next call completes the previous step (its
-tokens reach the matchers), fills the bitmask, queues the sampling (`Executor.sample`) and the next
-forward straight after: processing, scheduling and the fill overlap the forward, and tokens equal
-synchronous scheduling. Penalties and bad words still wait (`Scheduler.needs_host_history`).
-"""
+Structured outputs under async scheduling: a step's bitmask needs every earlier token accepted, so
+a step sampling a constrained request launches its forward alone and stays in flight when `step`
+returns. The next call completes the previous step (its tokens reach the matchers), fills the mask,
+queues the sampling (`Executor.sample`) and the next forward right after: processing, scheduling
+and the fill overlap the forward; tokens equal synchronous scheduling's. Penalties and bad words
+still wait for the previous step (`Scheduler.needs_host_history`)."""
 
 from __future__ import annotations
 

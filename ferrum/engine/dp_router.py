@@ -1,11 +1,8 @@
-"""Which replica of a data-parallel front end gets a request. Every open request is assigned to one
-replica, with all its `n` completions, from `route` until `release`; a replica's load is its open
-completions, counted here exactly (the core's stats lag the requests still in the pipe).
-
-The least loaded replica wins (ties: lower KV usage, then least recently chosen), unless the
-prompt's first KV block matches one routed recently: then it follows that one (its blocks may be
-cached there) if that replica is at most `PREFIX_AFFINITY_SLACK` completions above the least load.
-"""
+"""Which replica of a data-parallel front end gets a request: each open request belongs to one
+replica, all `n` completions, from `route` to `release`; a replica's load is its open completions,
+counted here exactly (a core's stats lag the pipe). The least loaded wins (ties: lower KV usage,
+then least recently chosen), unless the prompt's first KV block matches a recent one: it follows
+that one (its blocks may be cached) within `PREFIX_AFFINITY_SLACK` completions of the least load."""
 
 from __future__ import annotations
 

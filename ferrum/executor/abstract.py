@@ -1,12 +1,9 @@
-"""The executor the engine core drives instead of a model runner: the runner lives in this process
+"""The executor the engine core drives instead of a model runner, which lives in this process
 (`UniProcExecutor`), in one worker process per tensor-parallel rank (`MultiprocExecutor`) or in one
-Ray actor per rank (`RayExecutor`), behind the same calls.
-
-Contract: set-up calls in order (`determine_num_kv_blocks` unless the pool size is given,
-`initialize_kv_cache`, `warm_up`, `capture_cuda_graphs`); then `launch` queues a step and
-`complete` waits for the oldest one's tokens, in launch order, at most one in flight while the next
-launches. `sample` samples a step launched with `defer_sampling` once the matchers are up to date.
-"""
+Ray actor per rank (`RayExecutor`). Contract: set-up calls in order (`determine_num_kv_blocks`
+unless the pool size is given, `initialize_kv_cache`, `warm_up`, `capture_cuda_graphs`); `launch`
+queues a step and `complete` waits for the oldest, in launch order, at most one in flight while the
+next launches; `sample` samples a `defer_sampling` step once the matchers are up to date."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""Next-token bitmask rows from the engine core to its workers through shared memory: pickling 256
-rows (19 KB each) into every pipe took 14.6 ms a step (RESULTS.md). The core writes them into one
-of SLOTS round-robin slots of a mapped file; the message names the slot and a sequence number.
-
-A slot is safe to refill SLOTS row messages later: the core is at most two launches ahead of rank
-0 and collectives keep every rank within three steps of the core. The reader checks the sequence
-number before and after copying and raises if overwritten, so a broken bound fails loudly.
-"""
+"""Next-token bitmask rows from the engine core to its workers through shared memory (pickling 256
+rows of 19 KB into every pipe took 14.6 ms a step, RESULTS.md): the core writes them into one of
+SLOTS round-robin slots of a mapped file and the message names the slot and a sequence number.
+A slot is safe to refill SLOTS messages later (the core is at most two launches ahead of rank 0,
+collectives keep every rank within three steps); the reader checks the sequence number before and
+after copying and raises if overwritten, so a broken bound fails loudly."""
 
 from __future__ import annotations
 

@@ -1,14 +1,9 @@
-"""Tensor parallelism over one worker process per rank (`worker.py`), all on this host.
-
-Every call goes to every rank, pickled once and written to each worker's pipe. Set-up calls wait
-for every rank; `launch` returns once the step is written and `complete` waits for rank 0's tokens
-(every rank samples the same ones). The core fills the constrained bitmask rows itself and sends
-them with the step (or, with deferred sampling, in `sample` while the forward runs).
-
-Failures: a worker that exits or raises fails the call (WorkerDiedError / WorkerStepError); every
-worker is then killed (survivors may wait in a collective for the lost rank) and later calls raise.
-A worker silent for `worker_step_timeout` seconds counts as hung and fails the same way.
-"""
+"""Tensor parallelism over one worker process per rank (`worker.py`), all on this host. Every call
+is pickled once and written to each worker's pipe; set-up calls wait for every rank, `complete`
+for rank 0's tokens (every rank samples the same). The core fills the constrained bitmask rows and
+sends them with the step (or in `sample` while the forward runs). A worker that exits, raises or
+stays silent `worker_step_timeout` seconds fails the call (WorkerDiedError / WorkerStepError);
+every worker is then killed (survivors may wait in a collective) and later calls raise."""
 
 from __future__ import annotations
 

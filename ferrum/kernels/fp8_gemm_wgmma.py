@@ -1,15 +1,11 @@
 """Hopper W8A8 FP8 GEMM with block scales in Gluon: out = A @ W^T, bf16/fp16, scales as fp8_gemm's.
-
 Why Gluon: a K step's product must be complete before its scales apply, and Triton's tl.dot
-pipeliner waits for each wgmma right after issuing it, idling the tensor cores. Here each step
-issues its wgmma asynchronously, waits only for the previous one (`num_outstanding=1`) and scales
-that one while the new one runs; TMA loads run NUM_STAGES steps ahead. Needs Gluon's Hopper API
-(Triton 3.5+); else `wgmma_gemm_takes` is False and wgmma buckets run their tile on the Triton GEMM.
-
-Invariants: BLOCK_K == 128 and K % 128 == 0 (one scale group a step); BLOCK_N divides 128 (one
-weight scale a step); TMA zero-fills loads past M and N and clips stores. Measured against
-cuBLASLt and Triton in benchmarks/RESULTS.md; the tuned buckets pick it per shape and M.
-"""
+pipeliner waits for each wgmma right after issuing it, idling the tensor cores; here each step's
+wgmma runs asynchronously while the previous one is scaled (`num_outstanding=1`), TMA loads
+NUM_STAGES steps ahead. Needs Triton 3.5+'s Gluon Hopper API, else `wgmma_gemm_takes` is False.
+Invariants: BLOCK_K == 128 and K % 128 == 0 (one scale group a step), BLOCK_N divides 128 (one
+weight scale a step); TMA zero-fills loads past M and N and clips stores. RESULTS.md compares it
+with cuBLASLt and Triton; the tuned buckets pick it per shape and M."""
 
 from __future__ import annotations
 

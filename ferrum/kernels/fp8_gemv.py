@@ -5,8 +5,7 @@ vary fastest so programs sharing a W tile share it in L2), fp32 per lane, summed
 
 Weight-only: x stays in its dtype (closer to the unquantized layer than the W8A8 GEMMs, which
 round x to 2^-4). Block scales: BLOCK_N divides 128 and BLOCK_K is a multiple of 128, so x[k] is
-scaled once per column by w_scale[n0 // 128, k // 128]; per-channel: sum(x * w) * w_scale[n].
-"""
+scaled once per column by w_scale[n0 // 128, k // 128]; per-channel: sum(x * w) * w_scale[n]."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
 cuBLASLt ("scaled_mm": bf16 output, N and K multiples of 16 row-wise or 128 block-wise on Hopper)
 or the Hopper wgmma GEMM (Gluon, N % 8 == 0, K % 128 == 0); where one does not take the operands
 the bucket's Triton tile runs. A block-scaled layer given rows already quantized (`Fp8GroupRows`)
-skips its quantization pass on every path but the GEMV (`block_linear_takes_fp8_rows`).
-"""
+skips its quantization pass on every path but the GEMV (`block_linear_takes_fp8_rows`)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
 """Triton fused mixture-of-experts over stacked expert weights:
     out[t] = sum_j w[t, j] * w2[e] @ (silu(g) * u),  e = topk_ids[t, j],  (g, u) = w13[e] @ x[t]
 with `fused_moe_ref`'s roundings (each matmul, the silu and the product in the input dtype; the sum
-over j in fp32, j = 0..k-1). Small batches (<= SMALL_BATCH_MAX_TOKENS): two GEMV launches
-(`fused_moe_small_batch`). Else pairs are grouped by expert and padded to BLOCK_M (`moe_align`),
-one grouped GEMM runs twice (w13 with SiLU-and-mul, then w2 times the routing weight, fp32) and a
-combine kernel sums each token's k rows. Sizes depend on (T, k, E, H, I) only: CUDA-graph safe.
-FP8 experts: w13, w2 e4m3fn with fp32 scales per 128x128 block; activations stay in their dtype
-and each K step's fp32 partial is scaled by its block's scale, as `fused_moe_fp8_ref`.
-"""
+over j in fp32, j = 0..k-1). Up to SMALL_BATCH_MAX_TOKENS: two GEMV launches
+(`fused_moe_small_batch`); else pairs grouped by expert and padded to BLOCK_M (`moe_align`), one
+grouped GEMM twice (w13 with SiLU-and-mul, then w2 times the routing weight) and a combine of each
+token's k rows. Sizes depend on (T, k, E, H, I) only: CUDA-graph safe. FP8 experts (e4m3fn, fp32
+scales per 128x128 block): activations stay in their dtype and each K step's fp32 partial is scaled
+by its block's scale, as `fused_moe_fp8_ref`."""
 
 from __future__ import annotations
 

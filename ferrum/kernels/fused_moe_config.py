@@ -4,8 +4,7 @@ two sections: "grouped" (BLOCK_M/N/K, num_warps, num_stages; `tune_fused_moe.py 
 "small" (GATE_UP_BLOCK_N/K, DOWN_BLOCK_E (default 1), DOWN_SPLIT (default 0), DOWN_BLOCK_N/K,
 num_warps, num_stages; `bench_moe_layer.py --sweep --save`). A batch takes the smallest bucket
 covering it, or the largest; a missing section falls back to the file without `_fp8`, then to the
-defaults below.
-"""
+defaults below."""
 
 from __future__ import annotations
 

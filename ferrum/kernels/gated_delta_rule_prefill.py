@@ -7,8 +7,7 @@ cumulative sum of g, q l2-normalised and scaled:
     O = (exp(G) * Q) S + lower((Q K^T) * exp(G_i - G_j)) V'
     S = exp(G_C) S + (exp(G_C - G) * K)^T V'
 Sequence i starts from state_pool[slot_ids[i]] (zeros unless has_initial_state[i]) and writes its
-final state back; slot ids are distinct, slot id < 0 is padding (zero output, no state touched).
-"""
+final state back; slot ids are distinct, slot id < 0 is padding (zero output, no state touched)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ oracle. Per value head, state S [k_dim, v_dim], each token t, fp32 math:
     S += k_t (beta_t * (v_t - S^T k_t))^T    (delta rule: write the correction at rate beta_t)
     o_t = S^T (scale * q_t)                  (scale defaults to k_dim ** -0.5)
 Value head h reads q/k head h // (num_v_heads // num_k_heads): transformers'
-`torch_recurrent_gated_delta_rule`. Pool layout: `[num_slots, num_v_heads, k_dim, v_dim]`.
-"""
+`torch_recurrent_gated_delta_rule`. Pool layout: `[num_slots, num_v_heads, k_dim, v_dim]`."""
 
 from __future__ import annotations
 

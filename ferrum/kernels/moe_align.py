@@ -5,8 +5,7 @@ sentinel num_pairs; `expert_ids [max_blocks]`: each M-block's expert (-1 unused)
 `num_pairs_post_padded [1]`: entries used.
 Two deterministic launches without atomics over the same spans (one per program): `count` stores
 span s's expert histogram in counts[s, :] and sentinel-fills its share; `scatter` sums counts over
-all spans (padded starts) and spans < s (its offsets) and writes each pair to its place.
-"""
+all spans (padded starts) and spans < s (its offsets) and writes each pair to its place."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Programmatic dependent launch (PDL, sm90+): a kernel launched with `**pdl_launch_args(device)`
-may start once every program of the kernel before it called `pdl_launch_dependents` (or exited);
-its `pdl_wait` returns once that kernel finished and its writes are visible. A decode step's
-kernels launch this way and call `pdl_launch_dependents` first, so they wait on the device instead
-of paying each launch in turn (a GEMV loads its first weight tile before the wait).
-
-Invariants of a PDL kernel: before `pdl_wait` it reads only what no serving kernel writes
-(weights, scales) and writes nothing; every program calls `pdl_wait`, even one with nothing to do
-(else it could finish before its predecessor, and the next kernel's wait covers only its own).
-Off the GPU, before sm90, on ROCm, without Triton's gdc_wait or with FERRUM_DEBUG_NO_PDL=1 (A/B
-switch), kernels launch plainly and both calls compile to nothing.
-"""
+may start once every program of the one before it called `pdl_launch_dependents` (or exited); its
+`pdl_wait` returns once that kernel finished and its writes are visible. A decode step's kernels
+launch so (calling `pdl_launch_dependents` first) and wait on the device instead of paying each
+launch in turn. Invariants: before `pdl_wait` a kernel reads only what no serving kernel writes
+(weights, scales) and writes nothing; every program calls `pdl_wait`, even an idle one (else the
+kernel could finish before its predecessor, whose writes the next kernel's wait does not cover).
+Off sm90+ CUDA, without Triton's gdc_wait or with FERRUM_DEBUG_NO_PDL=1 both calls are no-ops."""
 
 from __future__ import annotations
 

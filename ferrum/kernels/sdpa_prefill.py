@@ -1,15 +1,13 @@
 """Causal attention of long prompt chunks through torch's SDPA, cuDNN first (H100, 8,000 tokens at
 Qwen3 shapes: 0.86 ms a layer, the Triton kernel 2.14, FlashAttention-2 1.64). Chunks of at least
 SDPA_PREFILL_MIN_TOKENS after a cached prefix of at most PREFIX_PER_CHUNK chunks take SDPA, one
-request at a time; the runs between take the paged kernel (`long_prefill_segments`). Such steps
-never replay a CUDA graph (those hold at most 512 tokens).
-
-After a prefix of p tokens SDPA's causal mask aligns queries with the first keys, so the chunk's
-queries fill rows [p, p + chunk) of a square problem over the context, K and V read from the cache:
-cheaper than the paged kernel below p = 3 x chunk (~600 vs ~240 TFLOP/s; PREFIX_PER_CHUNK = 2 kept
-1.39x+). Where cuDNN rejects a layer's shape (`cudnn_takes`) chunks after a prefix are off. cuDNN
-plans per shape, so requests are padded into fixed buffers (`padded_length`), planned at start-up.
-"""
+request at a time, the runs between the paged kernel (`long_prefill_segments`); such steps never
+replay a CUDA graph (at most 512 tokens). After a prefix of p tokens SDPA's causal mask aligns
+queries with the first keys, so the chunk fills rows [p, p + chunk) of a square problem over the
+context, K and V from the cache: cheaper than the paged kernel below p = 3 x chunk (~600 vs ~240
+TFLOP/s; PREFIX_PER_CHUNK = 2 kept 1.39x+). Where cuDNN rejects a layer's shape (`cudnn_takes`)
+chunks after a prefix are off. cuDNN plans per shape, so requests are padded into fixed buffers
+(`padded_length`) planned at start-up."""
 
 from __future__ import annotations
 

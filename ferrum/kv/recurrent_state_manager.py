@@ -8,8 +8,7 @@ block boundaries for the prefix cache. A request's table is as long as the other
   request of its step hits it unwritten) and released by the request at its next allocation.
 - every other entry: the null slot 0.
 A hit of b blocks is `[0] * (b - 1) + [snapshot]` with a fresh live slot, into which the runner
-copies the snapshot before the forward; the request holds the snapshot until its next allocation.
-"""
+copies the snapshot before the forward; the request holds the snapshot until its next allocation."""
 
 from __future__ import annotations
 

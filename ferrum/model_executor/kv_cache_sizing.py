@@ -4,8 +4,7 @@ A budget splits between groups by what one max_model_len sequence holds in each 
 its window only); a pipeline stage counts only its own layers (`layer_ids`). Recurrent layers get
 state pools instead (conv `[num_slots, conv_width - 1, conv_dim]` in the model dtype, recurrent
 `[num_slots, num_v_heads, k_dim, v_dim]` fp32, slot 0 padding): max_num_seqs + 1 slots, plus
-max_num_seqs for snapshots with prefix caching, within half the budget, before attention's split.
-"""
+max_num_seqs for snapshots with prefix caching, within half the budget, before attention's split."""
 
 from __future__ import annotations
 

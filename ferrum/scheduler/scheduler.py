@@ -4,8 +4,7 @@ Prefill and decode are one path: each request gets `num_scheduled_tokens` toward
 KV pool preempts the most recently admitted running request (freed, recomputed), never a crash.
 A request whose grammar still compiles keeps its place unscheduled; a failed compile aborts it
 (`take_failed`); a grammar that ended stops the request with "stop". A request asking for prompt
-logprobs takes no prefix-cache hit until they are sent (the prompt's forward computes them).
-"""
+logprobs takes no prefix-cache hit until they are sent (the prompt's forward computes them)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ projection on its own: every rank's matrix is again [gate_r; up_r] or [q_r; k_r;
 parallel: each rank holds a block of input columns; partial outputs are all-reduced, bias added
 once. With one rank these are exactly `Linear` / `MergedLinear`. Loaders `reads_slices`: only the
 rank's block is read from the file. Block scales narrow in 128-blocks, so each share must start
-and end on block boundaries (else a ValueError); per-channel scales split with the output rows.
-"""
+and end on block boundaries (else a ValueError); per-channel scales split with the output rows."""
 
 from __future__ import annotations
 

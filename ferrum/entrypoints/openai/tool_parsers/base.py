@@ -1,14 +1,10 @@
-"""Tool-call parsers: find a model's tool calls in its output text, whole or streamed; one instance
-per response. Invariants, for every parser:
-- Streaming is chunk-independent: any pieces through `extract_tool_calls_streaming`, then
-  `finish()`, yield exactly what `extract_tool_calls` finds in the whole text (a tail that could
-  still become a tag is held back until the next piece decides).
-- A block starting with a complete call header (`stream_call`) is a call: its name goes out at once,
-  its arguments as written, even unfinished or invalid (as OpenAI's API). Any other block is decided
-  when it closes; one that does not parse is content, verbatim. Parsing never raises.
-- Content is everything outside parsed blocks, less the whitespace before a parsed block and
-  between or after them; whitespace between a block and later text is kept.
-"""
+"""Tool-call parsers: a model's tool calls in its output text, whole or streamed; one per response.
+Invariants of every parser: streaming is chunk-independent (any pieces, then `finish()`, yield
+exactly what `extract_tool_calls` finds in the whole text: a tail that could still become a tag
+waits); a block starting with a complete call header (`stream_call`) is a call, its name sent at
+once and its arguments as written, even invalid (as OpenAI's API); any other block is decided when
+it closes, content verbatim if it does not parse; parsing never raises. Content is the text outside
+parsed blocks less the whitespace before and between them or after the last (not before text)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """The qwen3_coder tool-call format (Qwen3-Coder, Qwen3.5): XML, one element per parameter:
 `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`.
-
-A value is the text between its tags less one newline each side, typed by its parameter schema:
-`string` stays text; other JSON types parse as JSON (booleans case-insensitively), else stay text;
-an `enum`/`const` value is the member it spells. Unknown parameters or functions keep text. A
-missing `</parameter>` is accepted; a value cannot contain `<parameter=` or `</parameter>`.
-
-Streaming: a block is a call once `<function=NAME>` is complete; the name goes out then and the
-arguments as JSON one parameter at a time (`{"a": 1`, `, "b": "x"`, `}`), joining to the whole
-call's JSON. A block not starting with `<function=NAME>` is content.
-"""
+A value is the text between its tags less one newline each side, typed by its parameter schema
+(`string` stays text; other JSON types parse as JSON, booleans case-insensitively, else stay text;
+`enum`/`const` values the member they spell); unknown parameters or functions keep text. A missing
+`</parameter>` is accepted; a value cannot contain `<parameter=` or `</parameter>`. Streaming: a
+block is a call once `<function=NAME>` is complete; then the arguments go out as JSON, one
+parameter at a time (`{"a": 1`, `, "b": "x"`, `}`). Other blocks are content."""
 
 from __future__ import annotations
 
