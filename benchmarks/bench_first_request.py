@@ -1,5 +1,5 @@
 """The first batch of each size after a fresh start against the same-sized batch run again
-(issue 20: no kernel compilation in the serving path; goal: first within 5% of the repeat).
+(no kernel compilation in the serving path: the first within 5% of the repeat).
 
 Dummy weights, token-id prompts, `ignore_eos`, one engine in this process and no warm-up of its
 own: whatever start-up compiles is what a first user gets. Each case runs twice with different

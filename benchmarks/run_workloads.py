@@ -1,7 +1,7 @@
 """Runs the `lat`, `c16`, `c64` and `nano` workloads of BENCHMARKS.md (and, when named: `prefix`,
-the prefix-cache TTFT of issue 18; `long`, 32 prompts of 4,000 tokens with 128 out each, issue 20's
-long-prompt row; `decode8k`, the decode rate of 32 requests at 8,000 tokens of context, FP8 KV's
-row) on one model config.
+the prefix-cache TTFT; `long`, 32 prompts of 4,000 tokens with 128 out each, the long-prompt row;
+`decode8k`, the decode rate of 32 requests at 8,000 tokens of context, FP8 KV's row) on one model
+config.
 
 Random ("dummy") weights of the config's shapes, token-id prompts, `ignore_eos`, one engine in
 this process. Writes one JSON with every figure and the environment; the file is rewritten after

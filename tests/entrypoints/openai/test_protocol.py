@@ -20,7 +20,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 JSON, TEXT, SO = {"type": "json_object"}, {"type": "text"}, {"json_object": True}
 CASES: list[tuple[type[BaseModel], dict[str, Any], bool]] = [
-    # Booleans are not integers, numbers are not strings (issue 17).
+    # Booleans are not integers, numbers are not strings.
     (CompletionRequest, {"prompt": "x", "max_tokens": True}, False),
     (CompletionRequest, {"prompt": "x", "top_k": False}, False),
     (CompletionRequest, {"prompt": [[False]]}, False),

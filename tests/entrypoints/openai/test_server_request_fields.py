@@ -33,7 +33,7 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
         ("/v1/completions", {"prompt": "x", "guided_json": {}}, "guided_json", "Extra inputs"),
         ("/v1/chat/completions", {"messages": USER, "functions": []}, "functions", "Extra"),
         ("/v1/chat/completions", {"messages": USER, "audio": {}}, "audio", "Extra"),
-        # Booleans are not integers (issue 17).
+        # Booleans are not integers.
         ("/v1/completions", {"prompt": "x", "max_tokens": True}, "max_tokens", "integer"),
         ("/v1/completions", {"prompt": "x", "top_k": False}, "top_k", "integer"),
         ("/v1/completions", {"prompt": [[False]]}, "prompt", ""),
