@@ -208,33 +208,23 @@ def _split_kv_reduce_kernel(
         )  # fmt: skip
 
 
-def paged_attention_split_kv(
-    query: torch.Tensor,  # [num_reqs, num_heads, head_dim], one decode token per request
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
-    seq_lens: torch.Tensor,  # [num_reqs] int32
+def _check_split_kv_args(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
     max_seq_len: int,
-    scale: float,
-    out: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+    out: torch.Tensor,
     workspace: SplitKVWorkspace,
-    num_splits: int | None = None,
-    block_n: int | None = None,
-    sliding_window: int | None = None,
-    out_fp8: Fp8GroupRows | None = None,
-) -> torch.Tensor:
-    """Split-KV decode attention (token i is request i's only query token); writes `out` (and
-    `out_fp8`, when given: out's rows quantized per token-group of 128, one group a head).
-
-    `max_seq_len` must be >= every seq_len (an upper bound is fine). With `sliding_window` W
-    the parts split only the last W keys. `num_splits` (default: `default_num_splits`) and
-    `block_n` (the key tile, a power of two >= 16) are for tests and tuning.
-    """
+    sliding_window: int | None,
+    out_fp8: Fp8GroupRows | None,
+) -> int:
+    """Raises ValueError naming the first malformed argument but the workspace's layout (checked
+    once the tiles are chosen), else returns the WINDOW constexpr."""
     _check_attention_args(query, kv_cache, block_tables, None, seq_lens, out)
     check_fp8_out(out_fp8, out)
     window = _window_constexpr(sliding_window)
     num_reqs = seq_lens.shape[0]
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     if query.shape[0] != num_reqs:
         raise ValueError(
             f"query must hold one token per request for split-KV: num_tokens {query.shape[0]} "
@@ -246,11 +236,21 @@ def paged_attention_split_kv(
         raise ValueError(
             f"num_reqs {num_reqs} exceeds workspace max_num_seqs {workspace.max_num_seqs}"
         )
-    fp8_cache = kv_cache.dtype == FP8_KV_DTYPE
+    return window
+
+
+def _choose_splits_and_tile(
+    num_reqs: int,
+    num_kv_heads: int,
+    head_dim: int,
+    fp8_cache: bool,
+    workspace: SplitKVWorkspace,
+    num_splits: int | None,
+    block_n: int | None,
+) -> tuple[int, int]:
+    """(num_splits, block_n): the given ones checked, else the defaults."""
     if num_splits is None:
-        num_splits = default_num_splits(
-            num_reqs, kv_cache.shape[3], workspace.max_splits, fp8_cache
-        )
+        num_splits = default_num_splits(num_reqs, num_kv_heads, workspace.max_splits, fp8_cache)
     if not 1 <= num_splits <= workspace.max_splits:
         raise ValueError(
             f"num_splits must be in [1, workspace max_splits={workspace.max_splits}], "
@@ -259,6 +259,12 @@ def paged_attention_split_kv(
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
     _check_block_n(block_n)
+    return num_splits, block_n
+
+
+def _check_workspace(
+    workspace: SplitKVWorkspace, num_heads: int, head_dim: int, device: torch.device
+) -> None:
     ws_out, ws_max, ws_sum = workspace.partial_out, workspace.partial_max, workspace.partial_sum
     if (
         ws_out.shape[1] != num_heads
@@ -268,18 +274,33 @@ def paged_attention_split_kv(
         or ws_sum.stride() != ws_max.stride()
         or ws_max.stride(2) != 1
         or any(t.dtype != torch.float32 for t in (ws_out, ws_max, ws_sum))
-        or any(t.device != query.device for t in (ws_out, ws_max, ws_sum))
+        or any(t.device != device for t in (ws_out, ws_max, ws_sum))
     ):
         raise ValueError(
             "workspace must come from allocate_split_kv_workspace for num_heads="
-            f"{num_heads}, head_dim={head_dim} on {query.device}"
+            f"{num_heads}, head_dim={head_dim} on {device}"
         )
-    if num_reqs == 0:
-        return out
+
+
+def _attend_parts(
+    query: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    scale: float,
+    workspace: SplitKVWorkspace,
+    num_splits: int,
+    block_n: int,
+    window: int,
+    fp8_cache: bool,
+) -> None:
+    """Launches the split kernel: each part's unnormalised partial results into the workspace."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    block_m = max(16, triton.next_power_of_2(group))
+    ws_out, ws_max, ws_sum = workspace.partial_out, workspace.partial_max, workspace.partial_sum
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    _paged_attention_split_kernel[(num_splits, num_kv_heads, num_reqs)](
+    _paged_attention_split_kernel[(num_splits, num_kv_heads, seq_lens.shape[0])](
         ws_out,
         ws_max,
         ws_sum,
@@ -302,7 +323,7 @@ def paged_attention_split_kv(
         ws_max.stride(1),
         num_splits,
         GROUP=group,
-        BLOCK_M=block_m,
+        BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,
@@ -311,7 +332,22 @@ def paged_attention_split_kv(
         num_warps=SPLIT_KV_FP8_NUM_WARPS if fp8_cache and head_dim <= 128 else 4,
         **pdl_launch_args(query.device),
     )
-    _split_kv_reduce_kernel[(num_reqs, num_heads)](
+
+
+def _reduce_parts(
+    out: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+    out_fp8: Fp8GroupRows | None,
+    workspace: SplitKVWorkspace,
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    num_splits: int,
+    block_n: int,
+    window: int,
+    device: torch.device,
+) -> None:
+    """Launches the log-sum-exp reduce of the workspace's parts into `out` (and `out_fp8`)."""
+    ws_out, ws_max, ws_sum = workspace.partial_out, workspace.partial_max, workspace.partial_sum
+    head_dim = out.shape[2]
+    _split_kv_reduce_kernel[(seq_lens.shape[0], out.shape[1])](
         out,
         out if out_fp8 is None else out_fp8.q,
         out if out_fp8 is None else out_fp8.scales,
@@ -332,6 +368,63 @@ def paged_attention_split_kv(
         WINDOW=window,
         FP8_OUT=out_fp8 is not None,
         num_warps=1 if head_dim <= 64 else 2,
-        **pdl_launch_args(query.device),
+        **pdl_launch_args(device),
     )
+
+
+def paged_attention_split_kv(
+    query: torch.Tensor,  # [num_reqs, num_heads, head_dim], one decode token per request
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    max_seq_len: int,
+    scale: float,
+    out: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+    workspace: SplitKVWorkspace,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    sliding_window: int | None = None,
+    out_fp8: Fp8GroupRows | None = None,
+) -> torch.Tensor:
+    """Split-KV decode attention (token i is request i's only query token); writes `out` (and
+    `out_fp8`, when given: out's rows quantized per token-group of 128, one group a head).
+
+    `max_seq_len` must be >= every seq_len (an upper bound is fine). With `sliding_window` W
+    the parts split only the last W keys. `num_splits` (default: `default_num_splits`) and
+    `block_n` (the key tile, a power of two >= 16) are for tests and tuning.
+    """
+    window = _check_split_kv_args(
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        max_seq_len,
+        out,
+        workspace,
+        sliding_window,
+        out_fp8,
+    )
+    num_reqs = seq_lens.shape[0]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    fp8_cache = kv_cache.dtype == FP8_KV_DTYPE
+    num_splits, block_n = _choose_splits_and_tile(
+        num_reqs, num_kv_heads, head_dim, fp8_cache, workspace, num_splits, block_n
+    )
+    _check_workspace(workspace, num_heads, head_dim, query.device)
+    if num_reqs == 0:
+        return out
+    _attend_parts(
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        workspace,
+        num_splits,
+        block_n,
+        window,
+        fp8_cache,
+    )
+    _reduce_parts(out, out_fp8, workspace, seq_lens, num_splits, block_n, window, query.device)
     return out
