@@ -1,11 +1,10 @@
 """Flattening one step's scheduled tokens into model inputs, in buffers sized once at start-up.
 
-Per step, one host->device copy carries input_ids, positions and each KV cache group's
-slot_mapping (one entry per token), query_start_loc, seq_lens and each group's block_tables (one
-row per request), then the indices of the sampled tokens and of the placeholders. A CUDA-graph batch is padded to the graph's shape, and
-its block tables are `max_blocks_per_req` wide: equal shapes give equal offsets, so a replay reads
-the same addresses its capture did. An eager batch's block tables are as wide as its longest.
-"""
+One host->device copy per step carries input_ids, positions and each KV cache group's
+slot_mapping (per token), query_start_loc, seq_lens and each group's block_tables (per request),
+then the indices of the sampled tokens and of the placeholders. A CUDA-graph batch is padded to
+the graph's shape with `max_blocks_per_req`-wide tables: equal shapes give equal offsets, so a
+replay reads the addresses its capture did. An eager batch's tables are as wide as its longest."""
 
 from __future__ import annotations
 
@@ -129,143 +128,197 @@ class InputBuffers:
         """Request i's tokens [computed, computed + scheduled) in scheduling order, with their
         slots, queued to the device. A decode whose input is its pending token (sampled by the
         previous launched step, at row `last_sampled_rows[req_id]` of its output) gets a
-        placeholder; prompt chunks only ever cover known tokens.
-
-        `pad_to` = (tokens, requests) of a CUDA graph: padding requests get one token each at
-        position 0 over a one-token context in block 0 (never handed out), further padding
-        tokens belong to no request; both write their KV to slot 0."""
-        block_size = self.block_size
+        placeholder; prompt chunks only ever cover known tokens. `pad_to` = (tokens, requests)
+        of a CUDA graph: padding requests get one token at position 0 over a one-token context
+        in block 0 (never handed out), further padding tokens none; all write KV to slot 0."""
         req_ids = list(num_scheduled_tokens)
-        num_reqs = len(req_ids)
         if pad_to is None:
-            num_padded, num_rows = num_tokens, num_reqs
+            num_padded, num_rows = num_tokens, len(req_ids)
             width = max(len(requests[r].block_ids[0]) for r in req_ids)
         else:
             (num_padded, num_rows), width = pad_to, self.max_blocks_per_req
-        take = self._staging.take
         self._staging.begin()
-        input_ids_np, input_ids = take(num_padded, torch.int64)
-        positions_np, positions = take(num_padded, torch.int64)
-        groups = range(self.num_kv_groups)
-        slot_mappings = [take(num_padded, torch.int64) for _ in groups]
-        query_start_loc_np, query_start_loc = take(num_rows + 1, torch.int32)
-        seq_lens_np, seq_lens = take(num_rows, torch.int32)
-        block_tables = [take(num_rows * width, torch.int32) for _ in groups]
-        tables_np = [table_np.reshape(num_rows, width) for table_np, _ in block_tables]
-        slot_nps = [slot_np for slot_np, _ in slot_mappings]
-        # The common single-group case fills its one table and slot array without a loop.
-        single_group = len(tables_np) == 1
-        table_np0, slot_np0 = tables_np[0], slot_nps[0]
-        query_start_loc_list = [0] * (num_reqs + 1)
-        seq_lens_list = [0] * num_reqs
-        logits_indices: list[int] = []
-        sampled_req_ids: list[str] = []
-        placeholder_indices: list[int] = []
-        placeholder_rows: list[int] = []
-        offset = 0
-        for i, req_id in enumerate(req_ids):
-            state = requests[req_id]
-            n = num_scheduled_tokens[req_id]
-            start = state.num_computed_tokens
-            end = start + n
-            group_block_ids = state.block_ids
-            # Entries past a row's context are never read, so stale ones need no clearing.
-            if single_group:
-                table_np0[i, : len(group_block_ids[0])] = group_block_ids[0]
-            else:
-                for table_np, block_ids in zip(tables_np, group_block_ids):
-                    table_np[i, : len(block_ids)] = block_ids
-            num_known = len(state.token_ids)
-            if n == 1:  # the decode fast path: plain ints, no temporary arrays
-                if start < num_known:
-                    input_ids_np[offset] = state.token_ids[start]
-                else:
-                    assert start == num_known and state.num_output_placeholders, (req_id, start)
-                    input_ids_np[offset] = 0
-                    placeholder_indices.append(offset)
-                    placeholder_rows.append(last_sampled_rows[req_id])
-                positions_np[offset] = start
-                block_index, block_offset = divmod(start, block_size)
-                if single_group:
-                    slot_np0[offset] = group_block_ids[0][block_index] * block_size + block_offset
-                else:
-                    for slot_np, block_ids in zip(slot_nps, group_block_ids):
-                        slot_np[offset] = block_ids[block_index] * block_size + block_offset
-            else:
-                assert end <= num_known, (req_id, end, num_known)
-                input_ids_np[offset : offset + n] = state.token_ids[start:end]
-                pos = np.arange(start, end, dtype=np.int64)
-                positions_np[offset : offset + n] = pos
-                block_index, block_offset = pos // block_size, pos % block_size
-                for slot_np, block_ids in zip(slot_nps, group_block_ids):
-                    blocks = np.asarray(block_ids, dtype=np.int64)
-                    slot_np[offset : offset + n] = blocks[block_index] * block_size + block_offset
-            offset += n
-            query_start_loc_list[i + 1] = offset
-            seq_lens_list[i] = end
-            if end == num_known + state.num_output_placeholders:
-                logits_indices.append(offset - 1)
-                sampled_req_ids.append(req_id)
-        query_start_loc_np[: num_reqs + 1] = query_start_loc_list
-        seq_lens_np[:num_reqs] = seq_lens_list
+        step = _StepBuffers.take(self._staging, num_padded, num_rows, width, self.num_kv_groups)
+        rows = _fill_rows(step, requests, num_scheduled_tokens, last_sampled_rows, self.block_size)
         if pad_to is not None:
-            for array in (input_ids_np, positions_np, *slot_nps):
-                array[num_tokens:] = 0
-            query_start_loc_np[num_reqs + 1 :] = np.arange(
-                num_tokens + 1, num_tokens + 1 + num_rows - num_reqs
-            )
-            seq_lens_np[num_reqs:] = 1
-            for table_np in tables_np:
-                table_np[num_reqs:, 0] = 0
+            step.pad(num_tokens, len(req_ids), num_rows)
         logits_index = None
-        if len(logits_indices) < num_tokens:
-            logits_np, logits_index = take(len(logits_indices), torch.int64)
-            logits_np[:] = logits_indices
-        num_placeholders = len(placeholder_indices)
-        placeholder_index = None
-        # The steady decode batch (same requests, same order as the previous step) needs none.
-        if num_placeholders and (
-            placeholder_indices[-1] != num_placeholders - 1
-            or placeholder_rows != list(range(num_placeholders))
-        ):
-            index_np, placeholder_index = take(2 * num_placeholders, torch.int64)
-            index_np[:num_placeholders] = placeholder_indices
-            index_np[num_placeholders:] = placeholder_rows
-            placeholder_index = placeholder_index.view(2, num_placeholders)
+        if len(rows.logits_indices) < num_tokens:
+            logits_np, logits_index = self._staging.take(len(rows.logits_indices), torch.int64)
+            logits_np[:] = rows.logits_indices
+        placeholder_index = self._placeholder_index(rows)
         self._staging.copy()
         if pad_to is None:
-            max_query_len, max_seq_len = max(num_scheduled_tokens.values()), max(seq_lens_list)
+            max_query_len, max_seq_len = max(num_scheduled_tokens.values()), max(rows.seq_lens)
         else:  # the bounds a graph is captured for
             max_query_len = 1 if num_padded == num_rows else num_padded
             max_seq_len = self.max_model_len
+        long_chunks = pad_to is None and long_chunk_in_step(max_query_len)
         metadata = AttentionMetadata(
             num_reqs=num_rows,
             num_tokens=num_padded,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=tuple(table.view(num_rows, width) for _, table in block_tables),
-            slot_mapping=tuple(mapping for _, mapping in slot_mappings),
-            query_start_loc_cpu=query_start_loc_list,
-            seq_lens_cpu=seq_lens_list,
-            prefill_segments=(
-                long_prefill_segments(
-                    query_start_loc_list,
-                    seq_lens_list,
-                    self.sdpa_max_len,
-                    self.sdpa_prefix_per_chunk,
-                )
-                if pad_to is None and long_chunk_in_step(max_query_len)
-                else ()
-            ),
+            query_start_loc=step.query_start_loc,
+            seq_lens=step.seq_lens,
+            block_tables=tuple(table.view(num_rows, width) for table in step.block_tables),
+            slot_mapping=step.slot_mappings,
+            query_start_loc_cpu=rows.query_start_loc,
+            seq_lens_cpu=rows.seq_lens,
+            prefill_segments=long_prefill_segments(
+                rows.query_start_loc, rows.seq_lens, self.sdpa_max_len, self.sdpa_prefix_per_chunk
+            )
+            if long_chunks
+            else (),
         )
         return StepInputs(
-            input_ids=input_ids,
-            positions=positions,
+            input_ids=step.input_ids,
+            positions=step.positions,
             attn_metadata=metadata,
             logits_indices=logits_index,
-            sampled_req_ids=sampled_req_ids,
-            num_placeholders=num_placeholders,
+            sampled_req_ids=rows.sampled_req_ids,
+            num_placeholders=len(rows.placeholder_indices),
             placeholder_index=placeholder_index,
         )
+
+    def _placeholder_index(self, rows: _Rows) -> torch.Tensor | None:
+        """[2, n]: each placeholder's input position and its row in the last sampled tokens;
+        None for the steady decode batch (same requests, same order as the previous step)."""
+        indices, sampled_rows = rows.placeholder_indices, rows.placeholder_rows
+        n = len(indices)
+        if not n or (indices[-1] == n - 1 and sampled_rows == list(range(n))):
+            return None
+        index_np, index = self._staging.take(2 * n, torch.int64)
+        index_np[:n] = indices
+        index_np[n:] = sampled_rows
+        return index.view(2, n)
+
+
+@dataclass(slots=True)
+class _StepBuffers:
+    """One step's slices of the staging buffer: host arrays to fill, device views to read."""
+
+    input_ids_np: np.ndarray
+    input_ids: torch.Tensor
+    positions_np: np.ndarray
+    positions: torch.Tensor
+    slot_nps: list[np.ndarray]
+    slot_mappings: tuple[torch.Tensor, ...]
+    query_start_loc_np: np.ndarray
+    query_start_loc: torch.Tensor
+    seq_lens_np: np.ndarray
+    seq_lens: torch.Tensor
+    tables_np: list[np.ndarray]  # [num_rows, width] each
+    block_tables: list[torch.Tensor]
+
+    @classmethod
+    def take(
+        cls, staging: StagingBuffer, num_tokens: int, num_rows: int, width: int, num_groups: int
+    ) -> _StepBuffers:
+        take = staging.take
+        input_ids_np, input_ids = take(num_tokens, torch.int64)
+        positions_np, positions = take(num_tokens, torch.int64)
+        slots = [take(num_tokens, torch.int64) for _ in range(num_groups)]
+        query_start_loc_np, query_start_loc = take(num_rows + 1, torch.int32)
+        seq_lens_np, seq_lens = take(num_rows, torch.int32)
+        tables = [take(num_rows * width, torch.int32) for _ in range(num_groups)]
+        return cls(
+            input_ids_np,
+            input_ids,
+            positions_np,
+            positions,
+            [slot_np for slot_np, _ in slots],
+            tuple(slot for _, slot in slots),
+            query_start_loc_np,
+            query_start_loc,
+            seq_lens_np,
+            seq_lens,
+            [table_np.reshape(num_rows, width) for table_np, _ in tables],
+            [table for _, table in tables],
+        )
+
+    def pad(self, num_tokens: int, num_reqs: int, num_rows: int) -> None:
+        """Padding tokens and requests of a CUDA-graph batch (see `InputBuffers.prepare`)."""
+        for array in (self.input_ids_np, self.positions_np, *self.slot_nps):
+            array[num_tokens:] = 0
+        self.query_start_loc_np[num_reqs + 1 :] = np.arange(
+            num_tokens + 1, num_tokens + 1 + num_rows - num_reqs
+        )
+        self.seq_lens_np[num_reqs:] = 1
+        for table_np in self.tables_np:
+            table_np[num_reqs:, 0] = 0
+
+
+@dataclass(slots=True)
+class _Rows:
+    """What the host keeps of a step's rows: the attention bounds and the sampled tokens."""
+
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    logits_indices: list[int]
+    sampled_req_ids: list[str]
+    placeholder_indices: list[int]
+    placeholder_rows: list[int]
+
+
+def _fill_rows(
+    step: _StepBuffers,
+    requests: Mapping[str, RequestTokens],
+    num_scheduled_tokens: Mapping[str, int],
+    last_sampled_rows: Mapping[str, int],
+    block_size: int,
+) -> _Rows:
+    """Writes each scheduled request's tokens, positions, slots and block table row."""
+    input_ids_np, positions_np, slot_nps = step.input_ids_np, step.positions_np, step.slot_nps
+    tables_np = step.tables_np
+    # The common single-group case fills its one table and slot array without a loop.
+    single_group = len(tables_np) == 1
+    table_np0, slot_np0 = tables_np[0], slot_nps[0]
+    num_reqs = len(num_scheduled_tokens)
+    rows = _Rows([0] * (num_reqs + 1), [0] * num_reqs, [], [], [], [])
+    offset = 0
+    for i, (req_id, n) in enumerate(num_scheduled_tokens.items()):
+        state = requests[req_id]
+        start = state.num_computed_tokens
+        end = start + n
+        group_block_ids = state.block_ids
+        # Entries past a row's context are never read, so stale ones need no clearing.
+        if single_group:
+            table_np0[i, : len(group_block_ids[0])] = group_block_ids[0]
+        else:
+            for table_np, block_ids in zip(tables_np, group_block_ids):
+                table_np[i, : len(block_ids)] = block_ids
+        num_known = len(state.token_ids)
+        if n == 1:  # the decode fast path: plain ints, no temporary arrays
+            if start < num_known:
+                input_ids_np[offset] = state.token_ids[start]
+            else:
+                assert start == num_known and state.num_output_placeholders, (req_id, start)
+                input_ids_np[offset] = 0
+                rows.placeholder_indices.append(offset)
+                rows.placeholder_rows.append(last_sampled_rows[req_id])
+            positions_np[offset] = start
+            block_index, block_offset = divmod(start, block_size)
+            if single_group:
+                slot_np0[offset] = group_block_ids[0][block_index] * block_size + block_offset
+            else:
+                for slot_np, block_ids in zip(slot_nps, group_block_ids):
+                    slot_np[offset] = block_ids[block_index] * block_size + block_offset
+        else:
+            assert end <= num_known, (req_id, end, num_known)
+            input_ids_np[offset : offset + n] = state.token_ids[start:end]
+            pos = np.arange(start, end, dtype=np.int64)
+            positions_np[offset : offset + n] = pos
+            block_index, block_offset = pos // block_size, pos % block_size
+            for slot_np, block_ids in zip(slot_nps, group_block_ids):
+                blocks = np.asarray(block_ids, dtype=np.int64)
+                slot_np[offset : offset + n] = blocks[block_index] * block_size + block_offset
+        offset += n
+        rows.query_start_loc[i + 1] = offset
+        rows.seq_lens[i] = end
+        if end == num_known + state.num_output_placeholders:
+            rows.logits_indices.append(offset - 1)
+            rows.sampled_req_ids.append(req_id)
+    step.query_start_loc_np[: num_reqs + 1] = rows.query_start_loc
+    step.seq_lens_np[:num_reqs] = rows.seq_lens
+    return rows
