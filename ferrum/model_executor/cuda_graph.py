@@ -1,18 +1,10 @@
-"""CUDA graphs captured once at start-up: decode batches and single-request prompt chunks.
-
-- Decode: a batch of B requests with one token each runs as the graph of the smallest captured
-  batch size >= B, padded with one-token requests.
-- Prefill: one request's chunk of L tokens (over any cached prefix) runs as the graph of the
-  smallest captured token count >= L, padded with tokens of no request; no op mixes rows, so they
-  never touch real tokens.
-
-A graph reads the runner's `InputBuffers` at the addresses that a batch padded to its shape
-(`padded_shape`) is laid out at, so a step prepared with that padding needs only the replay.
-
-A pipeline stage's graphs cover its own layers: a stage after the first reads the previous
-stage's activations from `stage_input(tokens)` (the caller receives them there first), and a
-stage before the last returns its (hidden, residual) of every padded token for the next stage.
-"""
+"""CUDA graphs captured once at start-up: decode batches (B requests run as the smallest
+captured batch >= B, padded with one-token requests) and single-request prompt chunks (L tokens
+run as the smallest captured count >= L, padded with tokens of no request, which no op mixes
+with real rows). A graph reads the runner's `InputBuffers` where a batch padded to its shape
+(`padded_shape`) lies. A pipeline stage's graphs cover its layers: after the first stage they
+read the previous one's activations from `stage_input(tokens)`; before the last they return
+(hidden, residual) of every padded token."""
 
 from __future__ import annotations
 

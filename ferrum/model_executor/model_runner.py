@@ -1,12 +1,10 @@
 """Turns a SchedulerOutput into one model forward plus sampling (`launch`, `sample`, `complete`).
 
-Beside the step the runner holds its requests' states (`runner_state.py`), the pipeline stage's
-traffic (`pipeline_transport.py`), the linear-attention state slots (`recurrent_state_cache.py`),
-grammar bitmasks and prompt logprobs; it never touches the block pool. Start-up's passes see it
-as a `StartUpRunner`. Structured outputs: a step's sampled rows get their bitmask filled on the
-host from the constrained requests' matchers; with `defer_sampling` the fill and the sampling
-wait for `sample`, so the caller can bring the matchers up to date while the forward runs.
-"""
+Beside the step it holds its requests' states (`runner_state.py`), the pipeline stage's traffic
+(`pipeline_transport.py`), the linear-attention state slots (`recurrent_state_cache.py`),
+grammar bitmasks and prompt logprobs; it never touches the block pool. Constrained rows get
+their bitmask filled from the matchers; with `defer_sampling` the fill and the sampling wait for
+`sample`, so the caller brings the matchers up to date while the forward runs."""
 
 from __future__ import annotations
 
@@ -227,15 +225,11 @@ class ModelRunner:
         matchers: dict[str, StructuredOutputMatcher] | None = None,
         defer_sampling: bool = False,
     ) -> LaunchedStep:
-        """Queues one step's forward and sampling on the device and the copy of its tokens to
-        the host, without waiting for any of it. Steps complete (`complete`) in launch order;
-        between the two, the next step may be launched: a decode whose input is this step's
-        token reads it on the device. `matchers`: the grammars of the constrained requests.
-
-        With `defer_sampling`, a step that samples a constrained row queues only its forward
-        (`awaits_sampling`): the caller brings every matcher up to date (completes the previous
-        step) while the device runs it, then calls `sample`. Otherwise the matchers must have
-        accepted all of their requests' output tokens already."""
+        """Queues one step's forward, sampling and token copy without waiting; steps complete
+        in launch order, and the next may launch before (a decode reads this step's token on
+        the device). With `defer_sampling` a step sampling a constrained row queues its forward
+        only (`awaits_sampling`) until `sample`; otherwise `matchers` (the constrained requests'
+        grammars) must have accepted every output token already."""
         requests = self.requests
         requests.apply(scheduler_output)
         self.recurrent.start_requests(scheduler_output.scheduled_new_reqs)

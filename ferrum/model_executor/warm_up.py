@@ -1,23 +1,12 @@
-"""What the model runner runs once at start-up, and runs it, so that serving compiles no Triton
-kernel.
+"""Start-up runs every Triton kernel variant serving would otherwise compile inside a request.
 
-A kernel variant is compiled the first time a launch needs it, inside a user's request unless the
-warm-up ran it first. What picks a variant, and so what the batches below cover:
-- tile configs chosen by token count: attention tiles grow with the query length up to 128 rows,
-  and the fused MoE takes a config per token bucket (16 ... 4096 tokens, the largest beyond);
-- Triton's specialisation of integer arguments: a count that is 1, or a multiple of 16, gets its
-  own compiled kernel, so every size is run at an even and at an odd token count;
-- several requests in one batch (variable-length prefill attention), from 256 tokens up.
-Integers that follow a step's shape in other ways (the MoE align's spans and blocks, the block
-table's width, the split-KV count) are left unspecialised in their kernels, so no batch here
-needs to match them. The runner also computes the logits of the one-token batch: logits run
-outside the CUDA graphs, and one row takes the LM head's GEMV. cuDNN's attention builds a plan
-per shape, so SDPA's prefill runs once at each of its padded lengths; the Triton gather of a
-chunk after a cached prefix runs once per layer shape (no warm-up batch has a prefix), beside a
-probe that cuDNN takes each shape (else chunks after a prefix keep the paged kernel). Decode
-batch sizes and single-request prefill chunks up to 512 tokens are also compiled by CUDA graph
-capture, which runs after this; `compile_watch.py` logs any variant compiled later.
-"""
+A variant is picked by tile configs chosen by token count (attention up to 128 query rows, the
+fused MoE's buckets 16..4096) and by Triton's specialisation of integers (1, multiples of 16,
+other), so each power-of-two batch runs at an even and an odd token count, split over several
+requests from 256 tokens up. The one-token logits (the LM head's GEMV) run too, SDPA's prefill
+at each padded length (cuDNN plans a shape once) with the cached-prefix gather and its cuDNN
+probe; CUDA graph capture compiles decode and small prefill shapes after this, and
+`compile_watch.py` logs anything compiled later."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""StructuredOutputMatcher: one request's position in its grammar.
-
-Invariant: the matcher has accepted exactly the request's output tokens so far
-(`num_accepted_tokens` of them); whoever drops output tokens (a rejected draft, a discarded
-placeholder) rolls the matcher back by the same count. Preemption by recompute keeps the output
-tokens, so it leaves the matcher alone.
-
-Not thread-safe: one owner calls accept/rollback/fill at a time (xgrammar's GrammarMatcher is not
-safe for concurrent use). Distinct matchers may be used from distinct threads.
-"""
+"""StructuredOutputMatcher: one request's position in its grammar. Invariant: it accepted exactly
+the request's output tokens so far (`num_accepted_tokens`); whoever drops output tokens rolls it
+back by as many (preemption keeps them, so it leaves it alone). Not thread-safe (xgrammar's
+GrammarMatcher is not): one owner at a time; distinct matchers may run on distinct threads."""
 
 from __future__ import annotations
 
