@@ -191,26 +191,7 @@ def _check_table(t: torch.Tensor, name: str, half: int, device: torch.device) ->
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-def rotary_kv(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    cos: torch.Tensor,  # [num_rows, head_dim // 2] fp32
-    sin: torch.Tensor,  # [num_rows, head_dim // 2] fp32
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
-    positions: torch.Tensor | None = None,  # [num_tokens] int64
-    q_norm_weight: torch.Tensor | None = None,  # [head_dim]
-    k_norm_weight: torch.Tensor | None = None,  # [head_dim]
-    eps: float = 1e-6,
-) -> None:
-    """Optional per-head q/k RMSNorm, then RoPE on q and k in place, then the KV-cache write.
-
-    cos / sin are either whole tables indexed by `positions` (e.g. the two halves of a
-    [max_position, head_dim] cos|sin cache) or, with positions None, rows already gathered per
-    token (num_rows >= num_tokens). Rows are not bounds-checked on the device. Rotary dim equals
-    head_dim (no partial rotary).
-    """
+def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     if query.dim() != 3:
         raise ValueError(f"query must be [num_tokens, num_heads, head_dim], got {query.shape}")
     num_tokens, num_heads, head_dim = query.shape
@@ -220,7 +201,6 @@ def rotary_kv(
         )
     if head_dim < 2 or head_dim % 2 or head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be even and in [2, {MAX_HEAD_DIM}], got {head_dim}")
-    device = query.device
     _check_heads(query, "query", num_tokens, head_dim)
     _check_heads(key, "key", num_tokens, head_dim)
     if value.shape != key.shape or value.dtype != key.dtype or value.stride(-1) != 1:
@@ -230,10 +210,27 @@ def rotary_kv(
         )
     if key.dtype != query.dtype:
         raise ValueError(f"key dtype {key.dtype} must equal query dtype {query.dtype}")
-    num_kv_heads = key.shape[1]
-    half = head_dim // 2
-    _check_table(cos, "cos", half, device)
-    _check_table(sin, "sin", half, device)
+
+
+def _check_rotary_args(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+) -> None:
+    """Raises ValueError naming the first malformed argument."""
+    _check_qkv(query, key, value)
+    num_tokens, _, head_dim = query.shape
+    device = query.device
+    _check_table(cos, "cos", head_dim // 2, device)
+    _check_table(sin, "sin", head_dim // 2, device)
     if positions is not None and (
         positions.shape != (num_tokens,)
         or positions.dtype != torch.int64
@@ -248,10 +245,9 @@ def rotary_kv(
             f"cos and sin must have equal rows, >= num_tokens ({num_tokens}) when positions is "
             f"None, got {cos.shape[0]} and {sin.shape[0]}"
         )
-    check_cache_args(kv_cache, slot_mapping, num_tokens, num_kv_heads, head_dim)
+    check_cache_args(kv_cache, slot_mapping, num_tokens, key.shape[1], head_dim)
     if (q_norm_weight is None) != (k_norm_weight is None):
         raise ValueError("q_norm_weight and k_norm_weight must be given together")
-    has_norm = q_norm_weight is not None
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w is not None and (
             w.shape != (head_dim,) or w.dtype != query.dtype or not w.is_contiguous()
@@ -260,15 +256,33 @@ def rotary_kv(
                 f"{name} must be contiguous [{head_dim}] {query.dtype}, got {tuple(w.shape)} "
                 f"{w.dtype}"
             )
-    if has_norm and not eps > 0.0:
+    if q_norm_weight is not None and not eps > 0.0:
         raise ValueError(f"eps must be > 0, got {eps}")
     others = [key, value, kv_cache, slot_mapping]
     others += [t for t in (positions, q_norm_weight, k_norm_weight) if t is not None]
     for t in others:
         if t.device != device:
             raise ValueError(f"all tensors must be on {device}, got one on {t.device}")
-    if num_tokens == 0:
-        return
+
+
+def _launch_rotary_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor | None,
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    eps: float,
+) -> None:
+    """Picks the query heads a program rotates and the warps, and launches the kernel."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    half = head_dim // 2
+    has_norm = q_norm_weight is not None
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     block_hq = min(triton.next_power_of_2(num_heads), Q_HEADS_PER_PROGRAM)
     _rotary_kv_kernel[(num_tokens, triton.cdiv(num_heads, block_hq) + 1)](
@@ -305,5 +319,55 @@ def rotary_kv(
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
-        **pdl_launch_args(device),
+        **pdl_launch_args(query.device),
+    )
+
+
+def rotary_kv(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos: torch.Tensor,  # [num_rows, head_dim // 2] fp32
+    sin: torch.Tensor,  # [num_rows, head_dim // 2] fp32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+    positions: torch.Tensor | None = None,  # [num_tokens] int64
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None,  # [head_dim]
+    eps: float = 1e-6,
+) -> None:
+    """Optional per-head q/k RMSNorm, then RoPE on q and k in place, then the KV-cache write.
+
+    cos / sin are either whole tables indexed by `positions` (e.g. the two halves of a
+    [max_position, head_dim] cos|sin cache) or, with positions None, rows already gathered per
+    token (num_rows >= num_tokens). Rows are not bounds-checked on the device. Rotary dim equals
+    head_dim (no partial rotary).
+    """
+    _check_rotary_args(
+        query,
+        key,
+        value,
+        cos,
+        sin,
+        kv_cache,
+        slot_mapping,
+        positions,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
+    )
+    if query.shape[0] == 0:
+        return
+    _launch_rotary_kv(
+        query,
+        key,
+        value,
+        cos,
+        sin,
+        kv_cache,
+        slot_mapping,
+        positions,
+        q_norm_weight,
+        k_norm_weight,
+        eps,
     )
