@@ -1,16 +1,12 @@
 """Triton short causal depthwise conv1d with per-request conv state (before gated DeltaNet).
 
-For channel c of a sequence x with width-W weight w (fp32 math, one rounding to out's dtype):
-
+For channel c with width-W weight w (fp32 math, one rounding to out's dtype), act SiLU or none:
     y_t = act(bias_c + sum_{j<W} w[c, j] * x_{t - W + 1 + j})
-
-positions before the sequence start reading the slot's conv state (the W - 1 previous inputs,
-oldest first; zeros where has_initial_state is False), act SiLU or the identity. Each sequence
-then writes its last W - 1 inputs (older state rows when it is shorter) back to its slot. Same
-math as `causal_conv1d_ref`. Sequences with slot id < 0 are padding: zero output, no state
-touched. Slot ids of live sequences must be distinct.
-
-Conv state pool layout: `[num_slots, W - 1, dim]` (channels contiguous).
+Positions before the sequence start read the slot's conv state (the W - 1 previous inputs,
+oldest first; zeros where has_initial_state is False); each sequence then writes its last W - 1
+inputs (older state rows when it is shorter) back to its slot. Same math as `causal_conv1d_ref`.
+Slot id < 0: padding (zero output, no state touched); live slot ids are distinct. Conv state
+pool layout: `[num_slots, W - 1, dim]` (channels contiguous).
 """
 
 from __future__ import annotations
@@ -122,20 +118,13 @@ def _causal_conv1d_kernel(
         tl.store(new_ptrs, new_state, mask=row_mask)
 
 
-def _check_and_launch(
+def _check_weights(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     conv_state_pool: torch.Tensor,
-    cu_seqlens: torch.Tensor | None,
-    slot_ids: torch.Tensor,
-    has_initial_state: torch.Tensor | None,
-    activation: str | None,
-    out: torch.Tensor,
-    num_seqs: int,
-    max_seq_len: int,
-) -> None:
-    """Raises ValueError naming the first malformed argument, else launches the kernel."""
+) -> tuple[int, int]:
+    """Checks x and the layer's weight, bias and conv state pool; returns (dim, width)."""
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(1) != 1:
         raise ValueError(
             f"x must be [num_tokens, dim] fp16/bf16/fp32 with stride(1) == 1, got "
@@ -166,6 +155,21 @@ def _check_and_launch(
             f"stride(2) == 1, got {tuple(conv_state_pool.shape)} {conv_state_pool.dtype} "
             f"strides {conv_state_pool.stride()}"
         )
+    return dim, width
+
+
+def _check_batch_args(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    activation: str | None,
+    out: torch.Tensor,
+    num_seqs: int,
+    max_seq_len: int,
+) -> None:
+    """Checks the batch's slot ids, out, the activation, the sizes and every tensor's device."""
     if slot_ids.shape != (num_seqs,) or slot_ids.dtype != torch.int32:
         raise ValueError(
             f"slot_ids must be int32 [{num_seqs}], got {tuple(slot_ids.shape)} {slot_ids.dtype}"
@@ -184,6 +188,26 @@ def _check_and_launch(
             raise ValueError(f"all tensors must be on {x.device}, got one on {t.device}")
     if not 0 <= max_seq_len <= max(x.shape[0], 1):
         raise ValueError(f"max_seq_len must be in [0, num_tokens={x.shape[0]}], got {max_seq_len}")
+
+
+def _check_and_launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state_pool: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    slot_ids: torch.Tensor,
+    has_initial_state: torch.Tensor | None,
+    activation: str | None,
+    out: torch.Tensor,
+    num_seqs: int,
+    max_seq_len: int,
+) -> None:
+    """Raises ValueError naming the first malformed argument, else launches the kernel."""
+    dim, width = _check_weights(x, weight, bias, conv_state_pool)
+    _check_batch_args(
+        x, weight, bias, conv_state_pool, slot_ids, activation, out, num_seqs, max_seq_len
+    )
     if num_seqs == 0 or x.shape[0] == 0 or max_seq_len == 0:
         return
     block_t = 1 if cu_seqlens is None else _BLOCK_T
