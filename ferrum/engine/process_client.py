@@ -251,8 +251,9 @@ class ProcessClient(CoreClient):
             self._process.add_requests(requests)
 
     def _resumed_request(self, req_id: str) -> EngineCoreRequest:
-        """The completion's request with the tokens it has so far."""
-        return resumed_request(self._requests[req_id], self._tokens[req_id])
+        """The completion's request with a copy of the tokens it has so far (the sending thread
+        pickles it while this thread goes on appending to the original)."""
+        return resumed_request(self._requests[req_id], list(self._tokens[req_id]))
 
     def _on_core_failure(self, reason: str, req_ids: list[str] | None) -> None:
         """The current core failed (`req_ids`: the requests of its failing step, if known):
