@@ -1,19 +1,14 @@
 """Small-batch fused mixture-of-experts: two GEMV launches and no token->expert align.
 
-For num_tokens <= SMALL_BATCH_MAX_TOKENS each routed expert sees one or a few tokens, so grouping
-pairs by expert buys nothing: kernel 1, grid (num_pairs, cdiv(I, BLOCK_N)), GEMVs pair
-p = t * top_k + j's token against expert topk_ids[p]'s gate and up rows with SiLU-and-mul ->
-act [T*k, I]; kernel 2, grid (num_tokens, cdiv(H, BLOCK_N)), GEMVs each of token t's k rows of act
-against its expert's down projection and sums them weighted, in order j = 0..k-1 in fp32, into
-out [T, H] (the combine is fused). With DOWN_SPLIT, kernel 2 runs one program row per pair instead
-(grid (num_pairs, cdiv(H, BLOCK_N)): more programs, fewer bytes each), each writing its pair's
-weighted output in fp32; the last of a token's k programs of an output tile to arrive
-(kernels/arrival_counters.py) sums them in the same order j = 0..k-1, so the result is the same.
-Each routed expert's weights are read once per (token, choice).
-Roundings follow `fused_moe_ref`. Sizes depend only on (T, k, E, H, I): CUDA-graph safe.
-FP8 experts (scales given, see fused_moe.py): the 128x128 block scales are applied to the vector,
-not to the weights: BLOCK_N divides 128, so a program's rows share one scale row, and each column
-k of the vector enters as x[k] * scale[e, n0 // 128, k // 128] against the FP8 codes (fp32 sums).
+For num_tokens <= SMALL_BATCH_MAX_TOKENS an expert sees one or a few tokens: grouping pairs by
+expert buys nothing. Kernel 1, grid (num_pairs, cdiv(I, BLOCK_N)): pair p = t * top_k + j's token
+against expert topk_ids[p]'s gate and up rows, SiLU-and-mul -> act [T*k, I]. Kernel 2, grid
+(num_tokens, cdiv(H, BLOCK_N)): token t's k act rows against their experts' down rows, summed
+weighted in order j = 0..k-1 in fp32 into out [T, H]; with DOWN_SPLIT a program row a pair, the
+last of a token's k programs of a tile to arrive (arrival_counters.py) summing them in that order.
+Roundings follow `fused_moe_ref`; sizes depend only on (T, k, E, H, I) (CUDA-graph safe).
+FP8 experts: the 128x128 block scales scale the vector (x[k] * scale[e, n0 // 128, k // 128]
+against the FP8 codes; BLOCK_N divides 128, so a program's rows share one scale row).
 """
 
 from __future__ import annotations
@@ -296,35 +291,20 @@ def _gemv_tiles(
     return block_n, block_k, k % block_k == 0
 
 
-def small_batch_moe(
-    out: torch.Tensor,
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    flat_weights: torch.Tensor,
-    flat_ids: torch.Tensor,
+def _gate_up_gemv(
+    act: torch.Tensor,  # [num_pairs, I]
+    hidden: torch.Tensor,  # [num_tokens, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    s13: torch.Tensor,  # w13's block scales, or w13 itself when not FP8
+    flat_ids: torch.Tensor,  # [num_pairs]
     top_k: int,
     config: dict[str, int],
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
+    fp8: bool,
+    launch: dict[str, int | bool],
 ) -> None:
-    """Two GEMV launches: gate/up + SiLU-and-mul per pair, then down + weighted sum per token.
-    With the scales, w13 and w2 are FP8 (see the module docstring)."""
-    num_tokens, hidden_size = hidden.shape
-    num_pairs = flat_ids.numel()
-    inter = w2.shape[2]
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    launch = {
-        "num_warps": config["num_warps"],
-        "num_stages": config["num_stages"],
-        **pdl_launch_args(hidden.device),
-    }
-    fp8 = w13_scale is not None
-    s13 = w13 if w13_scale is None else w13_scale
-    s2 = w2 if w2_scale is None else w2_scale
-
-    # Pairs (tokens in the down GEMV) vary fastest across programs, so pairs sharing an expert
-    # read the same weight rows close together in time and hit L2.
+    """Launches kernel 1: act[p] = silu(gate) * up of pair p's token against its expert."""
+    num_pairs, inter = act.shape
+    hidden_size = hidden.shape[1]
     block_n, block_k, even_k = _gemv_tiles(config, "GATE_UP", inter, hidden_size, fp8)
     _moe_gate_up_gemv_kernel[(num_pairs, triton.cdiv(inter, block_n))](
         act,
@@ -348,6 +328,25 @@ def small_batch_moe(
         BLOCK_K=block_k,
         **launch,
     )
+
+
+def _down_gemv(
+    out: torch.Tensor,  # [num_tokens, H]
+    act: torch.Tensor,  # [num_pairs, I]
+    w2: torch.Tensor,  # [E, H, I]
+    s2: torch.Tensor,  # w2's block scales, or w2 itself when not FP8
+    flat_weights: torch.Tensor,  # [num_pairs] float32
+    flat_ids: torch.Tensor,  # [num_pairs]
+    num_tokens: int,
+    hidden_size: int,
+    top_k: int,
+    config: dict[str, int],
+    fp8: bool,
+    launch: dict[str, int | bool],
+) -> None:
+    """Launches kernel 2, the down GEMV and weighted sum per token: one program row a token, or
+    with DOWN_SPLIT one a pair, the last of a token's to arrive summing them."""
+    num_pairs, inter = act.shape
     block_n, block_k, even_k = _gemv_tiles(config, "DOWN", hidden_size, inter, fp8)
     down_args = (
         act,
@@ -383,4 +382,50 @@ def small_batch_moe(
     block_e = min(config.get("DOWN_BLOCK_E", 1), triton.next_power_of_2(top_k))
     _moe_down_combine_gemv_kernel[(num_tokens, num_n_tiles)](
         out, *down_args, BLOCK_E=block_e, **tiles
+    )
+
+
+def small_batch_moe(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    flat_weights: torch.Tensor,
+    flat_ids: torch.Tensor,
+    top_k: int,
+    config: dict[str, int],
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+) -> None:
+    """Two GEMV launches: gate/up + SiLU-and-mul per pair, then down + weighted sum per token.
+    With the scales, w13 and w2 are FP8 (see the module docstring)."""
+    num_tokens, hidden_size = hidden.shape
+    num_pairs = flat_ids.numel()
+    inter = w2.shape[2]
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    launch = {
+        "num_warps": config["num_warps"],
+        "num_stages": config["num_stages"],
+        **pdl_launch_args(hidden.device),
+    }
+    fp8 = w13_scale is not None
+    s13 = w13 if w13_scale is None else w13_scale
+    s2 = w2 if w2_scale is None else w2_scale
+
+    # Pairs (tokens in the down GEMV) vary fastest across programs, so pairs sharing an expert
+    # read the same weight rows close together in time and hit L2.
+    _gate_up_gemv(act, hidden, w13, s13, flat_ids, top_k, config, fp8, launch)
+    _down_gemv(
+        out,
+        act,
+        w2,
+        s2,
+        flat_weights,
+        flat_ids,
+        num_tokens,
+        hidden_size,
+        top_k,
+        config,
+        fp8,
+        launch,
     )
