@@ -2,16 +2,13 @@
 
 KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys,
 1 values); slot s lives at block `s // block_size`, offset `s % block_size`.
-
 Two attention paths, same math as `paged_attention_ref`:
 - unified: one launch for mixed batches (prompt chunks over a cached prefix plus decodes). A
   program owns one KV head group and a tile of one request's query tokens; its rows are
   (token, query head of the group) pairs, so each KV tile is loaded once per group.
-- split-KV (small decode-only batches): each request's context is cut into equal parts processed
-  by separate programs, which write unnormalised partial results to a caller-owned workspace; a
-  second kernel combines them with a log-sum-exp reduce.
-Either path can also write its output quantized per token-group of 128 (`out_fp8`, heads of 128:
-one group a head), the rows an FP8 o_proj reads in place of its own quantization pass.
+- split-KV, for small decode-only batches over long contexts: paged_attention_split_kv.py.
+Either can also write its output quantized per token-group of 128 (`out_fp8`, heads of 128: one
+group a head), the rows an FP8 o_proj reads in place of its own quantization pass.
 """
 
 from __future__ import annotations
@@ -173,6 +170,86 @@ def _paged_attention_kernel(
         )  # fmt: skip
 
 
+def _unified_tiles(
+    max_query_len: int,
+    group: int,
+    head_dim: int,
+    block_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> tuple[int, int, int, dict[str, int]]:
+    """(BLOCK_M, BLOCK_Q, BLOCK_N, launch options) of the unified kernel; overrides checked."""
+    # Rows = tokens x group heads; size the tile to the longest chunk (decodes: 16 rows).
+    block_m = min(128, max(16, triton.next_power_of_2(max_query_len * group)))
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    _check_block_n(block_n)
+    # Decode tiles (16 rows) stream K/V fastest with 2 warps: ~3.0 TB/s on the H100 at batch 256
+    # and 1024 keys, 1-4% over 4 warps (benchmarks/bench_attention.py).
+    launch = {"num_warps": num_warps or (2 if block_m <= 16 else 8 if block_m >= 128 else 4)}
+    if num_stages is not None:
+        launch["num_stages"] = num_stages
+    return block_m, block_q, block_n, launch
+
+
+def _launch_unified(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    out_fp8: Fp8GroupRows | None,
+    window: int,
+    block_n: int | None,
+    num_warps: int | None,
+    num_stages: int | None,
+) -> None:
+    """Picks the tiles and launches the kernel over (query tiles, KV heads, requests)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    block_m, block_q, block_n, launch = _unified_tiles(
+        max_query_len, group, head_dim, block_n, num_warps, num_stages
+    )
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, seq_lens.shape[0])
+    _paged_attention_kernel[grid](
+        out,
+        out if out_fp8 is None else out_fp8.q,
+        out if out_fp8 is None else out_fp8.scales,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * _LOG2E,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        DOT_PRECISION=_dot_precision(query.dtype),
+        WINDOW=window,
+        FP8_OUT=out_fp8 is not None,
+        **launch,
+    )
+
+
 def paged_attention_unified(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -207,52 +284,20 @@ def paged_attention_unified(
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or max_query_len == 0 or query.shape[0] == 0:
         return out
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    # Rows = tokens x group heads; size the tile to the longest chunk (decodes: 16 rows).
-    block_m = min(128, max(16, triton.next_power_of_2(max_query_len * group)))
-    block_m = max(block_m, triton.next_power_of_2(group))
-    block_q = block_m // group
-    if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
-    _check_block_n(block_n)
-    # Decode tiles (16 rows) stream K/V fastest with 2 warps: ~3.0 TB/s on the H100 at batch 256
-    # and 1024 keys, 1-4% over 4 warps (benchmarks/bench_attention.py).
-    launch = {"num_warps": num_warps or (2 if block_m <= 16 else 8 if block_m >= 128 else 4)}
-    if num_stages is not None:
-        launch["num_stages"] = num_stages
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_reqs)
-    _paged_attention_kernel[grid](
-        out,
-        out if out_fp8 is None else out_fp8.q,
-        out if out_fp8 is None else out_fp8.scales,
+    _launch_unified(
         query,
-        k_cache,
-        v_cache,
+        kv_cache,
         block_tables,
         query_start_loc,
         seq_lens,
-        scale * _LOG2E,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        GROUP=group,
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim,
-        DOT_PRECISION=_dot_precision(query.dtype),
-        WINDOW=window,
-        FP8_OUT=out_fp8 is not None,
-        **launch,
+        max_query_len,
+        scale,
+        out,
+        out_fp8,
+        window,
+        block_n,
+        num_warps,
+        num_stages,
     )
     return out
 
