@@ -1,12 +1,10 @@
 """Split-KV paged attention for decode-only batches over long contexts.
 
-The context of each request is cut into `num_splits` equal ranges (rounded up to whole key tiles)
-processed by separate programs, which write unnormalised partial results to a caller-owned
-workspace; a second kernel combines them with a log-sum-exp reduce. The ranges follow each
-request's actual context length on the device, so the grid depends only on the batch shape (CUDA
-graph safe) and short contexts are split as finely as long ones. Same math as
-`paged_attention_ref`. The workspace, the number of parts and which batches take this path:
-split_kv_plan.py.
+Each request's context is cut into `num_splits` equal ranges (whole key tiles), one program each,
+writing unnormalised partial results to a caller-owned workspace; a second kernel combines them
+with a log-sum-exp reduce. The ranges follow each request's context length on the device: the grid
+depends only on the batch shape (CUDA graph safe). Same math as `paged_attention_ref`. The
+workspace, the number of parts and which batches take this path: split_kv_plan.py.
 """
 
 from __future__ import annotations
@@ -208,22 +206,9 @@ def _split_kv_reduce_kernel(
         )  # fmt: skip
 
 
-def _check_split_kv_args(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_seq_len: int,
-    out: torch.Tensor,
-    workspace: SplitKVWorkspace,
-    sliding_window: int | None,
-    out_fp8: Fp8GroupRows | None,
-) -> int:
-    """Raises ValueError naming the first malformed argument but the workspace's layout (checked
-    once the tiles are chosen), else returns the WINDOW constexpr."""
-    _check_attention_args(query, kv_cache, block_tables, None, seq_lens, out)
-    check_fp8_out(out_fp8, out)
-    window = _window_constexpr(sliding_window)
+def _check_split_batch(
+    query: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, workspace: SplitKVWorkspace
+) -> None:
     num_reqs = seq_lens.shape[0]
     if query.shape[0] != num_reqs:
         raise ValueError(
@@ -236,30 +221,6 @@ def _check_split_kv_args(
         raise ValueError(
             f"num_reqs {num_reqs} exceeds workspace max_num_seqs {workspace.max_num_seqs}"
         )
-    return window
-
-
-def _choose_splits_and_tile(
-    num_reqs: int,
-    num_kv_heads: int,
-    head_dim: int,
-    fp8_cache: bool,
-    workspace: SplitKVWorkspace,
-    num_splits: int | None,
-    block_n: int | None,
-) -> tuple[int, int]:
-    """(num_splits, block_n): the given ones checked, else the defaults."""
-    if num_splits is None:
-        num_splits = default_num_splits(num_reqs, num_kv_heads, workspace.max_splits, fp8_cache)
-    if not 1 <= num_splits <= workspace.max_splits:
-        raise ValueError(
-            f"num_splits must be in [1, workspace max_splits={workspace.max_splits}], "
-            f"got {num_splits}"
-        )
-    if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
-    _check_block_n(block_n)
-    return num_splits, block_n
 
 
 def _check_workspace(
@@ -393,24 +354,25 @@ def paged_attention_split_kv(
     the parts split only the last W keys. `num_splits` (default: `default_num_splits`) and
     `block_n` (the key tile, a power of two >= 16) are for tests and tuning.
     """
-    window = _check_split_kv_args(
-        query,
-        kv_cache,
-        block_tables,
-        seq_lens,
-        max_seq_len,
-        out,
-        workspace,
-        sliding_window,
-        out_fp8,
-    )
+    _check_attention_args(query, kv_cache, block_tables, None, seq_lens, out)
+    check_fp8_out(out_fp8, out)
+    window = _window_constexpr(sliding_window)
+    _check_split_batch(query, seq_lens, max_seq_len, workspace)
     num_reqs = seq_lens.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = kv_cache.shape[3]
     fp8_cache = kv_cache.dtype == FP8_KV_DTYPE
-    num_splits, block_n = _choose_splits_and_tile(
-        num_reqs, num_kv_heads, head_dim, fp8_cache, workspace, num_splits, block_n
-    )
+    if num_splits is None:
+        num_splits = default_num_splits(
+            num_reqs, kv_cache.shape[3], workspace.max_splits, fp8_cache
+        )
+    if not 1 <= num_splits <= workspace.max_splits:
+        raise ValueError(
+            f"num_splits must be in [1, workspace max_splits={workspace.max_splits}], "
+            f"got {num_splits}"
+        )
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    _check_block_n(block_n)
     _check_workspace(workspace, num_heads, head_dim, query.device)
     if num_reqs == 0:
         return out
