@@ -330,61 +330,6 @@ def _gate_up_gemv(
     )
 
 
-def _down_gemv(
-    out: torch.Tensor,  # [num_tokens, H]
-    act: torch.Tensor,  # [num_pairs, I]
-    w2: torch.Tensor,  # [E, H, I]
-    s2: torch.Tensor,  # w2's block scales, or w2 itself when not FP8
-    flat_weights: torch.Tensor,  # [num_pairs] float32
-    flat_ids: torch.Tensor,  # [num_pairs]
-    num_tokens: int,
-    hidden_size: int,
-    top_k: int,
-    config: dict[str, int],
-    fp8: bool,
-    launch: dict[str, int | bool],
-) -> None:
-    """Launches kernel 2, the down GEMV and weighted sum per token: one program row a token, or
-    with DOWN_SPLIT one a pair, the last of a token's to arrive summing them."""
-    num_pairs, inter = act.shape
-    block_n, block_k, even_k = _gemv_tiles(config, "DOWN", hidden_size, inter, fp8)
-    down_args = (
-        act,
-        w2,
-        s2,
-        flat_weights,
-        flat_ids,
-        hidden_size,
-        inter,
-        top_k,
-        w2.shape[0],
-        act.stride(0),
-        w2.stride(0),
-        w2.stride(1),
-        out.stride(0),
-        s2.stride(0),
-        s2.stride(1),
-    )
-    tiles = dict(W_FP8=fp8, EVEN_K=even_k, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
-    num_n_tiles = triton.cdiv(hidden_size, block_n)
-    if config.get("DOWN_SPLIT", 0):
-        if config.get("DOWN_BLOCK_E", 1) != 1:
-            raise ValueError(
-                f"small_config: DOWN_SPLIT 1 runs one choice a program: DOWN_BLOCK_E must be 1, "
-                f"got {config['DOWN_BLOCK_E']}"
-            )
-        partial = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=out.device)
-        counters = arrival_counters(out.device, num_tokens * num_n_tiles, "fused MoE down GEMV")
-        _moe_down_split_gemv_kernel[(num_pairs, num_n_tiles)](
-            out, partial, counters, *down_args, **tiles
-        )
-        return
-    block_e = min(config.get("DOWN_BLOCK_E", 1), triton.next_power_of_2(top_k))
-    _moe_down_combine_gemv_kernel[(num_tokens, num_n_tiles)](
-        out, *down_args, BLOCK_E=block_e, **tiles
-    )
-
-
 def small_batch_moe(
     out: torch.Tensor,
     hidden: torch.Tensor,
@@ -415,17 +360,26 @@ def small_batch_moe(
     # Pairs (tokens in the down GEMV) vary fastest across programs, so pairs sharing an expert
     # read the same weight rows close together in time and hit L2.
     _gate_up_gemv(act, hidden, w13, s13, flat_ids, top_k, config, fp8, launch)
-    _down_gemv(
-        out,
-        act,
-        w2,
-        s2,
-        flat_weights,
-        flat_ids,
-        num_tokens,
-        hidden_size,
-        top_k,
-        config,
-        fp8,
-        launch,
+    block_n, block_k, even_k = _gemv_tiles(config, "DOWN", hidden_size, inter, fp8)
+    down_args = (
+        act, w2, s2, flat_weights, flat_ids, hidden_size, inter, top_k, w2.shape[0], act.stride(0),
+        w2.stride(0), w2.stride(1), out.stride(0), s2.stride(0), s2.stride(1),
+    )  # fmt: skip
+    tiles = dict(W_FP8=fp8, EVEN_K=even_k, BLOCK_N=block_n, BLOCK_K=block_k, **launch)
+    num_n_tiles = triton.cdiv(hidden_size, block_n)
+    if config.get("DOWN_SPLIT", 0):
+        if config.get("DOWN_BLOCK_E", 1) != 1:
+            raise ValueError(
+                f"small_config: DOWN_SPLIT 1 runs one choice a program: DOWN_BLOCK_E must be 1, "
+                f"got {config['DOWN_BLOCK_E']}"
+            )
+        partial = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=out.device)
+        counters = arrival_counters(out.device, num_tokens * num_n_tiles, "fused MoE down GEMV")
+        _moe_down_split_gemv_kernel[(num_pairs, num_n_tiles)](
+            out, partial, counters, *down_args, **tiles
+        )
+        return
+    block_e = min(config.get("DOWN_BLOCK_E", 1), triton.next_power_of_2(top_k))
+    _moe_down_combine_gemv_kernel[(num_tokens, num_n_tiles)](
+        out, *down_args, BLOCK_E=block_e, **tiles
     )
