@@ -224,13 +224,14 @@ def _check_rotary_args(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
-) -> None:
-    """Raises ValueError naming the first malformed argument."""
+) -> torch.device:
+    """Raises ValueError naming the first malformed argument, else returns the tensors' device."""
     _check_qkv(query, key, value)
     num_tokens, _, head_dim = query.shape
+    half = head_dim // 2
     device = query.device
-    _check_table(cos, "cos", head_dim // 2, device)
-    _check_table(sin, "sin", head_dim // 2, device)
+    _check_table(cos, "cos", half, device)
+    _check_table(sin, "sin", half, device)
     if positions is not None and (
         positions.shape != (num_tokens,)
         or positions.dtype != torch.int64
@@ -263,6 +264,7 @@ def _check_rotary_args(
     for t in others:
         if t.device != device:
             raise ValueError(f"all tensors must be on {device}, got one on {t.device}")
+    return device
 
 
 def _launch_rotary_kv(
@@ -277,6 +279,7 @@ def _launch_rotary_kv(
     q_norm_weight: torch.Tensor | None,
     k_norm_weight: torch.Tensor | None,
     eps: float,
+    device: torch.device,
 ) -> None:
     """Picks the query heads a program rotates and the warps, and launches the kernel."""
     num_tokens, num_heads, head_dim = query.shape
@@ -319,7 +322,7 @@ def _launch_rotary_kv(
         BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         HALF_PAD=triton.next_power_of_2(half),
         num_warps=4 if num_heads * head_dim >= 2048 else 1,
-        **pdl_launch_args(query.device),
+        **pdl_launch_args(device),
     )
 
 
@@ -343,7 +346,7 @@ def rotary_kv(
     token (num_rows >= num_tokens). Rows are not bounds-checked on the device. Rotary dim equals
     head_dim (no partial rotary).
     """
-    _check_rotary_args(
+    device = _check_rotary_args(
         query,
         key,
         value,
@@ -370,4 +373,5 @@ def rotary_kv(
         q_norm_weight,
         k_norm_weight,
         eps,
+        device,
     )
