@@ -11,45 +11,30 @@ from collections.abc import AsyncIterator, Callable
 
 from ferrum.config import EngineConfig
 from ferrum.engine.arg_utils import EngineArgs
-from ferrum.engine.core_client import (
-    ClientEvent,
-    EngineDied,
-    FrontEndThread,
-    RequestsFailed,
-)
-from ferrum.engine.core_messages import CoreInfo, CoreOutputs, SchedulerStats
+from ferrum.engine.core_client import FrontEndThread
+from ferrum.engine.core_messages import CoreInfo, SchedulerStats
 from ferrum.engine.dp_client import core_processes
 from ferrum.engine.errors import EngineDeadError, EngineNotReadyError
+from ferrum.engine.front_end import FrontEnd
 from ferrum.engine.grammar_frontend import GrammarFrontend
-from ferrum.engine.input_processor import (
-    InputProcessor,
-    ProcessedRequest,
-    PromptType,
-    load_tokenizer,
-)
-from ferrum.engine.output_processor import OutputProcessor
+from ferrum.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from ferrum.engine.request_stream import RequestStream
 from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput
 from ferrum.recovery_config import EngineRecoveryConfig
-from ferrum.request import RequestStatus
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
 logger = init_logger(__name__)
 
 
-class AsyncLLM:
+class AsyncLLM(FrontEnd):
     def __init__(
         self, config: EngineConfig, recovery_config: EngineRecoveryConfig | None = None
     ) -> None:
-        self.config = config
+        super().__init__(config)
         self.recovery_config = recovery_config or EngineRecoveryConfig()
-        self.tokenizer = load_tokenizer(config.model_config)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.input_processor: InputProcessor | None = None
         self.grammars = GrammarFrontend(config, self.tokenizer)
         self.client = core_processes(config, self.recovery_config)
-        self.dead_reason: str | None = None
         self._streams: dict[str, RequestStream] = {}
         self._finished_listeners: list[Callable[[RequestOutput], None]] = []
         self._ready: asyncio.Future[CoreInfo] | None = None
@@ -170,9 +155,7 @@ class AsyncLLM:
         """Aborts a request and returns its final output (unknown or finished ids: None); its KV
         blocks return to the pool as soon as its core reads the message."""
         self._streams.pop(request_id, None)
-        child_ids = self.output_processor.child_ids(request_id)
-        self.client.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-        output = self.output_processor.abort(request_id)
+        output = self._abort(request_id)
         if output is not None:
             self._notify_finished(output)
         return output
@@ -203,27 +186,11 @@ class AsyncLLM:
 
     # -- events from the client ----------------------------------------------------------------
 
-    def _on_event(self, event: ClientEvent) -> None:
-        match event:
-            case CoreOutputs(core_outputs, _):
-                self._process_outputs(core_outputs)
-            case CoreInfo(max_tokens_in_pool=pool_tokens):
-                # A restarted core may size its KV pool differently: the length checks follow.
-                self.input_processor = InputProcessor(
-                    self.config.model_config, self.tokenizer, pool_tokens
-                )
-                if self._ready is not None and not self._ready.done():
-                    self._ready.set_result(event)
-            case RequestsFailed(req_ids, error):
-                for req_id in req_ids:
-                    self._fail_request(req_id, error)
-            case EngineDied(reason):
-                self._die(reason)
+    def _on_ready(self, info: CoreInfo) -> None:
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(info)
 
-    def _process_outputs(self, core_outputs: list) -> None:
-        outputs, stopped = self.output_processor.process(core_outputs)
-        if stopped:
-            self.client.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if output.finished:
@@ -232,11 +199,10 @@ class AsyncLLM:
             if stream is not None:
                 stream.put(output)
 
-    def _fail_request(self, req_id: str, error: BaseException) -> None:
-        """Fails the request a completion belongs to (all its completions)."""
-        request_id = self.output_processor.parent_id(req_id)
-        stream = None if request_id is None else self._streams.get(request_id)
-        if request_id is not None and stream is not None:
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        """Fails the request (all its completions)."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
             self.abort(request_id)
             stream.fail(error)
 

@@ -14,41 +14,31 @@ from collections.abc import Callable
 from ferrum.config import EngineConfig
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.engine.core import EngineCore
-from ferrum.engine.core_client import (
-    ClientEvent,
-    CoreClient,
-    EngineDied,
-    FrontEndThread,
-    RequestsFailed,
-)
-from ferrum.engine.core_messages import CoreInfo, CoreOutputs, SchedulerStats
+from ferrum.engine.core_client import ClientEvent, CoreClient, FrontEndThread
+from ferrum.engine.core_messages import SchedulerStats
 from ferrum.engine.dp_client import core_processes
 from ferrum.engine.errors import EngineDeadError
+from ferrum.engine.front_end import FrontEnd
 from ferrum.engine.grammar_frontend import tokenizer_info_builder
 from ferrum.engine.inprocess_client import InProcessClient
-from ferrum.engine.input_processor import InputProcessor, PromptType, load_tokenizer
-from ferrum.engine.output_processor import OutputProcessor
+from ferrum.engine.input_processor import PromptType
 from ferrum.logger import init_logger
 from ferrum.outputs import RequestOutput
 from ferrum.recovery_config import EngineRecoveryConfig
-from ferrum.request import RequestStatus
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
 from ferrum.structured_output.manager import StructuredOutputManager
 
 logger = init_logger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(FrontEnd):
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.tokenizer = tokenizer = load_tokenizer(config.model_config)
+        super().__init__(config)
+        tokenizer = self.tokenizer
         self.grammars = StructuredOutputManager(
             config.structured_outputs_config,
             tokenizer_info_builder(config.model_config, lambda: tokenizer),
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.input_processor: InputProcessor | None = None
-        self.dead_reason: str | None = None
         self._request_counter = itertools.count()
         self._thread = FrontEndThread()
         self._outputs: list[RequestOutput] = []
@@ -122,14 +112,8 @@ class LLMEngine:
         as their core reads it."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        outputs = []
-        for request_id in request_ids:
-            child_ids = self.output_processor.child_ids(request_id)
-            self.client.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            output = self.output_processor.abort(request_id)
-            if output is not None:
-                outputs.append(output)
-        return outputs
+        outputs = [self._abort(request_id) for request_id in request_ids]
+        return [output for output in outputs if output is not None]
 
     def has_unfinished_requests(self) -> bool:
         return self.client.has_unfinished_requests()
@@ -152,25 +136,17 @@ class LLMEngine:
         outputs, self._outputs = self._outputs, []
         return outputs
 
-    def _on_event(self, event: ClientEvent) -> None:
-        match event:
-            case CoreInfo(max_tokens_in_pool=pool_tokens):
-                self.input_processor = InputProcessor(
-                    self.config.model_config, self.tokenizer, pool_tokens
-                )
-            case CoreOutputs(core_outputs, _):
-                outputs, stopped = self.output_processor.process(core_outputs)
-                if stopped:
-                    self.client.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-                self._outputs.extend(outputs)
-            case RequestsFailed(req_ids, error):
-                for req_id in req_ids:
-                    logger.error("request %s failed: %s", req_id, error)
-                    parent = self.output_processor.parent_id(req_id)
-                    if parent is not None:
-                        self._outputs.extend(self.abort_request(parent))
-            case EngineDied(reason):
-                self.dead_reason = reason
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        self._outputs.extend(outputs)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        logger.error("request %s failed: %s", request_id, error)
+        output = self._abort(request_id)
+        if output is not None:
+            self._outputs.append(output)
+
+    def _die(self, reason: str) -> None:
+        self.dead_reason = reason
 
     def _check_alive(self) -> None:
         """Raises EngineDeadError once a core died (its siblings are stopped first)."""
