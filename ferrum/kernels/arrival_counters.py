@@ -1,10 +1,7 @@
 """Per-device arrival counters for kernels whose programs share an output tile: each program
-counts its arrival on the tile's counter, and the last to arrive finishes the tile (sums the
-others' partials) and resets the counter to zero for the next launch.
-
-The split-K FP8 GEMM and the fused MoE's split down GEMV use them. Every such launch on a device
-shares one buffer, so those kernels must run one at a time (one stream: the engine's forward).
-"""
+counts its arrival on the tile's counter; the last to arrive sums the others' partials and resets
+the counter to zero. Used by the split-K FP8 GEMM and the fused MoE's split down GEMV; all such
+launches on a device share one buffer, so they must run one at a time (one stream: the forward)."""
 
 from __future__ import annotations
 

@@ -2,12 +2,10 @@
 
 For channel c with width-W weight w (fp32 math, one rounding to out's dtype), act SiLU or none:
     y_t = act(bias_c + sum_{j<W} w[c, j] * x_{t - W + 1 + j})
-Positions before the sequence start read the slot's conv state (the W - 1 previous inputs,
-oldest first; zeros where has_initial_state is False); each sequence then writes its last W - 1
-inputs (older state rows when it is shorter) back to its slot. Same math as `causal_conv1d_ref`.
-Slot id < 0: padding (zero output, no state touched); live slot ids are distinct. Conv state
-pool layout: `[num_slots, W - 1, dim]` (channels contiguous).
-"""
+Positions before the sequence read the slot's conv state (the W - 1 previous inputs, oldest first;
+zeros where has_initial_state is False); each sequence writes its last W - 1 inputs (older state
+rows when shorter) back. As `causal_conv1d_ref`. Slot id < 0: padding (zero output, no state
+touched); live slot ids are distinct. State pool: `[num_slots, W - 1, dim]`, channels contiguous."""
 
 from __future__ import annotations
 

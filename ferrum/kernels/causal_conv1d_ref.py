@@ -1,10 +1,9 @@
 """Torch reference for the short causal depthwise conv1d with per-request state (before gated
 DeltaNet): the CPU path and the Triton kernels' oracle. Channel c, width-W weight w, fp32 math:
     y_t = act(bias_c + sum_{j<W} w[c, j] * x_{t - W + 1 + j})      (act: SiLU or identity)
-where positions before the sequence read the slot's conv state (zeros without one). The state
-holds the last W - 1 inputs, oldest first, as transformers' `causal_conv1d_fn` / `_update` (whose
-state keeps one more input no output reads). Pool layout: `[num_slots, W - 1, dim]`.
-"""
+where positions before the sequence read the slot's conv state (zeros without one): the last W - 1
+inputs, oldest first, as transformers' `causal_conv1d_fn` / `_update` (whose state keeps one more
+input no output reads). Pool layout: `[num_slots, W - 1, dim]`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Triton W8A8 FP8 (e4m3fn) GEMM: out = A @ W^T (+ bias), fp32 accumulate. W [N, K] FP8 (K
 contiguous); A [M, K] FP8 codes with scales, or fp16/bf16/fp32 quantized inside the GEMM with
-fp8_quant's math ("fused": one launch, for small M). Block scales (a_scale [M, K / 128], w_scale
-[ceil(N / 128), K / 128]); each K step of 128 adds
+fp8_quant's math ("fused": one launch, small M). Block scales (a_scale [M, K / 128], w_scale
+[ceil(N / 128), K / 128]), each K step of 128:
     acc[m, n] += (sum_k a[m, k] w[n, k]) * a_scale[m, kb] * w_scale[n // 128, kb];
-per-channel scales (a_scale [M, 1], w_scale [N, 1]) apply once after K. Split-K (decode-sized M):
-programs write fp32 partials and the last of a tile's to arrive (`arrival_counters.py`) sums them
-in the order s = 0..SPLIT_K-1, so the result does not depend on arrival order."""
+per-channel scales ([M, 1], [N, 1]) apply once after K. Split-K: the last of a tile's programs to
+arrive (`arrival_counters.py`) sums the fp32 partials in order s = 0..SPLIT_K-1 (deterministic)."""
 
 from __future__ import annotations
 

@@ -28,11 +28,10 @@ HOPPER_SHARED_MEMORY = 227 * 1024
 @dataclass(frozen=True, slots=True)
 class Fp8GemmConfig:
     """One launch choice. backend "scaled_mm": cuBLASLt (bf16 output only); "gemv": fp8_gemv,
-    weight-only (activations not quantized); "wgmma" (block scales): fp8_gemm_wgmma's Hopper
-    kernel, num_stages TMA buffers, UNROLL K steps an iteration; else, or where those do not take
-    the operands, the Triton tile. quant "fused": the Triton GEMM quantizes its activation tiles;
-    "separate": a quantization pass first. SPLIT_K (Triton): programs sharing one tile's K steps.
-    Fields a backend does not use are ignored."""
+    weight-only; "wgmma" (block scales): fp8_gemm_wgmma's Hopper kernel, num_stages TMA buffers,
+    UNROLL K steps an iteration; else, or where those do not take the operands, the Triton tile.
+    quant "fused": the Triton GEMM quantizes its activation tiles; "separate": a quantization pass
+    first. SPLIT_K (Triton): programs sharing one tile's K steps. Unused fields are ignored."""
 
     backend: str = "triton"
     quant: str = "separate"
@@ -77,12 +76,10 @@ class Fp8GemmConfig:
 
 Buckets = dict[int, Fp8GemmConfig]
 
-# Defaults (H100, Qwen3-8B shapes; benchmarks/RESULTS.md): one row takes the GEMV (1.2-2.4x
-# cuBLASLt, slower from two rows); above it cuBLASLt wherever it takes the operands (3-10x these
-# untuned tiles at M <= 64); no wgmma (at 256 rows its best tile lost to cuBLASLt on gate_up).
-# Tuned files pick Triton split-K tiles up to 16 rows, wgmma from 17 to 256. A scaled_mm or wgmma
-# bucket's tile fields run where that backend does not take the operands. The Triton tiles: decode
-# batches take narrow N tiles and quantize inside the GEMM; larger ones quantize once, wide tiles.
+# Defaults (H100, Qwen3-8B shapes): one row takes the GEMV (1.2-2.4x cuBLASLt, slower from two
+# rows), above it cuBLASLt wherever it takes the operands (3-10x these untuned tiles at M <= 64); no
+# wgmma (at 256 rows it lost to cuBLASLt on gate_up). A bucket's tile fields run where its backend
+# does not take the operands: decode batches narrow N tiles quantized in the GEMM, larger ones wide.
 _FUSED = ("scaled_mm", "fused")
 _GEMV = Fp8GemmConfig("gemv", BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2)
 DEFAULT_BUCKETS: dict[str, Buckets] = {

@@ -1,11 +1,10 @@
 """Hopper W8A8 FP8 GEMM with block scales in Gluon: out = A @ W^T, bf16/fp16, scales as fp8_gemm's.
-Why Gluon: a K step's product must be complete before its scales apply, and Triton's tl.dot
-pipeliner waits for each wgmma right after issuing it, idling the tensor cores; here each step's
-wgmma runs asynchronously while the previous one is scaled (`num_outstanding=1`), TMA loads
-NUM_STAGES steps ahead. Needs Triton 3.5+'s Gluon Hopper API, else `wgmma_gemm_takes` is False.
-Invariants: BLOCK_K == 128 and K % 128 == 0 (one scale group a step), BLOCK_N divides 128 (one
-weight scale a step); TMA zero-fills loads past M and N and clips stores. RESULTS.md compares it
-with cuBLASLt and Triton; the tuned buckets pick it per shape and M."""
+Why Gluon: a K step's product must be complete before its scales apply, and Triton's pipeliner
+waits for each wgmma right after issuing it, idling the tensor cores; here each step's wgmma runs
+asynchronously while the previous one is scaled (`num_outstanding=1`), TMA loads NUM_STAGES ahead.
+Needs Triton 3.5+'s Gluon (else `wgmma_gemm_takes` is False). Invariants: BLOCK_K == 128 and
+K % 128 == 0, BLOCK_N divides 128 (one scale of each a step); TMA zero-fills loads past M and N and
+clips stores."""
 
 from __future__ import annotations
 

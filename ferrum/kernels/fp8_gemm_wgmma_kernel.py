@@ -162,10 +162,9 @@ def _w8a8_block_wgmma_kernel(
         )  # fmt: skip
 
     acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-    # UNROLL steps an iteration, unrolled: step j's product is scaled into acc while step j + 1's
-    # runs. The last step's product is waited for inside the iteration, so no product is in
-    # flight across the back edge (carrying one would copy registers a wgmma still writes, and
-    # ptxas then serializes every wgmma of the kernel).
+    # UNROLL steps an iteration: step j's product is scaled into acc while step j + 1's runs. The
+    # last step's product is waited for inside the iteration: one in flight across the back edge
+    # would copy registers a wgmma still writes, and ptxas would then serialize all its wgmmas.
     for it in range(0, num_groups // UNROLL):
         kb0 = it * UNROLL
         scale = _step_scale(

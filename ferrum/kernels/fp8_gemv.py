@@ -1,11 +1,9 @@
 """Triton FP8 (e4m3fn) weight GEMV for decode-sized batches: out = x @ dequant(W)^T. At one row a
 linear layer is a read of W that tensor-core tiles and cuBLASLt leave below HBM speed, so W streams
 through CUDA cores: program p computes out[p % M, n0:n0 + BLOCK_N], n0 = (p // M) * BLOCK_N (rows
-vary fastest so programs sharing a W tile share it in L2), fp32 per lane, summed once at the end.
-
-Weight-only: x stays in its dtype (closer to the unquantized layer than the W8A8 GEMMs, which
-round x to 2^-4). Block scales: BLOCK_N divides 128 and BLOCK_K is a multiple of 128, so x[k] is
-scaled once per column by w_scale[n0 // 128, k // 128]; per-channel: sum(x * w) * w_scale[n]."""
+vary fastest, sharing W tiles in L2), fp32 per lane. Weight-only: x stays in its dtype (closer to
+the unquantized layer than W8A8, which rounds x to 2^-4). Block scales (BLOCK_N divides 128, BLOCK_K
+a multiple of 128): x[k] * w_scale[n0 // 128, k // 128]; per-channel: sum(x * w) * w_scale[n]."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """FP8 linear: out = x @ W^T (+ bias) in x's dtype, the path picked per row count M by the buckets
-(fp8_gemm_config): the weight-only GEMV, the fused Triton GEMM, or a dynamic quantization pass
-(per token-group of 128 for block weights, per token for per-channel) then the Triton GEMM,
-cuBLASLt ("scaled_mm": bf16 output, N and K multiples of 16 row-wise or 128 block-wise on Hopper)
-or the Hopper wgmma GEMM (Gluon, N % 8 == 0, K % 128 == 0); where one does not take the operands
-the bucket's Triton tile runs. A block-scaled layer given rows already quantized (`Fp8GroupRows`)
-skips its quantization pass on every path but the GEMV (`block_linear_takes_fp8_rows`)."""
+(fp8_gemm_config): the weight-only GEMV, the fused Triton GEMM, or a dynamic quantization pass (per
+token-group of 128 for block weights, per token for per-channel) then the Triton GEMM, cuBLASLt
+("scaled_mm": bf16 output, N and K multiples of 16 row-wise or 128 block-wise) or the Hopper wgmma
+GEMM (N % 8 == 0, K % 128 == 0); else the bucket's Triton tile. Rows given already quantized
+(`Fp8GroupRows`) skip the pass on all paths but the GEMV (`block_linear_takes_fp8_rows`)."""
 
 from __future__ import annotations
 

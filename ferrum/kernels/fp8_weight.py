@@ -2,8 +2,7 @@
 W [N, K]: block (Qwen, DeepSeek): `weight_scale_inv` [ceil(N / 128), ceil(K / 128)],
 W[n, k] ~= weight[n, k] * scale_inv[n // 128, k // 128], edge blocks partial; per channel
 (compressed-tensors): `weight_scale` [N, 1]. Quantizing maps each block's (or row's) abs-max to
-FP8_MAX; an all-zero block gets a tiny scale.
-"""
+FP8_MAX; an all-zero block gets a tiny scale."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
 """Triton fused mixture-of-experts over stacked expert weights:
     out[t] = sum_j w[t, j] * w2[e] @ (silu(g) * u),  e = topk_ids[t, j],  (g, u) = w13[e] @ x[t]
 with `fused_moe_ref`'s roundings (each matmul, the silu and the product in the input dtype; the sum
-over j in fp32, j = 0..k-1). Up to SMALL_BATCH_MAX_TOKENS: two GEMV launches
-(`fused_moe_small_batch`); else pairs grouped by expert and padded to BLOCK_M (`moe_align`), one
-grouped GEMM twice (w13 with SiLU-and-mul, then w2 times the routing weight) and a combine of each
-token's k rows. Sizes depend on (T, k, E, H, I) only: CUDA-graph safe. FP8 experts (e4m3fn, fp32
-scales per 128x128 block): activations stay in their dtype and each K step's fp32 partial is scaled
-by its block's scale, as `fused_moe_fp8_ref`."""
+over j in fp32, j = 0..k-1). Up to SMALL_BATCH_MAX_TOKENS: two GEMVs (`fused_moe_small_batch`);
+else pairs grouped by expert, padded to BLOCK_M (`moe_align`), a grouped GEMM for w13 (SiLU-and-mul)
+and for w2 (times the routing weight), and a combine of each token's k rows. CUDA-graph safe (sizes
+from (T, k, E, H, I) only). FP8 experts (128x128 block scales): activations stay in their dtype,
+each K step's fp32 partial scaled by its block's scale, as `fused_moe_fp8_ref`."""
 
 from __future__ import annotations
 
@@ -312,13 +311,11 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,  # [num_experts, 2I / 128, H / 128] float32 (FP8)
     w2_scale: torch.Tensor | None = None,  # [num_experts, H / 128, I / 128] float32 (FP8)
 ) -> torch.Tensor:
-    """The mixture of `fused_moe_ref` (of `fused_moe_fp8_ref` with the scales), [num_tokens,
-    hidden_size] in hidden's dtype. The small-batch path runs up to small_batch_max_tokens
-    (SMALL_BATCH_MAX_TOKENS, or 0 when a grouped `config` is given: that asks for the grouped GEMM);
-    tiles otherwise come from the tuned file, else the defaults; `small_config` overrides the small
-    path's. A pair whose expert id is outside [0, num_experts) (another rank's expert under expert
-    parallelism) adds zero and reads no weights.
-    """
+    """The mixture of `fused_moe_ref` (`fused_moe_fp8_ref` with scales), [num_tokens, hidden_size]
+    in hidden's dtype. The small-batch path runs up to small_batch_max_tokens (default
+    SMALL_BATCH_MAX_TOKENS; 0 when a grouped `config` is given); tiles otherwise from the tuned
+    file, else the defaults; `small_config` overrides the small path's. A pair whose expert id is
+    outside [0, num_experts) (another rank's, expert parallelism) adds zero and reads no weights."""
     _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape
     num_experts, _, inter = w2.shape

@@ -1,10 +1,9 @@
 """Tile configs of the fused MoE kernels: `fused_moe_configs/E{E}_I{I}_H{H}[_fp8]_{device}.json`
-(FP8 experts' best tiles differ) maps batch buckets (the most tokens covered) to configs in up to
-two sections: "grouped" (BLOCK_M/N/K, num_warps, num_stages; `tune_fused_moe.py --save`) and
-"small" (GATE_UP_BLOCK_N/K, DOWN_BLOCK_E (default 1), DOWN_SPLIT (default 0), DOWN_BLOCK_N/K,
-num_warps, num_stages; `bench_moe_layer.py --sweep --save`). A batch takes the smallest bucket
-covering it, or the largest; a missing section falls back to the file without `_fp8`, then to the
-defaults below."""
+maps batch buckets (the most tokens covered) to configs in up to two sections: "grouped"
+(BLOCK_M/N/K, num_warps, num_stages; `tune_fused_moe.py --save`) and "small" (GATE_UP_BLOCK_N/K,
+DOWN_BLOCK_E (default 1), DOWN_SPLIT (default 0), DOWN_BLOCK_N/K, num_warps, num_stages;
+`bench_moe_layer.py --sweep --save`). A batch takes the smallest bucket covering it, or the
+largest; a missing section falls back to the file without `_fp8`, then to the defaults below."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ SMALL_KEYS = (
     "num_warps",
     "num_stages",
 )
-# Keys a section may leave out, and what they mean then: small-path files written before
-# DOWN_BLOCK_E existed read one expert choice a down tile; before DOWN_SPLIT, one program summed
-# all of a token's choices.
+# Keys a section may leave out, and their meaning then: files written before DOWN_BLOCK_E read one
+# expert choice a down tile; before DOWN_SPLIT, one program summed all of a token's choices.
 OPTIONAL_KEYS = {"DOWN_BLOCK_E": 1, "DOWN_SPLIT": 0}
 # Keys that are switches, 0 or 1 (every other value is a positive integer).
 FLAG_KEYS = ("DOWN_SPLIT",)
@@ -40,10 +38,9 @@ DEFAULT_GROUPED: Buckets = {
     1024: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
     1 << 62: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
 }
-# Gate/up GEMV tile [GATE_UP_BLOCK_N rows of gate and of up, GATE_UP_BLOCK_K], down GEMV tile
-# [DOWN_BLOCK_E of a token's expert choices, DOWN_BLOCK_N, DOWN_BLOCK_K]: 16-byte loads along K,
-# several MB of loads in flight per wave. One or two tokens have too few programs to hide a
-# choice's wait on the one before it, so their down tile spans the choices.
+# Gate/up GEMV tile [GATE_UP_BLOCK_N rows of gate and of up, GATE_UP_BLOCK_K], down [DOWN_BLOCK_E
+# choices, DOWN_BLOCK_N, DOWN_BLOCK_K]: 16-byte loads along K, several MB in flight a wave. One or
+# two tokens have too few programs to hide a choice's wait on the one before: their tile spans them.
 DEFAULT_SMALL: Buckets = {
     2: {
         "GATE_UP_BLOCK_N": 8,

@@ -1,9 +1,6 @@
-"""Torch references for the MoE router (`select_experts`) and the fused mixture-of-experts op:
-the CPU path and the oracles for Triton.
-
-Expert weights are stacked: `w13[e]` holds expert e's gate rows then its up rows ([2I, H]) and
-`w2[e]` its down projection ([H, I]). The activation is SiLU-and-multiply.
-"""
+"""Torch references for the MoE router (`select_experts`) and the fused mixture-of-experts op: the
+CPU path and the oracles for Triton. Stacked expert weights: `w13[e]` holds expert e's gate rows
+then its up rows ([2I, H]), `w2[e]` its down projection ([H, I]); activation SiLU-and-multiply."""
 
 from __future__ import annotations
 
@@ -38,8 +35,7 @@ def fused_moe_ref(
     (g, u) = split(w13[e] @ hidden[t]). Expert matmuls run in the weights' dtype (the input's,
     or float32 for dequantized FP8 experts) and round to the input dtype; the weighted sum
     accumulates in float32. Returns [num_tokens, hidden_size] in hidden's dtype. A pair whose
-    expert id lies outside [0, num_experts) contributes zero (another rank's expert).
-    """
+    expert id lies outside [0, num_experts) contributes zero (another rank's expert)."""
     if w13_scale is not None:
         return fused_moe_fp8_ref(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape

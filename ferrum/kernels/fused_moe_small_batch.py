@@ -1,15 +1,12 @@
-"""Small-batch fused mixture-of-experts: two GEMV launches and no token->expert align.
-
-For num_tokens <= SMALL_BATCH_MAX_TOKENS an expert sees one or a few tokens: grouping pairs by
-expert buys nothing. Kernel 1, grid (num_pairs, cdiv(I, BLOCK_N)): pair p = t * top_k + j's token
-against expert topk_ids[p]'s gate and up rows, SiLU-and-mul -> act [T*k, I]. Kernel 2, grid
-(num_tokens, cdiv(H, BLOCK_N)): token t's k act rows against their experts' down rows, summed
-weighted in order j = 0..k-1 in fp32 into out [T, H]; with DOWN_SPLIT a program row a pair, the
-last of a token's k programs of a tile to arrive (arrival_counters.py) summing them in that order.
-Roundings follow `fused_moe_ref`; sizes depend only on (T, k, E, H, I) (CUDA-graph safe).
-FP8 experts: the 128x128 block scales scale the vector (x[k] * scale[e, n0 // 128, k // 128]
-against the FP8 codes; BLOCK_N divides 128, so a program's rows share one scale row).
-"""
+"""Small-batch fused mixture-of-experts (num_tokens <= SMALL_BATCH_MAX_TOKENS): two GEMV launches,
+no token->expert align, since an expert sees one or a few tokens. Kernel 1, grid (num_pairs,
+cdiv(I, BLOCK_N)): pair p = t * top_k + j's token against expert topk_ids[p]'s gate and up rows,
+SiLU-and-mul -> act [T*k, I]. Kernel 2, grid (num_tokens, cdiv(H, BLOCK_N)): token t's k act rows
+against their experts' down rows, summed weighted in order j = 0..k-1 in fp32 into out [T, H];
+with DOWN_SPLIT a program a pair, the last of a tile's k to arrive (arrival_counters.py) summing in
+order. Roundings as `fused_moe_ref`; sizes depend only on (T, k, E, H, I) (CUDA-graph safe). FP8
+experts: the vector is scaled, x[k] * scale[e, n0 // 128, k // 128] against the FP8 codes (BLOCK_N
+divides 128: a program's rows share one scale row)."""
 
 from __future__ import annotations
 

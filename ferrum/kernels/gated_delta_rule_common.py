@@ -1,10 +1,7 @@
-"""Argument checks and launch arguments shared by the gated-delta-rule kernels (decode and
-chunked prefill).
-
-Layouts: q, k `[num_tokens, num_k_heads, k_dim]`, v `[num_tokens, num_v_heads, v_dim]` (each
-with stride(-1) == 1, so views into one fused projection output are fine), g and beta
-`[num_tokens, num_v_heads]`, state pool `[num_slots, num_v_heads, k_dim, v_dim]` (contiguous).
-"""
+"""Argument checks and launch arguments shared by the gated-delta-rule kernels (decode, prefill).
+Layouts: q, k `[num_tokens, num_k_heads, k_dim]`, v `[num_tokens, num_v_heads, v_dim]` (stride(-1)
+== 1 each, so views into one fused projection output are fine), g and beta `[num_tokens,
+num_v_heads]`, state pool `[num_slots, num_v_heads, k_dim, v_dim]` (contiguous)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 S = state_pool[slot_ids[i], h] updated in place (fp32; `gated_delta_rule_decode_ref`):
     q, k = l2norm(q), l2norm(k) (use_qk_l2norm);  S = exp(g) * S;  S += k (beta * (v - S^T k))^T
     o = S^T (scale * q)        (value head h reads q/k head h // (num_v_heads // num_k_heads))
-Slot id < 0 is padding (CUDA graph buckets): zero output, no state touched; live slot ids differ.
-"""
+Slot id < 0 is padding (CUDA graph buckets): zero output, no state touched; live slot ids differ."""
 
 from __future__ import annotations
 

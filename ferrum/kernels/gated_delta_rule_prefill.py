@@ -1,7 +1,6 @@
-"""Triton gated delta rule, prefill: the recurrence of `gated_delta_rule_ref` over packed
-variable-length sequences, C = 64 tokens at a time (the WY / UT form of transformers'
-`torch_chunk_gated_delta_rule`). Per value head, S the state entering the chunk, G_t the in-chunk
-cumulative sum of g, q l2-normalised and scaled:
+"""Triton gated delta rule, prefill: `gated_delta_rule_ref` over packed variable-length sequences,
+C = 64 tokens a chunk (WY / UT form of transformers' `torch_chunk_gated_delta_rule`). Per value
+head, S the state entering the chunk, G_t the in-chunk cumsum of g, q l2-normalised and scaled:
     N = strict_lower((beta * K) K^T * exp(G_i - G_j));  T = (I + N)^-1   (block doubling, fp32)
     U = T (beta * V);  W = T (beta * exp(G) * K);  V' = U - W S
     O = (exp(G) * Q) S + lower((Q K^T) * exp(G_i - G_j)) V'
@@ -25,12 +24,11 @@ _L2NORM_EPS: tl.constexpr = tl.constexpr(1e-6)
 
 @triton.jit
 def _unit_lower_inverse(n, CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, PRECISION: tl.constexpr):
-    """(I + n)^-1 for a strictly lower triangular [CHUNK, CHUNK] fp32 n, by block doubling.
-
-    inv holds the inverses of the diagonal blocks of size s; merging block pairs
-    [[A, 0], [B, D]] uses [[A^-1, 0], [-D^-1 B A^-1, D^-1]], i.e. inv -= inv @ n_cross @ inv
-    with n_cross the lower-left s-blocks of each 2s-block. Every term is an entry of a true
-    inverse (no cancelling series), so the error stays that of forward substitution."""
+    """(I + n)^-1 for a strictly lower triangular [CHUNK, CHUNK] fp32 n, by block doubling: inv
+    holds the inverses of the diagonal s-blocks; merging pairs [[A, 0], [B, D]] uses [[A^-1, 0],
+    [-D^-1 B A^-1, D^-1]], i.e. inv -= inv @ n_cross @ inv, n_cross the lower-left s-blocks of
+    each 2s-block. Each term is an entry of a true inverse (no cancelling series), so the error
+    stays that of forward substitution."""
     rows = tl.arange(0, CHUNK)
     inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     for level in tl.static_range(LOG2_CHUNK):
@@ -199,12 +197,9 @@ def gated_delta_rule_prefill(
     block_v: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Chunked gated delta rule over packed sequences; returns out, in v's dtype.
-
-    `scale` defaults to k_dim ** -0.5. Any sequence lengths work (a length-1 sequence is one
-    decode step), so a mixed batch may run entirely through this kernel. `block_v` (a power of
-    two >= 16) and `num_warps` override the launch defaults (tuning).
-    """
+    """Chunked gated delta rule over packed sequences; returns out, in v's dtype. `scale` defaults
+    to k_dim ** -0.5. Any lengths work (length 1 is one decode step), so a mixed batch may run
+    entirely here. `block_v` (a power of two >= 16) and `num_warps` override the launch defaults."""
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     num_seqs = check_varlen_args(cu_seqlens, has_initial_state, v.device)

@@ -1,10 +1,7 @@
-"""The fp16/bf16 GEMV's tile per weight shape and device, and so which shapes take it.
-
-A file `gemv_configs/{device}.json` (the CUDA device name with spaces as underscores) maps
-"N{N}_K{K}" to a tile {BLOCK_N, BLOCK_K, num_warps, num_stages}. It lists only the shapes where
-the GEMV measured faster than cuBLAS at one row (`benchmarks/bench_gemv.py --sweep --save`);
-every other shape, and every device without a file, keeps torch's F.linear.
-"""
+"""The fp16/bf16 GEMV's tile per weight shape and device, and so which shapes take it: a file
+`gemv_configs/{device}.json` (device name, spaces as underscores) maps "N{N}_K{K}" to {BLOCK_N,
+BLOCK_K, num_warps, num_stages}, listing only shapes where the GEMV beat cuBLAS at one row
+(`benchmarks/bench_gemv.py --sweep --save`); other shapes and devices keep torch's F.linear."""
 
 from __future__ import annotations
 

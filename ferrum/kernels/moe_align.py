@@ -1,11 +1,11 @@
-"""Groups (token, choice) pairs (p = t * top_k + j) by expert, each group padded to the GEMM's M
-tile, on the device with sizes bounded by (num_pairs, num_experts, block_m): no host sync, CUDA
-graph safe. `sorted_pair_ids [max_blocks * block_m]`: each expert's pairs ascending, padded with the
-sentinel num_pairs; `expert_ids [max_blocks]`: each M-block's expert (-1 unused);
-`num_pairs_post_padded [1]`: entries used.
-Two deterministic launches without atomics over the same spans (one per program): `count` stores
-span s's expert histogram in counts[s, :] and sentinel-fills its share; `scatter` sums counts over
-all spans (padded starts) and spans < s (its offsets) and writes each pair to its place."""
+"""Groups (token, choice) pairs (p = t * top_k + j) by expert, on the device with sizes bounded by
+(num_pairs, num_experts, block_m): no host sync, CUDA graph safe. `sorted_pair_ids [max_blocks *
+block_m]`: expert after expert, its pairs ascending, padded to a multiple of block_m (the GEMM's M
+tile) with the sentinel num_pairs; `expert_ids [max_blocks]`: each M-block's expert (-1 past the
+used ones); `num_pairs_post_padded [1]`: entries used. Two deterministic launches without atomics
+over the same spans (one per program): `count` stores span s's expert histogram in counts[s, :] and
+sentinel-fills its share; `scatter` sums counts over all spans (padded starts) and spans < s (its
+offsets) and writes each pair to its place."""
 
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ _MAX_SPANS = 256
 _FILL_BLOCK = 1024
 
 
-# Most runtime integers follow the step's token count (num_experts is fixed per model, block_m
-# per tile config), and Triton would compile a variant for each pattern of "is 1 / is a multiple
-# of 16" among them: far more than start-up can run. Unspecialised, the variants depend on the
-# constexprs only (fixed per model and tile config).
+# Most runtime integers follow the step's token count, and Triton would compile a variant per
+# pattern of "is 1 / is a multiple of 16" among them: far more than start-up can run. Unspecialised,
+# the variants depend on the constexprs only (num_experts is fixed per model, block_m per config).
 COUNT_RUNTIME_INTS = ("num_pairs", "num_experts", "num_slots", "chunks_per_span", "slots_per_span")
 SCATTER_RUNTIME_INTS = (
     "num_pairs",

@@ -1,10 +1,5 @@
-"""Torch reference for `moe_align_block_size`: the oracle for the Triton align kernels.
-
-Same contract as ferrum/kernels/moe_align.py: `sorted_pair_ids [max_blocks * block_m]` lists each
-expert's pairs in ascending pair order, expert after expert, every group padded to a multiple of
-block_m with the sentinel num_pairs; `expert_ids [max_blocks]` is the expert of each M-block (-1
-past the used blocks); `num_pairs_post_padded [1]` is the number of used entries.
-"""
+"""Torch reference for `moe_align_block_size`, the oracle for the Triton align kernels (the
+contract, outputs and padding: moe_align.py)."""
 
 from __future__ import annotations
 

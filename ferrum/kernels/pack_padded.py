@@ -159,10 +159,9 @@ def pack_padded_rows_from_cache(
     )
 
 
-# As above, no integer that follows the request is specialised (the cache's strides are fixed at
-# start-up). The query rows start 16-byte aligned in every step (a row is heads x head_dim
-# elements, head_dim a multiple of 8); a table row may start anywhere in the step's table, so
-# its alignment is not specialised (one entry is read per token).
+# As above, no integer that follows the request is specialised (cache strides are fixed at
+# start-up). Query rows start 16-byte aligned every step (heads x head_dim elements, head_dim a
+# multiple of 8); a table row starts anywhere in the step's table: alignment not specialised.
 @triton.jit(
     do_not_specialize=(
         "prefix",

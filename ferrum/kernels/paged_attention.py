@@ -1,15 +1,12 @@
 """Triton paged attention over the block-table KV cache, and the KV-cache write.
 
-KV cache layout, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (index 0 keys,
-1 values); slot s lives at block `s // block_size`, offset `s % block_size`.
-Two attention paths, same math as `paged_attention_ref`:
-- unified: one launch for mixed batches (prompt chunks over a cached prefix plus decodes). A
-  program owns one KV head group and a tile of one request's query tokens; its rows are
-  (token, query head of the group) pairs, so each KV tile is loaded once per group.
-- split-KV, for small decode-only batches over long contexts: paged_attention_split_kv.py.
-Either can also write its output quantized per token-group of 128 (`out_fp8`, heads of 128: one
-group a head), the rows an FP8 o_proj reads in place of its own quantization pass.
-"""
+KV cache, per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 keys, 1 values); slot
+s is block `s // block_size`, offset `s % block_size`. Same math as `paged_attention_ref`. The
+unified path is one launch for mixed batches (prompt chunks over a cached prefix plus decodes): a
+program owns one KV head group and a tile of one request's query tokens, its rows (token, query
+head) pairs, so each KV tile is loaded once per group. Small decode-only batches over long contexts
+take split-KV (paged_attention_split_kv.py). Either can write its output quantized per 128-group
+(`out_fp8`, heads of 128), the rows an FP8 o_proj reads in place of its own quantization pass."""
 
 from __future__ import annotations
 
@@ -61,11 +58,10 @@ __all__ = [
 ]
 
 
-# The block table's row stride is the widest table of the step's requests: any value, so Triton
-# would compile a variant per "1 / multiple of 16 / other" class of it at each tile config. The
-# metadata pointers, and the FP8 rows' scales (one float a head), may be slices at any request (a
-# step split around SDPA's prompts), so their alignment is not specialised either (they are read
-# or written an element or a few at a time).
+# The block table's row stride (the step's widest table) takes any value, so Triton would compile a
+# variant per "1 / multiple of 16 / other" class of it at each tile config. The metadata pointers
+# and FP8 rows' scales may be slices at any request (a step split around SDPA's prompts), so their
+# alignment is not specialised either (read or written an element or a few at a time).
 @triton.jit(
     do_not_specialize=("stride_bt_req",),
     do_not_specialize_on_alignment=(
@@ -105,12 +101,10 @@ def _paged_attention_kernel(
     FP8_OUT: tl.constexpr,
 ):
     """Program (q_tile, kv_head, req): query tokens [q_tile * BLOCK_Q, +BLOCK_Q) of request req;
-    with FP8_OUT also their output quantized per head (`store_fp8_heads`).
-
-    Row r is token q_tile * BLOCK_Q + r // GROUP and query head kv_head * GROUP + r % GROUP. The
-    token at chunk index j sits at position p = seq_len - q_len + j and sees keys 0..p (with
-    WINDOW > 0: p - WINDOW + 1..p; the loop starts at the tile's first row's window).
-    """
+    with FP8_OUT also their output quantized per head (`store_fp8_heads`). Row r is token
+    q_tile * BLOCK_Q + r // GROUP and query head kv_head * GROUP + r % GROUP. The token at chunk
+    index j sits at position p = seq_len - q_len + j and sees keys 0..p (with WINDOW > 0:
+    p - WINDOW + 1..p; the loop starts at the tile's first row's window)."""
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.program_id(2)
@@ -268,12 +262,9 @@ def paged_attention_unified(
 ) -> torch.Tensor:
     """Single-pass attention for any mix of prompt chunks and decodes; writes and returns `out`
     (and `out_fp8`, when given: out's rows quantized per token-group of 128, one group a head).
-
-    `max_query_len` must be >= every request's query length (an upper bound is fine, e.g. for
-    CUDA graph capture); tiles past a request's chunk exit at once. `sliding_window` limits each
-    query to its last that many positions (None: off). `block_n` (the key tile, a power of two
-    >= 16), `num_warps` and `num_stages` override the launch defaults (tuning).
-    """
+    `max_query_len` must be >= every query length (an upper bound is fine, e.g. for CUDA graph
+    capture). `sliding_window`: each query sees its last that many positions (None: off). `block_n`
+    (the key tile, a power of two >= 16), `num_warps`, `num_stages` override the launch defaults."""
     _check_attention_args(query, kv_cache, block_tables, query_start_loc, seq_lens, out)
     check_fp8_out(out_fp8, out)
     window = _window_constexpr(sliding_window)
@@ -316,17 +307,14 @@ def paged_attention(
     sliding_window: int | None = None,
     out_fp8: Fp8GroupRows | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention, same contract as `paged_attention_ref`; writes and returns `out`
-    (and `out_fp8`, when given: out's [num_tokens, num_heads * 128] rows quantized per
-    token-group of 128, for an FP8 o_proj; heads of 128 only).
-
-    Query token j of request i (chunk length q_i = query_start_loc[i+1] - query_start_loc[i],
-    context length L_i = seq_lens[i]) sits at position L_i - q_i + j and attends to context
-    positions 0..L_i - q_i + j (with `sliding_window` W: only the last W of them):
-    out = softmax(scale * q K^T) V, softmax in fp32. Picks the split-KV path for small
-    decode-only batches over long contexts (`use_split_kv`, on the context a window leaves),
-    the unified single-pass path otherwise. `max_query_len` / `max_seq_len` are upper bounds.
-    """
+    """Causal paged attention, same contract as `paged_attention_ref`; writes and returns `out` (and
+    `out_fp8`, when given: out's [num_tokens, num_heads * 128] rows quantized per token-group of
+    128, for an FP8 o_proj; heads of 128 only). Query token j of request i (chunk length
+    q_i = query_start_loc[i+1] - query_start_loc[i], context L_i = seq_lens[i]) sits at position
+    L_i - q_i + j and attends to positions 0..L_i - q_i + j (`sliding_window` W: only the last W):
+    out = softmax(scale * q K^T) V, softmax in fp32. Small decode-only batches over long contexts
+    take split-KV (`use_split_kv`, on the context a window leaves), others the unified path.
+    `max_query_len` / `max_seq_len` are upper bounds."""
     num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else 0
     num_kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else 1
     window = _window_constexpr(sliding_window)

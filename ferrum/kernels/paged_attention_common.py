@@ -1,10 +1,8 @@
 """Pieces shared by the paged-attention kernels: the online-softmax KV loop, argument checks, the
-per-head FP8 store of the output (`store_fp8_heads`). KV cache per layer:
-`[2, num_blocks, block_size, num_kv_heads, head_dim]` (keys, values); slot s is at block
-s // block_size, offset s % block_size. Sliding window W: the query at p sees p - W < k <= p; the
-kernels never read keys (nor block-table entries) below their queries' first window, so blocks
-that slid out of every window may be freed.
-"""
+per-head FP8 store of the output (`store_fp8_heads`). KV cache per layer: `[2, num_blocks,
+block_size, num_kv_heads, head_dim]`; slot s is at block s // block_size, offset s % block_size.
+Sliding window W: the query at p sees p - W < k <= p; the kernels never read keys (nor block-table
+entries) below their queries' first window, so blocks out of every window may be freed."""
 
 from __future__ import annotations
 
@@ -118,13 +116,11 @@ def _attend_kv_range(
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
-    """Online-softmax accumulation of keys at positions [kv_lo, kv_hi) into (acc, m_i, l_i).
-
-    A row sees key positions <= its q_pos, and with WINDOW > 0 only those > q_pos - WINDOW.
-    An FP8 cache is widened to fp16 (exact for e4m3, one hardware conversion per pair of
-    values; bf16 has none on Hopper) and both products run in fp16: the query is saturated to
-    fp16's +-65504 and the probabilities keep fp16's finer rounding. Otherwise the products run
-    in the query's dtype."""
+    """Online-softmax accumulation of keys at positions [kv_lo, kv_hi) into (acc, m_i, l_i); a row
+    sees key positions <= its q_pos (with WINDOW > 0, only those > q_pos - WINDOW). An FP8 cache
+    is widened to fp16 (exact for e4m3, one hardware conversion per pair of values; bf16 has none
+    on Hopper) and both products run in fp16: the query is saturated to fp16's +-65504 and the
+    probabilities keep fp16's finer rounding. Otherwise the products run in the query's dtype."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if k_cache_ptr.dtype.element_ty.is_fp8():

@@ -1,11 +1,8 @@
-"""Split-KV paged attention for decode-only batches over long contexts.
-
-Each request's context is cut into `num_splits` equal ranges (whole key tiles), one program each,
-writing unnormalised partial results to a caller-owned workspace; a second kernel combines them
-with a log-sum-exp reduce. The ranges follow each request's context length on the device: the grid
-depends only on the batch shape (CUDA graph safe). Same math as `paged_attention_ref`. The
-workspace, the number of parts and which batches take this path: split_kv_plan.py.
-"""
+"""Split-KV paged attention for decode-only batches over long contexts: each request's context is
+cut into `num_splits` equal ranges (whole key tiles), one program each, writing unnormalised
+partials to a caller-owned workspace; a second kernel combines them with a log-sum-exp reduce. The
+ranges follow each context length on the device, the grid only the batch shape (CUDA graph safe).
+Same math as `paged_attention_ref`. Workspace, number of parts, which batches: split_kv_plan.py."""
 
 from __future__ import annotations
 
@@ -29,10 +26,9 @@ from ferrum.kernels.paged_attention_common import (
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 from ferrum.kernels.split_kv_plan import SplitKVWorkspace, default_num_splits
 
-# Warps of a split program over an FP8 cache with heads of up to 128 (otherwise, and over a bf16
-# cache, 4): at Qwen3-8B's 32 requests x 8k keys on the H100, 2 warps read 2.33 TB/s of FP8 keys
-# and values, 4 warps 1.99 (8 parts, 64-key tiles; benchmarks/RESULTS.md). Wider heads were not
-# measured.
+# Warps of a split program over an FP8 cache with heads of up to 128 (else 4): at Qwen3-8B's 32
+# requests x 8k keys on the H100, 2 warps read 2.33 TB/s of FP8 keys and values, 4 warps 1.99 (8
+# parts, 64-key tiles). Wider heads were not measured.
 SPLIT_KV_FP8_NUM_WARPS = 2
 
 
@@ -87,14 +83,11 @@ def _paged_attention_split_kernel(
     WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Program (part, kv_head, req) of a decode batch (token i belongs to request i).
-
-    The context is keys [lo, seq_len), lo = _context_start(seq_len, WINDOW). With
-    C = _split_length(seq_len - lo, num_splits, BLOCK_N), attends the group's query heads to keys
-    [lo + part * C, min(lo + (part + 1) * C, seq_len)) and stores acc = sum_k exp2(s_k - m) v_k,
-    m = max_k s_k and l = sum_k exp2(s_k - m), with s the scores scaled by scale * log2(e).
-    Parts past the context store nothing.
-    """
+    """Program (part, kv_head, req) of a decode batch (token i belongs to request i). The context
+    is keys [lo, seq_len), lo = _context_start(seq_len, WINDOW). With C = _split_length(seq_len -
+    lo, num_splits, BLOCK_N), attends the group's query heads to keys [lo + part * C, min(lo +
+    (part + 1) * C, seq_len)); stores acc = sum_k exp2(s_k - m) v_k, m = max_k s_k and l = sum_k
+    exp2(s_k - m), s the scores scaled by scale * log2(e). Parts past the context store nothing."""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     part = tl.program_id(0)
@@ -349,11 +342,9 @@ def paged_attention_split_kv(
 ) -> torch.Tensor:
     """Split-KV decode attention (token i is request i's only query token); writes `out` (and
     `out_fp8`, when given: out's rows quantized per token-group of 128, one group a head).
-
-    `max_seq_len` must be >= every seq_len (an upper bound is fine). With `sliding_window` W
-    the parts split only the last W keys. `num_splits` (default: `default_num_splits`) and
-    `block_n` (the key tile, a power of two >= 16) are for tests and tuning.
-    """
+    `max_seq_len` must be >= every seq_len (an upper bound is fine). With `sliding_window` W the
+    parts split only the last W keys. `num_splits` (default: `default_num_splits`) and `block_n`
+    (the key tile, a power of two >= 16) are for tests and tuning."""
     _check_attention_args(query, kv_cache, block_tables, None, seq_lens, out)
     check_fp8_out(out_fp8, out)
     window = _window_constexpr(sliding_window)

@@ -2,8 +2,7 @@
 y = weight * (x / sqrt(mean(x^2) + eps)).to(dtype), statistics in fp32; the fused form first rounds
 residual + x to the input dtype and stores it as the new residual. The `*_fp8` forms also write
 `Fp8GroupRows` (as `silu_and_mul_fp8`); their sum of squares goes group by group, so their output
-may differ from the plain forms' in the last bit.
-"""
+may differ from the plain forms' in the last bit."""
 
 from __future__ import annotations
 

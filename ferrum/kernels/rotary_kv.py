@@ -1,13 +1,10 @@
 """Triton neox-style RoPE on q and k, with the optional Qwen3 per-head q/k RMSNorm, fused with the
-write of k and v into the paged KV cache.
-
-Per token t with table row r (r = positions[t], or t when no positions are given), per head
-x = [x1 | x2] (halves of head_dim = rotary_dim):
+write of k and v into the paged KV cache. Per token t with table row r (positions[t], or t without
+positions), per head x = [x1 | x2] (halves of head_dim = rotary_dim):
   x  <- weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)     (only when a norm weight is given)
   x  <- [x1 cos[r] - x2 sin[r] | x2 cos[r] + x1 sin[r]]     (fp32, rounded once)
 q and k are rotated in place; then kv_cache[:, slot_mapping[t]] = (k[t], v[t]) unless the slot is
-negative (padding). KV cache layout: `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
-"""
+negative (padding). KV cache layout: `[2, num_blocks, block_size, num_kv_heads, head_dim]`."""
 
 from __future__ import annotations
 
@@ -340,12 +337,9 @@ def rotary_kv(
     eps: float = 1e-6,
 ) -> None:
     """Optional per-head q/k RMSNorm, then RoPE on q and k in place, then the KV-cache write.
-
-    cos / sin are either whole tables indexed by `positions` (e.g. the two halves of a
-    [max_position, head_dim] cos|sin cache) or, with positions None, rows already gathered per
-    token (num_rows >= num_tokens). Rows are not bounds-checked on the device. Rotary dim equals
-    head_dim (no partial rotary).
-    """
+    cos / sin are whole tables indexed by `positions` (e.g. the halves of a [max_position,
+    head_dim] cos|sin cache) or, with positions None, rows gathered per token (num_rows >=
+    num_tokens), not bounds-checked on the device. Rotary dim is head_dim (no partial rotary)."""
     device = _check_rotary_args(
         query,
         key,

@@ -1,9 +1,7 @@
 """Torch reference for neox-style rotary embedding with the optional Qwen3 per-head q/k RMSNorm.
-
 cos / sin tables hold, per position p, cos(p * f_i) / sin(p * f_i) for i < rotary_dim / 2 with
 f_i = base^(-2i / rotary_dim), fp32; a head x = [x1 | x2] rotates to
-[x1 cos - x2 sin | x2 cos + x1 sin].
-"""
+[x1 cos - x2 sin | x2 cos + x1 sin]."""
 
 from __future__ import annotations
 

@@ -1,13 +1,12 @@
 """Causal attention of long prompt chunks through torch's SDPA, cuDNN first (H100, 8,000 tokens at
 Qwen3 shapes: 0.86 ms a layer, the Triton kernel 2.14, FlashAttention-2 1.64). Chunks of at least
-SDPA_PREFILL_MIN_TOKENS after a cached prefix of at most PREFIX_PER_CHUNK chunks take SDPA, one
+SDPA_PREFILL_MIN_TOKENS after a cached prefix of at most PREFIX_PER_CHUNK chunks take SDPA one
 request at a time, the runs between the paged kernel (`long_prefill_segments`); such steps never
-replay a CUDA graph (at most 512 tokens). After a prefix of p tokens SDPA's causal mask aligns
-queries with the first keys, so the chunk fills rows [p, p + chunk) of a square problem over the
-context, K and V from the cache: cheaper than the paged kernel below p = 3 x chunk (~600 vs ~240
-TFLOP/s; PREFIX_PER_CHUNK = 2 kept 1.39x+). Where cuDNN rejects a layer's shape (`cudnn_takes`)
-chunks after a prefix are off. cuDNN plans per shape, so requests are padded into fixed buffers
-(`padded_length`) planned at start-up."""
+replay a CUDA graph (at most 512 tokens). SDPA's causal mask is top-left aligned, so after a prefix
+of p tokens the chunk fills rows [p, p + chunk) of a square problem over the context (K, V from the
+cache): cheaper than the paged kernel below p = 3 x chunk (~600 vs ~240 TFLOP/s; PREFIX_PER_CHUNK =
+2 kept 1.39x+). Not after a prefix where cuDNN rejects the shape (`cudnn_takes`). cuDNN plans per
+shape, so requests are padded into fixed buffers (`padded_length`) planned at start-up."""
 
 from __future__ import annotations
 
@@ -69,12 +68,10 @@ def long_prefill_segments(
     max_len: int,
     prefix_per_chunk: int = PREFIX_PER_CHUNK,
 ) -> tuple[AttentionSegment, ...]:
-    """The step cut into maximal runs of requests that do and do not take SDPA; empty when none
-    does. A request takes it when its chunk is at least SDPA_PREFILL_MIN_TOKENS long, its cached
-    prefix at most `prefix_per_chunk` chunks (0: fresh chunks only), and its context at most
-    `max_len` tokens (start-up builds the plans of every padded length up to it, and the
-    memory profile covers a padded buffer that long). Built once per step, with the step's
-    metadata (input_batch.py)."""
+    """The step cut into maximal runs of requests that do and do not take SDPA (empty when none
+    does): those with a chunk of at least SDPA_PREFILL_MIN_TOKENS, a cached prefix of at most
+    `prefix_per_chunk` chunks (0: fresh chunks only) and a context of at most `max_len` tokens
+    (start-up plans every padded length up to it; the memory profile covers a buffer that long)."""
     segments: list[AttentionSegment] = []
     any_sdpa = False
     for i, seq_len in enumerate(seq_lens):
@@ -179,11 +176,10 @@ def pack_padded(
     value: torch.Tensor,  # [length, kv_heads, head_dim]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k and v copied into one new [padded_length, heads | kv_heads | kv_heads, head_dim]
-    token-major buffer, rows past `length` zero: causal, no real query sees their keys and
-    their outputs are dropped (zeros, not garbage: a NaN value times a zero weight is NaN).
-    SDPA always sees this layout, so cuDNN needs one plan per padded length (built at
-    start-up, `warm_up_sdpa_prefill`), whatever the projections' layout. On a GPU one Triton
-    launch (`kernels/pack_padded.py`) does what the torch copies here do."""
+    token-major buffer, rows past `length` zero (causal: no real query sees their keys; zeros, not
+    garbage, as a NaN value times a zero weight is NaN). SDPA always sees this layout, so cuDNN
+    needs one plan per padded length (built at start-up), whatever the projections' layout. On a
+    GPU one Triton launch (`kernels/pack_padded.py`) does these copies."""
     length, heads, head_dim = query.shape
     kv_heads = key.shape[1]
     packed = query.new_empty(padded_length(length), heads + 2 * kv_heads, head_dim)
