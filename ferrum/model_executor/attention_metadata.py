@@ -15,8 +15,7 @@ class AttentionMetadata:
     `query_start_loc[i]:query_start_loc[i + 1]` are the last tokens of its `seq_lens[i]`-token
     context (causal within the chunk, seeing the cached prefix or its window). Token t's KV goes to
     slot `slot_mapping[g][t]` (block_id * block_size + offset) of every cache of group g before
-    attention reads it. `max_query_len` and `max_seq_len` may be upper bounds (CUDA-graph padding).
-    """
+    attention reads it. `max_query_len` / `max_seq_len` may be upper bounds (CUDA-graph padding)."""
 
     num_reqs: int
     num_tokens: int

@@ -1,9 +1,8 @@
 """Reports every Triton kernel variant compiled after start-up, which is meant to compile every
-variant serving reaches (a late one makes its request wait for the compiler). It chains Triton's
-post-compile hook, logs each variant once with its specialisation and keeps the list for
-benchmarks and tests. Diagnostics only: a Triton without the hook or a failing hook never stops a
-compile; the interpreter (CPU) compiles nothing.
-"""
+variant serving reaches (a late one makes its request wait for the compiler): chains Triton's
+post-compile hook, logs each variant once with its specialisation, keeps the list for benchmarks
+and tests. Diagnostics only: a missing or failing hook never stops a compile; the interpreter
+(CPU) compiles nothing."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The runner's structured-output bitmasks: filled on the host, copied to the device once a step.
-
-Two pinned host buffers alternate between fills: the one being filled was last read by the step
-before the previous one, which has completed (at most one step is in flight while the next one
-samples). The device buffer is sized once (max_num_seqs rows) and read by the sampler in stream
-order, so the next step's copy into it waits for nothing on the host.
-"""
+Two pinned host buffers alternate: the one being filled was last read by the step before the
+previous one, which has completed (at most one step is in flight while the next samples). The
+device buffer (max_num_seqs rows) is read by the sampler in stream order, so the next step's copy
+into it waits for nothing on the host."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
 """Flattening one step's scheduled tokens into model inputs, in buffers sized once at start-up.
-
 One host->device copy per step carries input_ids, positions and each KV cache group's
 slot_mapping (per token), query_start_loc, seq_lens and each group's block_tables (per request),
 then the indices of the sampled tokens and of the placeholders. A CUDA-graph batch is padded to

@@ -1,9 +1,6 @@
-"""The kernel backend a model is built with: the torch references or the Triton kernels.
-
-Layers take a `Kernels` (ferrum/kernels/interface.py) at construction, one implementation or the
-other. On the CPU the Triton kernels run in Triton's interpreter (slow, for tests), which
-must be on before triton is first imported: `@triton.jit` reads TRITON_INTERPRET when it decorates.
-"""
+"""The kernel backend a model is built with (a `Kernels`): the torch references or the Triton
+kernels. On the CPU the Triton kernels run in Triton's interpreter (slow, for tests), which must be
+on before triton is first imported: `@triton.jit` reads TRITON_INTERPRET when it decorates."""
 
 from __future__ import annotations
 

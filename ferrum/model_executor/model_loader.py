@@ -72,11 +72,10 @@ def load_model(
 
 def initialize_dummy_weights(model: nn.Module, seed: int, seed_per_parameter: bool = False) -> None:
     """In place, on the parameters' device, deterministic from `seed`: normal(0, DUMMY_STD) for
-    matrices and stacked experts, ones for norm weights, zeros for biases. `seed_per_parameter`
-    (a tensor-parallel rank's shard) draws each matrix from its own generator seeded by `seed`
-    and the parameter name, so the parameters every rank holds whole (the MoE router) are the
-    same on every rank. Quantized layers quantize normal(0, DUMMY_STD) values into their own
-    format."""
+    matrices and stacked experts, ones for norm weights, zeros for biases. `seed_per_parameter` (a
+    tensor-parallel rank's shard) seeds each matrix's generator from `seed` and the parameter name,
+    so parameters every rank holds whole (the MoE router) match across ranks. Quantized layers
+    quantize normal(0, DUMMY_STD) values into their own format."""
     generators: dict[torch.device, torch.Generator] = {}
 
     def generator(device: torch.device) -> torch.Generator:

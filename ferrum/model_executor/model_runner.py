@@ -1,10 +1,8 @@
 """Turns a SchedulerOutput into one model forward plus sampling (`launch`, `sample`, `complete`).
-
-Beside the step it holds its requests' states (`runner_state.py`), the pipeline stage's traffic
-(`pipeline_transport.py`), the linear-attention state slots (`recurrent_state_cache.py`),
-grammar bitmasks and prompt logprobs; it never touches the block pool. Constrained rows get
-their bitmask filled from the matchers; with `defer_sampling` the fill and the sampling wait for
-`sample`, so the caller brings the matchers up to date while the forward runs."""
+Beside the step it holds its requests' states, the pipeline stage's traffic, the linear-attention
+state slots, grammar bitmasks and prompt logprobs; it never touches the block pool. Constrained
+rows get their bitmask filled from the matchers; with `defer_sampling` the fill and the sampling
+wait for `sample`, so the caller brings the matchers up to date while the forward runs."""
 
 from __future__ import annotations
 

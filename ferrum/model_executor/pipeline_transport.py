@@ -1,10 +1,7 @@
 """A pipeline stage's traffic: the previous stage's activations in, its own out, and the last
-stage's sampled tokens to every rank (read when the step completes).
-
-Under a CUDA graph every stage pads a step to the same shape, so the padded activations match the
-receiver's buffer (`CUDAGraphRunner.stage_input`). With one stage each method is the plain local
-call behind one branch.
-"""
+stage's sampled tokens to every rank (read when the step completes). Under a CUDA graph every
+stage pads a step to the same shape, so the padded activations match the receiver's buffer. With
+one stage each method is the plain local call behind one branch."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 of prompt token p given tokens [0, p) under the raw logits (no sampling option applies), its rank
 (1 = most likely), and the k most likely tokens. The logits come from the hidden state at p - 1,
 so a prefill chunk covering positions [start, end) yields positions [start + 1, end + 1) capped
-at the prompt's last token; chunks of one prompt arrive in order, one per step.
-"""
+at the prompt's last token; chunks of one prompt arrive in order, one per step."""
 
 from __future__ import annotations
 

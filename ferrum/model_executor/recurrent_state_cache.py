@@ -1,10 +1,8 @@
-"""The linear-attention state slots of a runner's KV caches (`kv/recurrent_state_manager.py`): a
-request's slot is zeroed when it starts from its first token, filled from a snapshot on a prefix
-hit, and copied into a snapshot slot after a chunk that ends on a block holding one.
-
-A layer's states are a (conv, recurrent) pair of pools indexed by slot; every copy is queued on
-the device, all reads before any write. Without linear-attention layers every method returns.
-"""
+"""The linear-attention state slots of a runner's KV caches: a request's slot is zeroed when it
+starts from its first token, filled from a snapshot on a prefix hit, and copied into a snapshot
+slot after a chunk that ends on a block holding one. A layer's states are a (conv, recurrent) pair
+of pools indexed by slot; every copy is queued on the device, all reads before any write. Without
+linear-attention layers every method returns."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 logits; bitmask, allowed_token_ids, banned tokens (min_tokens, bad words), logit_bias; repetition,
 frequency and presence penalties; greedy rows take the argmax; random rows apply temperature,
 top-k, top-p and min-p, then take `argmax(probs / q)`, q ~ Exp(1) (token i with probability
-probs[i]). Seeded rows draw q from their own generator, independent of the rest of the batch.
-"""
+probs[i]). Seeded rows draw q from their own generator, independent of the rest of the batch."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 its arrays out from offset 0 (`take`), fills their host views and `copy`s the taken bytes at once.
 Arrays start on 64-byte boundaries (Triton compiles for its pointers' alignment, so it must not
 change between steps). The host may run ahead of the device, so host memory alternates between two
-sets (pinned on CUDA), each rewritten only once the event after its last copy has fired.
-"""
+sets (pinned on CUDA), each rewritten only once the event after its last copy has fired."""
 
 from __future__ import annotations
 

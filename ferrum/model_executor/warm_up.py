@@ -1,12 +1,10 @@
 """Start-up runs every Triton kernel variant serving would otherwise compile inside a request.
-
 A variant is picked by tile configs chosen by token count (attention up to 128 query rows, the
 fused MoE's buckets 16..4096) and by Triton's specialisation of integers (1, multiples of 16,
 other), so each power-of-two batch runs at an even and an odd token count, split over several
-requests from 256 tokens up. The one-token logits (the LM head's GEMV) run too, SDPA's prefill
+requests from 256 tokens up. The one-token logits (the LM head's GEMV) run too, and SDPA's prefill
 at each padded length (cuDNN plans a shape once) with the cached-prefix gather and its cuDNN
-probe; CUDA graph capture compiles decode and small prefill shapes after this, and
-`compile_watch.py` logs anything compiled later."""
+probe; CUDA graph capture compiles decode and small prefill shapes after this."""
 
 from __future__ import annotations
 
@@ -110,12 +108,11 @@ def run_warm_up_batches(runner: StartUpRunner, num_blocks: int | list[int]) -> t
 
 @torch.inference_mode()
 def _warm_up_sdpa_prefill(runner: StartUpRunner, max_len: int) -> int:
-    """cuDNN builds an execution plan per shape on first use: runs SDPA at each padded prefill
-    length up to `max_len` (the longest context the step inputs send through SDPA) for each
-    distinct attention shape that takes it (kernels/sdpa_prefill.py), and the gather of a
-    chunk after a cached prefix over the first such layer's cache. Where cuDNN does not take a
-    shape (SDPA would run FlashAttention-2, no faster than the paged kernel after a prefix),
-    chunks after a cached prefix keep the paged kernel."""
+    """cuDNN plans per shape on first use: runs SDPA at each padded prefill length up to `max_len`
+    (the longest context the step inputs send through SDPA) for each distinct attention shape
+    that takes it, and the gather of a chunk after a cached prefix over the first such layer's
+    cache. Where cuDNN does not take a shape (SDPA would run FlashAttention-2, no faster than the
+    paged kernel after a prefix), chunks after a cached prefix keep the paged kernel."""
     layers = {}
     for module in runner.model.modules():
         if isinstance(module, Attention) and (shape := module.sdpa_prefill_shape()) is not None:

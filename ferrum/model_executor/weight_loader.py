@@ -1,10 +1,7 @@
 """Reading checkpoint weights: safetensors files (single or sharded), one tensor at a time, and
-dispatching named tensors to the parameters' weight loaders.
-
-The checkpoint yields `CheckpointTensor`s: nothing is read until a loader asks. A parameter whose
-loader `reads_slices` (the tensor-parallel layers) narrows the tensor to its rank's part first and
-reads only that part from the file; any other loader gets the whole tensor.
-"""
+dispatching named tensors to the parameters' weight loaders. The checkpoint yields
+`CheckpointTensor`s, read only when a loader asks; a loader that `reads_slices` (tensor-parallel
+layers) narrows the tensor to its rank's part and reads only that; others get the whole tensor."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Paged attention layer: one kernel call writes this step's K/V into the layer's cache (fused with
 RoPE and the optional q/k norm), then attention reads it. The runner binds the cache
-`[2, num_blocks, block_size, num_kv_heads, head_dim]` (`bind_kv_cache`). With Triton on sm80+, long
-prompt chunks after no or a short cached prefix attend through SDPA (`kernels/sdpa_prefill.py`),
-unless the layer has a sliding window, an FP8 cache (its prefill reads the rounded K/V back) or a
-head size SDPA's fused backends reject (`takes_sdpa_prefill`).
-"""
+`[2, num_blocks, block_size, num_kv_heads, head_dim]`. With Triton on sm80+, long prompt chunks
+after no or a short cached prefix attend through SDPA (`kernels/sdpa_prefill.py`), unless the
+layer has a sliding window, an FP8 cache (its prefill reads the rounded K/V back) or a head size
+SDPA's fused backends reject (`takes_sdpa_prefill`)."""
 
 from __future__ import annotations
 

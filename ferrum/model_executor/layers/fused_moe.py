@@ -1,9 +1,8 @@
 """Mixture-of-experts layer: top-k router plus the fused expert op over stacked weights `w13`
 [E, 2I, H] (gate rows, then up rows) and `w2` [E, H, I], split over tensor-parallel ranks by
 intermediate rows or whole experts. Checkpoints load per expert or already stacked (HF
-`gate_up_proj`, `down_proj`). A `quant_method` (fp8_moe.py) makes the weights in its format and runs
-the experts; its scale parameters' sizes and offsets are in `output_block` blocks.
-"""
+`gate_up_proj`, `down_proj`). A `quant_method` (fp8_moe.py) makes the weights in its format and
+runs the experts; its scale parameters' sizes and offsets are in `output_block` blocks."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Gated DeltaNet linear attention (Qwen3.5's `linear_attn`) over per-request state slots. A fused
 projection gives qkv (through a short causal conv + SiLU), the gate z, beta = sigmoid(b) and
-g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule (kernels/gated_delta_rule_ref.py)
-updates each value head's state; a per-head RMSNorm gated by SiLU(z) and `out_proj` follow. The
-runner binds the conv and recurrent (fp32) pools; a request's slot heads its block table and is
-zeroed before its first token, so every sequence continues from its slot's state.
-"""
+g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule updates each value head's state; a
+per-head RMSNorm gated by SiLU(z) and `out_proj` follow. The runner binds the conv and recurrent
+(fp32) pools; a request's slot heads its block table and is zeroed before its first token, so
+every sequence continues from its slot's state."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 parameter carries `weight_loader(param, tensor, shard_id) -> covered shard keys` and `shard_ids`
 (all must be covered before it counts as loaded). A `quant_method` makes the weights (e.g. FP8
 codes and scales) and runs the GEMM; a parameter whose rows each cover `output_block` output rows
-loads a merged shard into rows offset // block.
-"""
+loads a merged shard into rows offset // block."""
 
 from __future__ import annotations
 

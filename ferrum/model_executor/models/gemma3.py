@@ -1,10 +1,7 @@
 """Gemma 3 (text): interleaved sliding-window (local) and global attention layers, each kind with
 its own RoPE base, per-head q/k norms, norms before and after attention and MLP, embeddings
 scaled by sqrt(hidden_size), Gemma's (1 + w) RMSNorm and a tanh-approximated GELU MLP.
-
-`Gemma3ForConditionalGeneration` checkpoints load their language model only; the vision tower
-and projector are skipped (ferrum takes text input).
-"""
+`Gemma3ForConditionalGeneration` checkpoints load their language model only (text input)."""
 
 from __future__ import annotations
 

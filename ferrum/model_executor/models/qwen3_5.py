@@ -2,8 +2,7 @@
 with gated full attention every `full_attention_interval` layers: q_proj yields each head's query
 and a gate, q/k get a per-head RMSNorm, RoPE rotates the first head_dim * partial_rotary_factor
 dims, and the output is multiplied by sigmoid(gate). Norms are (1 + w) RMSNorms. Text only: the
-multimodal RoPE reduces to plain RoPE when every axis has the text position; no vision tower.
-"""
+multimodal RoPE reduces to plain RoPE when every axis has the text position; no vision tower."""
 
 from __future__ import annotations
 

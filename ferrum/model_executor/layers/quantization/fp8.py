@@ -2,9 +2,8 @@
 token-group of 128 for block scales, per token for per-channel). W[n, k] ~= weight[n, k] * scale,
 scale `weight_scale_inv` / `weight_scale` [ceil(N / 128), K / 128] (block) or `weight_scale` [N, 1]
 (channel); K % 128 == 0. Quantizing on load keeps `weight` in the model dtype until every shard is
-in, then quantizes it in 128x128 blocks. On CUDA the layer's kernels run the product
-(kernels/fp8_linear.py); elsewhere the torch reference dequantizes and multiplies in fp32.
-"""
+in, then quantizes it in 128x128 blocks. On CUDA the layer's kernels run the product; elsewhere the
+torch reference dequantizes and multiplies in fp32."""
 
 from __future__ import annotations
 
