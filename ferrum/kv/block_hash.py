@@ -1,10 +1,8 @@
 """Chained hashes of full KV blocks: a block's prefix-cache key depends on every token before it.
-
-`hash_i = H(hash_{i-1}, tokens of block i, extra_keys)` with `hash_{-1} = NONE_HASH`. The hash is
-Python's builtin `hash` of a tuple of ints, which is deterministic for ints (in and across
-processes). Equal hashes are only a hint: the block pool verifies the tokens and the parent of every
-hit, so a collision costs a cache miss, never wrong KV.
-"""
+`hash_i = H(hash_{i-1}, tokens of block i, extra_keys)`, `hash_{-1} = NONE_HASH`, H Python's
+builtin `hash` of a tuple of ints (deterministic for ints, in and across processes). Equal hashes
+are only a hint: the block pool verifies the tokens and the parent of every hit, so a collision
+costs a cache miss, never wrong KV."""
 
 from __future__ import annotations
 
@@ -33,12 +31,9 @@ def extend_block_hashes(
     block_size: int,
     extra_keys: tuple[Hashable, ...] | None = None,
 ) -> int:
-    """Appends to `block_hashes` the hashes of the full blocks of `token_ids` it lacks.
-
-    Invariant kept: `block_hashes[i]` is the chained hash of `token_ids[:(i + 1) * block_size]`,
-    and `len(block_hashes) == len(token_ids) // block_size`. Returns the number of hashes added.
-    Pass a request's `block_hashes` and `all_token_ids` to keep them in step as tokens are appended.
-    """
+    """Appends to `block_hashes` the hashes of the full blocks of `token_ids` it lacks; returns how
+    many. Keeps `block_hashes[i]` the chained hash of `token_ids[:(i + 1) * block_size]` and
+    `len(block_hashes) == len(token_ids) // block_size`."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     num_full_blocks = len(token_ids) // block_size

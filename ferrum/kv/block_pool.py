@@ -1,9 +1,7 @@
 """The pool of KV blocks: ref counts, the LRU free queue and the prefix cache (hash -> block).
-
 Block 0 is the null block (padding): never allocated, never freed. A block is free when its ref
-count is 0; every free block is in `_free_queue`, whose front is evicted (re-allocated) first.
-A free block may still hold a cached entry: its KV stays valid and can be hit until it is evicted.
-"""
+count is 0; every free block is in `_free_queue`, whose front is evicted (re-allocated) first. A
+free block may still hold a cached entry: its KV stays valid and can be hit until it is evicted."""
 
 from __future__ import annotations
 
@@ -18,12 +16,9 @@ ROOT_ENTRY_ID = 0
 
 @dataclass(slots=True)
 class CacheEntry:
-    """What a cached block holds: the exact tokens it was computed from.
-
-    `entry_id` is unique over the pool's lifetime (never reused), and `parent_entry_id` names the
-    entry of the block before it, so a chain of verified entries pins every token of the prefix:
-    a hit can only return KV computed from exactly the tokens asked for.
-    """
+    """What a cached block holds: the exact tokens it was computed from. `entry_id` is unique over
+    the pool's lifetime and `parent_entry_id` names the previous block's entry, so a chain of
+    verified entries pins every token of the prefix: a hit returns KV of exactly those tokens."""
 
     entry_id: int
     block_hash: int
@@ -138,12 +133,10 @@ class BlockPool:
         self, block_id: int, block_hash: int, parent_entry_id: int, token_ids: Sequence[int]
     ) -> int:
         """Registers a full, in-use block in the prefix cache and returns its content's entry id.
-
         When the hash is taken by a block with the same tokens and parent, `block_id` stays
-        unregistered and that block's entry id is returned (the two hold the same KV). When the
-        hash is taken by other content (a collision), `block_id` stays unregistered under a fresh
-        entry id that no cached block has, so nothing chained after it can ever be hit.
-        """
+        unregistered and that block's entry id is returned (same KV). When taken by other content (a
+        collision), `block_id` stays unregistered under a fresh entry id no cached block has, so
+        nothing chained after it can ever be hit."""
         if self._ref_counts[block_id] == 0 or self._entries[block_id] is not None:
             raise ValueError(f"block_id: block {block_id} must be in use and not yet cached")
         token_ids = tuple(token_ids)

@@ -3,8 +3,7 @@
 as one list per group, in group order. `allocate_slots` grows every group's table for the same
 tokens or none; a prefix hit is the longest every group can serve, so its KV is exactly what a cold
 run computes. A recurrent group serves only prefixes ending at a state snapshot, so a hybrid
-model's prefill chunks end on a snapshot boundary when one falls inside (`chunk_end`).
-"""
+model's prefill chunks end on a snapshot boundary when one falls inside (`chunk_end`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 request, each keeping its own cache tensor over that pool. Full attention keeps every block;
 sliding window W (p reads p - W < k <= p) releases blocks out of every future window; recurrent
 layers (gated DeltaNet) keep one state slot per request, its id heading a table of null blocks as
-long as the other groups' tables.
-"""
+long as the other groups' tables."""
 
 from __future__ import annotations
 

@@ -4,9 +4,8 @@ block boundaries for the prefix cache. A request's table is as long as the other
   at first scheduling, released on finish or preemption (the state is then recomputed).
 - entry b - 1 (b >= 2 a multiple of `snapshot_interval_blocks`) may hold a snapshot of the state
   after b blocks, taken when a chunk ends exactly there and filled by the runner from the live slot
-  after the forward. It is cached under block b - 1's chained hash at the next `begin_step` (so no
-  request of its step hits it unwritten) and released by the request at its next allocation.
-- every other entry: the null slot 0.
+  after the forward; cached under block b - 1's chained hash at the next `begin_step` (so no
+  request of its step hits it unwritten). Every other entry: the null slot 0.
 A hit of b blocks is `[0] * (b - 1) + [snapshot]` with a fresh live slot, into which the runner
 copies the snapshot before the forward; the request holds the snapshot until its next allocation."""
 

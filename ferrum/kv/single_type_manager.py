@@ -64,13 +64,11 @@ class FullAttentionManager(LayerGroupManager):
     def allocate_slots(
         self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
     ) -> list[int] | None:
-        """Grows the request's block table to cover its computed, cached and new tokens.
-
-        Covers `num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens`
-        tokens. `new_computed_blocks` (from `get_computed_blocks`, at admission only) gain a
-        reference and come first. Returns the block ids appended, or None, changing nothing, when
-        the pool is short. Every block full once these tokens are computed is then cached.
-        """
+        """Grows the request's block table to cover `num_computed_tokens +
+        len(new_computed_blocks) * block_size + num_new_tokens` tokens. `new_computed_blocks` (from
+        `get_computed_blocks`, at admission only) gain a reference and come first. Returns the block
+        ids appended, or None, changing nothing, when the pool is short. Every block full once these
+        tokens are computed is then cached."""
         self.check_num_new_tokens(num_new_tokens)
         computed_blocks = new_computed_blocks or []
         state = self._requests.get(request.req_id)
