@@ -104,13 +104,10 @@ class AsyncLLM(FrontEnd):
         params: SamplingParams,
         default_max_tokens: int | None = None,
     ) -> RequestStream:
-        """Validates and queues one request (n completions); on error nothing is queued. While
-        a core restarts, the request waits for it. Unset `max_tokens`: `default_max_tokens`
-        capped by the room the prompt leaves, else all of it.
-
-        Iterate the returned stream to get outputs; leaving the iteration early (break, error,
-        cancellation) aborts the request in the core.
-        """
+        """Validates and queues one request (n completions); on error nothing is queued. While a
+        core restarts, the request waits for it. Unset `max_tokens`: `default_max_tokens` capped
+        by the room the prompt leaves, else all of it. Leaving the iteration of the returned
+        stream early (break, error, cancellation) aborts the request in the core."""
         request = self.check_can_serve().process(
             request_id, prompt, params, default_max_tokens=default_max_tokens
         )

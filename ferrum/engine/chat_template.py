@@ -1,10 +1,8 @@
-"""Chat templates: loading them from a model folder and rendering them with Jinja.
-
-Rendering follows transformers' `apply_chat_template(..., tokenize=False)`: a sandboxed immutable
-Jinja environment with `trim_blocks` and `lstrip_blocks`, the `raise_exception` and `strftime_now`
-globals, a `tojson` filter that does not escape HTML, the `{% generation %}` block tag, and the
-tokenizer's named special tokens (`bos_token`, `eos_token`, ...) as template variables.
-"""
+"""Chat templates: loading them from a model folder and rendering them with Jinja, as transformers'
+`apply_chat_template(..., tokenize=False)`: a sandboxed immutable environment with `trim_blocks`
+and `lstrip_blocks`, the `raise_exception` and `strftime_now` globals, a `tojson` filter that does
+not escape HTML, the `{% generation %}` block tag, and the tokenizer's named special tokens
+(`bos_token`, `eos_token`, ...) as template variables."""
 
 from __future__ import annotations
 

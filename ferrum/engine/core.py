@@ -1,13 +1,12 @@
 """EngineCore: scheduler + executor, token ids in and out. Text (tokenizing, detokenizing, stop
 strings, `n` fan-out) lives in the front end, so the core can run in its own process and keep the
 device busy; only grammars compile here (a request waits unscheduled until its grammar has).
-
 Structured outputs under async scheduling: a step's bitmask needs every earlier token accepted, so
 a step sampling a constrained request launches its forward alone and stays in flight when `step`
-returns. The next call completes the previous step (its tokens reach the matchers), fills the mask,
-queues the sampling (`Executor.sample`) and the next forward right after: processing, scheduling
-and the fill overlap the forward; tokens equal synchronous scheduling's. Penalties and bad words
-still wait for the previous step (`Scheduler.needs_host_history`)."""
+returns; the next call completes it (its tokens reach the matchers), fills the mask, queues the
+sampling and the next forward right after, so processing, scheduling and the fill overlap the
+forward; tokens equal synchronous scheduling's. Penalties and bad words still wait for the
+previous step (`Scheduler.needs_host_history`)."""
 
 from __future__ import annotations
 
@@ -150,8 +149,7 @@ class EngineCore:
         the step just launched (synchronous), or the previous call's step, completed once this one
         is queued (async scheduling: outputs lag one call, so the host works while the device
         computes). Pipeline parallelism: the oldest step once pipeline_depth are in flight or when
-        nothing was scheduled. Outputs of steps completed before an exception come next call.
-        """
+        nothing was scheduled. Outputs of steps completed before an exception come next call."""
         self.failed_step_req_ids = []
         pipelined = self.pipeline_depth > 1
         if (

@@ -3,8 +3,7 @@ or not) or data-parallel replicas of them, behind one interface (`make_core_clie
 Requests go in by `add_requests` / `finish_requests`; events come out through the sink given to
 `start`, always on the front end's thread (its event loop, or inside `poll`), in this order:
 `CoreInfo` (loaded, again after each restart), `CoreOutputs` (a step's tokens, minus what a restart
-must hide), `RequestsFailed` (those alone), `EngineDied` (last: the engine serves no more).
-"""
+must hide), `RequestsFailed` (those alone), `EngineDied` (last: the engine serves no more)."""
 
 from __future__ import annotations
 

@@ -15,12 +15,10 @@ _NUM_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    """Turns one request's generated ids into text, step by step.
-
-    Invariant: `output_text` is the decode of the generated ids that were detokenized, in the
-    context of the prompt's last tokens, minus any unfinished trailing character (emitted when the
-    request finishes) and cut at a matched stop string.
-    """
+    """Turns one request's generated ids into text, step by step. Invariant: `output_text` is the
+    decode of the generated ids detokenized so far, in the context of the prompt's last tokens,
+    minus any unfinished trailing character (emitted when the request finishes) and cut at a
+    matched stop string."""
 
     def __init__(
         self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], params: SamplingParams
@@ -88,13 +86,10 @@ class IncrementalDetokenizer:
         self._read_offset = 0
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
-        """Appends newly generated ids; returns the stop string that matched, else None.
-
-        On a match `output_text` ends before the stop string (after it with
-        include_stop_str_in_output). With `stop_terminated` the last id is a stop token or EOS and
-        is not detokenized unless include_stop_str_in_output is set. Stop strings are only looked
-        for once more than `min_tokens` tokens exist.
-        """
+        """Appends newly generated ids; returns the stop string that matched, else None. On a match
+        `output_text` ends before the stop string (after it with include_stop_str_in_output). With
+        `stop_terminated` the last id, a stop token or EOS, is detokenized only with that flag. Stop
+        strings are only looked for once more than `min_tokens` tokens exist."""
         if not new_token_ids:
             return None
         if self._tokenizer is None:

@@ -1,10 +1,8 @@
-"""Turns per-step token updates into RequestOutputs: detokenization, stop strings, logprobs, n.
-
-A user request with `n > 1` runs as n child requests in the scheduler; their outputs are gathered
-here under the parent's id, in index order. Each child's detokenizer holds its one list of output
-token ids; an output is a delta of it, a copy (CUMULATIVE), or, once the request is finished and
-forgotten here, the list itself.
-"""
+"""Turns per-step token updates into RequestOutputs: detokenization, stop strings, logprobs, n. A
+user request with `n > 1` runs as n child requests in the scheduler, their outputs gathered here
+under the parent's id, in index order. Each child's detokenizer holds its one list of output token
+ids; an output is a delta of it, a copy (CUMULATIVE), or, once the request is finished and
+forgotten here, the list itself."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 core fails when a step raises, the process dies or (on an event loop) it holds requests without
 stepping for `engine_stall_timeout` s. With `engine_failure_policy="restart"` a fresh core resumes
 every open completion from its tokens, seamlessly for the front end (`recovery.py` blames and gives
-up); otherwise the engine is dead. Everything runs on the front end's thread (`FrontEndThread`).
-"""
+up); otherwise the engine is dead. Everything runs on the front end's thread (`FrontEndThread`)."""
 
 from __future__ import annotations
 
