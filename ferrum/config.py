@@ -220,10 +220,9 @@ class CacheConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata=_help("reuse KV blocks of shared prompt prefixes")
     )
-    # Linear-attention (recurrent) states can only be reused where a snapshot was kept. A prompt
-    # keeps a snapshot at most per prefill chunk (its last boundary), whatever the interval; a
-    # shorter interval leaves a hit fewer tokens to recompute (benchmarks/RESULTS.md: 64 tokens
-    # gives a 5.8x TTFT hit on Qwen3.5-35B-A3B, 256 tokens 3.7x).
+    # Linear-attention states are reused only where a snapshot was kept: at most one per prefill
+    # chunk (its last boundary), whatever the interval. A shorter one leaves a hit fewer tokens to
+    # recompute (a 5.8x TTFT hit at 64 tokens on Qwen3.5-35B-A3B, 3.7x at 256).
     recurrent_snapshot_interval: int = field(
         default=64,
         metadata=_help(

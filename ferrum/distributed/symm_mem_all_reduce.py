@@ -3,8 +3,7 @@ On 2 H200s in a CUDA graph, [tokens, 4096] (RESULTS.md): one-shot 7.7 / 11.0 us 
 vs NCCL's 9.3 / 12.9; two-shot 16.9 / 25.1 us at 256 / 512 vs 29.2 / 34.7. So messages up to
 ONE_SHOT_MAX_BYTES go one-shot, up to MAX_BYTES two-shot (reduce-scatter, all-gather), larger on
 NCCL; no multicast (off on the machines measured). Both ops are graph-capturable and end with a
-barrier, so the one symmetric buffer is free for the next all-reduce on the stream.
-"""
+barrier, so the one symmetric buffer is free for the next all-reduce on the stream."""
 
 from __future__ import annotations
 

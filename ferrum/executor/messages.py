@@ -2,8 +2,7 @@
 Set-up messages wait for every rank's reply (`NumKVBlocks` or `WorkerDone`). Steps flow without
 replies: `LaunchStep` queues one (with `deferred_req_ids`, its forward only; `SampleStep` brings
 their bitmask rows), `CompleteStep` waits for the oldest, answered by rank 0 alone (`StepOutput`).
-A rank that raises answers `WorkerFailed`, at any point, and stops serving.
-"""
+A rank that raises answers `WorkerFailed`, at any point, and stops serving."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 serves the core's messages (`messages.py`) in order until told to stop. Started by
 `MultiprocExecutor` as `python -m ferrum.executor.worker` (never re-importing the user's main) with
 `WorkerArgs` on stdin and three pipe ends: inbox, outbox and a lifeline the core never writes. When
-the core ends the lifeline reads EOF and the worker exits, even while blocked in a collective.
-"""
+the core ends the lifeline reads EOF and the worker exits, even while blocked in a collective."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The two messages between scheduler and model runner.
-
-The scheduler never touches tensors and the runner never touches the block pool: everything the
-runner needs for one step travels in a `SchedulerOutput`, and everything the scheduler needs back
-travels in a `ModelRunnerOutput`.
-"""
+"""The two messages between scheduler and model runner: the scheduler never touches tensors and the
+runner never touches the block pool, so everything the runner needs for one step travels in a
+`SchedulerOutput`, and everything the scheduler needs back in a `ModelRunnerOutput`."""
 
 from __future__ import annotations
 

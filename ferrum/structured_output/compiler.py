@@ -3,8 +3,7 @@ Compiles run on threads, at most `max_workers` at once; equal GrammarSpecs share
 one cached result (LRU, successes only). `PendingGrammar.done()` never blocks; `result()` blocks
 until `timeout_s` after the ask, then raises GrammarCompileTimeoutError (a ValueError). xgrammar
 cannot stop a compile: an overdue one runs on (its result cached) but frees its worker slot, so it
-delays no other; past `max_overdue` overdue ones keep their slots (threads stay bounded).
-"""
+delays no other; past `max_overdue` overdue ones keep their slots (threads stay bounded)."""
 
 from __future__ import annotations
 

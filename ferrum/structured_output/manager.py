@@ -3,8 +3,7 @@ xgrammar's vocabulary view takes seconds to build, so it is built on its own thr
 structured request (compile deadlines start once it exists). The offline `LLMEngine` and its core
 share one manager; with the core in its own process each side compiles: the front end to answer a
 bad grammar with a 400, the core again from the spec (cache hits for repeated schemas). Shipping
-the compiled grammar would cost as much (~100-170 ms and ~0.5-0.8 MB per tool-call schema).
-"""
+the compiled grammar would cost as much (~100-170 ms and ~0.5-0.8 MB per tool-call schema)."""
 
 from __future__ import annotations
 
