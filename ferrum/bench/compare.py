@@ -2,8 +2,7 @@
 
 Reads ferrum's and `vllm bench serve`'s JSON results (same field names); a figure a file lacks
 shows as "-". `--plot out.png` draws throughput and TTFT/TPOT/ITL percentiles (needs
-matplotlib: `pip install -e '.[plot]'` in ferrum's checkout, or `pip install matplotlib`).
-"""
+matplotlib: `pip install -e '.[plot]'` in ferrum's checkout, or `pip install matplotlib`)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Every iteration gets fresh random prompts (a new seed), so prefix caching never serves a timed
 prompt. At batch size 1 it also reports TTFT (a request with max_tokens=1) and
-TPOT = (t(output_len) - t(1)) / (output_len - 1), medians over the timed iterations.
-"""
+TPOT = (t(output_len) - t(1)) / (output_len - 1), medians over the timed iterations."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Requests stream with `include_usage` and `ignore_eos`, so output lengths are the server's counts.
 A request succeeds only if its stream carried output and ended with `data: [DONE]`; anything else
-is a failure with its error string. Exit code 0 when at least one request completed, else 1.
-"""
+is a failure with its error string. Exit code 0 when at least one request completed, else 1."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Every sample carries its prompt both as token ids (sent as-is to /v1/completions, so the server
 sees exactly `prompt_len` tokens) and as text (sent to /v1/chat/completions; `prompt_len` is then
-the token count of that text re-encoded by the same tokenizer).
-"""
+the token count of that text re-encoded by the same tokenizer)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 names (`completed`, `failed`, `mean_ttft_ms`, `p99_itl_ms`, ...; times in the summary are ms).
 
 TTFT is the time to the first chunk with content; ITL the gaps between content chunks;
-TPOT = (E2EL - TTFT) / (output tokens - 1), over requests with more than one output token.
-"""
+TPOT = (E2EL - TTFT) / (output tokens - 1), over requests with more than one output token."""
 
 from __future__ import annotations
 

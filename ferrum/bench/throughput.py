@@ -2,8 +2,7 @@
 
 Datasets: `random` (`--num-prompts` prompts of `--input-len` tokens, `--output-len` each; the
 `c16`/`c64` recipe) and `nano` (input U[100, --input-len], output U[100, --output-len]; the
-`nano` recipe). Both draw from `--seed`, which also seeds the engine.
-"""
+`nano` recipe). Both draw from `--seed`, which also seeds the engine."""
 
 from __future__ import annotations
 

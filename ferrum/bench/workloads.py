@@ -2,8 +2,7 @@
 
 `lat_prompt`, `batch` and `nano` mirror ../shared/bench/workloads.py (the recipes every peer engine
 is timed with): same seeds, same draws in the same order, so figures are comparable. Token ids lie
-in [0, 10000]; `fold_to_vocab` maps them into a smaller vocabulary and is the identity otherwise.
-"""
+in [0, 10000]; `fold_to_vocab` maps them into a smaller vocabulary and is the identity otherwise."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""One response's output, split into reasoning, answer text and tool calls, whole or streamed.
-
-The reasoning parser (if any) sees the raw output first; only its content reaches the tool parser,
-so tags inside the reasoning are never calls. Both parsers are chunk-independent, hence so is
-this: the deltas of any split of the output add up to `parse` of the whole text.
-"""
+"""One response's output, split into reasoning, answer text and tool calls, whole or streamed. The
+reasoning parser (if any) sees the raw output first; only its content reaches the tool parser, so
+tags inside the reasoning are never calls. Both parsers are chunk-independent, hence so is this:
+the deltas of any split of the output add up to `parse` of the whole text."""
 
 from __future__ import annotations
 

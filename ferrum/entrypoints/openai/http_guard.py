@@ -20,11 +20,10 @@ logger = init_logger(__name__)
 
 _REASONS = {408: b"Request Timeout", 413: b"Content Too Large", 503: b"Service Unavailable"}
 
-# A connection closed while its client still sends a body lingers: the answer is flushed and
-# the write side shut (FIN), then the client's bytes are read and dropped until it closes, it
-# pauses this long, or the whole linger reaches its cap (nginx's lingering_timeout and
-# lingering_time). Closing at once would reset the connection on the client's next bytes, and
-# a reset can destroy the answer before the client reads it.
+# A connection closed while its client still sends a body lingers: the answer is flushed, the write
+# side shut (FIN), then the client's bytes are dropped until it closes, pauses this long, or the
+# linger reaches its cap (nginx's lingering_timeout / lingering_time). Closing at once would reset
+# the connection on the client's next bytes, and a reset can destroy the unread answer.
 LINGER_IDLE_S = 5.0
 LINGER_TOTAL_S = 30.0
 

@@ -2,8 +2,7 @@
 `max_request_body_bytes` gets 413 before any route sees it; a client gets `timeout_request_header`
 seconds for a header block and `timeout_request_body` between body reads, then 408 (nothing once
 its response started); a connection beyond `limit_concurrency` gets 503. Every refusal is OpenAI's
-error envelope and closes the connection, lingering to drain a body still arriving.
-"""
+error envelope and closes the connection, lingering to drain a body still arriving."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 Scheduler gauges, prefix-cache counters and the tokens-per-step histogram come from each core's
 latest stats at scrape time, labelled `engine` (the data-parallel replica); per-request metrics are
 updated once per request as it finishes. Times are time.monotonic(): queue time from arrival in
-the API process to first scheduling, prefill to the first token, decode from there to the last.
-"""
+the API process to first scheduling, prefill to the first token, decode from there to the last."""
 
 from __future__ import annotations
 

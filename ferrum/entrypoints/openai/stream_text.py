@@ -1,9 +1,6 @@
-"""Text helpers shared by the streaming output parsers (tool calls, reasoning).
-
-A streaming parser sees the output in arbitrary pieces, so a tag can arrive split (`<tool_c` then
-`all>`). The parsers hold back any tail that could still become a tag and release it once the next
-piece disambiguates; these helpers compute what to hold.
-"""
+"""Text helpers shared by the streaming output parsers (tool calls, reasoning): a parser sees the
+output in arbitrary pieces, so a tag can arrive split (`<tool_c` then `all>`); it holds back any
+tail that could still become a tag until the next piece decides, and these compute what to hold."""
 
 from __future__ import annotations
 

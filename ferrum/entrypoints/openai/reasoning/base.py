@@ -1,10 +1,8 @@
-"""Reasoning parsers: split a model's output into its reasoning and its answer, whole or streamed.
-
-A parser instance serves one response. Invariant: streaming is chunk-independent — feeding the
-output in any pieces through `extract_reasoning_streaming` and then calling `finish()` yields
-exactly the reasoning and content that `extract_reasoning` finds in the whole text; a tail that
-could still become a tag is held back until the next piece (or `finish`) decides.
-"""
+"""Reasoning parsers: split a model's output into its reasoning and its answer, whole or streamed;
+an instance serves one response. Invariant: streaming is chunk-independent — feeding the output in
+any pieces through `extract_reasoning_streaming` and then `finish()` yields exactly the reasoning
+and content `extract_reasoning` finds in the whole text; a tail that could still become a tag is
+held back until the next piece (or `finish`) decides."""
 
 from __future__ import annotations
 

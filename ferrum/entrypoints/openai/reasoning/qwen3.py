@@ -2,8 +2,7 @@
 optional whitespace) or starts inside the block when the prompt ends in `<think>`
 (`prompt_ends_in_reasoning`); otherwise (e.g. `enable_thinking=False`) it is all content. Whitespace
 just inside the tags and after `</think>` is dropped, as the chat template drops it; an unclosed
-block is all reasoning; tags after the block are content.
-"""
+block is all reasoning; tags after the block are content."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 `<tool_call>` tags. A body starting `{"name": <string>, "arguments": {` streams: the name at once,
 the arguments' text up to their closing brace (or the block's end). Other bodies are decided when
 the block closes: `arguments` an object, a string holding one, or absent; other keys ignored. Not
-one JSON object, no string `name` or non-object arguments: the block is content.
-"""
+one JSON object, no string `name` or non-object arguments: the block is content."""
 
 from __future__ import annotations
 
