@@ -73,7 +73,8 @@ def test_docstrings_are_a_few_lines() -> None:
     for name, _, tree in _modules():
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
-            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) or not body:
+            kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+            if not isinstance(node, kinds) or not body:
                 continue
             first = body[0]
             is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)

@@ -1,4 +1,4 @@
-"""The package's imports run one way, bottom up (docs: /work/shared/DESIGN.md, "Import direction"):
+"""The package's imports run one way, bottom up (README, "How it works"):
 kernels -> request, config, kv, ... -> scheduler -> model_executor, ... -> engine -> entrypoints,
 bench. A module may import its own layer or a lower one, never a higher one, and no module
 imports itself back through others; request.py, kv/ and scheduler/ never import torch. Checked

@@ -84,6 +84,7 @@ class AsyncLLM(FrontEnd):
         """Finishes every open stream as aborted, then stops the core process(es) (bounded)."""
         self.abort_all()
         self.grammars.shutdown()
+        self.client.close()
         await asyncio.to_thread(self.client.shutdown)
 
     # -- requests ------------------------------------------------------------------------------
@@ -108,6 +109,7 @@ class AsyncLLM(FrontEnd):
         core restarts, the request waits for it. Unset `max_tokens`: `default_max_tokens` capped
         by the room the prompt leaves, else all of it. Leaving the iteration of the returned
         stream early (break, error, cancellation) aborts the request in the core."""
+        loop = asyncio.get_running_loop()
         request = self.check_can_serve().process(
             request_id, prompt, params, default_max_tokens=default_max_tokens
         )
@@ -118,7 +120,7 @@ class AsyncLLM(FrontEnd):
         if compiled:
             self.client.add_requests(request.core_requests)
         else:
-            asyncio.get_running_loop().create_task(self._add_when_compiled(stream, request))
+            loop.create_task(self._add_when_compiled(stream, request))
         return stream
 
     async def compile_grammar(self, params: SamplingParams) -> None:

@@ -109,6 +109,10 @@ class CoreClient(ABC):
     def fail(self, reason: str) -> None:
         """Declares the engine dead for `reason`: an `EngineDied` follows (unless it did)."""
 
+    def close(self) -> None:  # noqa: B027 - most clients have nothing to stop early
+        """On the front end's thread: no event, restart or watchdog from now on (then
+        `shutdown`, which may run on another thread)."""
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stops the core(s), bounded (stragglers are killed); safe to call twice."""

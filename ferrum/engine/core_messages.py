@@ -93,7 +93,8 @@ class CoreInfo:
 @dataclass(slots=True)
 class CoreOutputs:
     outputs: list[EngineCoreOutput]
-    stats: SchedulerStats
+    # None from a core in the front end's thread (its stats are read when asked for).
+    stats: SchedulerStats | None
 
 
 @dataclass(slots=True)

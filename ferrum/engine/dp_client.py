@@ -64,8 +64,13 @@ class DataParallelClient(CoreClient):
         for index, replica in enumerate(self.replicas):
             replica.start(functools.partial(self._on_replica_event, index), thread)
 
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+
     def shutdown(self) -> None:
         """Stops every replica at once (bounded), then the shared Ray cluster."""
+        self.close()
         with ThreadPoolExecutor(len(self.replicas)) as pool:
             list(pool.map(lambda replica: replica.shutdown(), self.replicas))
         if self._ray_cluster is not None:
@@ -108,6 +113,7 @@ class DataParallelClient(CoreClient):
     # -- requests ------------------------------------------------------------------------------
 
     def add_requests(self, requests: Sequence[EngineCoreRequest]) -> None:
+        # Routed under its first completion's id (the request id when n == 1).
         key = requests[0].req_id
         serving = [r.health_problem() is None for r in self.replicas]
         usage = [s.kv_cache_usage if s is not None else 0.0 for s in self.replica_stats()]

@@ -1,4 +1,5 @@
-"""Why a front end cannot serve a request: every engine front end raises these, and only these."""
+"""Why a front end cannot serve (beside a bad request's FieldError / TypeError): the errors both
+front ends raise."""
 
 from __future__ import annotations
 

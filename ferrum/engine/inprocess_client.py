@@ -38,8 +38,7 @@ class InProcessClient(CoreClient):
 
     def poll(self, thread: FrontEndThread) -> None:
         assert self.core is not None and self._sink is not None
-        outputs = self.core.step()
-        self._sink(CoreOutputs(outputs, self.core.stats()))
+        self._sink(CoreOutputs(self.core.step(), None))
 
     def has_unfinished_requests(self) -> bool:
         return self.core is not None and self.core.has_unfinished_requests()

@@ -142,6 +142,8 @@ class InputProcessor:
             )
             raise TypeError(f"prompt must be {_PROMPT_TYPES}; got {type(prompt).__name__}{hint}")
         if token_ids is None:
+            if not isinstance(text, str):
+                raise TypeError(f"prompt must be {_PROMPT_TYPES}; got {type(text).__name__}")
             if self.tokenizer is None:
                 raise FieldError(
                     "prompt", "prompt: text prompts need a tokenizer (skip_tokenizer_init=True)"
@@ -177,7 +179,10 @@ class InputProcessor:
                     f"max_model_len={self.max_model_len}, KV cache capacity {self.pool_tokens} "
                     "tokens",
                 )
-            max_tokens = room if default is None else min(default, room)
+            max_tokens = room if default is None else min(int(default), room)
+            if max_tokens < 1:
+                message = f"SamplingParams.max_tokens must be an integer >= 1, got {default}"
+                raise FieldError("max_tokens", message)
             if params.min_tokens > max_tokens:
                 raise FieldError(
                     "min_tokens",

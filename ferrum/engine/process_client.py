@@ -67,6 +67,7 @@ class ProcessClient(CoreClient):
         self._core_ready = False
         self._core_started = 0.0
         self._closed = False
+        self._watchdog: asyncio.Task[None] | None = None
         # When the current core last finished a step, or last had no request to work on.
         self._last_progress = time.monotonic()
 
@@ -76,7 +77,7 @@ class ProcessClient(CoreClient):
         self._sink, self._thread = sink, thread
         self._start_core()
         if thread.loop is not None:
-            thread.loop.create_task(self._watch_progress())
+            self._watchdog = thread.loop.create_task(self._watch_progress())
 
     def _start_core(self) -> None:
         on_message = functools.partial(self._on_message_thread, self._epoch)
@@ -86,8 +87,17 @@ class ProcessClient(CoreClient):
         process.start()
         logger.info("engine core process started (pid %s); loading the model", process.pid)
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+
+    def shutdown(self) -> None:
+        """Stops the current core; `close` must have run (here, or on the front end's thread:
+        no restart can start another core behind this call)."""
+        self.close()
         if self._process is not None:
             self._process.shutdown()
 
@@ -150,6 +160,7 @@ class ProcessClient(CoreClient):
             return
         match message:
             case CoreOutputs(outputs, stats):
+                assert stats is not None, "a core process sends its stats with every step"
                 self._last_progress = time.monotonic()
                 self._stats.update(stats)
                 self._on_outputs(outputs, stats)

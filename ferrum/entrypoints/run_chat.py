@@ -95,7 +95,9 @@ class ChatSession:
                 "over"
             )
         if params.max_tokens is None or params.max_tokens > room:
-            params = dataclasses.replace(params, max_tokens=room)
+            params = dataclasses.replace(
+                params, max_tokens=room, min_tokens=min(params.min_tokens, room)
+            )
         request_id = f"chat-{next(self._ids)}"
         self.engine.add_request(request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)
         sent = ""

@@ -275,6 +275,9 @@ def _fill_rows(
     table_np0, slot_np0 = tables_np[0], slot_nps[0]
     num_reqs = len(num_scheduled_tokens)
     rows = _Rows([0] * (num_reqs + 1), [0] * num_reqs, [], [], [], [])
+    query_start_loc, seq_lens = rows.query_start_loc, rows.seq_lens
+    logits_indices, sampled_req_ids = rows.logits_indices, rows.sampled_req_ids
+    placeholder_indices, placeholder_rows = rows.placeholder_indices, rows.placeholder_rows
     offset = 0
     for i, (req_id, n) in enumerate(num_scheduled_tokens.items()):
         state = requests[req_id]
@@ -294,8 +297,8 @@ def _fill_rows(
             else:
                 assert start == num_known and state.num_output_placeholders, (req_id, start)
                 input_ids_np[offset] = 0
-                rows.placeholder_indices.append(offset)
-                rows.placeholder_rows.append(last_sampled_rows[req_id])
+                placeholder_indices.append(offset)
+                placeholder_rows.append(last_sampled_rows[req_id])
             positions_np[offset] = start
             block_index, block_offset = divmod(start, block_size)
             if single_group:
@@ -313,11 +316,11 @@ def _fill_rows(
                 blocks = np.asarray(block_ids, dtype=np.int64)
                 slot_np[offset : offset + n] = blocks[block_index] * block_size + block_offset
         offset += n
-        rows.query_start_loc[i + 1] = offset
-        rows.seq_lens[i] = end
+        query_start_loc[i + 1] = offset
+        seq_lens[i] = end
         if end == num_known + state.num_output_placeholders:
-            rows.logits_indices.append(offset - 1)
-            rows.sampled_req_ids.append(req_id)
+            logits_indices.append(offset - 1)
+            sampled_req_ids.append(req_id)
     step.query_start_loc_np[: num_reqs + 1] = rows.query_start_loc
     step.seq_lens_np[:num_reqs] = rows.seq_lens
     return rows

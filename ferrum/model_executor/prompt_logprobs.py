@@ -16,7 +16,7 @@ from ferrum.model_executor.sampling_metadata import to_device
 from ferrum.request import Logprobs
 
 if TYPE_CHECKING:
-    from ferrum.sampling_params import SamplingParams
+    from ferrum.sampling_params import ResolvedSamplingParams
 
 # Rows of [rows, vocab] float32 logits materialized at once (~150 MB for a 151,936 vocabulary).
 _MAX_ROWS_PER_PASS = 256
@@ -62,7 +62,7 @@ class PromptRows:
 class PromptState(Protocol):
     prompt_token_ids: list[int]
     num_computed_tokens: int
-    params: SamplingParams
+    params: ResolvedSamplingParams
 
 
 def step_prompt_logprobs(

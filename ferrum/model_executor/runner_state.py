@@ -13,7 +13,7 @@ import torch
 
 from ferrum.model_executor.prompt_logprobs import PromptLogprobsChunk
 from ferrum.model_executor.sampler import SamplerOutput, advance_sampling_generator
-from ferrum.sampling_params import SamplingParams
+from ferrum.sampling_params import ResolvedSamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.structured_output import StructuredOutputMatcher
 
@@ -25,7 +25,7 @@ class CachedRequestState:
     output_token_ids: list[int]
     # prompt + output tokens; positions [num_computed_tokens, len) still need a forward.
     token_ids: list[int]
-    params: SamplingParams
+    params: ResolvedSamplingParams
     # One block table per KV cache group.
     block_ids: tuple[list[int], ...]
     num_computed_tokens: int
@@ -78,7 +78,7 @@ class RequestStates(dict[str, CachedRequestState]):
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _generator_for(
-        self, req_id: str, params: SamplingParams, num_output_tokens: int
+        self, req_id: str, params: ResolvedSamplingParams, num_output_tokens: int
     ) -> torch.Generator | None:
         """A seeded request's generator. One made for a request that already has output tokens
         (resumed by a new engine core) replays the draws that sampled them: its next token is

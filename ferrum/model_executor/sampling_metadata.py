@@ -219,7 +219,7 @@ class SamplingMetadata:
         for i, row in enumerate(rows):
             banned: set[int] = set()
             num_outputs = len(row.output_token_ids) + row.num_output_placeholders
-            # A grammar's row gets min_tokens from its bitmask (see ModelRunner._grammar_bitmask).
+            # A grammar's row gets min_tokens from its bitmask (see GrammarBitmaskBuffers.fill).
             if num_outputs < row.params.min_tokens and row.params.structured_outputs is None:
                 banned.update(row.stop_token_ids)
             if row.params.bad_words_token_ids:

@@ -58,7 +58,9 @@ def test_unset_max_tokens_takes_the_default_capped_by_the_room_left(
         return request.core_requests[0].sampling_params.max_tokens
 
     assert max_tokens(None) == 8  # the pool's 48 tokens less the prompt's 40
-    assert max_tokens(5) == 5 and max_tokens(100) == 8
+    assert max_tokens(5) == 5 and max_tokens(100) == 8 and max_tokens(5.0) == 5
+    with pytest.raises(FieldError, match=r"max_tokens must be an integer >= 1, got 0"):
+        max_tokens(0)  # a generation_config.json asking for no tokens
     with pytest.raises(FieldError, match=r"min_tokens must be <= max_tokens=8") as caught:
         max_tokens(None, min_tokens=9)
     assert caught.value.field == "min_tokens"
@@ -85,6 +87,7 @@ def test_completions_are_resolved_and_the_user_params_left_alone(
     [
         (123, TypeError, None),
         ({"text": "x"}, TypeError, None),
+        ({"prompt_token_ids": None}, TypeError, None),
         ({"prompt_token_ids": [1, "2"]}, FieldError, "prompt_token_ids"),
         ({"prompt_token_ids": []}, FieldError, "prompt"),
         ({"prompt_token_ids": [1, 10**9]}, FieldError, "prompt_token_ids"),
