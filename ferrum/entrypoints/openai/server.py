@@ -161,6 +161,7 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> 
     created = int(time.time())
     max_model_len = engine.config.model_config.max_model_len
 
+    @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD
     @app.get("/health", response_model=HealthResponse, responses=ERROR_RESPONSES)
     async def health() -> HealthResponse:
         problem = engine.health_problem()
