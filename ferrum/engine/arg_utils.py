@@ -202,12 +202,14 @@ def add_config_args(parser: argparse.ArgumentParser, config_class: type) -> None
     """One flag per field of a flat config dataclass, its help and choices from the field's
     metadata (`ferrum serve`'s recovery and HTTP-limit configs)."""
     for f in fields(config_class):
-        kwargs: dict[str, Any] = {
-            "dest": f.name,
-            "default": f.default,
-            "type": _parse_type(str(f.type)),
-            "help": f"{f.metadata['help']} (default: {f.default})",
-        }
+        help_text = f.metadata["help"]
+        if f.default not in (None, False, ""):
+            help_text += f" (default: {f.default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": help_text}
+        if str(f.type) == "bool":
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = _parse_type(str(f.type))
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)

@@ -58,8 +58,9 @@ def _generate(args: argparse.Namespace) -> int:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, output in zip(prompts, outputs):
         for completion in output.outputs:
+            index = f"completion {completion.index}  " if args.n > 1 else ""
             print(
-                f"--- prompt: {prompt!r}  [{completion.finish_reason}, "
+                f"--- prompt: {prompt!r}  {index}[{completion.finish_reason}, "
                 f"{len(completion.token_ids)} tokens]"
             )
             print(prompt + completion.text if not args.chat else completion.text)
@@ -70,6 +71,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     from ferrum.engine.arg_utils import EngineArgs, add_config_args
     from ferrum.entrypoints.openai.frontend_args import FrontendConfig
     from ferrum.entrypoints.openai.http_limits import HttpLimits
+    from ferrum.entrypoints.openai.server_config import ServerConfig
     from ferrum.recovery_config import EngineRecoveryConfig
 
     parser.add_argument(
@@ -93,6 +95,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's log level (its access log is at info; default: info)",
     )
+    add_config_args(parser.add_argument_group("TLS, root path and logs"), ServerConfig)
     add_config_args(parser.add_argument_group("HTTP limits (refusals: 408, 413, 503)"), HttpLimits)
     FrontendConfig.add_cli_args(parser)
     EngineArgs.add_cli_args(parser)

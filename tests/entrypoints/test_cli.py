@@ -152,3 +152,19 @@ def test_serve_on_a_busy_port_fails_before_loading_the_model(
         assert main(["serve", "/no/such/model", "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"port: cannot listen on 127.0.0.1:{port}" in err and "model" not in err
+
+
+@pytest.mark.parametrize("key", ["", "  "])
+def test_an_empty_api_key_is_refused(key: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # `--api-key "$KEY"` with KEY unset must not serve without authentication.
+    assert main(["serve", "/no/such/model", "--api-key", key]) == 2
+    err = capsys.readouterr().err
+    assert "api_key: --api-key is empty" in err and "drop --api-key" in err
+
+
+def test_generate_n_prints_each_completion_index(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--prompt", "Hi", "--n", "2", "--max-tokens", "2", "--ignore-eos"]
+    assert main([*argv, "--temperature", "1", "--device", "cpu", "--num-kv-blocks", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "--- prompt: 'Hi'  completion 0  [length, 2 tokens]" in out
+    assert "--- prompt: 'Hi'  completion 1  [length, 2 tokens]" in out

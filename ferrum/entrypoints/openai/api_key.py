@@ -14,6 +14,17 @@ from ferrum.entrypoints.openai.http_guard import send_error
 OPEN_PATHS = frozenset({"/health", "/version"})
 
 
+def check_api_key(api_key: str | None) -> str | None:
+    """The key, or None for no authentication; an empty or blank key (an unset shell variable in
+    `--api-key "$KEY"`) is refused instead of serving without authentication."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError(
+            f"api_key: --api-key is empty ({api_key!r}; an unset variable?): give a key, or drop "
+            "--api-key to serve without authentication"
+        )
+    return api_key
+
+
 class APIKeyMiddleware:
     """Every route but OPEN_PATHS needs `Authorization: Bearer <api key>` (the scheme in any
     case, RFC 9110)."""
@@ -30,7 +41,7 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
             scope["type"] == "http"
-            and scope["path"] not in OPEN_PATHS
+            and route_path(scope) not in OPEN_PATHS
             and not self.authorized(scope)
         ):
             error = APIError(
@@ -42,3 +53,9 @@ class APIKeyMiddleware:
             await send_error(send, 401, error.info.message, code="invalid_api_key")
             return
         await self.app(scope, receive, send)
+
+
+def route_path(scope: Scope) -> str:
+    """The request's path without the server's root path (`--root-path`), when it starts with it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path

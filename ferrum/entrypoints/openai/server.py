@@ -29,7 +29,7 @@ from ferrum.engine.arg_utils import EngineArgs, config_from_args
 from ferrum.engine.async_llm import AsyncLLM
 from ferrum.engine.errors import EngineDeadError
 from ferrum.engine.tokenizer import Tokenizer
-from ferrum.entrypoints.openai.api_key import APIKeyMiddleware
+from ferrum.entrypoints.openai.api_key import APIKeyMiddleware, check_api_key
 from ferrum.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -65,6 +65,7 @@ from ferrum.entrypoints.openai.responses import (
     TokenizeResponse,
     VersionResponse,
 )
+from ferrum.entrypoints.openai.server_config import ServerConfig
 from ferrum.entrypoints.openai.serving_chat import OpenAIServingChat
 from ferrum.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from ferrum.entrypoints.openai.serving_engine import NOT_UNICODE, off_loop
@@ -82,6 +83,7 @@ def build_app(
     frontend: FrontendConfig | None = None,
 ) -> FastAPI:
     frontend = frontend or FrontendConfig()
+    api_key = check_api_key(api_key)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -274,7 +276,9 @@ async def _start_engine(app: FastAPI, engine: AsyncLLM) -> None:
         return
     config = getattr(app.state, "server_config", None)
     if config is not None:
-        logger.info("ready: serving at http://%s:%d/v1", config.host, config.port)
+        scheme = "https" if config.ssl_certfile else "http"
+        root = app.root_path
+        logger.info("ready: serving at %s://%s:%d%s/v1", scheme, config.host, config.port, root)
 
 
 async def _exit_when_dead(app: FastAPI, engine: AsyncLLM) -> None:
@@ -336,8 +340,10 @@ def listen_socket(host: str, port: int) -> socket.socket:
 def run_server(args: argparse.Namespace) -> int:
     """Serves until SIGTERM/SIGINT; returns the process exit code."""
     started = time.perf_counter()
+    api_key = check_api_key(args.api_key)
     engine_args = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR)
     frontend = FrontendConfig.from_cli_args(args)
+    server_config = config_from_args(ServerConfig, args)
     if not 0 < args.port < 65536:
         raise ValueError(f"port must be in [1, 65535], got {args.port}")
     limits = config_from_args(HttpLimits, args)
@@ -355,7 +361,10 @@ def run_server(args: argparse.Namespace) -> int:
         model_names,
         time.perf_counter() - started,
     )
-    app = build_app(engine, model_names, args.api_key, limits, frontend)
+    for note in server_config.startup_notes():
+        logger.info("%s", note)
+    app = build_app(engine, model_names, api_key, limits, frontend)
+    app.root_path = server_config.root_path
     uvicorn_config = uvicorn.Config(
         app,
         host=args.host,
@@ -363,6 +372,7 @@ def run_server(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=10,
         http=limited_protocol(limits),
+        **server_config.uvicorn_kwargs(),
     )
     server = _Server(uvicorn_config, engine)
     app.state.server = server
