@@ -33,6 +33,42 @@ STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", 
 # OpenAI's bound on a logit_bias value.
 MAX_LOGIT_BIAS = 100.0
 
+# Bounds on what one request may ask the front end and each engine step to walk: generous for real
+# use (OpenAI allows 4 stop strings), small enough that indexing stop strings, tokenizing bad
+# words, compiling choices and masking token ids per step stay well under a millisecond a token.
+MAX_LIST_ITEMS = 1024  # stop, stop_token_ids, bad_words, logit_bias, structured_outputs.choice
+MAX_LIST_CHARS = 16384  # the characters of stop, bad_words, structured_outputs.choice, each
+MAX_ALLOWED_TOKEN_IDS = 16384  # a subset of the vocabulary may be sizeable
+# Deepest nesting of a JSON value (a schema, a structural tag, template kwargs): real schemas nest
+# a few levels; copying, pickling to the core and rendering walk it recursively (Python's stack
+# holds about 1000 frames), so 64 keeps every walk far from RecursionError.
+MAX_JSON_DEPTH = 64
+
+
+def json_depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether dicts and lists nest more than `limit` levels in `value` (iterative: a value
+    of any depth is measured without recursion)."""
+    stack = [(value, 1)] if isinstance(value, dict | list | tuple) else []
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list | tuple))
+    return False
+
+
+def check_list(name: str, values: Any, max_items: int, max_chars: int | None = None) -> None:
+    """FieldError naming `name` when `values` holds more than `max_items` items or (strings)
+    more than `max_chars` characters in all."""
+    if len(values) > max_items:
+        raise FieldError(name, f"{name} holds {len(values)} items; the limit is {max_items}")
+    num_chars = 0 if max_chars is None else sum(len(v) for v in values if isinstance(v, str))
+    if max_chars is not None and num_chars > max_chars:
+        raise FieldError(
+            name, f"{name} holds {num_chars} characters in all; the limit is {max_chars}"
+        )
+
 
 @dataclass
 class StructuredOutputsParams:
@@ -62,10 +98,13 @@ class StructuredOutputsParams:
             if isinstance(value, str):
                 try:
                     value = json_lib.loads(value)
-                except json_lib.JSONDecodeError as e:
+                except (json_lib.JSONDecodeError, RecursionError) as e:
                     raise bad(name, f"must be {what}; the string is not JSON ({e})", value) from e
             if not isinstance(value, dict):
                 raise bad(name, f"must be {what} object (a dict or its JSON text)", value)
+            if json_depth_exceeds(value):
+                limit = f"structured_outputs.{name} nests deeper than {MAX_JSON_DEPTH} levels"
+                raise FieldError("structured_outputs", limit)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -76,6 +115,7 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
             if not self.choice:
                 raise bad("choice", "must hold at least one string", self.choice)
+            check_list("structured_outputs.choice", self.choice, MAX_LIST_ITEMS, MAX_LIST_CHARS)
             for option in self.choice:
                 if not isinstance(option, str) or not option:
                     raise bad("choice", "must contain only non-empty strings", option)
@@ -210,6 +250,8 @@ class SamplingParams:
         self._verify_token_fields()
 
     def _verify_token_fields(self) -> None:
+        check_list("stop", self.stop, MAX_LIST_ITEMS, MAX_LIST_CHARS)
+        check_list("stop_token_ids", self.stop_token_ids, MAX_LIST_ITEMS)
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise _bad("stop", "must contain only non-empty strings", s)
@@ -229,6 +271,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise _bad("logit_bias", "must be a dict of token id -> bias", self.logit_bias)
+            check_list("logit_bias", self.logit_bias, MAX_LIST_ITEMS)
             for token_id, bias in self.logit_bias.items():
                 if not _is_int(token_id) or token_id < 0:
                     raise _bad(
@@ -247,12 +290,14 @@ class SamplingParams:
                     "must be a non-empty list of token ids",
                     self.allowed_token_ids,
                 )
+            check_list("allowed_token_ids", self.allowed_token_ids, MAX_ALLOWED_TOKEN_IDS)
             for t in self.allowed_token_ids:
                 if not _is_int(t) or t < 0:
                     raise _bad("allowed_token_ids", "must contain only non-negative integers", t)
         if self.bad_words is not None:
             if not isinstance(self.bad_words, list):
                 raise _bad("bad_words", "must be a list of strings", self.bad_words)
+            check_list("bad_words", self.bad_words, MAX_LIST_ITEMS, MAX_LIST_CHARS)
             for word in self.bad_words:
                 if not isinstance(word, str) or not word.strip():
                     raise _bad("bad_words", "must contain only non-blank strings", word)

@@ -14,6 +14,44 @@ _REPLACEMENT_CHAR = "\ufffd"
 _NUM_CONTEXT_TOKENS = 5
 
 
+class StopStrings:
+    """Finds the earliest stop string (ties: the first listed) that ends in the new text, at a
+    cost per new character bounded by the number of distinct stop lengths, never the number of
+    stop strings: at each end position, only the lengths of the stops ending in its character
+    are looked up in a set, longest first (the longest match there starts earliest)."""
+
+    __slots__ = ("_first_index", "_lengths_by_last_char", "max_len")
+
+    def __init__(self, stops: list[str]) -> None:
+        # A stop listed twice keeps its first position (the tie-break).
+        self._first_index: dict[str, int] = {}
+        lengths: dict[str, set[int]] = {}
+        for index, stop in enumerate(stops):
+            if self._first_index.setdefault(stop, index) == index:
+                lengths.setdefault(stop[-1], set()).add(len(stop))
+        self._lengths_by_last_char = {
+            char: sorted(found, reverse=True) for char, found in lengths.items()
+        }
+        self.max_len = max(map(len, stops), default=0)
+
+    def find(self, text: str, check_from: int) -> tuple[str, int] | None:
+        """(stop, start) of the earliest stop string in `text` ending after `check_from`."""
+        best: tuple[int, int, str] | None = None  # (start, list position, stop)
+        for end in range(check_from + 1, len(text) + 1):
+            if best is not None and end - self.max_len > best[0]:
+                break  # every later match starts after the best one
+            for length in self._lengths_by_last_char.get(text[end - 1], ()):
+                if length > end:
+                    continue
+                stop = text[end - length : end]
+                index = self._first_index.get(stop)
+                if index is not None:
+                    if best is None or (end - length, index) < best[:2]:
+                        best = (end - length, index, stop)
+                    break  # shorter stops ending here start later
+        return None if best is None else (best[2], best[0])
+
+
 class IncrementalDetokenizer:
     """Turns one request's generated ids into text, step by step. Invariant: `output_text` is the
     decode of the generated ids detokenized so far, in the context of the prompt's last tokens,
@@ -30,9 +68,9 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = params.skip_special_tokens
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
-        self._stop: list[str] = list(params.stop) if self._tokenizer is not None else []
+        self._stop = StopStrings(list(params.stop) if self._tokenizer is not None else [])
         # Characters held back from streaming so that a stop string is never sent partially.
-        self._holdback = max((len(s) for s in self._stop), default=1) - 1
+        self._holdback = max(self._stop.max_len, 1) - 1
         if self._include_stop:
             self._holdback = 0
         self._num_sent_chars = 0
@@ -106,26 +144,17 @@ class IncrementalDetokenizer:
         if skip_last:
             self.token_ids.append(new_token_ids[-1])
 
-        if not self._stop or len(self.token_ids) <= self._min_tokens:
+        if not self._stop.max_len or len(self.token_ids) <= self._min_tokens:
             return None
         if check_from == len(self.output_text):
             return None
-        match = self._find_stop_string(check_from)
+        match = self._stop.find(self.output_text, check_from)
         if match is None:
             return None
         stop, index = match
         self.output_text = self.output_text[: index + len(stop) if self._include_stop else index]
         self._stopped = True
         return stop
-
-    def _find_stop_string(self, check_from: int) -> tuple[str, int] | None:
-        """The earliest stop string ending after `check_from` (ties: the first listed)."""
-        best: tuple[str, int] | None = None
-        for stop in self._stop:
-            index = self.output_text.find(stop, max(0, check_from - len(stop) + 1))
-            if index != -1 and (best is None or index < best[1]):
-                best = (stop, index)
-        return best
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The full text, or with `delta` only what is new since the previous call.
