@@ -12,6 +12,7 @@ from ferrum.config_fields import field_help as _help
 from ferrum.model_arch import ModelArchConfig
 from ferrum.parallel_config import ParallelConfig, check_parallel_fits_model
 from ferrum.quant_config import QUANTIZATION_METHODS, QuantConfig, resolve_quant_config
+from ferrum.sampling_params import MAX_LOGPROBS
 from ferrum.structured_outputs_config import StructuredOutputsConfig
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -94,11 +95,23 @@ class ModelConfig:
             choices=QUANTIZATION_METHODS,
         ),
     )
+    # Resolved: -1 (vLLM's "no limit") and values above it become MAX_LOGPROBS.
+    max_logprobs: int = field(
+        default=20, metadata=_help("most logprobs per token a request may ask for (-1: up to 20)")
+    )
+    generation_config: str = field(
+        default="auto",
+        metadata=_help(
+            "sampling defaults: auto (the model folder's generation_config.json), vllm (none: "
+            "SamplingParams' defaults), or a folder holding a generation_config.json"
+        ),
+    )
     hf_config: dict[str, Any] = field(init=False, repr=False, compare=False)
     arch: ModelArchConfig = field(init=False, repr=False, compare=False)
     # None: unquantized; else how the linear layers are quantized.
     quant_config: QuantConfig | None = field(init=False, repr=False, compare=False)
-    generation_config: dict[str, Any] = field(init=False, repr=False, compare=False)
+    # generation_config.json: EOS ids, and sampling defaults unless generation_config is "vllm".
+    hf_generation_config: dict[str, Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         hf_config = read_hf_config(self.model)
@@ -132,7 +145,8 @@ class ModelConfig:
             "hf_config": hf_config,
             "arch": arch,
             "quant_config": quant_config,
-            "generation_config": _read_generation_config(self.model),
+            "hf_generation_config": _read_generation_config(self.model, self.generation_config),
+            "max_logprobs": _resolve_max_logprobs(self.max_logprobs),
             "dtype": resolve_dtype(self.dtype, hf_config),
             "max_model_len": max_model_len,
             "tokenizer": self.tokenizer or self.model,
@@ -169,12 +183,14 @@ class ModelConfig:
         names = {name: name for name in _GENERATION_DEFAULTS}
         names["max_new_tokens"] = "max_tokens"
         return {
-            names[k]: v for k, v in self.generation_config.items() if k in names and v is not None
+            names[k]: v
+            for k, v in self.hf_generation_config.items()
+            if k in names and v is not None and self.generation_config != "vllm"
         }
 
     def eos_token_ids(self) -> list[int]:
         """EOS ids from generation_config.json (as HF `generate` uses), else config.json."""
-        ids: Any = self.generation_config.get("eos_token_id")
+        ids: Any = self.hf_generation_config.get("eos_token_id")
         if ids is None:
             ids = self.hf_config.get("eos_token_id")
         if ids is None:
@@ -182,9 +198,20 @@ class ModelConfig:
         return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
 
 
-def _read_generation_config(model: str) -> dict[str, Any]:
-    """generation_config.json of the model folder ({} when absent or unreadable)."""
-    path = os.path.join(model, "generation_config.json")
+def _resolve_max_logprobs(value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+        raise _fail("max_logprobs", f"must be an integer >= -1, got {value!r}")
+    return MAX_LOGPROBS if value == -1 else min(value, MAX_LOGPROBS)
+
+
+def _read_generation_config(model: str, generation_config: str) -> dict[str, Any]:
+    """generation_config.json of the model folder ("auto", "vllm") or of the folder given; {}
+    when the model folder has none or it is unreadable."""
+    folder = model if generation_config in ("auto", "vllm") else generation_config
+    path = os.path.join(folder, "generation_config.json")
+    if folder != model and not os.path.isfile(path):
+        message = "is not a folder holding a generation_config.json (use auto, vllm, or one)"
+        raise _fail("generation_config", f"{generation_config!r} {message}")
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)

@@ -12,9 +12,32 @@ def _get(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
+LOGGING_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def logging_level() -> str:
-    """FERRUM_LOGGING_LEVEL: log level of the `ferrum` logger (default INFO)."""
-    return _get("FERRUM_LOGGING_LEVEL", "INFO").upper()
+    """FERRUM_LOGGING_LEVEL: log level of the `ferrum` logger (default INFO); any other value
+    than LOGGING_LEVELS (in any case) is a ValueError naming the variable."""
+    value = _get("FERRUM_LOGGING_LEVEL", "INFO")
+    level = value.strip().upper()
+    if level == "WARN":
+        level = "WARNING"
+    if level not in LOGGING_LEVELS:
+        raise ValueError(
+            f"FERRUM_LOGGING_LEVEL={value!r} is not a log level; use one of "
+            f"{', '.join(LOGGING_LEVELS)}"
+        )
+    return level
+
+
+def log_stats_interval() -> float:
+    """FERRUM_LOG_STATS_INTERVAL: seconds between the server's stats lines (default 10, as
+    vLLM's VLLM_LOG_STATS_INTERVAL); unset, malformed or <= 0 means the default."""
+    try:
+        seconds = float(_get("FERRUM_LOG_STATS_INTERVAL", ""))
+    except ValueError:
+        return 10.0
+    return seconds if seconds > 0 else 10.0
 
 
 def triton_interpret() -> bool:

@@ -1,4 +1,5 @@
-"""The package logger: `ferrum` and its children, level from FERRUM_LOGGING_LEVEL."""
+"""The package logger: `ferrum` and its children, level from FERRUM_LOGGING_LEVEL (an invalid
+value: INFO and a warning naming it; the `ferrum` command refuses to start instead)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ def init_logger(name: str) -> logging.Logger:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter(FORMAT, datefmt=DATE_FORMAT))
         root.addHandler(handler)
-        root.setLevel(envs.logging_level())
         root.propagate = False
+        try:
+            root.setLevel(envs.logging_level())
+        except ValueError as e:
+            root.setLevel(logging.INFO)
+            root.warning("%s; logging at INFO", e)
     return logging.getLogger(name)

@@ -22,6 +22,7 @@ from ferrum.config import (
     StructuredOutputsConfig,
 )
 from ferrum.default_model import resolve_model
+from ferrum.engine.vllm_args import VLLM_ARG_HELP, resolve_vllm_args
 from ferrum.logger import init_logger
 
 logger = init_logger(__name__)
@@ -32,15 +33,9 @@ NOT_SUPPORTED_YET: dict[str, Any] = {
     "enable_lora": False,
     "max_lora_rank": None,
     "speculative_config": None,
-    "enable_chunked_prefill": True,
-    "cpu_offload_gb": 0,
-    "swap_space": None,
-    "trust_remote_code": False,
     "revision": None,
     "download_dir": None,
     "hf_token": None,
-    "max_logprobs": None,
-    "disable_log_stats": None,
     "limit_mm_per_prompt": None,
     "mm_processor_kwargs": None,
     "rope_scaling": None,
@@ -69,6 +64,7 @@ _SHORT_FLAGS = {
     "tensor_parallel_size": ("-tp",),
     "pipeline_parallel_size": ("-pp",),
     "data_parallel_size": ("-dp",),
+    "optimization_level": ("-O",),
 }
 
 _CONFIG_FIELDS = {
@@ -98,6 +94,8 @@ class EngineArgs:
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     seed: int = ModelConfig.seed
+    max_logprobs: int = ModelConfig.max_logprobs
+    generation_config: str = ModelConfig.generation_config
     quantization: str | None = ModelConfig.quantization
     kernel_backend: str = DeviceConfig.kernel_backend
     enforce_eager: bool = DeviceConfig.enforce_eager
@@ -111,11 +109,22 @@ class EngineArgs:
     disable_custom_all_reduce: bool = ParallelConfig.disable_custom_all_reduce
     worker_step_timeout: float = ParallelConfig.worker_step_timeout
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None
+    # vLLM's arguments without a config field: accepted, mapped or refused (vllm_args.py).
+    enable_chunked_prefill: bool | None = None
+    cpu_offload_gb: float | None = None
+    swap_space: float | None = None
+    trust_remote_code: bool | None = None
+    disable_log_stats: bool = False
+    tokenizer_mode: str = "auto"
+    max_seq_len_to_capture: int | None = None
+    optimization_level: int | None = None
 
     def create_engine_config(self) -> EngineConfig:
         """Resolves the model (None or the shipped model's name: its folder), device None (cuda
         when available), async_scheduling None (on with CUDA) and dtype "auto" (float32 where
         bfloat16 cannot run: Triton's CPU interpreter), then builds the validated configs."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values |= resolve_vllm_args(values, logger)
         device = self.device or _default_device()
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
@@ -130,7 +139,6 @@ class EngineArgs:
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = device.startswith("cuda")
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
         values |= {
             "model": resolve_model(self.model),
             "device": device,
@@ -169,7 +177,10 @@ class EngineArgs:
                     '"compile_max_workers": 4, "disable_any_whitespace": false}',
                 )
                 continue
-            metadata = _CONFIG_FIELDS[f.name].metadata
+            if f.name in _CONFIG_FIELDS:
+                metadata = _CONFIG_FIELDS[f.name].metadata
+            else:
+                metadata = {"help": "vLLM's; " + VLLM_ARG_HELP[f.name]}
             if f.name == "model":
                 name_or_flag = "model" if model_positional else "--model"
                 nargs = {"nargs": "?"} if model_positional else {}

@@ -117,6 +117,7 @@ def _run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from ferrum import __version__
     from ferrum.engine.arg_utils import EngineArgs
+    from ferrum.entrypoints.cli_args import add_config_file_arg
 
     parser = argparse.ArgumentParser(prog="ferrum", description="ferrum LLM inference engine")
     parser.add_argument("--version", action="version", version=f"ferrum {__version__}")
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     _add_generate_sampling_args(generate)
+    add_config_file_arg(generate)
     generate.set_defaults(handler=_generate, parser=generate)
     serve = commands.add_parser(
         "serve",
@@ -142,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ferrum.",
     )
     _add_serve_args(serve)
+    add_config_file_arg(serve)
     serve.set_defaults(handler=_serve, parser=serve)
     run = commands.add_parser(
         "run",
@@ -152,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ferrum.entrypoints.run_chat import add_run_args
 
     add_run_args(run)
+    add_config_file_arg(run)
     run.set_defaults(handler=_run, parser=run)
     _add_bench_commands(commands)
     return parser
@@ -176,11 +180,28 @@ def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ferrum import envs
+
+    try:
+        envs.logging_level()
+    except ValueError as e:
+        print(f"ferrum: error: {e}", file=sys.stderr)
+        return 2
+    from ferrum.entrypoints.cli_args import apply_config_file, normalize_flag_spellings
+
+    argv = normalize_flag_spellings(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
+    if getattr(args, "config", None):
+        try:
+            apply_config_file(args.parser, args.config)
+        except ValueError as e:
+            print(f"ferrum: error: {e}", file=sys.stderr)
+            return 2
+        args, unknown = parser.parse_known_args(argv)
     if unknown:
         # The subcommand's usage, not the top-level one.
         args.parser.error(_unknown_args_message(unknown))

@@ -83,7 +83,7 @@ def test_cuda_without_cuda_fails_before_loading() -> None:
 
 
 def test_vllm_arguments_not_supported_yet() -> None:
-    check_not_supported_yet({"cpu_offload_gb": 0, "enable_lora": False})  # "off": fine
+    check_not_supported_yet({"speculative_config": None, "enable_lora": False})  # "off": fine
     with pytest.raises(ValueError, match="enable_lora=True: not supported yet by ferrum"):
         check_not_supported_yet({"enable_lora": True})
     with pytest.raises(TypeError, match="unexpected engine argument 'max_num_seq'.*max_num_seqs"):

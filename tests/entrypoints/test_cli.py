@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import io
+import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +170,112 @@ def test_generate_n_prints_each_completion_index(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "--- prompt: 'Hi'  completion 0  [length, 2 tokens]" in out
     assert "--- prompt: 'Hi'  completion 1  [length, 2 tokens]" in out
+
+
+def test_underscore_spellings_are_accepted() -> None:
+    from ferrum.entrypoints.cli_args import normalize_flag_spellings
+
+    argv = ["serve", "--max_model_len", "64", "--served_model_name=a_b", "--", "--x_y"]
+    assert normalize_flag_spellings(argv) == [
+        "serve",
+        "--max-model-len",
+        "64",
+        "--served-model-name=a_b",
+        "--",
+        "--x_y",
+    ]
+    args = build_parser().parse_args(normalize_flag_spellings(["serve", "--max_num_seqs", "3"]))
+    assert args.max_num_seqs == 3
+
+
+VLLM_LAUNCH_FLAGS = [
+    "--enable-chunked-prefill",
+    "--cpu-offload-gb=0",
+    "--swap-space=4",
+    "--trust-remote-code",
+    "--disable-log-stats",
+    "--max-logprobs=5",
+    "--disable-log-requests",
+    "--generation-config=vllm",
+    "--tokenizer-mode=auto",
+    "--response-role=bot",
+    "--root-path=/api",
+    "--return-tokens-as-token-ids",
+    "--max-seq-len-to-capture=8192",
+    "-O0",
+    "--max_model_len=256",
+]
+
+
+def test_a_vllm_launch_script_parses() -> None:
+    from ferrum.entrypoints.cli_args import normalize_flag_spellings
+
+    args = build_parser().parse_args(normalize_flag_spellings(["serve", *VLLM_LAUNCH_FLAGS]))
+    assert (args.enable_chunked_prefill, args.cpu_offload_gb, args.swap_space) == (True, 0, 4)
+    assert (args.max_logprobs, args.optimization_level, args.max_model_len) == (5, 0, 256)
+    assert (args.response_role, args.root_path, args.return_tokens_as_token_ids) == (
+        "bot",
+        "/api",
+        True,
+    )
+
+
+def test_config_file_values_are_defaults_that_flags_override(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ferrum.entrypoints.cli_args import apply_config_file
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "model: some/model\nmax_model_len: 256\nmax-num-seqs: 4\nenable-prefix-caching: false\n"
+        "served-model-name: [a, b]\nallowed-origins: ['http://x']\n"
+        "structured-outputs-config: {disable_any_whitespace: true}\ntrust-remote-code: true\n"
+    )
+    parser = build_parser()
+    argv = ["serve", "--config", str(config), "--max-num-seqs", "8"]
+    args = parser.parse_args(argv)
+    apply_config_file(args.parser, args.config)
+    args = parser.parse_args(argv)
+    assert (args.model, args.max_model_len, args.max_num_seqs) == ("some/model", 256, 8)
+    assert (args.enable_prefix_caching, args.served_model_name) == (False, ["a", "b"])
+    assert args.allowed_origins == ["http://x"] and args.trust_remote_code is True
+    assert args.structured_outputs_config == {"disable_any_whitespace": True}
+    for text, message in (
+        ("max-model-len: many\n", "argument --max-model-len: invalid int value: 'many'"),
+        ("no-such-flag: 1\n", "'no-such-flag' is not a flag of this command"),
+        ("enable_lora: true\n", "'enable_lora' is not supported yet by ferrum"),
+        ("[1, 2]\n", "must hold a mapping of flag names to values"),
+    ):
+        config.write_text(text)
+        assert main(["serve", "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ferrum: error: config: '{config}'") and message in err, err
+    assert main(["serve", "--config", str(tmp_path / "none.yaml")]) == 2
+    assert "config: cannot read" in capsys.readouterr().err
+
+
+def test_an_invalid_log_level_is_one_clear_line() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ferrum", "serve"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "FERRUM_LOGGING_LEVEL": "verbose"},
+    )
+    assert result.returncode == 2
+    assert result.stderr == (
+        "ferrum: error: FERRUM_LOGGING_LEVEL='verbose' is not a log level; use one of DEBUG, "
+        "INFO, WARNING, ERROR, CRITICAL\n"
+    )
+
+
+def test_refused_vllm_flags_name_why(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, message in (
+        (["--no-enable-chunked-prefill"], "enable_chunked_prefill: False is not supported"),
+        (["--cpu-offload-gb", "4"], "cpu_offload_gb: 4 GiB: not supported yet"),
+        (["--tokenizer-mode", "slow"], "tokenizer_mode: 'slow' is not supported"),
+    ):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        assert main(["serve", *argv, "--device", "cpu", "--port", str(port)]) == 2
+        assert message in capsys.readouterr().err

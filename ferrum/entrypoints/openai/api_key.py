@@ -11,7 +11,7 @@ from ferrum.entrypoints.openai.http_guard import send_error
 
 # Routes open without the API key: liveness probes and the version, which do no work and
 # reveal no traffic. Every other path (unknown ones too) needs the key.
-OPEN_PATHS = frozenset({"/health", "/version"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
 
 
 def check_api_key(api_key: str | None) -> str | None:

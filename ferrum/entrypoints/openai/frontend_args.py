@@ -29,8 +29,14 @@ class FrontendConfig:
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
     allow_credentials: bool = False
+    # The role of the messages chat completions return (vLLM's --response-role).
+    response_role: str = "assistant"
+    # Logprob tokens as "token_id:N" instead of their text (vLLM's flag of this name).
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self) -> None:
+        if not self.response_role:
+            raise ValueError("response_role must be a non-empty role name")
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)
         if self.reasoning_parser is not None:
@@ -54,6 +60,8 @@ class FrontendConfig:
             allowed_methods=args.allowed_methods,
             allowed_headers=args.allowed_headers,
             allow_credentials=args.allow_credentials,
+            response_role=args.response_role,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         )
 
     @staticmethod
@@ -103,6 +111,16 @@ class FrontendConfig:
             )
         group.add_argument(
             "--allow-credentials", action="store_true", help="CORS: allow credentials (cookies)"
+        )
+        group.add_argument(
+            "--response-role",
+            default="assistant",
+            help="role of the messages chat completions return (default: assistant)",
+        )
+        group.add_argument(
+            "--return-tokens-as-token-ids",
+            action="store_true",
+            help='logprob tokens as "token_id:N" (tokens that are not valid text stay exact)',
         )
 
 

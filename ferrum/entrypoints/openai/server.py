@@ -28,12 +28,10 @@ from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from ferrum.engine.arg_utils import EngineArgs, config_from_args
 from ferrum.engine.async_llm import AsyncLLM
 from ferrum.engine.errors import EngineDeadError
-from ferrum.engine.tokenizer import Tokenizer
 from ferrum.entrypoints.openai.api_key import APIKeyMiddleware, check_api_key
 from ferrum.entrypoints.openai.chat_protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    TokenizeRequest,
 )
 from ferrum.entrypoints.openai.disconnect import until_disconnect
 from ferrum.entrypoints.openai.frontend_args import FrontendConfig
@@ -50,25 +48,23 @@ from ferrum.entrypoints.openai.http_guard import (
     limited_protocol,
 )
 from ferrum.entrypoints.openai.http_limits import HttpLimits, raise_open_files_limit
+from ferrum.entrypoints.openai.info_routes import add_info_routes
 from ferrum.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from ferrum.entrypoints.openai.protocol import (
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeCompletionRequest,
 )
+from ferrum.entrypoints.openai.request_log import RequestLog
 from ferrum.entrypoints.openai.responses import (
     CompletionResponse,
-    DetokenizeResponse,
     HealthResponse,
-    ModelCard,
-    ModelList,
-    TokenizeResponse,
     VersionResponse,
 )
 from ferrum.entrypoints.openai.server_config import ServerConfig
 from ferrum.entrypoints.openai.serving_chat import OpenAIServingChat
 from ferrum.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from ferrum.entrypoints.openai.serving_engine import NOT_UNICODE, off_loop
+from ferrum.entrypoints.openai.serving_engine import NOT_UNICODE
+from ferrum.entrypoints.openai.stats_logger import start_stats_logging
+from ferrum.entrypoints.openai.token_routes import add_token_routes
 from ferrum.logger import init_logger
 from ferrum.recovery_config import EngineRecoveryConfig
 
@@ -81,8 +77,12 @@ def build_app(
     api_key: str | None = None,
     limits: HttpLimits | None = None,
     frontend: FrontendConfig | None = None,
+    server_config: ServerConfig | None = None,
+    disable_log_stats: bool = False,
 ) -> FastAPI:
+    """The app; `disable_log_stats`: no periodic stats line (stats_logger.py)."""
     frontend = frontend or FrontendConfig()
+    server_config = server_config or ServerConfig()
     api_key = check_api_key(api_key)
 
     @asynccontextmanager
@@ -90,11 +90,14 @@ def build_app(
         app.state.startup_failed = False
         starting = asyncio.create_task(_start_engine(app, engine))
         exiting = asyncio.create_task(_exit_when_dead(app, engine))
+        stats = start_stats_logging(engine, disable_log_stats)
         try:
             yield
         finally:
             starting.cancel()
             exiting.cancel()
+            if stats is not None:
+                stats.cancel()
             await engine.shutdown()
             logger.info("engine core stopped")
 
@@ -104,12 +107,19 @@ def build_app(
         description="OpenAI-compatible API of the ferrum inference engine",
         lifespan=lifespan,
     )
+    app.root_path = server_config.root_path  # vLLM's way: routes answer with and without it
     _add_middleware(app, api_key, limits or HttpLimits(), frontend)
     _add_error_handlers(app)
     _add_info_routes(app, engine, model_names)
     chat = OpenAIServingChat(engine, model_names, frontend)
-    _add_generation_routes(app, OpenAIServingCompletion(engine, model_names), chat)
-    _add_token_routes(app, engine, chat)
+    request_log = RequestLog(
+        engine.config.model_config.max_logprobs,
+        server_config.enable_log_requests,
+        server_config.max_log_len,
+    )
+    completion = OpenAIServingCompletion(engine, model_names)
+    _add_generation_routes(app, completion, chat, request_log)
+    add_token_routes(app, engine, chat)
     return app
 
 
@@ -160,8 +170,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _add_info_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> None:
     metrics = ServerMetrics(engine, model_names[0])
-    created = int(time.time())
-    max_model_len = engine.config.model_config.max_model_len
+    add_info_routes(app, engine, model_names)
 
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD
     @app.get("/health", response_model=HealthResponse, responses=ERROR_RESPONSES)
@@ -180,18 +189,12 @@ def _add_info_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> 
     async def prometheus_metrics() -> Response:
         return Response(content=metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
-    async def list_models() -> ModelList:
-        root = engine.config.model_config.model
-        cards = [
-            ModelCard(id=name, created=created, root=root, max_model_len=max_model_len)
-            for name in model_names
-        ]
-        return ModelList(data=cards)
-
 
 def _add_generation_routes(
-    app: FastAPI, completion: OpenAIServingCompletion, chat: OpenAIServingChat
+    app: FastAPI,
+    completion: OpenAIServingCompletion,
+    chat: OpenAIServingChat,
+    request_log: RequestLog,
 ) -> None:
     @app.post(
         "/v1/completions",
@@ -199,6 +202,7 @@ def _add_generation_routes(
         responses={**ERROR_RESPONSES, **STREAM_RESPONSE},
     )
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
+        request_log.admit("/v1/completions", body)
         return await _respond(raw, completion.create_completion(body))
 
     @app.post(
@@ -207,51 +211,8 @@ def _add_generation_routes(
         responses={**ERROR_RESPONSES, **STREAM_RESPONSE},
     )
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
+        request_log.admit("/v1/chat/completions", body)
         return await _respond(raw, chat.create_chat_completion(body))
-
-
-def _add_token_routes(app: FastAPI, engine: AsyncLLM, chat: OpenAIServingChat) -> None:
-    max_model_len = engine.config.model_config.max_model_len
-
-    def tokenizer_of(model: str | None) -> Tokenizer:
-        chat.check_request(model)
-        if engine.tokenizer is None:
-            raise APIError(400, "the server runs without a tokenizer (skip_tokenizer_init)")
-        return engine.tokenizer
-
-    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
-    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        tokenizer = tokenizer_of(body.model)
-        if isinstance(body, TokenizeCompletionRequest):
-            chat.check_prompt_chars(len(body.prompt), "prompt")
-            tokens = await off_loop(
-                len(body.prompt), _encode, tokenizer, body.prompt, body.add_special_tokens
-            )
-        else:
-            tokens = (await chat.render(body)).token_ids
-        return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
-
-    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
-    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        tokenizer = tokenizer_of(body.model)
-        text = await off_loop(len(body.tokens), _decode, tokenizer, body.tokens)
-        return DetokenizeResponse(prompt=text)
-
-
-def _encode(tokenizer: Tokenizer, prompt: str, add_special_tokens: bool) -> list[int]:
-    try:
-        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-    except ValueError as e:
-        raise APIError(400, f"prompt: {e}", param="prompt") from None
-
-
-def _decode(tokenizer: Tokenizer, token_ids: list[int]) -> str:
-    bad = next((t for t in token_ids if not 0 <= t < tokenizer.vocab_size), None)
-    if bad is not None:
-        raise APIError(
-            400, f"tokens: token id {bad} is outside [0, {tokenizer.vocab_size})", param="tokens"
-        )
-    return tokenizer.decode(token_ids)
 
 
 async def _respond(raw: Request, work: Awaitable[Any]) -> Any:
@@ -363,8 +324,9 @@ def run_server(args: argparse.Namespace) -> int:
     )
     for note in server_config.startup_notes():
         logger.info("%s", note)
-    app = build_app(engine, model_names, api_key, limits, frontend)
-    app.root_path = server_config.root_path
+    app = build_app(
+        engine, model_names, api_key, limits, frontend, server_config, args.disable_log_stats
+    )
     uvicorn_config = uvicorn.Config(
         app,
         host=args.host,

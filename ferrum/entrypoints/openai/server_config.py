@@ -39,6 +39,10 @@ class ServerConfig:
         default=False,
         metadata=_help("vLLM's (deprecated): requests are not logged unless --enable-log-requests"),
     )
+    max_log_len: int | None = field(
+        default=None,
+        metadata=_help("most characters of a request's body in its log line (default: all)"),
+    )
     disable_uvicorn_access_log: bool = field(
         default=False, metadata=_help("no uvicorn access log line per HTTP request")
     )
@@ -54,6 +58,8 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise _fail(name, f"{path!r} is not a file")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise _fail("max_log_len", f"must be >= 0, got {self.max_log_len}")
         if self.enable_log_requests and self.disable_log_requests:
             raise _fail("disable_log_requests", "contradicts --enable-log-requests")
 
