@@ -14,8 +14,9 @@ class StructuredOutputsConfig:
     """Grammar compilation for structured outputs (vLLM's field names where vLLM has them)."""
 
     backend: str = "xgrammar"
-    # JSON grammars allow any whitespace between JSON tokens unless this is set.
-    disable_any_whitespace: bool = False
+    # JSON on one line with no free whitespace between tokens (structural tags' JSON: at most 1
+    # blank); False allows pretty JSON, still at most 16 blanks between tokens.
+    disable_any_whitespace: bool = True
     # A request whose grammar is not compiled within this many seconds fails with a ValueError.
     compile_timeout_s: float = 10.0
     # Compiled grammars kept for reuse (least recently used dropped first).

@@ -7,6 +7,7 @@ delays no other; past `max_overdue` overdue ones keep their slots (threads stay 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import threading
@@ -18,6 +19,12 @@ from dataclasses import dataclass
 import xgrammar as xgr
 
 from ferrum.config import StructuredOutputsConfig
+from ferrum.structured_output.json_limits import (
+    COMPACT_MAX_WHITESPACE,
+    PRETTY_MAX_WHITESPACE,
+    bound_structural_tag,
+    lengths_as_patterns,
+)
 from ferrum.structured_output.matcher import StructuredOutputMatcher
 from ferrum.structured_output.spec import JSON_OBJECT_SCHEMA, GrammarKind, GrammarSpec
 
@@ -97,7 +104,7 @@ class GrammarCompilerService:
         timeout_s: float = 10.0,
         cache_size: int = 256,
         max_workers: int = 4,
-        any_whitespace: bool = True,
+        any_whitespace: bool = False,
         max_overdue: int | None = None,
     ) -> None:
         if not timeout_s > 0:
@@ -254,18 +261,23 @@ class GrammarCompilerService:
         """Compiles on the calling thread; an invalid spec raises ValueError naming the field."""
         compiler = self._compiler
         try:
-            if spec.kind is GrammarKind.JSON:
-                return compiler.compile_json_schema(spec.text, any_whitespace=self.any_whitespace)
-            if spec.kind is GrammarKind.JSON_OBJECT:
+            if spec.kind in (GrammarKind.JSON, GrammarKind.JSON_OBJECT):
+                schema = JSON_OBJECT_SCHEMA
+                if spec.kind is GrammarKind.JSON:
+                    schema = json.dumps(lengths_as_patterns(json.loads(spec.text)))
+                if not self.any_whitespace:  # one line: xgrammar's `, ` and `: ` separators
+                    return compiler.compile_json_schema(schema, any_whitespace=False)
                 return compiler.compile_json_schema(
-                    JSON_OBJECT_SCHEMA, any_whitespace=self.any_whitespace
+                    schema, any_whitespace=True, max_whitespace_cnt=PRETTY_MAX_WHITESPACE
                 )
             if spec.kind is GrammarKind.REGEX:
                 return compiler.compile_regex(spec.text)
             if spec.kind is GrammarKind.CHOICE:
                 return compiler.compile_grammar(spec.choice_ebnf())
             if spec.kind is GrammarKind.STRUCTURAL_TAG:
-                return compiler.compile_structural_tag(spec.text)
+                blanks = PRETTY_MAX_WHITESPACE if self.any_whitespace else COMPACT_MAX_WHITESPACE
+                tag = bound_structural_tag(json.loads(spec.text), blanks)
+                return compiler.compile_structural_tag(json.dumps(tag, ensure_ascii=False))
             return compiler.compile_grammar(spec.text)
         except (RuntimeError, ValueError) as e:
             problem = _XGRAMMAR_ERROR_PREFIX.sub("", str(e)).strip()

@@ -13,10 +13,9 @@ from tests.utils.remote_server import API_KEY, RemoteServer
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     """The shared server: API key required, 512-token context, async scheduling (the default
     with CUDA) so the server tests run the engine core as GPU users get it; JSON grammars
-    without free whitespace (the tiny model would fill its budget with blanks)."""
+    compact (the default)."""
     log = tmp_path_factory.mktemp("server") / "server.log"
     args = ["--max-model-len", "512", "--async-scheduling"]
-    args += ["--structured-outputs-config", '{"disable_any_whitespace": true}']
     remote = RemoteServer(args, log, api_key=API_KEY)
     yield remote
     code = remote.stop()

@@ -17,10 +17,6 @@ from typing import Any, ClassVar
 
 from ferrum.entrypoints.openai.stream_text import partial_tag_len, split_trailing_space
 
-# Grammar-forced calls allow at most this much whitespace between JSON/XML tokens (string values
-# excepted), so a degenerate model cannot fill its token budget with blanks inside a call.
-GRAMMAR_MAX_WHITESPACE = 8
-
 
 @dataclass(slots=True, frozen=True)
 class ToolCall:
@@ -121,7 +117,8 @@ class ToolParser(ABC):
     @abstractmethod
     def call_format(cls, name: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
         """The structural-tag `tag` format (begin, content, end) of one call to `name` as this
-        parser reads it; see `tool_choice.tool_call_structural_tag`."""
+        parser reads it; see `tool_choice.tool_call_structural_tag`. The grammar compiler bounds
+        the whitespace in its arguments (`structured_output/json_limits.py`)."""
 
     def extract_tool_calls(self, text: str) -> tuple[str, list[ToolCall]]:
         """(content, calls) of a whole output; this parser's streaming state is untouched."""

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferrum.entrypoints.openai.tool_parsers.base import (
-    GRAMMAR_MAX_WHITESPACE,
     StreamedCall,
     ToolParser,
     loads_strict_json,
@@ -90,7 +89,6 @@ class HermesToolParser(ToolParser):
             "content": {
                 "type": "json_schema",
                 "json_schema": dict(parameters) or {"type": "object"},
-                "max_whitespace_cnt": GRAMMAR_MAX_WHITESPACE,
                 # Raw tags inside a string would end (or restart) the block for the parser.
                 "excludes": [cls.START_TAG, cls.END_TAG],
             },

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferrum.entrypoints.openai.tool_parsers.base import (
-    GRAMMAR_MAX_WHITESPACE,
     StreamedCall,
     ToolParser,
     loads_strict_json,
@@ -175,7 +174,6 @@ class Qwen3CoderToolParser(ToolParser):
             "content": {
                 "type": "json_schema",
                 "json_schema": dict(parameters) or {"type": "object"},
-                "max_whitespace_cnt": GRAMMAR_MAX_WHITESPACE,
                 "style": "qwen_xml",
                 # Raw tags inside a value would end (or split) the value or block for the parser.
                 "excludes": [
