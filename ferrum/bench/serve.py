@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -31,39 +32,61 @@ DEFAULT_MAX_CONNECTIONS = 1024
 MAX_ERROR_CHARS = 300
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help states its default (unless it says it already, or there is none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = _HelpFormatter
     server = parser.add_argument_group("server")
     server.add_argument(
         "--base-url", default=None, help="e.g. http://127.0.0.1:8000 (else host+port)"
     )
-    server.add_argument("--host", default="127.0.0.1")
-    server.add_argument("--port", type=int, default=8000)
-    server.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
-    server.add_argument("--model", default=None, help="model name (default: the server's first)")
+    server.add_argument("--host", default="127.0.0.1", help="server address")
+    server.add_argument("--port", type=int, default=8000, help="server port")
+    server.add_argument(
+        "--endpoint", default="/v1/completions", choices=ENDPOINTS, help="endpoint to load"
+    )
+    server.add_argument(
+        "--model",
+        default=None,
+        help="model name in requests, and its tokenizer if it is a folder (default: the "
+        "server's first model)",
+    )
+    server.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model name in requests when it differs from --model (default: --model)",
+    )
     server.add_argument(
         "--tokenizer",
         default=None,
-        help="tokenizer folder (default: --model if it is a folder, or the shipped model)",
+        help="tokenizer folder (default: --model if it is a folder, else the shipped model's)",
     )
     server.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", choices=DATASETS, default="random")
+    data.add_argument("--dataset-name", choices=DATASETS, default="random", help="prompts")
     data.add_argument("--dataset-path", default=None, help="ShareGPT-style JSON file")
-    data.add_argument("--num-prompts", type=int, default=1000)
+    data.add_argument("--num-prompts", type=int, default=1000, help="requests to send")
     data.add_argument("--random-input-len", type=int, default=1024, help="(prefix: suffix len)")
-    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--random-output-len", type=int, default=128, help="tokens per reply")
     data.add_argument("--random-range-ratio", type=float, default=0.0, help="lengths in L*(1±r)")
     data.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens")
     data.add_argument("--num-prefix-groups", type=int, default=4, help="distinct prefixes")
     data.add_argument("--sharegpt-output-len", type=int, default=None)
-    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--seed", type=int, default=0, help="dataset and sampling seed")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson req/s")
     load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight")
     load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     out = parser.add_argument_group("output")
     out.add_argument("--goodput", nargs="+", default=None, help="SLOs, e.g. ttft:500 tpot:50")
     out.add_argument("--save-result", action="store_true", help="write the result JSON")
@@ -76,8 +99,10 @@ def main(args: argparse.Namespace) -> int:
     slos = parse_goodput(args.goodput)
     base_url = resolve_base_url(args.base_url, args.host, args.port)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = args.model or asyncio.run(fetch_first_model(base_url, headers, args.request_timeout))
-    tokenizer_path = resolve_tokenizer_path(args.tokenizer, model)
+    model = args.served_model_name or args.model
+    if model is None:
+        model = asyncio.run(fetch_first_model(base_url, headers, args.request_timeout))
+    tokenizer_path = resolve_tokenizer_path(args.tokenizer, args.model or model)
     samples = build_dataset(args, tokenizer_path)
     records, duration = asyncio.run(
         run_benchmark(
@@ -124,15 +149,21 @@ def resolve_base_url(base_url: str | None, host: str, port: int) -> str:
 
 
 def resolve_tokenizer_path(tokenizer: str | None, model: str) -> str:
+    """--tokenizer, else the model if it is a folder, else the shipped model's tokenizer (prompt
+    lengths are then counted in its tokens: the server's counts may differ)."""
     from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
     if tokenizer:
         return tokenizer
     if Path(model).is_dir():
         return model
-    if model == DEFAULT_MODEL_NAME:
-        return DEFAULT_MODEL_DIR
-    raise ValueError(f"tokenizer is required: model {model!r} is not a local folder")
+    if model != DEFAULT_MODEL_NAME:
+        print(
+            f"bench serve: {model!r} is not a local folder; prompts are built with the shipped "
+            "model's tokenizer (give --tokenizer for the server's)",
+            file=sys.stderr,
+        )
+    return DEFAULT_MODEL_DIR
 
 
 def build_dataset(args: argparse.Namespace, tokenizer_path: str) -> list[SampleRequest]:

@@ -18,6 +18,7 @@ def _add_generate_sampling_args(parser: argparse.ArgumentParser) -> None:
         parser,
         str(GENERATE_MAX_TOKENS),
         "SamplingParams' defaults, except temperature 0 (greedy decoding)",
+        overrides={"temperature": 0.0},
     )
     parser.add_argument("--n", type=int, default=1, help="completions per prompt (default: 1)")
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")

@@ -43,6 +43,7 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
         f"the model's generation_config.json max_new_tokens, else {RUN_MAX_TOKENS}; never more "
         "than the context has room for",
         "the model's generation_config.json values, else SamplingParams' defaults",
+        from_model=True,
     )
 
 

@@ -282,3 +282,34 @@ def test_compare_plot_writes_png(tmp_path: Path) -> None:
     png = tmp_path / "out.png"
     assert cli_main(["bench", "compare", str(tmp_path / "a.json"), "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_served_model_name_falls_back_to_the_shipped_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli_main(
+        [
+            "bench", "serve",
+            "--port", str(free_port()),
+            "--served-model-name", "my-model",
+            "--num-prompts", "1",
+            "--random-input-len", "8",
+            "--disable-tqdm",
+            "--result-filename", str(tmp_path / "result.json"),
+        ]
+    )  # fmt: skip
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert code == 1 and result["failed"] == 1  # nothing listens: only the set-up is tested
+    assert (result["model_id"], result["tokenizer_id"]) == ("my-model", DEFAULT_MODEL_DIR)
+    assert "prompts are built with the shipped model's tokenizer" in capsys.readouterr().err
+
+
+def test_help_states_the_defaults() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    serve_module.add_cli_args(parser)
+    text = " ".join(parser.format_help().split())
+    assert "--temperature TEMPERATURE sampling temperature (default: 0.0)" in text
+    assert "--seed SEED dataset and sampling seed (default: 0)" in text
+    assert "--num-prompts NUM_PROMPTS requests to send (default: 1000)" in text

@@ -98,10 +98,14 @@ def test_help_states_defaults() -> None:
 
     generate_help = help_of("generate")
     assert "(default: 64)" in generate_help and "temperature 0 (greedy decoding)" in generate_help
+    assert "--temperature TEMPERATURE 0 = greedy decoding (default: 0.0)" in generate_help
+    assert "--top-p TOP_P (default: 1.0)" in generate_help
+    assert "--repetition-penalty REPETITION_PENALTY (default: 1.0)" in generate_help
     serve_help = help_of("serve")
     assert "(default: 127.0.0.1)" in serve_help and "(default: 8000)" in serve_help
     run_help = help_of("run")
     assert "max_new_tokens, else 512" in run_help
+    assert "--top-p TOP_P (default: the model's generation_config.json value, else 1.0)" in run_help
 
 
 def test_generate_reads_a_piped_prompt(
