@@ -17,13 +17,8 @@ from ferrum.errors import FieldError
 
 
 def _config(caplog: pytest.LogCaptureFixture, **kwargs: object):
-    """The engine config; the `ferrum` logger's lines go to caplog (it does not propagate)."""
-    ferrum_logger = logging.getLogger("ferrum")
-    ferrum_logger.addHandler(caplog.handler)
-    try:
+    with caplog.at_level(logging.INFO, logger="ferrum"):
         return EngineArgs(DEFAULT_MODEL_DIR, device="cpu", **kwargs).create_engine_config()
-    finally:
-        ferrum_logger.removeHandler(caplog.handler)
 
 
 def _flags(argv: list[str]) -> EngineArgs:
