@@ -39,10 +39,12 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LIST_ITEMS = 1024  # stop, stop_token_ids, bad_words, logit_bias, structured_outputs.choice
 MAX_LIST_CHARS = 16384  # the characters of stop, bad_words, structured_outputs.choice, each
 MAX_ALLOWED_TOKEN_IDS = 16384  # a subset of the vocabulary may be sizeable
-# Deepest nesting of a JSON value (a schema, a structural tag, template kwargs): real schemas nest
-# a few levels; copying, pickling to the core and rendering walk it recursively (Python's stack
-# holds about 1000 frames), so 64 keeps every walk far from RecursionError.
+# Deepest nesting of a JSON value in a request (a schema, template kwargs): real schemas nest a
+# few levels; copying, pickling to the core and rendering walk it recursively (Python's stack
+# holds about 1000 frames), so 64 keeps every walk far from RecursionError. Grammars may nest
+# twice as deep: the server wraps a request's schema (tool-call tags, reasoning) into one.
 MAX_JSON_DEPTH = 64
+MAX_GRAMMAR_JSON_DEPTH = 2 * MAX_JSON_DEPTH
 
 
 def json_depth_exceeds(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -102,8 +104,10 @@ class StructuredOutputsParams:
                     raise bad(name, f"must be {what}; the string is not JSON ({e})", value) from e
             if not isinstance(value, dict):
                 raise bad(name, f"must be {what} object (a dict or its JSON text)", value)
-            if json_depth_exceeds(value):
-                limit = f"structured_outputs.{name} nests deeper than {MAX_JSON_DEPTH} levels"
+            if json_depth_exceeds(value, MAX_GRAMMAR_JSON_DEPTH):
+                limit = (
+                    f"structured_outputs.{name} nests deeper than {MAX_GRAMMAR_JSON_DEPTH} levels"
+                )
                 raise FieldError("structured_outputs", limit)
         for name in ("regex", "grammar"):
             value = getattr(self, name)

@@ -10,6 +10,7 @@ import pytest
 from ferrum.errors import FieldError
 from ferrum.sampling_params import (
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_GRAMMAR_JSON_DEPTH,
     MAX_JSON_DEPTH,
     MAX_LIST_CHARS,
     MAX_LIST_ITEMS,
@@ -43,12 +44,13 @@ def test_json_depth_is_measured_without_recursion() -> None:
 @pytest.mark.parametrize("as_text", [False, True])
 def test_deep_schemas_name_the_field_and_the_limit(kind: str, as_text: bool) -> None:
     value = nested(300)
-    with pytest.raises(FieldError, match=f"nests deeper than {MAX_JSON_DEPTH}") as error:
+    with pytest.raises(FieldError, match=f"nests deeper than {MAX_GRAMMAR_JSON_DEPTH}") as error:
         StructuredOutputsParams(**{kind: json.dumps(value) if as_text else value})
     assert error.value.field == "structured_outputs"
     # A schema at the limit passes, and SamplingParams copies it (clone deep-copies).
-    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=nested(64)))
-    assert params.clone().structured_outputs.json == nested(64)
+    schema = nested(MAX_GRAMMAR_JSON_DEPTH)
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
+    assert params.clone().structured_outputs.json == schema
 
 
 def test_json_text_too_deep_for_the_parser_is_a_field_error() -> None:

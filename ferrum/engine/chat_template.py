@@ -306,6 +306,35 @@ class ChatTemplateRenderer:
                     raise ValueError(f"documents[{i}] must be a dict with 'title' and 'text'")
 
         compiled = self.compile(template)
+        try:
+            return self._render(
+                compiled,
+                template,
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                continue_final_message=continue_final_message,
+                template_vars=template_vars,
+            )
+        except RecursionError:
+            # Inputs are copied (and templates may walk them) recursively.
+            raise ValueError(
+                "chat template input nests too deeply (messages, tools or template kwargs)"
+            ) from None
+
+    def _render(
+        self,
+        compiled: jinja2.Template,
+        template: str,
+        messages: list[dict],
+        *,
+        add_generation_prompt: bool,
+        tools: list[dict] | None,
+        documents: list[dict] | None,
+        continue_final_message: bool | str,
+        template_vars: Mapping[str, Any] | None,
+    ) -> str:
         chat = [_prepare_message(m, i) for i, m in enumerate(messages)]
         final_text = None
         if continue_final_message:

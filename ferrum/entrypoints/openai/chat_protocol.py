@@ -20,24 +20,37 @@ from pydantic import (
 
 from ferrum.entrypoints.openai.protocol import (
     NO_STREAMED_PROMPT_LOGPROBS,
-    NOT_NULL,
     ONE_OUTPUT_CONSTRAINT,
-    UNION_TAG,
-    NumLogprobs,
+    STREAM_OPTIONS_NEED_STREAM,
     OpenAIModel,
-    PositiveInt,
     RequestModel,
     SamplingRequest,
     TokenizeCompletionRequest,
-    implies,
+)
+from ferrum.entrypoints.openai.request_limits import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    ShallowJSONText,
+    ShallowObject,
+    bounded,
+    conversation_within_limits,
 )
 from ferrum.entrypoints.openai.responses import (
     PromptLogprobsJSON,
     UsageInfo,
 )
-
-# OpenAI's rule for function names; it also keeps names safe inside the tool-call tags.
-FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+from ferrum.entrypoints.openai.schema_types import (
+    NOT_NULL,
+    UNION_TAG,
+    NumLogprobs,
+    PositiveInt,
+    implies,
+)
+from ferrum.entrypoints.openai.tool_protocol import (
+    ChatCompletionTool,
+    ToolChoice,
+    check_named_tool,
+)
 
 # -- messages --------------------------------------------------------------------------------------
 
@@ -93,7 +106,7 @@ class UserMessage(RequestModel):
 
 class FunctionCall(RequestModel):
     name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    arguments: ShallowJSONText  # JSON text, as OpenAI sends it
 
 
 class AssistantToolCall(RequestModel):
@@ -130,33 +143,18 @@ def message_dict(message: AnyMessage) -> dict:
     return result
 
 
-# -- tools -----------------------------------------------------------------------------------------
-
-
-class FunctionDefinition(RequestModel):
-    name: Annotated[str, Field(pattern=FUNCTION_NAME_PATTERN)]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    # Calls forced by tool_choice ("required" or a named function) always match `parameters`;
-    # "auto" calls are parsed from free output whatever `strict` says.
-    strict: bool | None = None
-
-
-class ChatCompletionTool(RequestModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(RequestModel):
-    name: str
-
-
-class NamedToolChoice(RequestModel):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+# The conversation is counted (messages, content parts, tool calls) before it is validated.
+Messages = Annotated[
+    list[ChatMessage],
+    Field(min_length=1, max_length=MAX_MESSAGES),
+    BeforeValidator(conversation_within_limits),
+]
+# A request's template: it runs on the server, so only one started with the flag takes it.
+CHAT_TEMPLATE = Field(
+    None,
+    description="A chat template (Jinja text, or the name of one of the model's templates); a "
+    "400 unless the server was started with --trust-request-chat-template",
+)
 
 
 def check_continue_final_message(value: bool, info: ValidationInfo) -> bool:
@@ -178,32 +176,26 @@ class ChatCompletionRequest(SamplingRequest):
                 implies({"top_logprobs": NOT_NULL}, {"logprobs": True}),
                 implies({"continue_final_message": True}, {"add_generation_prompt": False}),
                 NO_STREAMED_PROMPT_LOGPROBS,
+                STREAM_OPTIONS_NEED_STREAM,
                 ONE_OUTPUT_CONSTRAINT,
             ]
         }
     )
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    tools: list[ChatCompletionTool] | None = None
+    tools: Annotated[list[ChatCompletionTool], *bounded(MAX_TOOLS)] | None = None
     # None: "auto" when tools are given, else "none" (OpenAI's default).
     tool_choice: ToolChoice | None = None
     # False: at most one tool call per response.
     parallel_tool_calls: bool | None = None
-    # A template text (or the name of one of the model's templates) to render this request with.
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = CHAT_TEMPLATE
+    chat_template_kwargs: ShallowObject | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # No effect (see protocol.NO_EFFECT_FIELDS).
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
 
     # Cross-field rules are field validators (the error names the field); fields are
     # validated in declaration order, so `info.data` holds the ones above.
@@ -213,6 +205,13 @@ class ChatCompletionRequest(SamplingRequest):
         if value is not None and not info.data.get("logprobs"):
             raise ValueError("top_logprobs needs logprobs=true")
         return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _named_tool_in_tools(
+        cls, value: ToolChoice | None, info: ValidationInfo
+    ) -> ToolChoice | None:
+        return check_named_tool(value, info)
 
     @field_validator("continue_final_message")
     @classmethod
@@ -239,10 +238,10 @@ class TokenizeChatRequest(RequestModel):
     )
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[ChatCompletionTool] | None = None
-    chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    messages: Messages
+    tools: Annotated[list[ChatCompletionTool], *bounded(MAX_TOOLS)] | None = None
+    chat_template: str | None = CHAT_TEMPLATE
+    chat_template_kwargs: ShallowObject | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False

@@ -10,23 +10,54 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
+    Tag,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
+from ferrum.entrypoints.openai.request_limits import (
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE_CHARS,
+    TOKEN_ID_TEXT_SCHEMA,
+    ShallowObject,
+    ShallowObjectOrText,
+    bounded,
+    within,
+)
+from ferrum.entrypoints.openai.schema_types import (
+    MAX_CHOICES,
+    NOT_NULL,
+    TOKEN_ID_TEXT_PATTERN,
+    UNION_TAG,
+    ListText,
+    LogitBias,
+    NonBlankText,
+    NonEmptyText,
+    NonNegativeInt,
+    NumChoices,
+    NumLogprobs,
+    PositiveInt,
+    TextList,
+    TokenId,
+    TokenIds,
+    TokenIdText,
+    excludes,
+    implies,
+    integer,
+)
 from ferrum.sampling_params import (
-    MAX_LOGIT_BIAS,
-    MAX_LOGPROBS,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LIST_CHARS,
+    MAX_LIST_ITEMS,
     SamplingParams,
     StructuredOutputsParams,
 )
 
-# Most completions one HTTP request may ask for (n, times the prompts of a batch).
-MAX_CHOICES = 128
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 # Accepted for compatibility with OpenAI clients; they do not change what the server does.
@@ -52,68 +83,13 @@ class RequestModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-def implies(condition: dict[str, Any], consequence: dict[str, Any]) -> dict[str, Any]:
-    """A JSON-schema clause: when every field of `condition` is present with the given value
-    (`NOT_NULL`: any value but null), every field of `consequence` is present with its value."""
-
-    return {
-        "if": {"required": list(condition), "properties": _field_values(condition)},
-        "then": {"required": list(consequence), "properties": _field_values(consequence)},
-    }
-
-
-def excludes(fields: dict[str, Any]) -> dict[str, Any]:
-    """A JSON-schema clause: the fields are not all present with these values together."""
-    return {"not": {"required": list(fields), "properties": _field_values(fields)}}
-
-
-NOT_NULL = object()
-# Tags of unions told apart by a function start with this; error locations leave them out.
-UNION_TAG = "~"
-
-
-def _field_values(fields: dict[str, Any]) -> dict[str, Any]:
-    return {
-        name: {"not": {"type": "null"}} if value is NOT_NULL else {"const": value}
-        for name, value in fields.items()
-    }
-
-
-# -- requests --------------------------------------------------------------------------------------
-
-
-def _integral(value: Any) -> Any:
-    """JSON Schema counts 1.0 as an integer; strict validation would refuse it."""
-    if type(value) is float and value.is_integer():
-        return int(value)
-    return value
-
-
-def integer(ge: int | None = None, le: int | None = None) -> Any:
-    """An integer as JSON Schema defines it (3 and 3.0; never true, "3" or 3.5), in [ge, le].
-    The bounds sit before the validator so that they reach the schema."""
-    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
-
-
-TokenId = integer(ge=0)
-NonNegativeInt = integer(ge=0)
-PositiveInt = integer(ge=1)
-NumChoices = integer(ge=1, le=MAX_CHOICES)
-NumLogprobs = integer(ge=0, le=MAX_LOGPROBS)
-NonEmptyText = Annotated[str, Field(min_length=1)]
-NonBlankText = Annotated[str, Field(pattern=r"\S")]
-TOKEN_ID_TEXT_PATTERN = r"^[0-9]{1,10}$"
-TokenIdText = Annotated[str, Field(pattern=TOKEN_ID_TEXT_PATTERN)]
-LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]
-
-
 # -- constrained output --
 
 
 class JsonSchemaFormat(RequestModel):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: str | None = None
-    json_schema: dict[str, Any] = Field(alias="schema")
+    json_schema: ShallowObject = Field(alias="schema")
     # The output always matches `schema` (OpenAI's strict mode is how it works here).
     strict: bool | None = None
 
@@ -152,12 +128,12 @@ class StructuredOutputsRequest(RequestModel):
 
     model_config = ConfigDict(json_schema_extra=_exactly_one_field)
 
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_: ShallowObjectOrText | None = Field(None, alias="json")
     regex: NonEmptyText | None = None
-    choice: Annotated[list[NonEmptyText], Field(min_length=1)] | None = None
+    choice: Annotated[TextList, Field(min_length=1)] | None = None
     grammar: NonEmptyText | None = None
     json_object: Literal[True] | None = None
-    structural_tag: dict[str, Any] | str | None = None
+    structural_tag: ShallowObjectOrText | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -185,6 +161,7 @@ class StreamOptions(RequestModel):
 
 
 NO_STREAMED_PROMPT_LOGPROBS = excludes({"stream": True, "prompt_logprobs": NOT_NULL})
+STREAM_OPTIONS_NEED_STREAM = implies({"stream_options": NOT_NULL}, {"stream": True})
 # response_format (other than "text") and structured_outputs are two ways to ask for one thing.
 ONE_OUTPUT_CONSTRAINT = {
     "not": {
@@ -214,8 +191,8 @@ class SamplingRequest(RequestModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
     seed: integer(ge=_INT64_MIN, le=_INT64_MAX) | None = None
-    stop: NonEmptyText | list[NonEmptyText] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: Annotated[ListText | TextList, within(MAX_LIST_ITEMS, MAX_LIST_CHARS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], *bounded(MAX_LIST_ITEMS)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -224,17 +201,36 @@ class SamplingRequest(RequestModel):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # OpenAI: token id (as text) -> bias added to its logit, in [-100, 100].
-    logit_bias: dict[TokenIdText, LogitBias] | None = Field(
-        None, json_schema_extra={"propertyNames": {"pattern": TOKEN_ID_TEXT_PATTERN}}
+    logit_bias: Annotated[dict[TokenIdText, LogitBias], *bounded(MAX_LIST_ITEMS)] | None = Field(
+        None,
+        json_schema_extra={
+            "propertyNames": {"pattern": TOKEN_ID_TEXT_PATTERN, **TOKEN_ID_TEXT_SCHEMA}
+        },
     )
-    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
-    bad_words: list[NonBlankText] | None = None
+    allowed_token_ids: (
+        Annotated[list[TokenId], Field(min_length=1), *bounded(MAX_ALLOWED_TOKEN_IDS)] | None
+    ) = None
+    bad_words: Annotated[list[NonBlankText], *bounded(MAX_LIST_ITEMS, MAX_LIST_CHARS)] | None = None
     # vLLM's extension: per prompt token, its logprob and the top-k (not with stream=true).
     prompt_logprobs: NumLogprobs | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # No effect (see NO_EFFECT_FIELDS).
     user: str | None = None
+    store: bool | None = None
+    metadata: (
+        Annotated[
+            dict[
+                Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+                Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+            ],
+            *bounded(MAX_METADATA_PAIRS),
+        ]
+        | None
+    ) = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def to_sampling_params(
         self,
@@ -297,6 +293,15 @@ class SamplingRequest(RequestModel):
             raise ValueError("give response_format or structured_outputs, not both")
         return value
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options are only allowed with stream=true")
+        return value
+
     @field_validator("prompt_logprobs")
     @classmethod
     def _no_prompt_logprobs_in_streams(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -309,17 +314,46 @@ class SamplingRequest(RequestModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _prompt_form(value: Any) -> str:
+    """The prompt's form by its first item, so that only that form reports errors."""
+    first = value[0] if isinstance(value, list) and value else None
+    if isinstance(value, str) or not isinstance(value, list):
+        return f"{UNION_TAG}text"
+    if isinstance(first, list):
+        return f"{UNION_TAG}token_id_lists"
+    return f"{UNION_TAG}token_ids" if isinstance(first, int | float) else f"{UNION_TAG}texts"
+
+
+# Text, token ids, or a batch of either; a batch holds at most MAX_CHOICES prompts (n times the
+# prompts is bounded by it).
+Prompt = Annotated[
+    Annotated[NonEmptyText, Tag(f"{UNION_TAG}text")]
+    | Annotated[
+        list[NonEmptyText], Field(min_length=1), *bounded(MAX_CHOICES), Tag(f"{UNION_TAG}texts")
+    ]
+    | Annotated[TokenIds, Tag(f"{UNION_TAG}token_ids")]
+    | Annotated[
+        list[TokenIds],
+        Field(min_length=1),
+        *bounded(MAX_CHOICES),
+        Tag(f"{UNION_TAG}token_id_lists"),
+    ],
+    Discriminator(_prompt_form),
+]
+
+
 class CompletionRequest(SamplingRequest):
     model_config = ConfigDict(
-        json_schema_extra={"allOf": [NO_STREAMED_PROMPT_LOGPROBS, ONE_OUTPUT_CONSTRAINT]}
+        json_schema_extra={
+            "allOf": [
+                NO_STREAMED_PROMPT_LOGPROBS,
+                STREAM_OPTIONS_NEED_STREAM,
+                ONE_OUTPUT_CONSTRAINT,
+            ]
+        }
     )
 
-    prompt: (
-        NonEmptyText
-        | Annotated[list[NonEmptyText], Field(min_length=1)]
-        | Annotated[list[TokenId], Field(min_length=1)]
-        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
-    )
+    prompt: Prompt
     max_tokens: PositiveInt | None = 16
     echo: bool = False
     logprobs: NumLogprobs | None = None
@@ -350,4 +384,4 @@ class TokenizeCompletionRequest(RequestModel):
 
 class DetokenizeRequest(RequestModel):
     model: str | None = None
-    tokens: list[TokenId]
+    tokens: Annotated[list[TokenId], Field(fail_fast=True)]
