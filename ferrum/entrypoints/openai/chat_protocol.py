@@ -245,6 +245,7 @@ class TokenizeChatRequest(RequestModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    return_token_strs: bool | None = False
 
     @field_validator("continue_final_message")
     @classmethod

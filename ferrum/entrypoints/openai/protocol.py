@@ -158,6 +158,8 @@ class StructuredOutputsRequest(RequestModel):
 
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk carries the usage so far.
+    continuous_usage_stats: bool | None = False
 
 
 NO_STREAMED_PROMPT_LOGPROBS = excludes({"stream": True, "prompt_logprobs": NOT_NULL})
@@ -313,6 +315,12 @@ class SamplingRequest(RequestModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far."""
+        options = self.stream_options
+        return bool(options and options.include_usage and options.continuous_usage_stats)
+
 
 def _prompt_form(value: Any) -> str:
     """The prompt's form by its first item, so that only that form reports errors."""
@@ -380,6 +388,7 @@ class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+    return_token_strs: bool | None = False
 
 
 class DetokenizeRequest(RequestModel):

@@ -87,6 +87,8 @@ class TokenizeResponse(OpenAIModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    # With return_token_strs: each token's vocabulary string (vLLM's).
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(OpenAIModel):

@@ -216,7 +216,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         )
                         if choice is not None:
                             choices.append(choice)
-                    if choices:
+                    if choices and request.continuous_usage:
+                        so_far = num_generated + sum(s.num_tokens for s in states.values())
+                        yield chunk(choices, usage=usage_of(tokenized, last_outputs, so_far))
+                    elif choices:
                         yield chunk(choices)
                 num_generated += sum(state.num_tokens for state in states.values())
             if request.include_usage:

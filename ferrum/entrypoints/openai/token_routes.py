@@ -34,7 +34,12 @@ def add_token_routes(app: FastAPI, engine: AsyncLLM, chat: OpenAIServingChat) ->
             )
         else:
             tokens = (await chat.render(body)).token_ids
-        return TokenizeResponse(count=len(tokens), max_model_len=max_model_len, tokens=tokens)
+        token_strs = None
+        if body.return_token_strs:
+            token_strs = [tokenizer.backend.id_to_token(t) or "" for t in tokens]
+        return TokenizeResponse(
+            count=len(tokens), max_model_len=max_model_len, tokens=tokens, token_strs=token_strs
+        )
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:

@@ -34,3 +34,46 @@ def test_load_counts_requests_in_flight(server: RemoteServer) -> None:
     response = httpx.get(server.url + "/load", headers=server.headers, timeout=10)
     assert response.status_code == 200
     assert response.json()["server_load"] >= 0
+
+
+def test_tokenize_returns_token_strings(server: RemoteServer) -> None:
+    for body in (
+        {"prompt": "Hello world"},
+        {"messages": [{"role": "user", "content": "Hello world"}]},
+    ):
+        response = httpx.post(
+            server.url + "/tokenize",
+            json=body | {"return_token_strs": True},
+            headers=server.headers,
+            timeout=30,
+        ).json()
+        assert len(response["token_strs"]) == response["count"] > 0
+        assert all(isinstance(s, str) and s for s in response["token_strs"])
+        plain = httpx.post(server.url + "/tokenize", json=body, headers=server.headers, timeout=30)
+        assert plain.json()["token_strs"] is None
+    response = httpx.post(
+        server.url + "/tokenize",
+        json={"prompt": "Hello world", "return_token_strs": True},
+        headers=server.headers,
+        timeout=30,
+    ).json()
+    assert response["token_strs"] == ["H", "ell", "o", "Ġworld"]  # the tiny vocabulary
+
+
+def test_continuous_usage_stats_put_usage_in_every_chunk(server: RemoteServer) -> None:
+    stream = server.client().completions.create(
+        model=DEFAULT_MODEL_NAME,
+        prompt="Once upon a time",
+        max_tokens=5,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = list(stream)
+    assert all(chunk.usage is not None for chunk in chunks)
+    completion_tokens = [chunk.usage.completion_tokens for chunk in chunks]
+    assert completion_tokens == sorted(completion_tokens) and completion_tokens[-1] == 5
+    assert chunks[-1].choices == [] and chunks[0].usage.prompt_tokens == 4
+    assert all(
+        c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks
+    )
