@@ -121,6 +121,9 @@ class LimitedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._read_timer: asyncio.TimerHandle | None = None
         self._read_timer_kind = ""
+        # The body being received: when it started and its bytes so far (the rate's deadline).
+        self._body_started: float | None = None
+        self._body_bytes = 0
         self._seen_request = False
         self._inner_app = self.app
         self.app = self._app_within_connection_limit
@@ -141,6 +144,8 @@ class LimitedH11Protocol(H11Protocol):
             self._arm_linger()  # the bytes of a body nobody reads
             return
         super().data_received(data)
+        if self.conn.their_state is h11.SEND_BODY:
+            self._body_bytes += len(data)  # with the head that came along, if any
         self._watch_reads(new_bytes=True)
 
     def shutdown(self) -> None:
@@ -196,6 +201,8 @@ class LimitedH11Protocol(H11Protocol):
             self._cancel_read_timer()
             return
         state = self.conn.their_state
+        if state is not h11.SEND_BODY:
+            self._body_started, self._body_bytes = None, 0
         if state is h11.IDLE:
             if self._seen_request and not self.conn.trailing_data[0]:
                 self._cancel_read_timer()  # idle between requests: timeout_keep_alive's job
@@ -203,11 +210,24 @@ class LimitedH11Protocol(H11Protocol):
                 self._arm("header", self.limits.timeout_request_header)
         elif state is h11.SEND_BODY:
             self._seen_request = True
-            if new_bytes or self._read_timer_kind != "body":
-                self._arm("body", self.limits.timeout_request_body)
+            if self._body_started is None:
+                self._body_started = self.loop.time()
+            if new_bytes or not self._read_timer_kind.startswith("body"):
+                self._arm_body()
         else:
             self._seen_request = True
             self._cancel_read_timer()
+
+    def _arm_body(self) -> None:
+        """The body's deadline: the next bytes within timeout_request_body, and on average
+        min_request_body_rate bytes/s past its first timeout_request_body seconds."""
+        assert self._body_started is not None
+        pause = self.limits.timeout_request_body
+        left = self.limits.body_deadline(self._body_started, self._body_bytes) - self.loop.time()
+        if left < pause:
+            self._arm("body_rate", max(left, 0.0))
+        else:
+            self._arm("body", pause)
 
     def _arm(self, kind: str, seconds: float) -> None:
         self._cancel_read_timer()
@@ -226,23 +246,27 @@ class LimitedH11Protocol(H11Protocol):
         self._read_timer_kind = ""
         if self.transport.is_closing():
             return
-        cycle = self.cycle if kind == "body" else None
+        cycle = self.cycle if kind.startswith("body") else None
         if cycle is None or not cycle.response_started:
-            seconds = (
-                self.limits.timeout_request_header
-                if kind == "header"
-                else self.limits.timeout_request_body
-            )
-            what = "headers" if kind == "header" else "body"
-            flag = f"--timeout-request-{kind}"
-            message = f"the request's {what} did not arrive within {seconds:g} s ({flag})"
-            self.transport.write(_raw_response(408, message))
+            self.transport.write(_raw_response(408, self._timeout_message(kind)))
         if cycle is not None:
             # The route waiting for the body reads a disconnect and answers nothing.
             cycle.disconnected = True
             cycle.message_event.set()
         logger.info("closed a connection whose request %s stalled", kind)
         self.transport.close()
+
+    def _timeout_message(self, kind: str) -> str:
+        limits = self.limits
+        if kind == "body_rate":
+            return (
+                f"the request's body arrived slower than {limits.min_request_body_rate:g} bytes/s "
+                f"after {limits.timeout_request_body:g} s (--min-request-body-rate)"
+            )
+        seconds = limits.timeout_request_header if kind == "header" else limits.timeout_request_body
+        what = "headers" if kind == "header" else "body"
+        flag = f"--timeout-request-{kind}"
+        return f"the request's {what} did not arrive within {seconds:g} s ({flag})"
 
     async def _app_within_connection_limit(
         self, scope: Scope, receive: Receive, send: Send

@@ -81,7 +81,8 @@ def post_head(length: int | None = None, chunked: bool = False) -> bytes:
 
 
 def test_limits_are_checked() -> None:
-    for name in ("max_request_body_bytes", "timeout_request_body", "limit_concurrency"):
+    names = ("max_request_body_bytes", "timeout_request_body", "min_request_body_rate")
+    for name in (*names, "limit_concurrency"):
         with pytest.raises(ValueError, match=name):
             HttpLimits(**{name: 0})
 
@@ -142,6 +143,44 @@ def test_slow_body_and_slow_headers_get_408() -> None:
         ):
             status, body = read_response(conn)
             assert status == 408 and flag in body["error"]["message"]
+
+
+def drip(conn: socket.socket, data: bytes, interval: float) -> bytes:
+    """Sends `data` a byte every `interval` s until the server answers; returns the answer."""
+    conn.settimeout(interval)
+    for byte in data:
+        try:
+            return conn.recv(65536)  # the answer, or b"" once closed
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            return b""
+        try:
+            conn.send(bytes([byte]))
+        except (BrokenPipeError, ConnectionResetError):
+            return b""
+    conn.settimeout(30)
+    return conn.recv(65536)
+
+
+def test_a_dripped_body_is_cut_by_the_minimum_rate() -> None:
+    """Each byte comes well within the pause deadline; the average rate is what fails."""
+    limits = {"timeout_request_body": 0.5, "min_request_body_rate": 100.0}
+    with guarded_server(**limits) as port:
+        conn = connect(port)
+        conn.sendall(post_head(MAX_BODY))
+        started = time.monotonic()
+        answer = drip(conn, b"d" * MAX_BODY, 0.05)
+        # Dripping all of it would take 50 s; 0.5 s plus a byte's worth of rate is allowed.
+        assert time.monotonic() - started < 5
+        assert answer.startswith(b"HTTP/1.1 408") and b"--min-request-body-rate" in answer
+        # A body sent steadily above the rate is served, however long it takes past 0.5 s.
+        conn = connect(port)
+        conn.sendall(post_head(MAX_BODY))
+        for _ in range(10):
+            conn.sendall(b"s" * (MAX_BODY // 10))
+            time.sleep(0.1)
+        assert conn.recv(65536).startswith(b"HTTP/1.1 200")
 
 
 def test_header_deadline_is_not_reset_by_trickled_bytes() -> None:
