@@ -285,7 +285,8 @@ class ToolCall(OpenAIModel):
 
 
 class ChatResponseMessage(OpenAIModel):
-    role: Literal["assistant"] = "assistant"
+    # "assistant", or the server's --response-role.
+    role: str = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
@@ -333,7 +334,7 @@ class DeltaToolCall(_SparseModel):
 
 
 class DeltaMessage(_SparseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None

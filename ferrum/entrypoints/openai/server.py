@@ -117,7 +117,7 @@ def build_app(
         server_config.enable_log_requests,
         server_config.max_log_len,
     )
-    completion = OpenAIServingCompletion(engine, model_names)
+    completion = OpenAIServingCompletion(engine, model_names, frontend.return_tokens_as_token_ids)
     _add_generation_routes(app, completion, chat, request_log)
     add_token_routes(app, engine, chat)
     return app

@@ -51,7 +51,10 @@ from ferrum.entrypoints.openai.serving_engine import (
 from ferrum.entrypoints.openai.structured_outputs import after_reasoning
 from ferrum.entrypoints.openai.tool_messages import decode_tool_call_arguments
 from ferrum.entrypoints.openai.tool_parsers import HermesToolParser, ToolParser, get_tool_parser
-from ferrum.entrypoints.openai.tool_parsers.tool_choice import tool_call_structural_tag
+from ferrum.entrypoints.openai.tool_parsers.tool_choice import (
+    auto_tool_call_structural_tag,
+    tool_call_structural_tag,
+)
 from ferrum.outputs import CompletionOutput, RequestOutput
 from ferrum.sampling_params import StructuredOutputsParams
 
@@ -70,17 +73,19 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 @dataclass(frozen=True, slots=True)
 class ChatPlan:
-    """How one request's output is parsed: the parsers' classes (None: that part is off), and
-    whether only the first tool call is kept (parallel_tool_calls=false)."""
+    """How one request's output is parsed: the parsers' classes (None: that part is off),
+    whether only the first tool call is kept (parallel_tool_calls=false), and whether the output
+    is tool calls only (a forced tool_choice: any other text is an unfinished call, not content)."""
 
     reasoning_parser: type[ReasoningParser] | None
     tool_parser: type[ToolParser] | None
     single_call: bool
     tools: list[dict[str, Any]] | None
-    # What the output must match (a forced tool call or the requested format), if anything.
+    # What the output must match (tool calls or the requested format), if anything.
     constraint: StructuredOutputsParams | None
     # The request field the constraint comes from (named by a 400 when its grammar fails).
     constraint_param: str
+    calls_only: bool = False
 
     def output_constraint(self, prompt: ProcessedPrompt) -> StructuredOutputsParams | None:
         """The constraint as the engine applies it: after the reasoning when a reasoning
@@ -173,6 +178,7 @@ class OpenAIServingChat(OpenAIServing):
         tool_choice = request.effective_tool_choice
         tools = request.tool_dicts()
         requested = self.requested_constraint(request)
+        parallel = request.parallel_tool_calls is not False
         tool_parser: type[ToolParser] | None = None
         tool_tag = None
         if tool_choice == "auto" and request.tools:
@@ -184,14 +190,17 @@ class OpenAIServingChat(OpenAIServing):
                     param="tool_choice",
                 )
             tool_parser = self.tool_parser
+            if requested is None:  # else the requested format constrains the output instead
+                try:
+                    tool_tag = auto_tool_call_structural_tag(tool_parser, tools, parallel)
+                except ValueError as e:
+                    raise APIError(400, str(e), param="tools") from None
         elif tool_choice != "none" and tool_choice != "auto":
             # The grammar forces the configured parser's syntax (hermes when none is set): the
             # calls parse whatever the model was trained on.
             tool_parser = self.tool_parser or HermesToolParser
             try:
-                tool_tag = tool_call_structural_tag(
-                    tool_parser, tools, tool_choice, request.parallel_tool_calls is not False
-                )
+                tool_tag = tool_call_structural_tag(tool_parser, tools, tool_choice, parallel)
             except ValueError as e:
                 raise APIError(400, str(e), param="tool_choice") from None
             if requested is not None:
@@ -201,13 +210,15 @@ class OpenAIServingChat(OpenAIServing):
                     "response_format or structured_outputs",
                     param="tool_choice",
                 )
+        forced = tool_tag is not None and tool_choice != "auto"
         return ChatPlan(
             self.reasoning_parser,
             tool_parser,
-            request.parallel_tool_calls is False,
+            not parallel,
             tools,
             requested if tool_tag is None else StructuredOutputsParams(structural_tag=tool_tag),
-            self.constraint_param(request) if tool_tag is None else "tool_choice",
+            self.constraint_param(request) if tool_tag is None else _tool_param(tool_choice),
+            calls_only=forced,
         )
 
     async def create_chat_completion(
@@ -232,7 +243,14 @@ class OpenAIServingChat(OpenAIServing):
             return self._stream(request, plan, request_id, model, tokenized, streams[0])
         (output,) = await self.final_outputs(streams)
         choices = [
-            response_choice(request, completion, plan.output_parser(tokenized), plan.single_call)
+            response_choice(
+                request,
+                completion,
+                plan.output_parser(tokenized),
+                plan.single_call,
+                self.frontend,
+                plan.calls_only,
+            )
             for completion in output.outputs
         ]
         num_generated = sum(len(c.token_ids) for c in output.outputs)
@@ -264,7 +282,7 @@ class OpenAIServingChat(OpenAIServing):
             return sse_event(response.model_dump_json(exclude=exclude))
 
         choices_state = {
-            index: StreamedChoice(plan.output_parser(tokenized), plan.single_call)
+            index: StreamedChoice(plan.output_parser(tokenized), plan.single_call, plan.calls_only)
             for index in range(request.n)
         }
         last_output: RequestOutput | None = None
@@ -273,7 +291,7 @@ class OpenAIServingChat(OpenAIServing):
                 [
                     ChatCompletionStreamChoice(
                         index=index,
-                        delta=DeltaMessage(role="assistant", content=""),
+                        delta=DeltaMessage(role=self.frontend.response_role, content=""),
                         logprobs=None,
                         finish_reason=None,
                     )
@@ -288,7 +306,10 @@ class OpenAIServingChat(OpenAIServing):
                     if (choice := self._delta_choice(request, completion, choices_state))
                     is not None
                 ]
-                if choices:
+                if choices and request.continuous_usage:
+                    so_far = sum(c.state.num_tokens for c in choices_state.values())
+                    yield chunk(choices, usage=usage_of([tokenized], [output], so_far))
+                elif choices:
                     yield chunk(choices)
             if request.include_usage:
                 num_generated = sum(c.state.num_tokens for c in choices_state.values())
@@ -318,7 +339,12 @@ class OpenAIServingChat(OpenAIServing):
         delta = streamed.delta(text, finished)
         logprobs = None
         if request.logprobs and new_logprobs is not None:
-            logprobs = chat_logprobs(new_token_ids, new_logprobs, request.top_logprobs or 0)
+            logprobs = chat_logprobs(
+                new_token_ids,
+                new_logprobs,
+                request.top_logprobs or 0,
+                self.frontend.return_tokens_as_token_ids,
+            )
         if not finished and logprobs is None and is_empty_delta(delta):
             return None
         return ChatCompletionStreamChoice(
@@ -328,6 +354,11 @@ class OpenAIServingChat(OpenAIServing):
             finish_reason=finish_reason_of(completion.finish_reason, streamed.num_calls > 0),
             stop_reason=completion.stop_reason,
         )
+
+
+def _tool_param(tool_choice: Any) -> str:
+    """The field a tool-call grammar that fails is blamed on: the tools' schemas under "auto"."""
+    return "tools" if tool_choice == "auto" else "tool_choice"
 
 
 def _render_and_encode(

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ferrum.engine.async_llm import AsyncLLM
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.engine.request_stream import RequestStream
 from ferrum.entrypoints.openai.http_errors import APIError
@@ -22,6 +23,7 @@ from ferrum.entrypoints.openai.serving_engine import (
     ChoiceState,
     OpenAIServing,
     finite_logprob,
+    logprob_token,
     off_loop,
     prompt_logprobs_json,
     sse_event,
@@ -36,14 +38,15 @@ def completion_logprobs(
     logprobs: PromptLogprobs,
     text_offset: int,
     first_token_text: str = "",
+    as_token_ids: bool = False,
 ) -> CompletionLogprobs:
     """OpenAI's legacy completions shape; offsets count characters from `text_offset`. A None
     entry is an echoed prompt's first token (nothing precedes it): `first_token_text`, and null
-    logprobs."""
+    logprobs. `as_token_ids`: tokens named "token_id:N" (offsets still count text)."""
     result = CompletionLogprobs()
     for token_id, entry in zip(token_ids, logprobs, strict=True):
         if entry is None:
-            result.tokens.append(first_token_text)
+            result.tokens.append(logprob_token(token_id, first_token_text, as_token_ids))
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
             result.text_offset.append(text_offset)
@@ -51,10 +54,13 @@ def completion_logprobs(
             continue
         sampled = entry.get(token_id)
         token = (sampled.decoded_token if sampled else None) or ""
-        result.tokens.append(token)
+        result.tokens.append(logprob_token(token_id, token, as_token_ids))
         result.token_logprobs.append(finite_logprob(sampled.logprob) if sampled else None)
         result.top_logprobs.append(
-            {(lp.decoded_token or ""): finite_logprob(lp.logprob) for lp in entry.values()}
+            {
+                logprob_token(i, lp.decoded_token, as_token_ids): finite_logprob(lp.logprob)
+                for i, lp in entry.items()
+            }
             if entry
             else None
         )
@@ -64,6 +70,13 @@ def completion_logprobs(
 
 
 class OpenAIServingCompletion(OpenAIServing):
+    def __init__(
+        self, engine: AsyncLLM, model_names: list[str], as_token_ids: bool = False
+    ) -> None:
+        super().__init__(engine, model_names)
+        # --return-tokens-as-token-ids: logprob tokens as "token_id:N".
+        self.as_token_ids = as_token_ids
+
     async def create_completion(
         self, request: CompletionRequest
     ) -> CompletionResponse | AsyncIterator[str]:
@@ -168,11 +181,11 @@ class OpenAIServingCompletion(OpenAIServing):
         """The legacy logprobs of `token_ids` (offsets from `text_offset`), after the echoed
         prompt's when `with_prompt` (then the offsets count from the prompt's first token)."""
         if not (with_prompt and request.echo and prompt_logprobs is not None):
-            return completion_logprobs(token_ids, logprobs, text_offset)
+            return completion_logprobs(token_ids, logprobs, text_offset, "", self.as_token_ids)
         tokenizer = self.engine.tokenizer
         first = "" if tokenizer is None else tokenizer.decode(prompt.token_ids[:1], False)
         return completion_logprobs(
-            prompt.token_ids + token_ids, prompt_logprobs + logprobs, 0, first
+            prompt.token_ids + token_ids, prompt_logprobs + logprobs, 0, first, self.as_token_ids
         )
 
     async def _stream(

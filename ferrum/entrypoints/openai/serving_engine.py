@@ -253,6 +253,11 @@ def finite_logprob(value: float) -> float:
     return value if value > -9999.0 else -9999.0
 
 
+def logprob_token(token_id: int, decoded: str | None, as_token_id: bool) -> str:
+    """A logprob entry's token: its text, or "token_id:N" (--return-tokens-as-token-ids)."""
+    return f"token_id:{token_id}" if as_token_id else decoded or ""
+
+
 def prompt_logprobs_json(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobsJSON | None:
     """vLLM's prompt_logprobs response field."""
     if prompt_logprobs is None:

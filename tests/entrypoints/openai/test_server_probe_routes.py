@@ -77,3 +77,19 @@ def test_continuous_usage_stats_put_usage_in_every_chunk(server: RemoteServer) -
     assert all(
         c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks
     )
+
+
+def test_continuous_usage_stats_in_chat_streams(server: RemoteServer) -> None:
+    stream = server.client().chat.completions.create(
+        model=DEFAULT_MODEL_NAME,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
+    chunks = list(stream)
+    content_chunks = [c for c in chunks[1:] if c.choices]  # after the role chunk
+    assert content_chunks and all(c.usage is not None for c in content_chunks)
+    assert [c.usage.completion_tokens for c in content_chunks][-1] == 4
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []

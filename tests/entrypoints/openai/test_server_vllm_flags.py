@@ -72,6 +72,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_TLSServer]
     args += ["--swap-space", "4", "--max-seq-len-to-capture", "8192", "-O3"]
     args += ["--tokenizer-mode", "auto", "--generation-config", "vllm"]
     args += ["--enable-log-requests", "--max-log-len", "30"]
+    args += ["--response-role", "bot", "--return-tokens-as-token-ids"]
     env = {"FERRUM_LOGGING_LEVEL": "DEBUG", "FERRUM_LOG_STATS_INTERVAL": "0.2"}
     remote = _TLSServer(args, folder / "server.log", env=env, api_key=API_KEY)
     yield remote
@@ -125,3 +126,24 @@ def test_debug_request_lines_and_the_stats_line(tls_server: _TLSServer) -> None:
     assert "INFO" in log and 'request to /v1/completions: {"model": "ferrum-tiny-q' in log
     assert "generated, length" in log
     assert "Running: " in log and "KV cache usage: " in log and "Prefix cache hit rate: " in log
+
+
+def test_response_role_and_tokens_as_token_ids(tls_server: _TLSServer) -> None:
+    body = {
+        "model": DEFAULT_MODEL_NAME,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+    choice = tls_server.post("/v1/chat/completions", body).json()["choices"][0]
+    assert choice["message"]["role"] == "bot"
+    (entry, *_) = choice["logprobs"]["content"]
+    assert entry["token"].startswith("token_id:") and int(entry["token"][9:]) >= 0
+    assert entry["top_logprobs"][0]["token"].startswith("token_id:")
+    events = tls_server.post("/v1/chat/completions", body | {"stream": True}).text.split("\n\n")
+    assert '"delta":{"role":"bot","content":""}' in events[0]
+    body = {"model": DEFAULT_MODEL_NAME, "prompt": "Hi", "max_tokens": 2, "logprobs": 1}
+    logprobs = tls_server.post("/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in logprobs["tokens"])
+    assert all(k.startswith("token_id:") for top in logprobs["top_logprobs"] for k in top)
