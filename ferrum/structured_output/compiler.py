@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import xgrammar as xgr
 
 from ferrum.config import StructuredOutputsConfig
+from ferrum.structured_output.closing import BudgetGuard, Closer, ClosingVocab, tag_exits
 from ferrum.structured_output.json_limits import (
     COMPACT_MAX_WHITESPACE,
     PRETTY_MAX_WHITESPACE,
@@ -50,9 +51,14 @@ class CompiledGrammar:
 
     spec: GrammarSpec
     grammar: xgr.CompiledGrammar
+    closer: Closer | None = None  # what closes it within a token budget
 
-    def new_matcher(self) -> StructuredOutputMatcher:
-        return StructuredOutputMatcher(self.grammar)
+    def new_matcher(self, max_tokens: int | None = None) -> StructuredOutputMatcher:
+        """A matcher at the grammar's start; with `max_tokens`, one that closes the grammar
+        before that many tokens when it can."""
+        if max_tokens is None or self.closer is None:
+            return StructuredOutputMatcher(self.grammar)
+        return StructuredOutputMatcher(self.grammar, BudgetGuard(self.closer, max_tokens))
 
     @property
     def memory_size_bytes(self) -> int:
@@ -122,6 +128,7 @@ class GrammarCompilerService:
         self._compiler = xgr.GrammarCompiler(
             tokenizer_info, max_threads=max_workers, cache_enabled=False
         )
+        self._closing_vocab = ClosingVocab(tokenizer_info)
         self._cond = threading.Condition()
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._jobs: dict[GrammarSpec, _Job] = {}  # queued or running, by spec
@@ -240,7 +247,9 @@ class GrammarCompilerService:
         compiled: CompiledGrammar | None = None
         error: BaseException | None = None
         try:
-            compiled = CompiledGrammar(job.spec, self._compile_now(job.spec))
+            compiled = CompiledGrammar(
+                job.spec, self._compile_now(job.spec), self._closer(job.spec)
+            )
         except Exception as e:
             error = e
         with self._cond:
@@ -256,6 +265,11 @@ class GrammarCompilerService:
         else:
             assert error is not None
             job.future.set_exception(error)
+
+    def _closer(self, spec: GrammarSpec) -> Closer:
+        if spec.kind is not GrammarKind.STRUCTURAL_TAG:
+            return Closer(self._closing_vocab)
+        return Closer(self._closing_vocab, *tag_exits(json.loads(spec.text)))
 
     def _compile_now(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """Compiles on the calling thread; an invalid spec raises ValueError naming the field."""

@@ -119,12 +119,14 @@ class GrammarWait:
 
 
 class RequestGrammar:
-    """A request's grammar: compiling, then a matcher over its output tokens."""
+    """A request's grammar: compiling, then a matcher over its output tokens. With `max_tokens`
+    (the request's) the matcher closes the grammar within that many tokens when it can."""
 
-    __slots__ = ("_wait", "matcher")
+    __slots__ = ("_wait", "_max_tokens", "matcher")
 
-    def __init__(self, wait: GrammarWait) -> None:
+    def __init__(self, wait: GrammarWait, max_tokens: int | None = None) -> None:
         self._wait = wait
+        self._max_tokens = max_tokens
         self.matcher: StructuredOutputMatcher | None = None
 
     @property
@@ -138,7 +140,7 @@ class RequestGrammar:
         if self.matcher is None:
             if not self._wait.done():
                 return False
-            matcher = self._wait.result().new_matcher()
+            matcher = self._wait.result().new_matcher(self._max_tokens)
             if not matcher.accept_tokens(output_token_ids):
                 raise ValueError(
                     f"{self.field_name}: the {len(output_token_ids)} tokens already generated "

@@ -1,7 +1,9 @@
 """StructuredOutputMatcher: one request's position in its grammar. Invariant: it accepted exactly
 the request's output tokens so far (`num_accepted_tokens`); whoever drops output tokens rolls it
-back by as many (preemption keeps them, so it leaves it alone). Not thread-safe (xgrammar's
-GrammarMatcher is not): one owner at a time; distinct matchers may run on distinct threads."""
+back by as many (preemption keeps them, so it leaves it alone). With a token budget (the request's
+max_tokens) its mask closes the grammar in time (`closing.BudgetGuard`). Not thread-safe
+(xgrammar's GrammarMatcher is not): one owner at a time; distinct ones may run on distinct threads.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +13,19 @@ from typing import TYPE_CHECKING
 import xgrammar as xgr
 
 from ferrum.structured_output.bitmask_layout import int32_bit
+from ferrum.structured_output.closing import BudgetGuard
 
 if TYPE_CHECKING:
     import torch
 
 
 class StructuredOutputMatcher:
-    __slots__ = ("_matcher", "_stop_token_ids", "num_accepted_tokens")
+    __slots__ = ("_matcher", "_stop_token_ids", "_budget", "num_accepted_tokens")
 
-    def __init__(self, grammar: xgr.CompiledGrammar) -> None:
+    def __init__(self, grammar: xgr.CompiledGrammar, budget: BudgetGuard | None = None) -> None:
         self._matcher = xgr.GrammarMatcher(grammar)
         self._stop_token_ids = tuple(self._matcher.stop_token_ids)
+        self._budget = budget
         self.num_accepted_tokens = 0
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
@@ -32,6 +36,8 @@ class StructuredOutputMatcher:
             if not self._matcher.accept_token(int(token_id)):
                 return False
             self.num_accepted_tokens += 1
+            if self._budget is not None:
+                self._budget.accepted(int(token_id))
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -45,6 +51,8 @@ class StructuredOutputMatcher:
         if num_tokens:
             self._matcher.rollback(num_tokens)
             self.num_accepted_tokens -= num_tokens
+            if self._budget is not None:
+                self._budget.reset()
 
     def is_terminated(self) -> bool:
         """True once the grammar ended and its stop token was accepted: the request is done."""
@@ -53,13 +61,22 @@ class StructuredOutputMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the allowed next tokens into row `row` of a host bitmask (`bitmask.py` layout).
         A terminated matcher allows only its stop tokens (the token is dropped anyway: the
-        request has finished)."""
-        if self._matcher.is_terminated():
-            bitmask[row].zero_()
-            for token_id in self._stop_token_ids:
-                bitmask[row, token_id // 32] |= int32_bit(token_id % 32)
+        request has finished); one closing its grammar for its budget, only the closing's."""
+        forced = self.forced_token()
+        if forced is None:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
             return
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row].zero_()
+        for token_id in self._stop_token_ids if forced < 0 else (forced,):
+            bitmask[row, token_id // 32] |= int32_bit(token_id % 32)
+
+    def forced_token(self) -> int | None:
+        """The only token the next mask allows (-1: only the stop tokens), or None."""
+        if self._matcher.is_terminated():
+            return -1
+        if self._budget is None:
+            return None
+        return self._budget.forced(self._matcher, self.num_accepted_tokens)
 
 
 class FilledBitmaskRow:
@@ -95,7 +112,7 @@ class BatchBitmaskFiller:
         `matcher.fill_bitmask(bitmask, i)` would."""
         live = []
         for i, matcher in rows:
-            if isinstance(matcher, FilledBitmaskRow) or matcher.is_terminated():
+            if isinstance(matcher, FilledBitmaskRow) or matcher.forced_token() is not None:
                 matcher.fill_bitmask(bitmask, i)
             else:
                 live.append((i, matcher))
