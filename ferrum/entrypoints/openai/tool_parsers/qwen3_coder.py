@@ -1,6 +1,7 @@
 """The qwen3_coder tool-call format (Qwen3-Coder, Qwen3.5): XML, one element per parameter:
 `<tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>`.
-A value is the text between its tags less one newline each side, typed by its parameter schema
+A value is the text between its tags less one blank each side (a newline from trained models; the
+grammar allows one blank of any kind there), typed by its parameter schema
 (`string` stays text; other JSON types parse as JSON, booleans case-insensitively, else stay text;
 `enum`/`const` values the member they spell); unknown parameters or functions keep text. A missing
 `</parameter>` is accepted; a value cannot contain `<parameter=` or `</parameter>`. Streaming: a
@@ -23,6 +24,7 @@ _FUNCTION_OPEN = "<function="
 _FUNCTION_CLOSE = "</function>"
 _PARAMETER_OPEN = "<parameter="
 _PARAMETER_CLOSE = "</parameter>"
+_BLANKS = (" ", "\t", "\r", "\n")  # not "": a value may be empty
 _JSON_TYPES = {
     "null": type(None),
     "boolean": bool,
@@ -123,13 +125,13 @@ def _finished_parameters(rest: str, final: bool) -> list[tuple[str, str]]:
             value_end = at = len(rest)
         else:
             return parameters  # its value may go on
-        parameters.append((parameter, _strip_one_newline(rest[value_start:value_end])))
+        parameters.append((parameter, _strip_one_blank(rest[value_start:value_end])))
 
 
-def _strip_one_newline(value: str) -> str:
-    if value.startswith("\n"):
+def _strip_one_blank(value: str) -> str:
+    if value[:1] in _BLANKS:
         value = value[1:]
-    if value.endswith("\n"):
+    if value[-1:] in _BLANKS:
         value = value[:-1]
     return value
 

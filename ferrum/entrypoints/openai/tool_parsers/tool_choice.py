@@ -1,7 +1,8 @@
-"""OpenAI `tool_choice` ("required" or a named function: tool calls only) to the grammar forcing it:
-a structural tag (xgrammar's JSON format) of one or more call blocks in the parser's own syntax,
-newline-separated, each block's arguments constrained by its function's `parameters` schema, so
-every output it accepts parses with the same parser into calls of the allowed functions.
+"""OpenAI `tool_choice` to the grammar enforcing it, a structural tag (xgrammar's JSON format) of
+call blocks in the parser's own syntax, each block's arguments constrained by its function's
+`parameters` schema, so every call parses with the same parser into a call of an allowed function
+with valid arguments. "required" or a named function: calls only, newline-separated. "auto": free
+text in which a call block's start tag starts a call that must be complete and valid.
 """
 
 from __future__ import annotations
@@ -66,5 +67,28 @@ def tool_call_structural_tag(
             "separator": "\n",
             "at_least_one": True,
             "stop_after_first": single or not parallel_tool_calls,
+        },
+    }
+
+
+def auto_tool_call_structural_tag(
+    parser: type[ToolParser],
+    tools: Sequence[Mapping[str, Any]] | None,
+    parallel_tool_calls: bool = True,
+) -> dict[str, Any] | None:
+    """The structural tag of `tool_choice` "auto": text, in which `parser.START_TAG` opens a call
+    to one of `tools` (any number of them, or one without `parallel_tool_calls`: the output then
+    ends after it). None without tools."""
+    functions = function_definitions(tools)
+    if not functions:
+        return None
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": [parser.START_TAG],
+            "tags": [parser.call_format(name, schema) for name, schema in functions.items()],
+            "at_least_one": False,
+            "stop_after_first": not parallel_tool_calls,
         },
     }
