@@ -79,6 +79,11 @@ class CoreProcess:
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
 
+    @property
+    def pids(self) -> tuple[int, ...]:
+        """The core process and its workers (once its CoreInfo named them)."""
+        return () if self.pid is None else (self.pid, *self._worker_pids)
+
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         for request in requests:
             self._outbox.put(request)

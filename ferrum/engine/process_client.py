@@ -19,6 +19,7 @@ from ferrum.engine.core_client import (
     FrontEndThread,
     RequestsFailed,
 )
+from ferrum.engine.core_liveness import cpu_seconds, is_stopped
 from ferrum.engine.core_messages import (
     CoreFailed,
     CoreInfo,
@@ -68,8 +69,12 @@ class ProcessClient(CoreClient):
         self._core_started = 0.0
         self._closed = False
         self._watchdog: asyncio.Task[None] | None = None
-        # When the current core last finished a step, or last had no request to work on.
+        # When the current core last finished a step, spent CPU time on a CPU device, or had no
+        # request to work on; and the CPU seconds it had spent then.
         self._last_progress = time.monotonic()
+        self._last_cpu_seconds = 0.0
+        # A CPU device's steps run on the host: a slow step still spends CPU time.
+        self._counts_cpu_time = config.device_config.device == "cpu"
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -112,6 +117,9 @@ class ProcessClient(CoreClient):
             return "engine_loading", "the engine is still loading"
         if self.restart_reason is not None:
             return "engine_restarting", f"the engine core is restarting: {self.restart_reason}"
+        pid = None if self._process is None else self._process.pid
+        if pid is not None and is_stopped(pid):
+            return "engine_stopped", f"the engine core (pid {pid}) is stopped (SIGSTOP)"
         return None
 
     def stats(self) -> SchedulerStats | None:
@@ -324,19 +332,35 @@ class ProcessClient(CoreClient):
         self._emit(EngineDied(reason))
 
     async def _watch_progress(self) -> None:
-        """Counts a core that holds requests and finishes no step for `engine_stall_timeout`
-        seconds as failed (it is killed)."""
+        """Counts a core that holds requests and makes no progress for `engine_stall_timeout`
+        seconds as failed (it is killed). Progress: a finished step, or on a CPU device CPU time
+        spent by the core or its workers (a slow step is not a stalled one)."""
         timeout = self.recovery_config.engine_stall_timeout
         while self.dead_reason is None and not self._closed:
             await asyncio.sleep(min(1.0, timeout / 4))
             now = time.monotonic()
-            if not (self._core_ready and self._requests):
+            if not (self._core_ready and self._requests) or self._spent_cpu_time():
                 self._last_progress = now
             elif now - self._last_progress > timeout and not self._closed:
                 pid = None if self._process is None else self._process.pid
+                idle = "finished no step" + (" and spent no CPU time" * self._counts_cpu_time)
                 self._on_core_failure(
-                    f"the engine core (pid {pid}) finished no step for "
-                    f"{now - self._last_progress:.1f} s while holding "
-                    f"{len(self._requests)} completion(s)",
+                    f"the engine core (pid {pid}) {idle} for {now - self._last_progress:.1f} s "
+                    f"while holding {len(self._requests)} completion(s)",
                     None,
                 )
+
+    def _spent_cpu_time(self) -> bool:
+        """On a CPU device: whether the core's processes spent CPU time since the last call."""
+        if not self._counts_cpu_time or self._process is None:
+            return False
+        seconds = cpu_seconds(self._process.pids)
+        if seconds is None or seconds < self._last_cpu_seconds + _MIN_CPU_PROGRESS_S:
+            return False
+        self._last_cpu_seconds = seconds
+        return True
+
+
+# CPU seconds a core must spend between two checks to count as working (a stopped one spends 0;
+# its pipe threads spend microseconds).
+_MIN_CPU_PROGRESS_S = 0.05

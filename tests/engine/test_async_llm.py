@@ -48,6 +48,7 @@ class FakeCoreClient:
         self.added: list[EngineCoreRequest] = []
         self.finished: list[tuple[list[str], RequestStatus]] = []
         self.pid = 1000 + core_index
+        self.pids: tuple[int, ...] = ()  # no process: it spends no CPU time
 
     def start(self) -> None:
         self.started = True
@@ -204,7 +205,7 @@ def test_a_core_that_stops_stepping_is_replaced(monkeypatch: pytest.MonkeyPatch)
         assert first.killed
         code, message = h.engine.health_problem() or ("", "")
         assert code == "engine_restarting"
-        assert "engine core (pid 1000) finished no step for" in message
+        assert "engine core (pid 1000) finished no step and spent no CPU time for" in message
         assert "holding 1 completion(s)" in message
         assert h.engine.stats() is not None and h.engine.stats().num_running == 0
         second = h.core  # itself replaced in turn if the test stalls past 0.2 s from here

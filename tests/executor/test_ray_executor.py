@@ -42,13 +42,8 @@ def checkpoint(tiny_checkpoint) -> str:  # noqa: ANN001 - the session factory
 
 
 def ray_llm(path: str, **kwargs: object) -> LLM:
-    return make_llm(
-        path,
-        tensor_parallel_size=WORLD_SIZE,
-        distributed_executor_backend="ray",
-        async_scheduling=True,
-        **(ENGINE | kwargs),
-    )
+    args = {"tensor_parallel_size": WORLD_SIZE, "async_scheduling": True} | ENGINE | kwargs
+    return make_llm(path, distributed_executor_backend="ray", **args)
 
 
 def is_dead(actor: object) -> bool:
@@ -169,3 +164,16 @@ def test_a_group_no_node_can_hold_fails_naming_the_free_resources(
     monkeypatch.setattr(ray_cluster, "PLACEMENT_TIMEOUT", 1.0)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2: no node .* 2 x \{'GPU': 1\}"):
         ray_cluster.reserve(ray, [{"GPU": 1}] * 2)  # a CPU-only cluster
+
+
+def test_dropped_engines_release_their_actors_and_groups(checkpoint: str) -> None:
+    # Each dropped engine gives its actor (0.25 CPU) and placement group back at once: the
+    # collected LLM stops its core (one rank each, to keep the test short).
+    prompts = random_prompts([7], seed=9)
+    for _ in range(6):
+        llm = ray_llm(checkpoint, tensor_parallel_size=1)
+        assert len(greedy(llm, prompts)[0]) > 0
+        del llm
+        wait_until(lambda: ray.available_resources().get("CPU") == 2.0, 30, "the actors released")
+        live = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+        assert not live, live

@@ -18,6 +18,7 @@ import pytest
 
 from ferrum import LLM
 from ferrum.default_model import DEFAULT_MODEL_DIR
+from tests.utils.processes import is_running
 from tests.utils.remote_server import REPO_ROOT, RemoteServer, free_port
 from tests.utils.streams import (
     assert_intact,
@@ -66,7 +67,8 @@ def core_pid(server: RemoteServer) -> int:
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     for child in children:
         cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline:
+        spawned = b"multiprocessing.spawn" in cmdline and b"resource_tracker" not in cmdline
+        if spawned and is_running(int(child)):
             return int(child)
     raise AssertionError(f"no engine core process among {children}")
 
@@ -96,7 +98,19 @@ def test_stopped_core_is_restarted(server: RemoteServer, expected_texts: list[st
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)  # the server has killed it already unless this failed
     assert_intact(results, expected_texts)
-    assert f"engine core (pid {pid}) finished no step for" in full_log(server)
+    assert f"engine core (pid {pid}) finished no step and spent no CPU time" in full_log(server)
+
+
+def test_health_tells_a_stopped_core_at_once(server: RemoteServer) -> None:
+    pid = core_pid(server)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        response = httpx.get(server.url + "/health", timeout=10)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"]["code"] == "engine_stopped"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
 def test_poison_request_fails_alone(server: RemoteServer, expected_texts: list[str]) -> None:
