@@ -51,13 +51,9 @@ def add_info_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> N
             raise APIError(503, message, code=code)
         return HealthResponse()
 
-    app.add_api_route(
-        "/ping",
-        ping,
-        methods=["GET", "POST"],
-        response_model=HealthResponse,
-        responses=ERROR_RESPONSES,
-    )
+    app.add_api_route("/ping", ping, response_model=HealthResponse, responses=ERROR_RESPONSES)
+    # POST (SageMaker's probe) takes no body: the same route, documented once.
+    app.add_api_route("/ping", ping, methods=["POST"], include_in_schema=False)
 
     @app.get("/load", response_model=ServerLoad)
     async def load() -> ServerLoad:
