@@ -249,7 +249,7 @@ class OpenAIServingChat(OpenAIServing):
                 plan.output_parser(tokenized),
                 plan.single_call,
                 self.frontend,
-                plan.calls_only,
+                calls_only=plan.calls_only,
             )
             for completion in output.outputs
         ]
