@@ -4,9 +4,12 @@ Starts `ferrum serve` on the shipped model on loopback (CPU, float32) unless --b
 sends --requests streaming completions at --concurrency, and drops a random --disconnect-fraction
 of them after a random number of chunks. Then it waits for the server to go idle and reads
 /metrics: every kept stream must end with [DONE], and the KV cache must be empty again (no leaked
-blocks). Prints one summary line per figure and writes JSON with --out.
+blocks). Prints one summary line per figure and writes JSON with --out. With --hostile, instead:
+streams of well-behaved users run while hostile requests (issue 36: huge lists, deep JSON) arrive,
+and the users' token gaps are compared with rounds of plain requests (hostile_requests.py).
 
     python benchmarks/soak_server.py --requests 1000 --concurrency 128 --disconnect-fraction 0.3
+    python benchmarks/soak_server.py --hostile --rounds 5
 """
 
 from __future__ import annotations
@@ -19,9 +22,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.hostile_requests import hostile_soak
 from ferrum.default_model import DEFAULT_MODEL_NAME
 
 _IDLE_GAUGES = (
@@ -156,6 +163,8 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--startup-timeout", type=float, default=120.0)
     parser.add_argument("--out", default=None, help="write the summary as JSON here")
+    parser.add_argument("--hostile", action="store_true", help="the hostile-client soak")
+    parser.add_argument("--rounds", type=int, default=5, help="--hostile: rounds per phase")
     args = parser.parse_args()
     server = None
     if args.base_url is None:
@@ -163,7 +172,7 @@ def main() -> None:
         server = start_server(port, max_num_seqs=args.concurrency)
         args.base_url = f"http://127.0.0.1:{port}"
     try:
-        summary = asyncio.run(soak(args))
+        summary = asyncio.run(hostile_soak(args, wait_healthy) if args.hostile else soak(args))
     finally:
         if server is not None:
             server.terminate()
@@ -173,7 +182,7 @@ def main() -> None:
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)
-    if summary["errors"] or summary["kv_cache_usage_after"]:
+    if summary.get("errors") or summary.get("kv_cache_usage_after"):
         raise SystemExit(1)
 
 
