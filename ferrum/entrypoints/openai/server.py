@@ -53,6 +53,7 @@ from ferrum.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from ferrum.entrypoints.openai.protocol import (
     CompletionRequest,
 )
+from ferrum.entrypoints.openai.request_limits import publish_vocab_size
 from ferrum.entrypoints.openai.request_log import RequestLog
 from ferrum.entrypoints.openai.responses import (
     CompletionResponse,
@@ -109,6 +110,7 @@ def build_app(
     )
     app.root_path = server_config.root_path  # vLLM's way: routes answer with and without it
     _add_middleware(app, api_key, limits or HttpLimits(), frontend)
+    publish_vocab_size(app, engine.config.model_config.vocab_size)  # token ids' bound
     _add_error_handlers(app)
     _add_info_routes(app, engine, model_names)
     chat = OpenAIServingChat(engine, model_names, frontend)
