@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ferrum import envs
+
 __version__ = "0.1.0"
+
+envs.prefer_passive_openmp()
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
 

@@ -6,6 +6,7 @@ and a CLI flag, never one of these."""
 from __future__ import annotations
 
 import os
+import sys
 
 
 def _get(name: str, default: str) -> str:
@@ -109,3 +110,27 @@ def set_variable(name: str, value: str | None) -> None:
 def child_environment(**extra: str) -> dict[str, str]:
     """This process's environment with `extra` set: what a child process is started with."""
     return {**os.environ, **extra}
+
+
+def prefer_passive_openmp() -> None:
+    """OMP_WAIT_POLICY=PASSIVE unless set, before torch loads OpenMP (which reads it once): idle
+    CPU threads sleep instead of spinning, so steps on cores other work shares are not held up by
+    spinning threads (benchmarks/RESULTS.md: several times faster there; the same when idle). Too
+    late once torch is imported: then left alone (`openmp_spins` tells)."""
+    if "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def openmp_spins() -> bool:
+    """Whether torch's OpenMP threads spin while idle: OMP_WAIT_POLICY is not PASSIVE."""
+    return os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE"
+
+
+def debug_slow_forward() -> float:
+    """FERRUM_DEBUG_SLOW_FORWARD=S: every non-empty forward of an engine core first keeps the CPU
+    busy for S seconds (a test-only stand-in for a slow step on busy cores); 0 when unset."""
+    try:
+        seconds = float(_get("FERRUM_DEBUG_SLOW_FORWARD", "0"))
+    except ValueError:
+        return 0.0
+    return max(seconds, 0.0)

@@ -7,6 +7,7 @@ Dead (a core failed for good): every stream fails and `wait_dead()` returns, to 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 
 from ferrum.config import EngineConfig
@@ -113,6 +114,14 @@ class AsyncLLM(FrontEnd):
         request = self.check_can_serve().process(
             request_id, prompt, params, default_max_tokens=default_max_tokens
         )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "admitted %s: %d prompt tokens, n=%d, max_tokens=%d",
+                request_id,
+                len(request.prompt.token_ids),
+                params.n,
+                request.core_requests[0].sampling_params.max_tokens,
+            )
         compiled = params.structured_outputs is None or self.grammars.check_compiled(params)
         self.output_processor.add_request(request)
         merge_deltas = request.output_kind is RequestOutputKind.DELTA

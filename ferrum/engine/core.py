@@ -10,6 +10,7 @@ previous step (`Scheduler.needs_host_history`)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from bisect import bisect_left
 from collections import deque
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ferrum import envs
 from ferrum.config import EngineConfig, snapshot_interval_blocks
 from ferrum.engine.core_messages import (
     ITERATION_TOKENS_BUCKETS,
@@ -60,6 +62,7 @@ class EngineCore:
         if config.device_config.num_cpu_threads is not None:
             torch.set_num_threads(config.device_config.num_cpu_threads)
         device = torch.device(config.device_config.device)
+        _warn_if_cpu_threads_spin(device)
         executor = create_executor(config)
         try:
             self.executor: Executor = with_injected_faults(executor, core_index)
@@ -161,6 +164,14 @@ class EngineCore:
             self._complete_oldest()
         # An empty step still tells the runner which requests finished.
         scheduler_output = self.scheduler.schedule()
+        if logger.isEnabledFor(logging.DEBUG) and not scheduler_output.is_empty:
+            logger.debug(
+                "step %d: %d requests (%d new), %d tokens",
+                scheduler_output.step_id,
+                len(scheduler_output.num_scheduled_tokens),
+                len(scheduler_output.scheduled_new_reqs),
+                scheduler_output.total_num_scheduled_tokens,
+            )
         if not scheduler_output.is_empty:
             num_tokens = scheduler_output.total_num_scheduled_tokens
             self._iteration_tokens_counts[bisect_left(ITERATION_TOKENS_BUCKETS, num_tokens)] += 1
@@ -324,3 +335,14 @@ def _take_prompt_logprobs(request: Request) -> list[Logprobs] | None:
 
 # How long an idle step sleeps while a request waits for its grammar.
 _GRAMMAR_POLL_SECONDS = 0.002
+
+
+def _warn_if_cpu_threads_spin(device: torch.device) -> None:
+    """On the CPU, torch's threads spinning while idle slow every step on shared cores."""
+    if device.type == "cpu" and torch.get_num_threads() > 1 and envs.openmp_spins():
+        logger.warning(
+            "torch's %d CPU threads spin while idle (OMP_WAIT_POLICY is not PASSIVE: torch "
+            "was imported before ferrum, or it was set): on cores other work shares, steps "
+            "can be several times slower; set OMP_WAIT_POLICY=PASSIVE or --num-cpu-threads 1",
+            torch.get_num_threads(),
+        )

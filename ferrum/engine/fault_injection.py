@@ -1,9 +1,11 @@
 """Test-only fault hooks around the executor, driven by FERRUM_DEBUG_* knobs (`envs.py`):
-a forward that raises once (`FERRUM_DEBUG_FAIL_FORWARD`, first core only) and poison requests
-that make every forward holding them raise (`FERRUM_DEBUG_FAIL_ON_TOKEN`, every core)."""
+a forward that raises once (`FERRUM_DEBUG_FAIL_FORWARD`, first core only), poison requests
+that make every forward holding them raise (`FERRUM_DEBUG_FAIL_ON_TOKEN`, every core), and
+forwards kept busy on the CPU first (`FERRUM_DEBUG_SLOW_FORWARD`, every core)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ferrum import envs
@@ -19,9 +21,10 @@ def with_injected_faults(executor: Executor, core_index: int) -> Any:
     (or an in-process engine), n for its nth restart."""
     fail_at = envs.debug_fail_forward() if core_index == 0 else None
     poison_token_id = envs.debug_fail_on_token()
-    if fail_at is None and poison_token_id is None:
+    slow_seconds = envs.debug_slow_forward()
+    if fail_at is None and poison_token_id is None and not slow_seconds:
         return executor
-    return FaultInjectingExecutor(executor, fail_at, poison_token_id)
+    return FaultInjectingExecutor(executor, fail_at, poison_token_id, slow_seconds)
 
 
 class FaultInjectingExecutor:
@@ -30,9 +33,14 @@ class FaultInjectingExecutor:
     executor's."""
 
     def __init__(
-        self, executor: Executor, fail_at: int | None, poison_token_id: int | None
+        self,
+        executor: Executor,
+        fail_at: int | None,
+        poison_token_id: int | None,
+        slow_seconds: float = 0.0,
     ) -> None:
         self.executor = executor
+        self.slow_seconds = slow_seconds
         self.fail_at = fail_at
         self.poison_token_id = poison_token_id
         self.num_launches = 0
@@ -45,6 +53,8 @@ class FaultInjectingExecutor:
                 "FERRUM_DEBUG_FAIL_ON_TOKEN=%d: forwards of prompts holding it will raise",
                 poison_token_id,
             )
+        if slow_seconds:
+            logger.warning("FERRUM_DEBUG_SLOW_FORWARD=%g: each forward first spins", slow_seconds)
 
     def launch(
         self,
@@ -68,6 +78,9 @@ class FaultInjectingExecutor:
                     f"injected fault: token {self.poison_token_id} in the prompt of "
                     f"{poisoned} (FERRUM_DEBUG_FAIL_ON_TOKEN)"
                 )
+            deadline = time.monotonic() + self.slow_seconds
+            while time.monotonic() < deadline:  # busy, as a slow step on the CPU is
+                pass
         return self.executor.launch(scheduler_output, matchers, defer_sampling)
 
     def __getattr__(self, name: str) -> Any:

@@ -77,6 +77,7 @@ class InputProcessor:
         # Tokenizer.max_token_chars), so it is refused before the tokenizer spends time on it.
         self.max_prompt_chars = self.max_model_len * (tokenizer.max_token_chars if tokenizer else 1)
         self.eos_token_ids = eos_token_ids(model_config, tokenizer)
+        self.max_logprobs = model_config.max_logprobs
 
     def max_tokens_room(self, num_prompt_tokens: int) -> int:
         """The most output tokens a prompt of this length can get (context and KV pool)."""
@@ -193,7 +194,12 @@ class InputProcessor:
         return max_tokens
 
     def _check_token_fields(self, params: SamplingParams) -> None:
-        """Token ids within the model's vocabulary; text fields need a tokenizer."""
+        """Token ids within the model's vocabulary, logprobs within max_logprobs; text fields
+        need a tokenizer."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise FieldError(name, f"{name}: {value} exceeds max_logprobs={self.max_logprobs}")
         vocab = self.vocab_size
         for name, ids in (
             ("logit_bias", params.logit_bias or ()),

@@ -292,6 +292,13 @@ class ProcessClient(CoreClient):
             failed_step = set(req_ids)
             suspects = [r for r in self._requests if r in failed_step]
         verdict = self._recovery.record_crash(suspects)
+        logger.debug(
+            "crash blamed on %s; failed alone: %s; on probation: %d; give up: %s",
+            suspects,
+            verdict.failed,
+            self._recovery.num_on_probation,
+            verdict.give_up,
+        )
         if verdict.give_up is not None:
             self._die(f"{reason}; giving up after {verdict.give_up}")
             return

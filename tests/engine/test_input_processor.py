@@ -66,6 +66,16 @@ def test_unset_max_tokens_takes_the_default_capped_by_the_room_left(
     assert caught.value.field == "min_tokens"
 
 
+def test_logprobs_past_max_logprobs_are_refused() -> None:
+    args = EngineArgs(DEFAULT_MODEL_DIR, max_logprobs=2, **ENGINE)  # type: ignore[arg-type]
+    limited = InputProcessor(args.create_engine_config().model_config, None, 48)
+    limited.process("ok", ids(3), SamplingParams(logprobs=2, prompt_logprobs=2))
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(FieldError, match=f"{name}: 3 exceeds max_logprobs=2") as caught:
+            limited.process("r", ids(3), SamplingParams(**{name: 3}))
+        assert caught.value.field == name
+
+
 def test_completions_are_resolved_and_the_user_params_left_alone(
     processor: InputProcessor,
 ) -> None:

@@ -124,6 +124,24 @@ def test_poison_request_fails_alone(server: RemoteServer, expected_texts: list[s
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
+def test_a_slow_core_is_not_restarted(tmp_path: Path) -> None:
+    # Every forward spins the CPU 1.5 s, past the 1 s stall timeout: the core's CPU time tells a
+    # slow core from a stalled one, so it is never killed and the request finishes.
+    server = RemoteServer(
+        [*SERVER_ARGS, "--engine-stall-timeout", "1"],
+        tmp_path / "server.log",
+        env={"FERRUM_DEBUG_SLOW_FORWARD": "1.5"},
+    )
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 2}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+        assert "starting engine core #1" not in full_log(server)
+    finally:
+        assert server.stop() == 0, server.log()
+
+
 def test_crash_loop_exits_nonzero(tmp_path: Path) -> None:
     # One poison request: it crashes the first core, then the restarted one when it runs alone;
     # with one restart allowed, the second crash ends the server.
