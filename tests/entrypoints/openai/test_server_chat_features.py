@@ -153,3 +153,15 @@ def test_cors_preflight_answers_the_allowed_origin_only(chat_server: RemoteServe
     assert "access-control-allow-origin" not in denied.headers
     simple = httpx.get(chat_server.url + "/v1/models", headers={"Origin": ORIGIN})
     assert simple.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_auto_tool_choice_constrains_the_arguments(chat_server: RemoteServer) -> None:
+    """Under "auto" the tools' schemas are compiled into the grammar: a bad one is a 400."""
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}
+    response = httpx.post(
+        chat_server.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": USER, "tools": [bad], "max_tokens": 4},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "tools"
