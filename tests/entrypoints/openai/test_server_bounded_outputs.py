@@ -18,7 +18,7 @@ from tests.utils.remote_server import RemoteServer
 
 MODEL = DEFAULT_MODEL_NAME
 MAX_TOKENS = 200
-NUM_CHOICES = 16
+NUM_CHOICES = 8
 USER = [{"role": "user", "content": "Describe a user."}]
 # Nothing bounded: strings, numbers, arrays as long as the model likes.
 PROFILE = {
