@@ -182,6 +182,9 @@ async def hostile_soak(args: Any, wait_healthy: Callable[..., Awaitable[None]]) 
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         await wait_healthy(session, args.base_url, args.startup_timeout)
+        # The first grammar imports xgrammar (and torch) into the API process: once per server.
+        path, body = _completion(structured_outputs={"choice": ["yes", "no"]})
+        await _send(session, args.base_url, "warm_up", path, json.dumps(body).encode(), {})
         summary: dict[str, Any] = {"rounds": args.rounds, "users": _USERS}
         summary["user_tokens"] = _USER_TOKENS
         for phase, bodies, sequential in (
