@@ -174,7 +174,7 @@ class EngineArgs:
                     default=None,
                     help="grammar compilation for structured outputs, as JSON: "
                     '{"compile_timeout_s": 10.0, "compile_cache_size": 256, '
-                    '"compile_max_workers": 4, "disable_any_whitespace": false}',
+                    '"compile_max_workers": 4, "disable_any_whitespace": true} (the defaults)',
                 )
                 continue
             if f.name in _CONFIG_FIELDS:

@@ -132,8 +132,9 @@ class EngineCore:
         if r.output_token_ids:
             request.prompt_logprobs = None  # the front end has them
         if r.sampling_params.structured_outputs is not None:
+            budget = r.grammar_max_tokens or request.max_tokens
             request.grammar = RequestGrammar(
-                self.grammars.submit(r.sampling_params.structured_outputs)
+                self.grammars.submit(r.sampling_params.structured_outputs), max_tokens=budget
             )
         self.scheduler.add_request(request)
 

@@ -25,6 +25,9 @@ class EngineCoreRequest:
     # Tokens a previous core already generated (a request resumed after a core restart): the
     # core counts them as outputs, as for a preempted request.
     output_token_ids: list[int] = field(default_factory=list)
+    # The completion's own max_tokens when sampling_params' is a probation run's one-token limit:
+    # its grammar closes within the completion's budget, not the trial's.
+    grammar_max_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -114,7 +114,8 @@ def trial_request(request: EngineCoreRequest) -> EngineCoreRequest:
     later output of this run can reach the completion once it rejoins the others."""
     max_tokens = len(request.output_token_ids) + 1
     params = dataclasses.replace(request.sampling_params, max_tokens=max_tokens)
-    return dataclasses.replace(request, sampling_params=params)
+    budget = request.sampling_params.max_tokens
+    return dataclasses.replace(request, sampling_params=params, grammar_max_tokens=budget)
 
 
 def unclip_trial_output(

@@ -5,7 +5,6 @@ string included) and the output ends after the calls; under "auto" no markup is 
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
 from pathlib import Path
@@ -15,7 +14,6 @@ import pytest
 
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
-from ferrum.engine.core import EngineCore
 from ferrum.entrypoints.openai.tool_parsers import HermesToolParser, Qwen3CoderToolParser
 from ferrum.entrypoints.openai.tool_parsers.tool_choice import (
     auto_tool_call_structural_tag,
@@ -82,13 +80,6 @@ TOOLS = [
     },
 ]
 SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-# The engine core gives each request's grammar its max_tokens (what closes it in time).
-BUDGET_WIRED = "max_tokens" in inspect.getsource(EngineCore.add_request)
-needs_budget = pytest.mark.xfail(
-    not BUDGET_WIRED,
-    reason="EngineCore.add_request does not pass max_tokens to RequestGrammar",
-    strict=False,  # some pass without: a grammar that ends soon needs no closing
-)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -109,7 +100,6 @@ def _params(constraint: StructuredOutputsParams, seed: int, **extra) -> Sampling
     )
 
 
-@needs_budget
 def test_every_json_output_is_valid(bad_llm):
     requests = []
     for name, schema in SCHEMAS.items():
@@ -127,7 +117,6 @@ def test_every_json_output_is_valid(bad_llm):
         jsonschema.validate(json.loads(completion.text), SCHEMAS[name])
 
 
-@needs_budget
 @pytest.mark.parametrize("parser", [HermesToolParser, Qwen3CoderToolParser])
 def test_forced_tool_calls_are_valid_and_end(bad_llm, parser):
     named = {"type": "function", "function": {"name": "get_weather"}}

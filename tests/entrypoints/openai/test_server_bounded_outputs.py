@@ -5,7 +5,6 @@ in any delta."""
 
 from __future__ import annotations
 
-import inspect
 import json
 from typing import Any
 
@@ -13,7 +12,6 @@ import jsonschema
 import pytest
 
 from ferrum.default_model import DEFAULT_MODEL_NAME
-from ferrum.engine.core import EngineCore
 from tests.utils.remote_server import RemoteServer
 
 MODEL = DEFAULT_MODEL_NAME
@@ -47,12 +45,6 @@ LOOKUP = {
     },
 }
 LOOKUP_PARAMETERS = LOOKUP["function"]["parameters"]
-BUDGET_WIRED = "max_tokens" in inspect.getsource(EngineCore.add_request)
-needs_budget = pytest.mark.xfail(
-    not BUDGET_WIRED,
-    reason="EngineCore.add_request does not pass max_tokens to RequestGrammar",
-    strict=False,  # some pass without: a grammar that ends soon needs no closing
-)
 
 
 def _chat(server: RemoteServer, **kwargs: Any) -> Any:
@@ -68,7 +60,6 @@ def _chat(server: RemoteServer, **kwargs: Any) -> Any:
     )
 
 
-@needs_budget
 def test_unbounded_json_schema_always_ends_valid(server: RemoteServer) -> None:
     response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": PROFILE}}
     for choice in _chat(server, response_format=response_format).choices:
@@ -76,7 +67,6 @@ def test_unbounded_json_schema_always_ends_valid(server: RemoteServer) -> None:
         jsonschema.validate(json.loads(choice.message.content), PROFILE)
 
 
-@needs_budget
 @pytest.mark.parametrize("parallel", [True, False])
 def test_forced_calls_end_with_valid_arguments(server: RemoteServer, parallel: bool) -> None:
     result = _chat(server, tools=[LOOKUP], tool_choice="required", parallel_tool_calls=parallel)
@@ -89,7 +79,6 @@ def test_forced_calls_end_with_valid_arguments(server: RemoteServer, parallel: b
             jsonschema.validate(json.loads(call.function.arguments), LOOKUP_PARAMETERS)
 
 
-@needs_budget
 def test_streamed_forced_calls_carry_no_markup(server: RemoteServer) -> None:
     named = {"type": "function", "function": {"name": "lookup"}}
     arguments: dict[int, str] = {}
