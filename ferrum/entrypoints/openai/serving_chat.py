@@ -211,14 +211,15 @@ class OpenAIServingChat(OpenAIServing):
                     param="tool_choice",
                 )
         forced = tool_tag is not None and tool_choice != "auto"
+        param = self.constraint_param(request) if tool_tag is None else _tool_param(tool_choice)
+        try:  # the tag holds the tools' schemas: their limits (depth) are checked here
+            constraint = (
+                requested if tool_tag is None else StructuredOutputsParams(structural_tag=tool_tag)
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
         return ChatPlan(
-            self.reasoning_parser,
-            tool_parser,
-            not parallel,
-            tools,
-            requested if tool_tag is None else StructuredOutputsParams(structural_tag=tool_tag),
-            self.constraint_param(request) if tool_tag is None else _tool_param(tool_choice),
-            calls_only=forced,
+            self.reasoning_parser, tool_parser, not parallel, tools, constraint, param, forced
         )
 
     async def create_chat_completion(
