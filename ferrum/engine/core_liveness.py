@@ -20,20 +20,19 @@ def _stat(pid: int) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()
 
 
-def cpu_seconds(pids: Iterable[int]) -> float | None:
-    """User + system CPU seconds the processes used so far (gone ones count 0); None without
-    /proc."""
+def cpu_seconds(pids: Iterable[int]) -> list[float] | None:
+    """User + system CPU seconds each process used so far (a gone one: 0); None without /proc."""
     if not Path("/proc/self/stat").exists():
         return None
-    ticks = 0
+    seconds = []
     for pid in pids:
         fields = _stat(pid)
-        if fields is not None:
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / _CLOCK_TICKS
+        ticks = 0 if fields is None else int(fields[11]) + int(fields[12])  # utime, stime
+        seconds.append(ticks / _CLOCK_TICKS)
+    return seconds
 
 
 def is_stopped(pid: int) -> bool:
-    """Whether the process is stopped (SIGSTOP, or traced)."""
+    """Whether the process is stopped by a signal (SIGSTOP; a debugger's stop is not counted)."""
     fields = _stat(pid)
-    return fields is not None and fields[0] in ("T", "t")
+    return fields is not None and fields[0] == "T"

@@ -72,7 +72,8 @@ class ProcessClient(CoreClient):
         # When the current core last finished a step, spent CPU time on a CPU device, or had no
         # request to work on; and the CPU seconds it had spent then.
         self._last_progress = time.monotonic()
-        self._last_cpu_seconds = 0.0
+        self._last_cpu_seconds: list[float] = []
+        self._cpu_pids: tuple[int, ...] = ()  # the processes that CPU time is of
         # A CPU device's steps run on the host: a slow step still spends CPU time.
         self._counts_cpu_time = config.device_config.device == "cpu"
 
@@ -358,11 +359,21 @@ class ProcessClient(CoreClient):
                 )
 
     def _spent_cpu_time(self) -> bool:
-        """On a CPU device: whether the core's processes spent CPU time since the last call."""
+        """On a CPU device: whether each process computing the forward (the workers, else the
+        core) spent CPU time since the last progress. Each: one stopped or hung rank stalls the
+        step, however busy its peers wait for it."""
         if not self._counts_cpu_time or self._process is None:
             return False
-        seconds = cpu_seconds(self._process.pids)
-        if seconds is None or seconds < self._last_cpu_seconds + _MIN_CPU_PROGRESS_S:
+        pids = self._process.pids
+        computing = pids[1:] or pids  # the core only waits on its workers
+        seconds = cpu_seconds(computing)
+        if not seconds:  # no /proc, or no process yet
+            return False
+        if pids != self._cpu_pids:  # a new core, or its workers named: a new baseline
+            self._cpu_pids, self._last_cpu_seconds = pids, seconds
+            return False
+        spent = [now - before for now, before in zip(seconds, self._last_cpu_seconds)]
+        if min(spent) < _MIN_CPU_PROGRESS_S:
             return False
         self._last_cpu_seconds = seconds
         return True

@@ -358,6 +358,8 @@ class Scheduler:
             )
             return RequestStatus.FINISHED_ABORTED
         if grammar.matcher.is_terminated():
+            if grammar.matcher.closed_by_budget:  # valid, but cut short: as vLLM, "length"
+                return RequestStatus.FINISHED_LENGTH
             if token_id != request.eos_token_id:
                 request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED

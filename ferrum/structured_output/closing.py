@@ -23,8 +23,12 @@ _MAX_PIECE_BYTES = 16
 # tokens left, if less): one token can lengthen the closing (`{` of an object with required keys).
 _MARGIN = 16
 _MAX_CLOSING_BYTES = 1024
-# Tokens after which a closing not found is looked for again.
+# Tokens after which a closing not found is looked for again, doubling after each miss (a grammar
+# the greedy search cannot close costs its search once in a while, not every few tokens).
 _RETRY_AFTER = 8
+_MAX_RETRY_AFTER = 512
+# Candidates tried in one search (each an xgrammar accept on a fork): bounds its host time.
+_MAX_ATTEMPTS = 20_000
 
 
 class ClosingVocab:
@@ -60,7 +64,7 @@ class ClosingVocab:
 class Closer:
     """Finds closings for the matchers of one compiled grammar."""
 
-    __slots__ = ("_vocab", "_orders")
+    __slots__ = ("_vocab", "_orders", "_free_orders")
 
     def __init__(
         self, vocab: ClosingVocab, closing_tags: Iterable[str] = (), ends: Iterable[str] = ()
@@ -75,14 +79,19 @@ class Closer:
             (*first, *_ASCII, *_CONTINUATION),
             (*first, *reversed(_ASCII), *_CONTINUATION),
         )
+        # In free text (reasoning before a tag), its way out first, not punctuation.
+        out = (*dict.fromkeys(e.encode() for e in ends if e), *tags, *_PUNCTUATION)
+        self._free_orders = ((*out, *_ASCII, *_CONTINUATION),) + self._orders
 
     def closing(self, matcher: xgr.GrammarMatcher, max_bytes: int) -> list[int] | None:
         """The tokens that complete the grammar from `matcher`'s state ([] if it is complete),
         checked on a fork (the matcher is untouched); None if none is found in `max_bytes`."""
         if matcher.is_completed():
             return []
-        for order in self._orders:
-            text = _closing_text(matcher.fork(), order, max_bytes)
+        orders = self._free_orders if self.free_text(matcher) else self._orders
+        attempts = [_MAX_ATTEMPTS]
+        for order in orders:
+            text = _closing_text(matcher.fork(), order, max_bytes, attempts)
             token_ids = None if text is None else self._vocab.encode(text)
             if token_ids is None:
                 continue
@@ -97,10 +106,11 @@ class Closer:
 
 
 def _closing_text(
-    fork: xgr.GrammarMatcher, candidates: tuple[bytes, ...], max_bytes: int
+    fork: xgr.GrammarMatcher, candidates: tuple[bytes, ...], max_bytes: int, attempts: list[int]
 ) -> bytes | None:
     """Greedy: the forced text, else the first candidate accepted; a candidate chosen
-    `_MAX_REPEATS` times in a row without forced text between goes last."""
+    `_MAX_REPEATS` times in a row without forced text between goes last. `attempts[0]`: the
+    candidates left to try in this search (shared by its orders); None once spent."""
     pieces: list[bytes] = []
     size = 0
     order = list(candidates)
@@ -113,7 +123,14 @@ def _closing_text(
             piece = forced
             order, last, repeats = list(candidates), b"", 0
         else:
-            piece = next((c for c in order if fork.accept_string(c)), b"")
+            piece = b""
+            for candidate in order:
+                attempts[0] -= 1
+                if attempts[0] < 0:
+                    return None
+                if fork.accept_string(candidate):
+                    piece = candidate
+                    break
             if not piece:
                 return None
             repeats = repeats + 1 if piece == last else 1
@@ -155,7 +172,16 @@ class BudgetGuard:
     room left for another closing as long as the longest seen (a second tool call) stops there,
     unless the grammar goes on in free text (text may end anywhere)."""
 
-    __slots__ = ("_closer", "_max_tokens", "_plan", "_next_check", "_longest", "_ending")
+    __slots__ = (
+        "_closer",
+        "_max_tokens",
+        "_plan",
+        "_next_check",
+        "_longest",
+        "_ending",
+        "_retry_after",
+        "truncated",
+    )
 
     def __init__(self, closer: Closer, max_tokens: int) -> None:
         self._closer = closer
@@ -164,6 +190,9 @@ class BudgetGuard:
         self._ending = False  # the plan ends the output: then only stop tokens
         self._next_check = 0  # the number of accepted tokens at which to measure again
         self._longest = 0  # the longest closing measured
+        self._retry_after = _RETRY_AFTER
+        # The output was cut short to close in time (a "length" finish, however valid).
+        self.truncated = False
 
     def forced(self, matcher: xgr.GrammarMatcher, num_accepted: int) -> int | None:
         """The only token allowed next (-1: only the stop tokens), or None: the grammar's mask."""
@@ -177,8 +206,10 @@ class BudgetGuard:
         margin = min(_MARGIN, left // 4)
         closing = self._closer.closing(matcher, min(_MAX_CLOSING_BYTES, 8 * left + 64))
         if closing is None:
-            self._next_check = num_accepted + _RETRY_AFTER
+            self._next_check = num_accepted + self._retry_after
+            self._retry_after = min(2 * self._retry_after, _MAX_RETRY_AFTER)
             return None
+        self._retry_after = _RETRY_AFTER
         self._longest = max(self._longest, len(closing))
         if closing:
             slack = left - len(closing) - 1 - margin  # 1: the stop token after it
@@ -190,6 +221,7 @@ class BudgetGuard:
             self._next_check = num_accepted + max(1, min(slack // 4, len(closing)))
             return None
         self._plan, self._ending = closing, True
+        self.truncated = bool(closing)
         return self._plan[0] if self._plan else -1
 
     def accepted(self, token_id: int) -> None:
@@ -200,3 +232,4 @@ class BudgetGuard:
 
     def reset(self) -> None:
         self._plan, self._ending, self._next_check = [], False, 0
+        self.truncated = False

@@ -2,9 +2,10 @@
 gets at most a few blanks between tokens (a weak model would otherwise spend its budget on them).
 String lengths: xgrammar 0.2.9's `minLength`/`maxLength` strings allow raw control characters
 (invalid JSON), and it drops the lengths from a json_schema element with `excludes` (tool calls
-exclude their tags); so such strings become a `pattern` of the same lengths, which xgrammar keeps
-to valid JSON text (no control characters, quotes or escapes), without `<` under `excludes`
-(every excluded tag starts with it)."""
+exclude their tags); so short bounded strings (`maxLength` <= PATTERN_MAX_LENGTH: names, keys,
+ids) become a `pattern` of the same lengths, which xgrammar keeps to valid JSON text (no control
+characters, quotes or escapes; no `<` under `excludes`, where every tag starts with it). Longer
+ones (file contents, commands) keep their quotes and escapes, their length unenforced there."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from typing import Any
 # `{"a": 1}` and `{"a":1}` both pass) and pretty (`disable_any_whitespace` false).
 COMPACT_MAX_WHITESPACE = 1
 PRETTY_MAX_WHITESPACE = 16
+# The longest bounded string made a pattern: a pattern string holds no quote or escape, which
+# short identifier-like strings never need and long free text does.
+PATTERN_MAX_LENGTH = 256
 # Schema keys whose values are data, not subschemas.
 _DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
 
@@ -35,8 +39,8 @@ def bound_structural_tag(tag: Any, max_whitespace: int) -> Any:
 
 
 def lengths_as_patterns(schema: Any, exclude_tags: bool = False) -> Any:
-    """A copy of `schema` whose strings with `minLength`/`maxLength` (and no pattern, format,
-    enum or const) have `pattern: ^.{min,max}$` instead (`[^<]` for `.` with `exclude_tags`)."""
+    """A copy of `schema` whose strings with `maxLength` <= PATTERN_MAX_LENGTH (and no pattern,
+    format, enum or const) have `pattern: ^.{min,max}$` instead (`[^<]` with `exclude_tags`)."""
     if isinstance(schema, list):
         return [lengths_as_patterns(item, exclude_tags) for item in schema]
     if not isinstance(schema, dict):
@@ -47,15 +51,15 @@ def lengths_as_patterns(schema: Any, exclude_tags: bool = False) -> Any:
     }
     types = out.get("type")
     is_string = types == "string" or (isinstance(types, list) and "string" in types)
-    bounded = "minLength" in out or "maxLength" in out
     free = not any(key in out for key in ("pattern", "format", "enum", "const"))
     low, high = out.get("minLength", 0), out.get("maxLength")
-    valid = _is_count(low) and (high is None or _is_count(high))  # else xgrammar refuses it
-    if is_string and bounded and free and valid:
+    # Not a count: xgrammar refuses it, naming the schema.
+    short = _is_count(low) and _is_count(high) and high <= PATTERN_MAX_LENGTH
+    if is_string and free and short:
         out.pop("minLength", None)
         out.pop("maxLength", None)
         char = "[^<]" if exclude_tags else "."
-        out["pattern"] = f"^{char}{{{low},{'' if high is None else high}}}$"
+        out["pattern"] = f"^{char}{{{low},{high}}}$"
     return out
 
 

@@ -58,6 +58,11 @@ class StructuredOutputMatcher:
         """True once the grammar ended and its stop token was accepted: the request is done."""
         return self._matcher.is_terminated()
 
+    @property
+    def closed_by_budget(self) -> bool:
+        """Whether the output was cut short to close the grammar within the token budget."""
+        return self._budget is not None and self._budget.truncated
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the allowed next tokens into row `row` of a host bitmask (`bitmask.py` layout).
         A terminated matcher allows only its stop tokens (the token is dropped anyway: the

@@ -29,23 +29,27 @@ def _accepts(compiler: GrammarCompilerService, params: StructuredOutputsParams, 
     return matcher._matcher.accept_string(text)
 
 
-def test_lengths_become_patterns_everywhere_but_data():
+def test_short_bounded_strings_become_patterns_everywhere_but_data():
     schema = {
         "type": "object",
         "properties": {
-            "a": {"type": ["string", "null"], "minLength": 2},
+            "a": {"type": ["string", "null"], "minLength": 2, "maxLength": 256},
             "b": {"type": "array", "items": {"type": "string", "maxLength": 3}},
             "c": {"type": "string", "maxLength": 3, "pattern": "^x+$"},  # has its own pattern
             "d": {"enum": [{"type": "string", "maxLength": 1}]},  # data, not a schema
             "e": {"type": "string", "maxLength": -1},  # invalid: xgrammar refuses it
+            # Free text (no bound, or a long one) keeps its quotes and escapes.
+            "f": {"type": "string", "minLength": 1},
+            "g": {"type": "string", "maxLength": 257},
         },
     }
     out = lengths_as_patterns(schema, exclude_tags=True)
-    assert out["properties"]["a"] == {"type": ["string", "null"], "pattern": "^[^<]{2,}$"}
+    assert out["properties"]["a"] == {"type": ["string", "null"], "pattern": "^[^<]{2,256}$"}
     assert out["properties"]["b"]["items"] == {"type": "string", "pattern": "^[^<]{0,3}$"}
     assert out["properties"]["c"] == schema["properties"]["c"]
     assert out["properties"]["d"] == schema["properties"]["d"]
-    assert out["properties"]["e"] == schema["properties"]["e"]
+    for name in "efg":
+        assert out["properties"][name] == schema["properties"][name]
     short = lengths_as_patterns(SHORT)["properties"]["s"]
     assert short == {"type": "string", "pattern": "^.{0,4}$"}
     assert schema["properties"]["a"]["minLength"] == 2  # the input is not modified

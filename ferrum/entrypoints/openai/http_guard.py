@@ -159,11 +159,13 @@ class LimitedH11Protocol(H11Protocol):
         """Closes the connection, lingering first while the client is sending a body."""
         transport, seen = self._socket_transport, self._uvicorn_transport
         assert transport is not None and seen is not None
+        # TLS cannot half-close (no write_eof): it closes after the buffered answer at once.
         if (
             self._linger_until is not None
             or self._shutting_down
             or transport.is_closing()
             or self.conn.their_state is not h11.SEND_BODY
+            or not transport.can_write_eof()
         ):
             self._cancel_linger_timer()
             transport.close()

@@ -29,7 +29,14 @@ class ServerConfig:
         default=None, metadata=_help("TLS certificate file (PEM); with --ssl-keyfile: HTTPS")
     )
     ssl_ca_certs: str | None = field(
-        default=None, metadata=_help("CA certificates file (PEM) for client certificates")
+        default=None, metadata=_help("CA certificates (PEM) that check client certificates")
+    )
+    ssl_cert_reqs: int = field(
+        default=0,
+        metadata=_help(
+            "client certificates (Python's ssl.CERT_*): 0 none asked for, 1 optional, 2 required "
+            "(needs --ssl-ca-certs)"
+        ),
     )
     enable_log_requests: bool = field(
         default=False,
@@ -54,6 +61,15 @@ class ServerConfig:
             )
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise _fail("ssl_keyfile", "--ssl-keyfile and --ssl-certfile go together")
+        if self.ssl_cert_reqs not in (0, 1, 2):
+            raise _fail("ssl_cert_reqs", f"must be 0, 1 or 2, got {self.ssl_cert_reqs!r}")
+        if self.ssl_cert_reqs and self.ssl_ca_certs is None:
+            raise _fail("ssl_cert_reqs", "checking client certificates needs --ssl-ca-certs")
+        if self.ssl_ca_certs is not None and not self.ssl_cert_reqs:
+            raise _fail(
+                "ssl_ca_certs",
+                "has no effect unless --ssl-cert-reqs asks for client certificates (1 or 2)",
+            )
         for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
@@ -73,6 +89,7 @@ class ServerConfig:
             "ssl_keyfile": self.ssl_keyfile,
             "ssl_certfile": self.ssl_certfile,
             "ssl_ca_certs": self.ssl_ca_certs,
+            "ssl_cert_reqs": self.ssl_cert_reqs,
             "access_log": not self.disable_uvicorn_access_log,
             "log_config": uvicorn_log_config(),
         }

@@ -55,8 +55,9 @@ from ferrum.entrypoints.openai.tool_parsers.tool_choice import (
     auto_tool_call_structural_tag,
     tool_call_structural_tag,
 )
+from ferrum.logger import init_logger
 from ferrum.outputs import CompletionOutput, RequestOutput
-from ferrum.sampling_params import StructuredOutputsParams
+from ferrum.sampling_params import SamplingParams, StructuredOutputsParams
 
 # apply_chat_template arguments a request may not set through chat_template_kwargs.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -69,6 +70,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
         "continue_final_message",
     }
 )
+
+logger = init_logger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +225,22 @@ class OpenAIServingChat(OpenAIServing):
             self.reasoning_parser, tool_parser, not parallel, tools, constraint, param, forced
         )
 
+    async def _auto_calls_or_free(
+        self,
+        request: ChatCompletionRequest,
+        params: SamplingParams,
+        max_tokens: int | None,
+        logprobs: int | None,
+    ) -> SamplingParams:
+        """tool_choice "auto" constrains calls by the tools' schemas where xgrammar compiles
+        them; where it does not (a feature it lacks), the calls go unconstrained, as before."""
+        try:
+            await self.engine.compile_grammar(params)
+        except ValueError as e:
+            logger.warning("tool_choice auto: tool calls left unconstrained: %s", e)
+            return self.sampling_params(request, max_tokens, logprobs, None)
+        return params
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest
     ) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -236,6 +255,8 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as e:
             raise APIError(400, str(e), param="structured_outputs") from None
         params = self.sampling_params(request, max_tokens, logprobs, constraint)
+        if plan.constraint_param == "tools" and constraint is not None:
+            params = await self._auto_calls_or_free(request, params, max_tokens, logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         submission = (request_id, tokenized, params)
         streams = await self.add_requests([submission], "messages", plan.constraint_param)

@@ -36,7 +36,7 @@ def add_token_routes(app: FastAPI, engine: AsyncLLM, chat: OpenAIServingChat) ->
             tokens = (await chat.render(body)).token_ids
         token_strs = None
         if body.return_token_strs:
-            token_strs = [tokenizer.backend.id_to_token(t) or "" for t in tokens]
+            token_strs = await off_loop(len(tokens), _token_strs, tokenizer, tokens)
         return TokenizeResponse(
             count=len(tokens), max_model_len=max_model_len, tokens=tokens, token_strs=token_strs
         )
@@ -62,3 +62,7 @@ def _decode(tokenizer: Tokenizer, token_ids: list[int]) -> str:
             400, f"tokens: token id {bad} is outside [0, {tokenizer.vocab_size})", param="tokens"
         )
     return tokenizer.decode(token_ids)
+
+
+def _token_strs(tokenizer: Tokenizer, token_ids: list[int]) -> list[str]:
+    return [tokenizer.backend.id_to_token(t) or "" for t in token_ids]

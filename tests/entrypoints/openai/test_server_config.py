@@ -66,3 +66,14 @@ def test_api_key_check_and_route_path() -> None:
     assert route_path({"path": "/api/health", "root_path": "/api"}) == "/health"
     assert route_path({"path": "/health", "root_path": "/api"}) == "/health"
     assert route_path({"path": "/v1/models"}) == "/v1/models"
+
+
+def test_client_certificates_need_both_flags(tmp_path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    with pytest.raises(ValueError, match="ssl_ca_certs: has no effect unless --ssl-cert-reqs"):
+        ServerConfig(ssl_ca_certs=str(ca))
+    with pytest.raises(ValueError, match="ssl_cert_reqs: checking client certificates needs"):
+        ServerConfig(ssl_cert_reqs=2)
+    config = ServerConfig(ssl_ca_certs=str(ca), ssl_cert_reqs=2)
+    assert config.uvicorn_kwargs()["ssl_cert_reqs"] == 2

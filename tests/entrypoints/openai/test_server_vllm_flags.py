@@ -5,6 +5,7 @@ short stats interval. Each flag works or logs at start-up that it has no effect.
 from __future__ import annotations
 
 import shutil
+import socket
 import ssl
 import subprocess
 import time
@@ -73,6 +74,7 @@ def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_TLSServer]
     args += ["--tokenizer-mode", "auto", "--generation-config", "vllm"]
     args += ["--enable-log-requests", "--max-log-len", "30"]
     args += ["--response-role", "bot", "--return-tokens-as-token-ids"]
+    args += ["--max-request-body-bytes", "65536", "--timeout-request-body", "1"]
     env = {"FERRUM_LOGGING_LEVEL": "DEBUG", "FERRUM_LOG_STATS_INTERVAL": "0.2"}
     remote = _TLSServer(args, folder / "server.log", env=env, api_key=API_KEY)
     yield remote
@@ -147,3 +149,20 @@ def test_response_role_and_tokens_as_token_ids(tls_server: _TLSServer) -> None:
     logprobs = tls_server.post("/v1/completions", body).json()["choices"][0]["logprobs"]
     assert all(t.startswith("token_id:") for t in logprobs["tokens"])
     assert all(k.startswith("token_id:") for top in logprobs["top_logprobs"] for k in top)
+
+
+def test_a_stalled_body_over_tls_is_cut_and_closed(tls_server: _TLSServer) -> None:
+    # TLS has no half-close: the 408 goes out and the connection closes (no lingering read).
+    host, port = tls_server.url.removeprefix("https://").split(":")
+    raw = socket.create_connection((host, int(port)), timeout=30)
+    with tls_server.context().wrap_socket(raw, server_hostname=host) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {API_KEY}\r\nContent-Length: 1000\r\n\r\n".encode()
+            + b'{"a'
+        )
+        answer = b""
+        while chunk := conn.recv(65536):  # ends when the server closes
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert "NotImplementedError" not in tls_server.log_path.read_text()
