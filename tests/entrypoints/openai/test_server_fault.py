@@ -46,11 +46,11 @@ def expected_texts(shipped_llm: LLM) -> list[str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RemoteServer]:
     """Restart policy; the first core's FAIL_AT_FORWARD-th forward raises, poison prompts raise
-        in every core, a core silent for 15 s with work counts as stuck (a loaded 2-core machine can
-    take 2.5 s for one prefill step of the 32 streams)."""
+    in every core, a core that makes no progress for 5 s with work counts as stuck (a slow step
+    on a loaded machine still spends CPU time: progress)."""
     log = tmp_path_factory.mktemp("fault") / "server.log"
     remote = RemoteServer(
-        [*SERVER_ARGS, "--engine-stall-timeout", "15", "--engine-max-restarts", "20"],
+        [*SERVER_ARGS, "--engine-stall-timeout", "5", "--engine-max-restarts", "20"],
         log,
         env={
             "FERRUM_DEBUG_FAIL_FORWARD": str(FAIL_AT_FORWARD),
