@@ -54,11 +54,20 @@ def is_dead(actor: object) -> bool:
     return False
 
 
+def wait_all_dead(actors: list[object]) -> None:
+    """`ray.kill` is asynchronous: a call sent just after it may still be answered."""
+    wait_until(lambda: all(is_dead(a) for a in actors), 60, "every Ray actor dead")
+
+
 def assert_released(executor: object) -> None:
     """Every actor of the executor is dead and its placement groups removed."""
-    assert all(is_dead(a) for a in executor._actors)  # type: ignore[attr-defined]
-    for group in executor._placement_groups:  # type: ignore[attr-defined]
-        assert placement_group_table(group)["state"] == "REMOVED"
+    wait_all_dead(executor._actors)  # type: ignore[attr-defined]
+    groups = executor._placement_groups  # type: ignore[attr-defined]
+    wait_until(
+        lambda: all(placement_group_table(g)["state"] == "REMOVED" for g in groups),
+        60,
+        "every placement group removed",
+    )
 
 
 def test_ray_workers_give_the_greedy_tokens_of_one_process_and_report_a_raising_rank(
@@ -81,7 +90,7 @@ def test_ray_workers_give_the_greedy_tokens_of_one_process_and_report_a_raising_
             WorkerStepError, match=r"worker \d failed: (.|\n)*unknown message 'bogus'"
         ):
             executor._call_all("bogus")
-        assert all(is_dead(a) for a in executor._actors)
+        wait_all_dead(executor._actors)
     finally:
         llm.llm_engine.core.shutdown()
     assert_released(executor)
@@ -117,7 +126,7 @@ def test_killed_actor_fails_the_step_and_wakes_the_idle_core(checkpoint: str) ->
             engine.step()
         with pytest.raises(WorkerDiedError):  # the executor stays failed
             engine.step()
-        assert all(is_dead(a) for a in executor._actors)
+        wait_all_dead(executor._actors)
     finally:
         engine.core.shutdown()  # after a failure too
     assert_released(executor)
