@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ferrum.config_fields import field_error as _fail
 from ferrum.config_fields import field_help as _help
 from ferrum.model_arch import ModelArchConfig
+from ferrum.model_folder import read_generation_config, read_hf_config
 from ferrum.parallel_config import ParallelConfig, check_parallel_fits_model
 from ferrum.quant_config import QUANTIZATION_METHODS, QuantConfig, resolve_quant_config
 from ferrum.sampling_params import MAX_LOGPROBS
@@ -34,23 +33,6 @@ _GENERATION_DEFAULTS = (
     "max_new_tokens",
 )
 KERNEL_BACKENDS = ("auto", "torch", "triton")
-
-
-def read_hf_config(model: str) -> dict[str, Any]:
-    """Reads `config.json` from a local Hugging Face model folder."""
-    if not os.path.isdir(model):
-        raise _fail("model", f"{model!r} is not a local model folder (no model hub is used)")
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        raise _fail("model", f"{model!r} has no config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise _fail("model", f"cannot read {path}: {e}") from e
-    if not isinstance(config, dict):
-        raise _fail("model", f"{path} does not hold a JSON object")
-    return config
 
 
 @dataclass(frozen=True)
@@ -145,7 +127,7 @@ class ModelConfig:
             "hf_config": hf_config,
             "arch": arch,
             "quant_config": quant_config,
-            "hf_generation_config": _read_generation_config(self.model, self.generation_config),
+            "hf_generation_config": read_generation_config(self.model, self.generation_config),
             "max_logprobs": _resolve_max_logprobs(self.max_logprobs),
             "dtype": resolve_dtype(self.dtype, hf_config),
             "max_model_len": max_model_len,
@@ -202,22 +184,6 @@ def _resolve_max_logprobs(value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < -1:
         raise _fail("max_logprobs", f"must be an integer >= -1, got {value!r}")
     return MAX_LOGPROBS if value == -1 else min(value, MAX_LOGPROBS)
-
-
-def _read_generation_config(model: str, generation_config: str) -> dict[str, Any]:
-    """generation_config.json of the model folder ("auto", "vllm") or of the folder given; {}
-    when the model folder has none or it is unreadable."""
-    folder = model if generation_config in ("auto", "vllm") else generation_config
-    path = os.path.join(folder, "generation_config.json")
-    if folder != model and not os.path.isfile(path):
-        message = "is not a folder holding a generation_config.json (use auto, vllm, or one)"
-        raise _fail("generation_config", f"{generation_config!r} {message}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return config if isinstance(config, dict) else {}
 
 
 def resolve_dtype(dtype: str, hf_config: dict[str, Any]) -> str:
@@ -349,6 +315,13 @@ class DeviceConfig:
         ),
     )
     enforce_eager: bool = field(default=False, metadata=_help("never capture CUDA graphs"))
+    batch_invariant: bool = field(
+        default=False,
+        metadata=_help(
+            "a request's tokens and logprobs do not depend on the batch it runs in, its chunking, "
+            "prefix-cache hits or preemption (kernels with one tile per shape; slower)"
+        ),
+    )
     num_cpu_threads: int | None = field(
         default=None,
         metadata=_help(
@@ -383,6 +356,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_parallel_fits_model(self.parallel_config, self.model_config.arch)
+        if self.device_config.batch_invariant and self.model_config.arch.linear_attention_layers:
+            raise _fail(
+                "batch_invariant",
+                f"not supported for {self.model_config.architecture}: its linear-attention "
+                "layers compute a prompt chunk and a decode with different algorithms",
+            )
         device = self.device_config
         if (
             device.kernel_backend == "triton"

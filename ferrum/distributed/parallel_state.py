@@ -20,7 +20,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class TensorParallelGroup:
     """One rank's view of its tensor-parallel group: `rank` in [0, world_size)."""
 
-    __slots__ = ("rank", "world_size", "_group", "_small_all_reduce")
+    __slots__ = ("rank", "world_size", "_group", "_small_all_reduce", "_ordered_sum")
 
     def __init__(
         self,
@@ -28,7 +28,10 @@ class TensorParallelGroup:
         world_size: int = 1,
         group: dist.ProcessGroup | None = None,
         small_all_reduce: SymmMemAllReduce | None = None,
+        ordered_sum: bool = False,
     ) -> None:
+        """`ordered_sum`: all_reduce adds the ranks' tensors in rank order (batch-invariant:
+        NCCL's reduction order follows the message size)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank: must be in [0, world_size={world_size}), got {rank}")
         if world_size > 1 and group is None:
@@ -40,12 +43,19 @@ class TensorParallelGroup:
         self.world_size = world_size
         self._group = group
         self._small_all_reduce = small_all_reduce
+        self._ordered_sum = ordered_sum
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks. It may be computed in place (`tensor` is returned) or into a
         new tensor: callers use the return value and do not read `tensor` afterwards."""
         if self.world_size == 1:
             return tensor
+        if self._ordered_sum:
+            parts = self.all_gather(tensor.unsqueeze(0), dim=0)
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            return total
         if self._small_all_reduce is not None and self._small_all_reduce.applies(tensor):
             return self._small_all_reduce(tensor)
         dist.all_reduce(tensor, group=self._group)
@@ -121,11 +131,13 @@ def init_model_parallel(
     init_method: str,
     backend: str,
     custom_all_reduce: bool = True,
+    batch_invariant: bool = False,
 ) -> tuple[TensorParallelGroup, PipelineGroup]:
     """Joins this process to the default process group of every rank (tp x pp of them) and
     returns its stage's tensor-parallel group and its pipeline view: global rank `rank` is
     tensor-parallel rank rank % tp of stage rank // tp. One rank initialises nothing. Every rank
-    creates every stage's group, in stage order (torch.distributed requires it)."""
+    creates every stage's group, in stage order (torch.distributed requires it).
+    `batch_invariant`: all-reduces sum in rank order (TensorParallelGroup's ordered_sum)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: must be one of {BACKENDS}, got {backend!r}")
     tp, pp = tensor_parallel_size, pipeline_parallel_size
@@ -160,10 +172,10 @@ def init_model_parallel(
     if tp == 1:
         return TensorParallelGroup(), pipeline
     small_all_reduce = None
-    if backend == "nccl" and custom_all_reduce:
+    if backend == "nccl" and custom_all_reduce and not batch_invariant:
         assert device_id is not None
         small_all_reduce = try_symm_mem_all_reduce(group, device_id)
-    return TensorParallelGroup(tp_rank, tp, group, small_all_reduce), pipeline
+    return TensorParallelGroup(tp_rank, tp, group, small_all_reduce, batch_invariant), pipeline
 
 
 def destroy_distributed() -> None:

@@ -99,6 +99,7 @@ class EngineArgs:
     quantization: str | None = ModelConfig.quantization
     kernel_backend: str = DeviceConfig.kernel_backend
     enforce_eager: bool = DeviceConfig.enforce_eager
+    batch_invariant: bool = DeviceConfig.batch_invariant
     num_cpu_threads: int | None = DeviceConfig.num_cpu_threads
     async_scheduling: bool | None = None
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size

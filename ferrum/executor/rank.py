@@ -61,6 +61,7 @@ def start_rank(
         init_method,
         backend,
         custom_all_reduce=not parallel.disable_custom_all_reduce,
+        batch_invariant=config.device_config.batch_invariant,
     )
     return ModelRunner(config, device, tp_group, pp_group)
 

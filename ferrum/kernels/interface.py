@@ -52,6 +52,8 @@ class Kernels:
     causal_conv1d_update: Callable[..., torch.Tensor]
     gated_delta_rule_prefill: Callable[..., torch.Tensor]
     gated_delta_rule_decode: Callable[..., torch.Tensor]
+    # Every op gives a row the same bits whatever the batch (batch_invariant.py).
+    batch_invariant: bool = False
 
 
 def triton_kernels() -> Kernels:

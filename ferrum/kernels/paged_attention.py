@@ -128,9 +128,11 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     kv_hi = tl.minimum(seq_len, prefix_len + tok0 + BLOCK_Q)
-    kv_lo = 0
+    kv_first = 0
     if WINDOW > 0:
-        kv_lo = tl.maximum(prefix_len + tok0 - WINDOW + 1, 0)
+        kv_first = tl.maximum(prefix_len + tok0 - WINDOW + 1, 0)
+    # Tiles start at multiples of BLOCK_N: a row reads the same tiles in every chunk and decode.
+    kv_lo = kv_first // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_kv_range(
         acc,
         m_i,
@@ -138,6 +140,7 @@ def _paged_attention_kernel(
         q,
         prefix_len + tok,
         kv_lo,
+        kv_first,
         kv_hi,
         k_cache_ptr,
         v_cache_ptr,
@@ -169,12 +172,16 @@ def _unified_tiles(
     group: int,
     head_dim: int,
     block_n: int | None,
+    block_m: int | None,
     num_warps: int | None,
     num_stages: int | None,
 ) -> tuple[int, int, int, dict[str, int]]:
     """(BLOCK_M, BLOCK_Q, BLOCK_N, launch options) of the unified kernel; overrides checked."""
     # Rows = tokens x group heads; size the tile to the longest chunk (decodes: 16 rows).
-    block_m = min(128, max(16, triton.next_power_of_2(max_query_len * group)))
+    if block_m is None:
+        block_m = min(128, max(16, triton.next_power_of_2(max_query_len * group)))
+    elif block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     if block_n is None:
@@ -200,6 +207,7 @@ def _launch_unified(
     out_fp8: Fp8GroupRows | None,
     window: int,
     block_n: int | None,
+    block_m: int | None,
     num_warps: int | None,
     num_stages: int | None,
 ) -> None:
@@ -208,7 +216,7 @@ def _launch_unified(
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     block_m, block_q, block_n, launch = _unified_tiles(
-        max_query_len, group, head_dim, block_n, num_warps, num_stages
+        max_query_len, group, head_dim, block_n, block_m, num_warps, num_stages
     )
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, seq_lens.shape[0])
@@ -256,6 +264,7 @@ def paged_attention_unified(
     *,
     sliding_window: int | None = None,
     block_n: int | None = None,
+    block_m: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     out_fp8: Fp8GroupRows | None = None,
@@ -264,7 +273,8 @@ def paged_attention_unified(
     (and `out_fp8`, when given: out's rows quantized per token-group of 128, one group a head).
     `max_query_len` must be >= every query length (an upper bound is fine, e.g. for CUDA graph
     capture). `sliding_window`: each query sees its last that many positions (None: off). `block_n`
-    (the key tile, a power of two >= 16), `num_warps`, `num_stages` override the launch defaults."""
+    (the key tile, a power of two >= 16), `block_m` (rows: query tokens x the heads of a KV head,
+    a power of two >= 16), `num_warps`, `num_stages` override the launch defaults."""
     _check_attention_args(query, kv_cache, block_tables, query_start_loc, seq_lens, out)
     check_fp8_out(out_fp8, out)
     window = _window_constexpr(sliding_window)
@@ -287,6 +297,7 @@ def paged_attention_unified(
         out_fp8,
         window,
         block_n,
+        block_m,
         num_warps,
         num_stages,
     )

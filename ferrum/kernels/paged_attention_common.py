@@ -101,6 +101,7 @@ def _attend_kv_range(
     q,  # [BLOCK_M, HEAD_DIM] in the query's dtype
     q_pos,  # [BLOCK_M] int32, context position of each row's token (causal limit)
     kv_lo,
+    kv_first,
     kv_hi,
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -116,11 +117,14 @@ def _attend_kv_range(
     DOT_PRECISION: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
-    """Online-softmax accumulation of keys at positions [kv_lo, kv_hi) into (acc, m_i, l_i); a row
-    sees key positions <= its q_pos (with WINDOW > 0, only those > q_pos - WINDOW). An FP8 cache
-    is widened to fp16 (exact for e4m3, one hardware conversion per pair of values; bf16 has none
-    on Hopper) and both products run in fp16: the query is saturated to fp16's +-65504 and the
-    probabilities keep fp16's finer rounding. Otherwise the products run in the query's dtype."""
+    """Online-softmax accumulation of keys at positions [kv_lo, kv_hi) into (acc, m_i, l_i), in
+    BLOCK_N tiles from kv_lo; positions below kv_first (>= kv_lo) are never read (a window's
+    freed blocks) and count as masked. A row sees key positions <= its q_pos (with WINDOW > 0,
+    only those > q_pos - WINDOW); a tile it sees nothing of leaves its state unchanged. An FP8
+    cache is widened to fp16 (exact for e4m3, one hardware conversion per pair of values; bf16 has
+    none on Hopper) and both products run in fp16: the query is saturated to fp16's +-65504 and
+    the probabilities keep fp16's finer rounding. Otherwise the products run in the query's
+    dtype."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if k_cache_ptr.dtype.element_ty.is_fp8():
@@ -130,7 +134,7 @@ def _attend_kv_range(
         dot_dtype = q.dtype
     for start in range(kv_lo, kv_hi, BLOCK_N):
         pos = start + offs_n
-        in_range = pos < kv_hi
+        in_range = (pos >= kv_first) & (pos < kv_hi)
         block_ids = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=in_range, other=0)
         slot_offs = (
             block_ids.to(tl.int64) * stride_cache_block

@@ -118,6 +118,7 @@ def _paged_attention_split_kernel(
         q,
         tl.full([BLOCK_M], 0, dtype=tl.int32) + seq_len - 1,
         kv_lo,
+        kv_lo,
         kv_hi,
         k_cache_ptr,
         v_cache_ptr,

@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ferrum import envs
+from ferrum.kernels.batch_invariant import batch_invariant_kernels
 from ferrum.kernels.interface import Kernels, torch_kernels, triton_kernels
 
 if TYPE_CHECKING:
@@ -39,11 +40,13 @@ def enable_triton_interpreter() -> None:
     envs.set_variable("TRITON_INTERPRET", "1")
 
 
-def load_kernels(kernel_backend: str) -> Kernels:
+def load_kernels(kernel_backend: str, batch_invariant: bool = False) -> Kernels:
     """The Triton launchers for backend "triton" (imports triton), the torch references for
-    "torch"."""
+    "torch"; with `batch_invariant`, their batch-invariant forms (kernels/batch_invariant.py)."""
     if kernel_backend == "torch":
-        return torch_kernels()
-    if kernel_backend != "triton":
+        kernels = torch_kernels()
+    elif kernel_backend == "triton":
+        kernels = triton_kernels()
+    else:
         raise ValueError(f"kernel_backend: must be 'torch' or 'triton', got {kernel_backend!r}")
-    return triton_kernels()
+    return batch_invariant_kernels(kernels) if batch_invariant else kernels

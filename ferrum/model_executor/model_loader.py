@@ -38,14 +38,16 @@ def load_model(
     tp_group: TensorParallelGroup | None = None,
     enable_expert_parallel: bool = False,
     pipeline_stage: PipelineStage | None = None,
+    batch_invariant: bool = False,
 ) -> nn.Module:
     """The model of `model_config.architecture` on `device` in `model_config.dtype`, built with
     the (resolved) kernel backend, weights from the checkpoint's safetensors ("auto",
     "safetensors") or random ("dummy"). With a tensor-parallel group, this rank's shard, reading
     only its part of each checkpoint tensor (dummy weights: each rank draws its own shard from the
-    seed). With a pipeline stage, that stage's layers only."""
+    seed). With a pipeline stage, that stage's layers only. `batch_invariant`: the kernels'
+    batch-invariant forms."""
     model_class = get_model_class(model_config.architecture)
-    kernels = load_kernels(kernel_backend)
+    kernels = load_kernels(kernel_backend, batch_invariant)
     device = torch.device(device)
     with _default_dtype(getattr(torch, model_config.dtype)), torch.device(device):
         model = model_class(

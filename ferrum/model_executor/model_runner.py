@@ -94,13 +94,14 @@ class ModelRunner:
             self.tp_group,
             config.parallel_config.enable_expert_parallel,
             self.stage,
+            config.device_config.batch_invariant,
         )
         self.transport = StageTransport(
             self.pp_group, self.model, arch.hidden_size, self.dtype, device
         )
         self.split_kv_workspace = (
             split_kv_workspace(config, self.kv_cache_dtype, tp_size, device)
-            if self._compiles_triton()
+            if self._compiles_triton() and not config.device_config.batch_invariant
             else None
         )
         # KV cache layer groups (full attention, each sliding window, linear attention).

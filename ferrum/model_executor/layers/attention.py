@@ -86,10 +86,11 @@ class Attention(nn.Module):
     def takes_sdpa_prefill(self) -> bool:
         """Whether long prompt chunks attend through SDPA here: Triton kernels, no sliding
         window, a bound bf16/fp16 cache (an FP8 cache's prefill reads the rounded keys back) on
-        a GPU SDPA's fused backends take."""
+        a GPU SDPA's fused backends take; never with batch-invariant kernels."""
         cache = self.kv_cache
         return (
             self.kernels.is_triton
+            and not self.kernels.batch_invariant
             and self.sliding_window is None
             and cache is not None
             and cache.dtype != FP8_KV_DTYPE

@@ -7,9 +7,12 @@ torch reference dequantizes and multiplies in fp32."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from ferrum.kernels.batch_invariant import row_by_row
 from ferrum.kernels.fp8_gemm_ref import fp8_linear_ref
 from ferrum.kernels.fp8_quant import FP8_DTYPE, GROUP_SIZE, Fp8GroupRows
 from ferrum.kernels.fp8_weight import (
@@ -44,6 +47,8 @@ class Fp8LinearMethod:
         self._is_triton = kernels.is_triton
         self._gemm = kernels.fp8_block_linear if self.block else kernels.fp8_channel_linear
         self._takes_rows = kernels.fp8_block_linear_takes_rows
+        reference = functools.partial(fp8_linear_ref, block_scales=self.block)
+        self._reference = row_by_row(reference) if kernels.batch_invariant else reference
 
     def create_weights(self, layer: nn.Module, input_size: int, output_size: int) -> None:
         if input_size % GROUP_SIZE:
@@ -109,4 +114,4 @@ class Fp8LinearMethod:
             if x_fp8 is not None and self.block:
                 return self._gemm(x, layer.weight, scale, bias, x_fp8=x_fp8)
             return self._gemm(x, layer.weight, scale, bias)
-        return fp8_linear_ref(x, layer.weight, scale, bias, block_scales=self.block)
+        return self._reference(x, layer.weight, scale, bias)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ferrum.kernels.batch_invariant import fused_moe_row_by_row
 from ferrum.kernels.fp8_quant import FP8_DTYPE
 from ferrum.kernels.fp8_weight import WEIGHT_BLOCK, quantize_weight_block
 from ferrum.kernels.fused_moe_ref import fused_moe_ref
@@ -37,6 +38,7 @@ class Fp8MoEMethod:
         self.layer_name = layer_name
         self.quantize_on_load = quant_config.quantize_on_load
         self._kernel = kernels.fused_moe
+        self._reference = fused_moe_row_by_row if kernels.batch_invariant else fused_moe_ref
 
     def create_weights(
         self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int
@@ -93,5 +95,5 @@ class Fp8MoEMethod:
     ) -> torch.Tensor:
         """The kernels on CUDA tensors, the torch reference elsewhere."""
         w13, w2, s13, s2 = layer.w13, layer.w2, layer.w13_scale, layer.w2_scale
-        kernel = self._kernel if hidden.is_cuda else fused_moe_ref
+        kernel = self._kernel if hidden.is_cuda else self._reference
         return kernel(hidden, w13, w2, topk_weights, topk_ids, w13_scale=s13, w2_scale=s2)
