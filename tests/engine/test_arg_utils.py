@@ -112,6 +112,16 @@ def test_parallel_flags_build_the_parallel_config() -> None:
     assert ray.create_engine_config().parallel_config.distributed_executor_backend == "ray"
 
 
+def test_batch_invariant_flag_builds_the_device_config() -> None:
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = parser.parse_args([DEFAULT_MODEL_DIR, "--device", "cpu", "--batch-invariant"])
+    config = EngineArgs.from_cli_args(args, DEFAULT_MODEL_DIR).create_engine_config()
+    assert config.device_config.batch_invariant
+    default = EngineArgs(model=DEFAULT_MODEL_DIR, device="cpu").create_engine_config()
+    assert not default.device_config.batch_invariant
+
+
 def test_engine_recovery_flags_build_a_validated_config() -> None:
     parser = argparse.ArgumentParser()
     add_config_args(parser, EngineRecoveryConfig)

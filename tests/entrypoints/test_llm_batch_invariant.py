@@ -99,3 +99,11 @@ def test_the_triton_kernels_in_the_interpreter_are_batch_invariant(tiny_checkpoi
 def test_models_with_linear_attention_are_refused(tiny_checkpoint) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="batch_invariant: not supported for Qwen3_5"):
         make_llm(tiny_checkpoint("qwen3_5"), batch_invariant=True)
+
+
+def test_two_tensor_parallel_ranks_are_batch_invariant(tiny_checkpoint) -> None:  # noqa: ANN001
+    # All-reduces sum the ranks' partials in rank order, whatever the message size.
+    path = tiny_checkpoint("qwen3")
+    llm = make_llm(path, **ENGINE, tensor_parallel_size=2, max_num_batched_tokens=7)
+    expected = [results(llm, [p])[0] for p in PROBES[:2]]
+    assert in_a_batch(llm)[:2] == expected
