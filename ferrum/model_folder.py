@@ -7,10 +7,18 @@ import os
 from typing import Any
 
 from ferrum.config_fields import field_error as _fail
+from ferrum.gguf.config import read_gguf_config
+from ferrum.gguf.reader import is_gguf_path
 
 
 def read_hf_config(model: str) -> dict[str, Any]:
-    """Reads `config.json` from a local Hugging Face model folder."""
+    """Reads `config.json` from a local Hugging Face model folder (or the config of a GGUF file,
+    from its metadata)."""
+    if is_gguf_path(model):
+        try:
+            return read_gguf_config(model)
+        except (ValueError, ImportError) as e:
+            raise _fail("model", str(e)) from e
     if not os.path.isdir(model):
         raise _fail("model", f"{model!r} is not a local model folder (no model hub is used)")
     path = os.path.join(model, "config.json")

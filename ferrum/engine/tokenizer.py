@@ -20,6 +20,8 @@ from ferrum.engine.chat_template import (
     load_chat_templates,
     select_chat_template,
 )
+from ferrum.gguf.reader import is_gguf_path
+from ferrum.gguf.tokenizer import read_gguf_tokenizer
 
 _ADDED_TOKEN_FIELDS = ("single_word", "lstrip", "rstrip", "normalized")
 # Inputs at least this long go through the batch calls of `tokenizers`, which release the GIL,
@@ -122,7 +124,10 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
         """Loads `tokenizer.json` (+ `tokenizer_config.json`, `special_tokens_map.json`, chat
-        template files) from a local folder."""
+        template files) from a local folder, or the tokenizer of a GGUF file."""
+        if is_gguf_path(str(path)):
+            backend, config, templates = read_gguf_tokenizer(str(path))
+            return cls(backend, config, templates)
         model_dir = Path(path)
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():

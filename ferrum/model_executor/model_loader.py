@@ -11,6 +11,8 @@ from torch import nn
 
 from ferrum.config import ModelConfig
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.gguf.reader import is_gguf_path
+from ferrum.gguf.weights import GGUFCheckpoint
 from ferrum.model_executor.kernel_backend import load_kernels
 from ferrum.model_executor.models.registry import get_model_class
 from ferrum.model_executor.pipeline_stage import PipelineStage
@@ -105,8 +107,13 @@ def initialize_dummy_weights(model: nn.Module, seed: int, seed_per_parameter: bo
 
 
 def load_checkpoint_weights(model: nn.Module, model_dir: str) -> None:
-    """Streams the folder's safetensors into the model and checks every parameter was filled."""
-    checkpoint = SafetensorsCheckpoint(model_dir)
+    """Streams the folder's safetensors (or a GGUF file's tensors, dequantized) into the model
+    and checks every parameter was filled."""
+    checkpoint: SafetensorsCheckpoint | GGUFCheckpoint
+    if is_gguf_path(model_dir):
+        checkpoint = GGUFCheckpoint(model_dir)
+    else:
+        checkpoint = SafetensorsCheckpoint(model_dir)
     try:
         with torch.no_grad():
             loaded = model.load_weights(checkpoint)
