@@ -112,6 +112,12 @@ class ModelConfig:
                 f"max_position_embeddings={arch.max_position_embeddings}",
             )
         quant_config = resolve_quant_config(self.quantization, hf_config)
+        if quant_config is not None and quant_config.int4 and arch.num_experts > 0:
+            raise _fail(
+                "quantization",
+                f"int4 ({quant_config.method}) mixture-of-experts models ({arch.architecture}) "
+                "are not supported yet; supported: dense models",
+            )
         if (
             quant_config is not None
             and arch.num_experts > 0
@@ -356,6 +362,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_parallel_fits_model(self.parallel_config, self.model_config.arch)
+        int4 = self.model_config.quant_config and self.model_config.quant_config.int4
+        if int4 and int4.act_order and self.parallel_config.tensor_parallel_size > 1:
+            raise _fail(
+                "tensor_parallel_size",
+                "int4 checkpoints with act-order (desc_act / actorder group) are not supported "
+                "with tensor parallelism yet: their groups span every rank's input columns",
+            )
         if self.device_config.batch_invariant and self.model_config.arch.linear_attention_layers:
             raise _fail(
                 "batch_invariant",

@@ -2,8 +2,9 @@
 resolved from config dicts into a typed QuantConfig. Supported, W8A8 FP8 e4m3 with dynamic
 activations: "fp8" checkpoints (`weight_scale_inv` per 128x128 block), "compressed-tensors" FP8
 (`weight_scale` per output channel or 128x128 block), each with its unquantized modules, and
-`quantization="fp8"` on an unquantized checkpoint (128x128 blocks at load). Anything else (static
-activation scales, other block sizes, int formats) is a ValueError naming the field."""
+`quantization="fp8"` on an unquantized checkpoint (128x128 blocks at load); and W4A16 int4:
+GPTQ, AWQ and compressed-tensors "pack-quantized" (quant_config_int4.py). Anything else (static
+activation scales, other block sizes, other bit widths) is a ValueError naming the field."""
 
 from __future__ import annotations
 
@@ -11,13 +12,18 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+from ferrum.quant_config_int4 import Int4Scheme, parse_awq, parse_gptq, parse_pack_quantized
+
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
+# vLLM's names of the same formats on its Marlin kernels.
+_ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 WEIGHT_BLOCK = (128, 128)
 WEIGHT_SCALES = ("block", "channel")
 _SUPPORTED = (
     "supported: 'fp8' (float8_e4m3fn weights with 128x128 block weight_scale_inv, dynamic "
     "activations; or --quantization fp8 on a bf16/fp16 checkpoint) and 'compressed-tensors' FP8 "
-    "(per-channel or 128x128 block weight_scale, dynamic per-token/per-group activations)"
+    "(per-channel or 128x128 block weight_scale, dynamic per-token/per-group activations); "
+    "int4 W4A16: 'gptq', 'awq' (GEMM) and 'compressed-tensors' pack-quantized"
 )
 
 
@@ -27,13 +33,15 @@ class QuantConfig:
     (activations quantized per token-group of 128); "channel": one per output row (activations
     per token). `scale_name` is the scale tensor's checkpoint suffix. `quantize_on_load`: the
     checkpoint holds unquantized weights that loading quantizes. `ignored_modules` are checkpoint
-    module names kept in the model dtype: exact names, or "re:" + a regex matched at the start."""
+    module names kept in the model dtype: exact names, or "re:" + a regex matched at the start.
+    `int4`: int4 weights (weight_scales "int4") in this scheme instead of FP8."""
 
     method: str
     weight_scales: str
     scale_name: str
     quantize_on_load: bool
     ignored_modules: tuple[str, ...] = ()
+    int4: Int4Scheme | None = None
 
     def is_ignored(self, module_name: str) -> bool:
         """Whether the checkpoint module `module_name` (e.g. "model.layers.0.mlp.down_proj") is
@@ -54,6 +62,7 @@ def _fail(field_name: str, message: str) -> ValueError:
 def resolve_quant_config(quantization: str | None, hf_config: dict[str, Any]) -> QuantConfig | None:
     """The QuantConfig for the `quantization` argument and the checkpoint's config.json (None:
     no quantization). They must agree when both are given."""
+    quantization = _ALIASES.get(quantization, quantization) if quantization else quantization
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise _fail(
             "quantization",
@@ -81,9 +90,21 @@ def resolve_quant_config(quantization: str | None, hf_config: dict[str, Any]) ->
         )
     if method == "fp8":
         return _parse_fp8(raw)
+    if method == "compressed-tensors" and raw.get("format") == "pack-quantized":
+        return _int4(method, parse_pack_quantized(raw), "weight_scale", _names(raw, "ignore"))
     if method == "compressed-tensors":
         return _parse_compressed_tensors(raw)
+    if method == "gptq":
+        return _int4(method, parse_gptq(raw), "scales", ())
+    if method == "awq":
+        return _int4(method, parse_awq(raw), "scales", _names(raw, "modules_to_not_convert"))
     raise _fail("quantization_config.quant_method", f"{method!r} is not supported; {_SUPPORTED}")
+
+
+def _int4(
+    method: str, scheme: Int4Scheme, scale_name: str, ignored: tuple[str, ...]
+) -> QuantConfig:
+    return QuantConfig(method, "int4", scale_name, False, ignored, scheme)
 
 
 def _names(raw: dict[str, Any], key: str) -> tuple[str, ...]:

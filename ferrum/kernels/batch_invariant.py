@@ -1,17 +1,13 @@
-"""The batch-invariant kernel set (`batch_invariant=True`): every op a row of the batch goes
-through gives that row the same bits whatever else the step holds, whether the row is a decode or
-part of a prompt chunk, and however the prompt was chunked or cached.
-
-What makes each op invariant:
-- GEMMs (dense, FP8, the experts') run one tile per weight shape, never chosen by the row count:
-  no GEMV, no cuBLAS (its algorithm follows M), no split-K; K is summed from 0 in fixed steps.
-- Attention runs the unified kernel alone (no split-KV, no SDPA) with one tile for every step; a
-  query row sums its keys in BLOCK_N tiles from position 0 (a window's first tile aligned down),
-  so a prompt row and the same row decoded read the same tiles in the same order; tiles past a
-  row's position are masked out exactly (exp2(-inf) = 0, the running max unchanged).
-- Norms, rotary, activations, the router and the sampler's reductions were already per row.
-On the torch path (CPU) the references run row by row: a matmul of one row, attention of one query
-over exactly its visible keys."""
+"""The batch-invariant kernel set (`batch_invariant=True`): every op gives a row the same bits
+whatever else the step holds, whether the row is a decode or part of a prompt chunk, and however
+the prompt was chunked or cached. GEMMs (dense, FP8, int4, the experts') run one tile per weight
+shape, never chosen by the row count: no GEMV, no cuBLAS (its algorithm follows M), no split-K.
+Attention runs the unified kernel alone (no split-KV, no SDPA) at one tile; a query row sums its
+keys in BLOCK_N tiles from position 0 (a window's first tile aligned down), so a prompt row and
+the same row decoded read the same tiles in the same order; tiles past a row's position leave its
+state exactly unchanged (exp2(-inf) = 0). Norms, rotary, activations, the router and the sampler
+were already per row. On the torch path (CPU) the references run row by row: a matmul of one row,
+attention of one query over exactly its visible keys."""
 
 from __future__ import annotations
 
@@ -46,6 +42,7 @@ def batch_invariant_kernels(base: Kernels) -> Kernels:
         fused_moe=_fused_moerow_by_row,
         fp8_block_linear=row_by_row(base.fp8_block_linear),
         fp8_channel_linear=row_by_row(base.fp8_channel_linear),
+        int4_linear=row_by_row(base.int4_linear),
     )
 
 

@@ -20,6 +20,7 @@ from ferrum.kernels.gated_delta_rule_ref import (
     gated_delta_rule_decode_ref,
     gated_delta_rule_prefill_ref,
 )
+from ferrum.kernels.int4_ref import int4_linear_ref
 from ferrum.kernels.rms_norm_ref import fused_add_rms_norm_ref, rms_norm_ref
 from ferrum.kernels.rotary_kv_ref import qk_norm_rope_ref
 
@@ -52,6 +53,7 @@ class Kernels:
     causal_conv1d_update: Callable[..., torch.Tensor]
     gated_delta_rule_prefill: Callable[..., torch.Tensor]
     gated_delta_rule_decode: Callable[..., torch.Tensor]
+    int4_linear: Callable[..., torch.Tensor]
     # Every op gives a row the same bits whatever the batch (batch_invariant.py).
     batch_invariant: bool = False
 
@@ -68,6 +70,7 @@ def triton_kernels() -> Kernels:
     )
     from ferrum.kernels.gated_delta_rule_decode import gated_delta_rule_decode
     from ferrum.kernels.gated_delta_rule_prefill import gated_delta_rule_prefill
+    from ferrum.kernels.int4_linear import int4_linear
     from ferrum.kernels.rotary_kv import rotary_kv
 
     return Kernels(
@@ -90,6 +93,7 @@ def triton_kernels() -> Kernels:
         causal_conv1d_update=causal_conv1d_update,
         gated_delta_rule_prefill=gated_delta_rule_prefill,
         gated_delta_rule_decode=gated_delta_rule_decode,
+        int4_linear=int4_linear,
     )
 
 
@@ -115,6 +119,7 @@ def torch_kernels() -> Kernels:
         causal_conv1d_update=causal_conv1d_update_ref,
         gated_delta_rule_prefill=_gated_delta_rule_prefill,
         gated_delta_rule_decode=gated_delta_rule_decode_ref,
+        int4_linear=int4_linear_ref,
     )
 
 

@@ -81,8 +81,9 @@ class CheckpointTensor:
 
 
 def materialize(loaded: torch.Tensor | CheckpointTensor) -> torch.Tensor:
-    """The tensor's values: read from the file for a CheckpointTensor."""
-    return loaded.load() if isinstance(loaded, CheckpointTensor) else loaded
+    """The tensor's values: read from the file for a CheckpointTensor (or another lazy view
+    with `load`, e.g. an int4 tensor in ferrum's layout)."""
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.load()
 
 
 class WeightFileError(ValueError):
@@ -178,6 +179,9 @@ def load_named_weights(
                 f"checkpoint tensor {ckpt_name!r} matches no model parameter "
                 f"(looked for {param_name!r})"
             )
+        view = getattr(param, "checkpoint_view", None)
+        if view is not None:  # the checkpoint's layout seen as the parameter's
+            tensor = view(tensor)
         if not getattr(param, "reads_slices", False):
             tensor = materialize(tensor)
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.utils.fp8_checkpoints import write_fp8_checkpoint
+from tests.utils.int4_checkpoints import write_int4_checkpoint
 from tests.utils.rank_pool import RankPool
 from tests.utils.tp_generate import generate, generate_on_rank
 
@@ -65,5 +66,17 @@ def test_two_ranks_generate_what_one_does_with_fp8(pool, tiny_checkpoint, tmp_pa
     path = write_fp8_checkpoint(source, str(tmp_path / "fp8"), "fp8")
     expected = generate(path)
     rank0, rank1 = pool.run(generate_on_rank, path, parallel)
+    assert rank0 == rank1
+    assert rank0["tokens"][:-1] == expected["tokens"][:-1]
+
+
+@pytest.mark.parametrize(("fmt", "group"), [("gptq", 16), ("awq", 16), ("ct", -1)])
+def test_two_ranks_generate_what_one_does_with_int4(pool, tiny_checkpoint, tmp_path, fmt, group):
+    """Int4 layers split over two ranks: column-parallel shares split the packed words by output
+    rows; row-parallel ones (o_proj, down_proj) by input columns on group boundaries (a
+    per-channel scale is whole on every rank)."""
+    path, _ = write_int4_checkpoint(tiny_checkpoint("qwen3"), str(tmp_path / fmt), fmt, group)
+    expected = generate(path)
+    rank0, rank1 = pool.run(generate_on_rank, path, {})
     assert rank0 == rank1
     assert rank0["tokens"][:-1] == expected["tokens"][:-1]

@@ -122,7 +122,10 @@ class MergedLinear(Linear):
         self.shard_offsets = dict(zip(shard_sizes, accumulate(shard_sizes.values(), initial=0)))
         shard_ids = frozenset(shard_sizes)
         for param in self.parameters(recurse=False):
-            set_weight_loader(param, self._load_shard, shard_ids)
+            if getattr(param, "same_for_every_shard", False):  # loaded whole by its own loader
+                param.shard_ids = shard_ids  # type: ignore[attr-defined]
+            else:
+                set_weight_loader(param, self._load_shard, shard_ids)
 
     def _load_shard(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable

@@ -48,13 +48,16 @@ def _rows(
     return materialize(loaded.narrow(dim, start, length))
 
 
-def _in_blocks(param: nn.Parameter, start: int, length: int, what: str) -> tuple[int, int]:
-    """(start, length) of weight rows/columns in `param`'s entries (blocks for block scales)."""
-    block = getattr(param, "output_block", 1)
+def _in_blocks(
+    param: nn.Parameter, start: int, length: int, what: str, attr: str = "output_block"
+) -> tuple[int, int]:
+    """(start, length) of weight rows (`output_block`) or columns (`input_block`) in `param`'s
+    entries (blocks for block scales, words of packed int4 codes)."""
+    block = getattr(param, attr, getattr(param, "output_block", 1))
     if block > 1 and start % block:
         raise ValueError(
-            f"{what}: this rank's share starts at {start}, inside a {block}-wide scale block "
-            f"(FP8 tensor parallelism needs each rank's share on {block}-row boundaries)"
+            f"{what}: this rank's share starts at {start}, inside a {block}-wide block "
+            f"(a quantized layer's shares must start on {block}-row/column boundaries)"
         )
     return start // block, -(-length // block)
 
@@ -162,7 +165,8 @@ class RowParallelLinear(Linear):
             for param in self.parameters(recurse=False):
                 # The bias and per-channel scales [N, 1] cover every input column: whole on
                 # each rank; the weight and block scales split by columns.
-                if param is self.weight or getattr(param, "output_block", 1) > 1:
+                blocked = getattr(param, "input_block", getattr(param, "output_block", 1)) > 1
+                if param is getattr(self, "weight", None) or blocked:
                     set_weight_loader(param, self._load_rank_columns)
                     _reads_slices(param)
 
@@ -170,7 +174,9 @@ class RowParallelLinear(Linear):
         self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard_id: Hashable
     ) -> set[Hashable]:
         local = self.input_size
-        start, n = _in_blocks(param, self.tp_group.rank * local, local, "input columns")
+        start, n = _in_blocks(
+            param, self.tp_group.rank * local, local, "input columns", "input_block"
+        )
         return default_weight_loader(param, _rows(loaded, 1, start, n), shard_id)
 
     def forward(self, x: torch.Tensor, x_fp8: Fp8GroupRows | None = None) -> torch.Tensor:

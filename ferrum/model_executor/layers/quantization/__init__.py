@@ -40,6 +40,10 @@ def get_linear_method(
     dtype (DenseLinearMethod)."""
     if quant_config is None or not _quantized(quant_config, module_names):
         return DenseLinearMethod(kernels)
+    if quant_config.int4 is not None:
+        from ferrum.model_executor.layers.quantization.int4 import Int4LinearMethod
+
+        return Int4LinearMethod(quant_config, kernels, "/".join(module_names))
     from ferrum.model_executor.layers.quantization.fp8 import Fp8LinearMethod
 
     return Fp8LinearMethod(quant_config, kernels, "/".join(module_names))
