@@ -10,7 +10,7 @@ from ferrum.config_fields import field_help as _help
 from ferrum.model_arch import ModelArchConfig
 from ferrum.model_folder import read_generation_config, read_hf_config
 from ferrum.parallel_config import ParallelConfig, check_parallel_fits_model
-from ferrum.quant_config import QUANTIZATION_METHODS, QuantConfig, resolve_quant_config
+from ferrum.quant_config import QUANTIZATION_CHOICES, QuantConfig, resolve_quant_config
 from ferrum.sampling_params import MAX_LOGPROBS
 from ferrum.structured_outputs_config import StructuredOutputsConfig
 
@@ -73,8 +73,8 @@ class ModelConfig:
         default=None,
         metadata=_help(
             "weight quantization: fp8 quantizes a bf16/fp16 checkpoint per 128x128 block while "
-            "loading (default: the checkpoint's quantization_config, FP8 or none)",
-            choices=QUANTIZATION_METHODS,
+            "loading; the others name the checkpoint's format (default: its quantization_config)",
+            choices=QUANTIZATION_CHOICES,
         ),
     )
     # Resolved: -1 (vLLM's "no limit") and values above it become MAX_LOGPROBS.

@@ -17,6 +17,7 @@ from ferrum.quant_config_int4 import Int4Scheme, parse_awq, parse_gptq, parse_pa
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq")
 # vLLM's names of the same formats on its Marlin kernels.
 _ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, *_ALIASES)
 WEIGHT_BLOCK = (128, 128)
 WEIGHT_SCALES = ("block", "channel")
 _SUPPORTED = (

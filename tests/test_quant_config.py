@@ -90,16 +90,25 @@ def test_quantize_on_load() -> None:
 
 
 BAD_CONFIGS = [
-    pytest.param("awq", {}, r"quantization: 'awq' is not supported; supported: \['fp8'", id="arg"),
+    pytest.param(
+        "bitsandbytes",
+        {},
+        r"quantization: 'bitsandbytes' is not supported; supported: \['fp8'",
+        id="arg",
+    ),
+    pytest.param("awq", {}, "'awq' describes a quantized checkpoint", id="awq-on-unquantized"),
     pytest.param(
         "compressed-tensors", {}, "no quantization_config; use 'fp8'", id="ct-on-unquantized"
     ),
     pytest.param("fp8", CT_CHANNEL, "does not match.*'compressed-tensors'", id="mismatch"),
     pytest.param(
         None,
-        {"quant_method": "gptq", "bits": 4},
-        r"quant_method: 'gptq' is not supported; supported: 'fp8'.*'compressed-tensors'",
-        id="gptq",
+        {"quant_method": "bitsandbytes"},
+        r"quant_method: 'bitsandbytes' is not supported; supported: 'fp8'.*'gptq', 'awq'",
+        id="unknown-method",
+    ),
+    pytest.param(
+        None, {"quant_method": "gptq", "bits": 8}, "bits: 8 bits are not supported yet", id="gptq8"
     ),
     pytest.param(
         None,
@@ -153,8 +162,8 @@ BAD_CONFIGS = [
     pytest.param(
         None,
         _with(CT_CHANNEL, ("format",), "pack-quantized"),
-        "format: 'pack-quantized' is not supported",
-        id="packed",
+        "input_activations: quantized activations with int4 weights",
+        id="packed-w4a8",
     ),
     pytest.param(
         None,
@@ -199,4 +208,16 @@ def test_quantization_flag(tiny_checkpoint) -> None:
     config = args.replace(device="cpu").create_engine_config().model_config
     assert config.quant_config is not None and config.quant_config.method == "fp8"
     with pytest.raises(SystemExit):
-        parser.parse_args([path, "--quantization", "awq"])
+        parser.parse_args([path, "--quantization", "bitsandbytes"])
+
+
+def test_int4_formats_and_vllms_marlin_names() -> None:
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": True, "sym": False}
+    config = resolve_quant_config("gptq_marlin", {"quantization_config": gptq})
+    assert config is not None and config.method == "gptq" and config.weight_scales == "int4"
+    assert config.int4 is not None and (config.int4.group_size, config.int4.act_order) == (64, True)
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "GEMM"}
+    config = resolve_quant_config(
+        "awq_marlin", {"quantization_config": {**awq, "zero_point": True}}
+    )
+    assert config is not None and config.int4 is not None and config.int4.layout == "awq"
