@@ -39,7 +39,7 @@ def batch_invariant_kernels(base: Kernels) -> Kernels:
         batch_invariant=True,
         dense_linear=row_by_row(F.linear),
         paged_attention=_attention_query_by_query,
-        fused_moe=_fused_moerow_by_row,
+        fused_moe=fused_moe_row_by_row,
         fp8_block_linear=row_by_row(base.fp8_block_linear),
         fp8_channel_linear=row_by_row(base.fp8_channel_linear),
         int4_linear=row_by_row(base.int4_linear),
@@ -121,7 +121,7 @@ def row_by_row(linear: Any) -> Any:
     return run
 
 
-def _fused_moerow_by_row(
+def fused_moe_row_by_row(
     hidden: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
