@@ -107,8 +107,8 @@ def _moe_config(
 def _special_token_ids(file: GGUFFile) -> dict[str, Any]:
     """bos / eos / pad ids for config.json; eos lists the end-of-turn token too when it differs."""
     ids: dict[str, Any] = {}
-    for name in ("bos", "pad"):
-        value = file.field(f"tokenizer.ggml.{name}_token_id", int, None)
+    for name, gguf_name in (("bos", "bos"), ("pad", "padding")):
+        value = file.field(f"tokenizer.ggml.{gguf_name}_token_id", int, None)
         if value is not None:
             ids[f"{name}_token_id"] = value
     eos = [

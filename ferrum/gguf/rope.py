@@ -12,10 +12,10 @@ import numpy as np
 from ferrum.gguf.reader import GGUFFile
 
 ROPE_FREQS = "rope_freqs.weight"
-# The llama3 parameters of every Llama 3.1 / 3.2 / 3.3 release (the factor is read from the file).
-_LLAMA3_LOW_FREQ_FACTOR = 1.0
-_LLAMA3_HIGH_FREQ_FACTOR = 4.0
-_LLAMA3_ORIGINAL_CONTEXT = 8192
+# The llama3 frequency factors of every Llama 3.1 / 3.2 / 3.3 release; the scaling factor and
+# the original context length are read back from the divisors.
+_LOW_FREQ_FACTOR = 1.0
+_HIGH_FREQ_FACTOR = 4.0
 _TOLERANCE = 1e-3
 
 
@@ -58,18 +58,39 @@ def rope_scaling_of(
             f"GGUF file {file.path}: tensor {ROPE_FREQS} must hold {head_dim // 2} F32 values"
         )
     factor = float(divisors.max())
-    params = (_LLAMA3_LOW_FREQ_FACTOR, _LLAMA3_HIGH_FREQ_FACTOR, _LLAMA3_ORIGINAL_CONTEXT)
-    expected = llama3_divisors(theta, head_dim, factor, *params)
-    if not np.allclose(divisors, expected, rtol=_TOLERANCE, atol=0.0):
+    original = _llama3_original_context(divisors, theta, head_dim, factor)
+    if original is None:
         raise ValueError(
             f"GGUF file {file.path}: tensor {ROPE_FREQS} is not Llama 3's RoPE scaling (low/high "
-            f"frequency factors {params[0]}/{params[1]}, original context {params[2]}); other "
-            "per-frequency factors are not supported"
+            f"frequency factors {_LOW_FREQ_FACTOR}/{_HIGH_FREQ_FACTOR}); other per-frequency "
+            "factors are not supported"
         )
     return {
         "rope_type": "llama3",
         "factor": factor,
-        "low_freq_factor": params[0],
-        "high_freq_factor": params[1],
-        "original_max_position_embeddings": params[2],
+        "low_freq_factor": _LOW_FREQ_FACTOR,
+        "high_freq_factor": _HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": original,
     }
+
+
+def _llama3_original_context(
+    divisors: np.ndarray, theta: float, head_dim: int, factor: float
+) -> int | None:
+    """The original context length whose llama3 divisors are `divisors`: solved from a divisor
+    of the blended band when there is one, else the first power of two that reproduces them."""
+    candidates = []
+    for i, divisor in enumerate(divisors):
+        if 1.0 + _TOLERANCE < divisor < factor * (1.0 - _TOLERANCE):
+            smooth = (1.0 / divisor - 1.0 / factor) / (1.0 - 1.0 / factor)
+            wavelen = 2 * math.pi * theta ** (2 * i / head_dim)
+            band = smooth * (_HIGH_FREQ_FACTOR - _LOW_FREQ_FACTOR) + _LOW_FREQ_FACTOR
+            candidates.append(round(wavelen * band))
+    candidates += [2**k for k in range(4, 25)]
+    for original in candidates:
+        expected = llama3_divisors(
+            theta, head_dim, factor, _LOW_FREQ_FACTOR, _HIGH_FREQ_FACTOR, original
+        )
+        if np.allclose(divisors, expected, rtol=_TOLERANCE, atol=0.0):
+            return original
+    return None

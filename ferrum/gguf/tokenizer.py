@@ -34,7 +34,8 @@ PRE_TOKENIZERS: dict[str, tuple[str | None, bool, bool]] = {
 # tokenizer.ggml.token_type values
 _CONTROL = 3
 _USER_DEFINED = 4
-_SPECIAL_IDS = ("bos", "eos", "pad", "unk")
+# tokenizer_config.json's name -> llama.cpp's (tokenizer.ggml.{name}_token_id)
+_SPECIAL_IDS = {"bos": "bos", "eos": "eos", "pad": "padding", "unk": "unknown"}
 _TEMPLATE_KEY = "tokenizer.chat_template"
 
 
@@ -137,8 +138,8 @@ def read_gguf_tokenizer(
     backend = _backend(file, pre, tokens)
     _add_special_tokens(file, backend, tokens)
     config: dict[str, Any] = {"clean_up_tokenization_spaces": False}
-    for name in _SPECIAL_IDS:
-        token_id = file.field(f"tokenizer.ggml.{name}_token_id", int, None)
+    for name, gguf_name in _SPECIAL_IDS.items():
+        token_id = file.field(f"tokenizer.ggml.{gguf_name}_token_id", int, None)
         if token_id is not None and 0 <= token_id < len(tokens):
             config[f"{name}_token"] = tokens[token_id]
     bos_id = file.field("tokenizer.ggml.bos_token_id", int, None)

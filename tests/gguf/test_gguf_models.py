@@ -1,5 +1,6 @@
 """GGUF files of tiny Llama, Qwen3 and Qwen3-MoE checkpoints (F32, F16, BF16, Q8_0, Q4_K, Q5_K
-and Q6_K tensors mixed, as llama.cpp's K-quant files mix them) load through `LLM` and score
+and Q6_K tensors mixed, as llama.cpp's K-quant files mix them; Llama 3's RoPE scaling as the
+`rope_freqs` tensor) load through `LLM` and score
 prompts as transformers scores their dequantized twins: the same float32 values, so logprobs
 agree within 1e-4 (float32 arithmetic in a different order)."""
 
@@ -8,11 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.engine.tokenizer import Tokenizer
-from tests.utils.gguf_files import write_gguf
+from ferrum.gguf.rope import ROPE_FREQS
+from tests.utils.gguf_files import llama3_rope_divisors, write_gguf
 from tests.utils.tiny_checkpoints import hf_logits, load_hf_model
 from tests.utils.tiny_llm import random_prompts
 
@@ -27,6 +30,7 @@ OTHER_TYPES = ("Q8_0", "F16", "BF16", "Q8_0", "F32")
 ARCHS = {
     "qwen3": ("qwen3", {"num_hidden_layers": 3}),
     "llama": ("llama", {"num_hidden_layers": 3}),
+    "llama3": ("llama", {}),
     "qwen3_moe": ("qwen3moe", {"moe_intermediate_size": 256}),
 }
 CHAT_TEMPLATE = (
@@ -55,10 +59,11 @@ def gguf_models(tiny_checkpoint, tmp_path_factory) -> dict[str, tuple[str, str]]
         tokenizer = {
             "dir": DEFAULT_MODEL_DIR,
             "pre": "gpt-2",
-            "ids": {"eos": 2, "pad": 0},
+            "ids": {"eos": 2, "padding": 0},
             "chat_template": CHAT_TEMPLATE,
         }
-        built[arch] = write_gguf(hf_dir, Path(root) / arch, gguf_arch, _types, tokenizer)
+        extra = {ROPE_FREQS: llama3_rope_divisors(hf_dir)} if arch == "llama3" else None
+        built[arch] = write_gguf(hf_dir, Path(root) / arch, gguf_arch, _types, tokenizer, extra)
     return built
 
 
@@ -96,3 +101,19 @@ def test_text_in_text_out_and_chat(gguf_models) -> None:
     chat = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
     expected = source.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert chat.prompt_token_ids == expected
+
+
+def test_transformers_reads_the_llama_file_as_its_twin(gguf_models) -> None:
+    """transformers' own GGUF reader (its reading of llama.cpp's Llama Q/K row order) decodes the
+    Llama file to the twin's tensors: the test files reorder those rows as llama.cpp does."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path, twin = gguf_models["llama"]
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(twin))
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    expected = load_file(str(Path(twin) / "model.safetensors"))
+    assert set(expected) <= set(tensors)
+    for name, values in expected.items():
+        assert torch.equal(torch.as_tensor(tensors[name]).float(), values), name

@@ -190,11 +190,17 @@ def _write_metadata(
 
 
 def write_gguf(
-    hf_dir: str, out_dir: Path, arch: str, types: TypeChooser, tokenizer: dict[str, Any]
+    hf_dir: str,
+    out_dir: Path,
+    arch: str,
+    types: TypeChooser,
+    tokenizer: dict[str, Any],
+    extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> tuple[str, str]:
     """Writes `out_dir/model.gguf` and its twin `out_dir/twin`; returns both paths. `tokenizer`:
-    {"dir": tokenizer folder, "pre": ..., "ids": {"eos": 2, ...}, "add_bos": bool,
-    "chat_template": str, "model": "gpt2"}."""
+    {"dir": tokenizer folder, "pre": ..., "ids": {"eos": 2, "padding": 0, ...}, "add_bos": bool,
+    "chat_template": str, "model": "gpt2"}. `extra_tensors` are written as they are (F32 for
+    float32 arrays), first, and are not part of the twin (e.g. `rope_freqs.weight`)."""
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     hf = _read_hf(hf_dir)
     twin: dict[str, np.ndarray] = {}
@@ -202,6 +208,8 @@ def write_gguf(
     path = out_dir / "model.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
     _write_metadata(writer, arch, config, tokenizer)
+    for name, values in (extra_tensors or {}).items():
+        writer.add_tensor(name, values)
     for gguf_name, hf_names in _gguf_tensors(hf, _num_experts(config)).items():
         values = np.stack([hf[n] for n in hf_names]) if len(hf_names) > 1 else hf[hf_names[0]]
         rows = None
@@ -231,3 +239,17 @@ def write_gguf(
     tensors = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in twin.items()}
     save_file(tensors, str(twin_dir / "model.safetensors"), metadata={"format": "pt"})
     return str(path), str(twin_dir)
+
+
+def llama3_rope_divisors(hf_dir: str) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp writes for a llama3-scaled checkpoint: how much the
+    scaling divides each frequency, from transformers' own llama3 frequencies."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    theta = config.rope_parameters["rope_theta"]
+    head_dim = config.head_dim
+    plain = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return (plain / scaled.double()).numpy().astype(np.float32)
