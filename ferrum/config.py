@@ -112,16 +112,17 @@ class ModelConfig:
                 f"max_position_embeddings={arch.max_position_embeddings}",
             )
         quant_config = resolve_quant_config(self.quantization, hf_config)
-        if quant_config is not None and quant_config.int4 and arch.num_experts > 0:
+        int4 = quant_config.int4 if quant_config is not None else None
+        if int4 is not None and int4.act_order and arch.num_experts > 0:
             raise _fail(
                 "quantization",
-                f"int4 ({quant_config.method}) mixture-of-experts models ({arch.architecture}) "
-                "are not supported yet; supported: dense models",
+                f"int4 act-order experts ({arch.architecture}) are not supported yet; "
+                "supported: experts without desc_act / actorder group",
             )
         if (
             quant_config is not None
             and arch.num_experts > 0
-            and quant_config.weight_scales != "block"
+            and quant_config.weight_scales not in ("block", "int4")
         ):
             raise _fail(
                 "quantization",

@@ -70,13 +70,24 @@ def test_two_ranks_generate_what_one_does_with_fp8(pool, tiny_checkpoint, tmp_pa
     assert rank0["tokens"][:-1] == expected["tokens"][:-1]
 
 
-@pytest.mark.parametrize(("fmt", "group"), [("gptq", 16), ("awq", 16), ("ct", -1)])
-def test_two_ranks_generate_what_one_does_with_int4(pool, tiny_checkpoint, tmp_path, fmt, group):
+@pytest.mark.parametrize(
+    ("arch", "fmt", "group", "parallel"),
+    [
+        ("qwen3", "gptq", 16, {}),
+        ("qwen3", "awq", 16, {}),
+        ("qwen3", "ct", -1, {}),
+        ("qwen3_moe", "gptq", 16, {}),
+        ("qwen3_moe", "awq", 16, {"enable_expert_parallel": True}),
+    ],
+)
+def test_two_ranks_generate_what_one_does_with_int4(
+    pool, tiny_checkpoint, tmp_path, arch, fmt, group, parallel
+):
     """Int4 layers split over two ranks: column-parallel shares split the packed words by output
     rows; row-parallel ones (o_proj, down_proj) by input columns on group boundaries (a
-    per-channel scale is whole on every rank)."""
-    path, _ = write_int4_checkpoint(tiny_checkpoint("qwen3"), str(tmp_path / fmt), fmt, group)
+    per-channel scale is whole on every rank); experts by intermediate columns, or whole."""
+    path, _ = write_int4_checkpoint(tiny_checkpoint(arch), str(tmp_path / fmt), fmt, group)
     expected = generate(path)
-    rank0, rank1 = pool.run(generate_on_rank, path, {})
+    rank0, rank1 = pool.run(generate_on_rank, path, parallel)
     assert rank0 == rank1
     assert rank0["tokens"][:-1] == expected["tokens"][:-1]

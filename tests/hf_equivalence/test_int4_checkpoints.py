@@ -128,10 +128,19 @@ def test_act_order_with_tensor_parallelism_is_refused(int4_checkpoint) -> None: 
         make_llm(int4_dir, tensor_parallel_size=2)
 
 
-def test_int4_mixture_of_experts_is_refused(tiny_checkpoint, tmp_path) -> None:  # noqa: ANN001
-    _, _ = write_int4_checkpoint(tiny_checkpoint("qwen3_moe"), str(tmp_path / "moe"), "gptq")
-    with pytest.raises(ValueError, match=r"quantization: int4 \(gptq\) mixture-of-experts"):
-        make_llm(str(tmp_path / "moe"))
+@pytest.mark.parametrize("case", ["gptq-sym-g32", "awq-g32", "ct-g16"])
+def test_int4_experts_dequantized_at_load_match_the_twin(int4_checkpoint, case) -> None:  # noqa: ANN001
+    int4_dir, twin = int4_checkpoint(case, "qwen3_moe")
+    _, model = load(int4_dir)
+    assert model.model.layers[0].mlp.experts.w13.dtype == torch.float32
+    seq = Seq(prompt(9, 4), [3, 1, 2], 9)
+    assert_close_to_fp32_rounding(run_step(model, [seq])[0], hf_logits(twin, seq.token_ids))
+
+
+def test_int4_act_order_experts_are_refused(int4_checkpoint) -> None:  # noqa: ANN001
+    int4_dir, _ = int4_checkpoint("gptq-asym-act-order-g16", "qwen3_moe")
+    with pytest.raises(ValueError, match="quantization: int4 act-order experts"):
+        make_llm(int4_dir)
 
 
 def test_dummy_weights_in_the_int4_layout(int4_checkpoint) -> None:  # noqa: ANN001

@@ -14,8 +14,8 @@ packers written here from each format's description (independent of ferrum's loa
         group_size -1: one group over all of K. `twin` (dst + "-twin"): the same model with each
         quantized weight replaced by what the checkpoint means ((code - zero) * fp16 scale),
         loadable by transformers.
-Decoder-layer projections (`*_proj.weight` under model.layers) are quantized; with act_order the
-columns go to groups in a random order (g_idx)."""
+Decoder-layer projections (`*_proj.weight` under model.layers, MoE experts included) are
+quantized; with act_order the columns go to groups in a random order (g_idx)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 
 from tests.utils.fp8_checkpoints import _copy_folder, _edit_config, _read_all
 
-_QUANTIZED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+_QUANTIZED = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.)?\w+_proj\.weight$")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 

@@ -25,6 +25,7 @@ from ferrum.model_executor.weight_loader import CheckpointTensor, materialize
 
 if TYPE_CHECKING:
     from ferrum.model_executor.layers.quantization.fp8_moe import Fp8MoEMethod
+    from ferrum.model_executor.layers.quantization.int4_moe import Int4MoEMethod
 
 Loaded = torch.Tensor | CheckpointTensor
 
@@ -51,7 +52,7 @@ class FusedMoE(nn.Module):
         kernels: Kernels,
         tp_group: TensorParallelGroup | None = None,
         expert_parallel: bool = False,
-        quant_method: Fp8MoEMethod | None = None,
+        quant_method: Fp8MoEMethod | Int4MoEMethod | None = None,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
@@ -94,7 +95,9 @@ class FusedMoE(nn.Module):
         w13_shards = frozenset((p, e) for p in (GATE, UP) for e in experts)
         w2_shards = frozenset((DOWN, e) for e in experts)
         for name, param in self.named_parameters(recurse=False):
-            if name.startswith("w13"):
+            if getattr(param, "same_for_every_shard", False):  # loaded by its own loader
+                param.shard_ids = w13_shards if name.startswith("w13") else w2_shards  # type: ignore[attr-defined]
+            elif name.startswith("w13"):
                 set_weight_loader(param, self._load_w13, w13_shards)
             else:
                 set_weight_loader(param, self._load_w2, w2_shards)
@@ -114,23 +117,26 @@ class FusedMoE(nn.Module):
         check_shape(torch.Size((self.num_experts, *shape)), stacked.shape, what)
         return stacked.narrow(0, self.expert_start, self.num_local_experts)
 
-    def _sizes(self, param: nn.Parameter) -> tuple[int, int, int, int]:
+    def _sizes(self, param: nn.Parameter, w13: bool) -> tuple[int, int, int, int]:
         """(full intermediate, this rank's start and size in it, hidden) in `param`'s units:
-        weight rows, or blocks of `output_block` for a block-scale parameter."""
-        block = getattr(param, "output_block", 1)
+        weight rows (w13's intermediate, w2's hidden: `output_block` of them an entry) and
+        columns (`input_block`: packed int4 words, groups; else as rows)."""
+        rows = getattr(param, "output_block", 1)
+        cols = getattr(param, "input_block", None) or rows
+        inter, hidden = (rows, cols) if w13 else (cols, rows)
         sizes = (
             self.full_intermediate_size,
             self.intermediate_start,
             self.intermediate_size,
-            self.hidden_size,
         )
-        if any(size % block for size in sizes):
+        if any(size % inter for size in sizes) or self.hidden_size % hidden:
             raise ValueError(
-                f"expert scales cover {block}-row blocks, but this rank's intermediate slice "
+                f"expert parameters cover {inter}-wide blocks of the intermediate size (and "
+                f"{hidden} of hidden {self.hidden_size}), but this rank's intermediate slice "
                 f"[{self.intermediate_start}, +{self.intermediate_size}) of "
-                f"{self.full_intermediate_size} (hidden {self.hidden_size}) is not block aligned"
+                f"{self.full_intermediate_size} is not block aligned"
             )
-        return tuple(size // block for size in sizes)  # type: ignore[return-value]
+        return (*(size // inter for size in sizes), self.hidden_size // hidden)  # type: ignore[return-value]
 
     def _gate_up_rows(
         self, loaded: Loaded, dim: int, full: int, start: int, size: int
@@ -143,7 +149,7 @@ class FusedMoE(nn.Module):
     def _load_w13(self, param: nn.Parameter, loaded: Loaded, shard_id: Hashable) -> set[Hashable]:
         proj, expert_id = shard_id  # type: ignore[misc]
         check_dtype(param, loaded)
-        full, start, size, hidden = self._sizes(param)
+        full, start, size, hidden = self._sizes(param, w13=True)
         if proj == GATE_UP and expert_id is None:
             stacked = self._local_experts(loaded, "stacked gate_up_proj", (2 * full, hidden))
             gate, up = self._gate_up_rows(stacked, 1, full, start, size)
@@ -163,7 +169,7 @@ class FusedMoE(nn.Module):
     def _load_w2(self, param: nn.Parameter, loaded: Loaded, shard_id: Hashable) -> set[Hashable]:
         proj, expert_id = shard_id  # type: ignore[misc]
         check_dtype(param, loaded)
-        full, start, size, hidden = self._sizes(param)
+        full, start, size, hidden = self._sizes(param, w13=False)
         if proj != DOWN:
             raise ValueError(f"unknown expert shard {shard_id!r} for w2")
         if expert_id is None:

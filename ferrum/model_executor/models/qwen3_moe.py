@@ -24,7 +24,8 @@ from ferrum.quant_config import QuantConfig
 # checkpoints) and the stacked HF layout (`...mlp.experts.gate_up_proj` [E, 2I, H],
 # `...mlp.experts.down_proj` [E, H, I]).
 _PER_EXPERT = re.compile(
-    r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$"
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv|qweight|scales|"
+    r"qzeros|g_idx|weight_packed|weight_scale|weight_shape)$"
 )
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj(\.weight)?$")
 
@@ -119,6 +120,8 @@ def map_expert_name(name: str) -> tuple[str, Hashable] | None:
         param = f"{prefix}.w2" if proj == "down" else f"{prefix}.w13"
         if match.group(4) == "weight_scale_inv":
             param += "_scale"
+        elif match.group(4) != "weight":  # int4 experts (Int4MoEMethod)
+            param += "_" + match.group(4)
         return param, (proj, expert_id)
     match = _STACKED.match(name)
     if match:

@@ -12,6 +12,7 @@ from ferrum.quant_config import QuantConfig
 
 if TYPE_CHECKING:
     from ferrum.model_executor.layers.quantization.fp8_moe import Fp8MoEMethod
+    from ferrum.model_executor.layers.quantization.int4_moe import Int4MoEMethod
 
 
 def _quantized(quant_config: QuantConfig, module_names: Sequence[str]) -> bool:
@@ -51,7 +52,7 @@ def get_linear_method(
 
 def get_moe_method(
     quant_config: QuantConfig | None, kernels: Kernels, prefix: str, num_experts: int
-) -> Fp8MoEMethod | None:
+) -> Fp8MoEMethod | Int4MoEMethod | None:
     """The experts' method of the MoE block `prefix` ("model.layers.0.mlp"); None keeps them in
     the model dtype. Every expert projection must agree."""
     names = [
@@ -61,6 +62,10 @@ def get_moe_method(
     ]
     if quant_config is None or not _quantized(quant_config, names):
         return None
+    if quant_config.int4 is not None:
+        from ferrum.model_executor.layers.quantization.int4_moe import Int4MoEMethod
+
+        return Int4MoEMethod(quant_config, kernels, f"{prefix}.experts")
     from ferrum.model_executor.layers.quantization.fp8_moe import Fp8MoEMethod
 
     return Fp8MoEMethod(quant_config, kernels, f"{prefix}.experts")

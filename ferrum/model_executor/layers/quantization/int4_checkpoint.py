@@ -37,6 +37,8 @@ class Int4View:
     ) -> None:
         self.source, self.shape, self.dims, self.convert = source, torch.Size(shape), dims, convert
         self.name = getattr(source, "name", "")
+        dtype = getattr(source, "dtype", None)  # check_dtype's question: FP8 or not
+        self.dtype_name = getattr(source, "dtype_name", str(dtype).removeprefix("torch."))
 
     def dim(self) -> int:
         return len(self.shape)
