@@ -1,6 +1,6 @@
-"""GGUF files of tiny Llama, Qwen3 and Qwen3-MoE checkpoints (F32, F16, BF16, Q8_0, Q4_K, Q5_K
-and Q6_K tensors mixed, as llama.cpp's K-quant files mix them; Llama 3's RoPE scaling as the
-`rope_freqs` tensor) load through `LLM` and score
+"""GGUF files of tiny Llama, Qwen2 (q/k/v biases, tied embeddings), Qwen3 and Qwen3-MoE
+checkpoints (F32, F16, BF16, Q8_0, Q4_K, Q5_K and Q6_K tensors mixed, as llama.cpp's K-quant
+files mix them; Llama 3's RoPE scaling as the `rope_freqs` tensor) load through `LLM` and score
 prompts as transformers scores their dequantized twins: the same float32 values, so logprobs
 agree within 1e-4 (float32 arithmetic in a different order)."""
 
@@ -31,6 +31,7 @@ ARCHS = {
     "qwen3": ("qwen3", {"num_hidden_layers": 3}),
     "llama": ("llama", {"num_hidden_layers": 3}),
     "llama3": ("llama", {}),
+    "qwen2": ("qwen2", {}),
     "qwen3_moe": ("qwen3moe", {"moe_intermediate_size": 256}),
 }
 CHAT_TEMPLATE = (
