@@ -40,7 +40,9 @@ class ModelConfig:
     """The model folder and how to load it. Construction reads config.json and
     generation_config.json once and resolves dtype "auto", max_model_len None and tokenizer None."""
 
-    model: str = field(metadata=_help("path of a local Hugging Face model folder"))
+    model: str = field(
+        metadata=_help("path of a local Hugging Face model folder, or of a GGUF file")
+    )
     tokenizer: str | None = field(
         default=None, metadata=_help("tokenizer folder (default: the model folder)")
     )
