@@ -370,7 +370,8 @@ class EngineConfig:
             raise _fail(
                 "tensor_parallel_size",
                 "int4 checkpoints with act-order (desc_act / actorder group) are not supported "
-                "with tensor parallelism yet: their groups span every rank's input columns",
+                "with tensor parallelism yet (a row-parallel layer would need every group's "
+                "scales on each rank; ferrum splits them with the input columns)",
             )
         if self.device_config.batch_invariant and self.model_config.arch.linear_attention_layers:
             raise _fail(

@@ -63,6 +63,7 @@ def _fail(field_name: str, message: str) -> ValueError:
 def resolve_quant_config(quantization: str | None, hf_config: dict[str, Any]) -> QuantConfig | None:
     """The QuantConfig for the `quantization` argument and the checkpoint's config.json (None:
     no quantization). They must agree when both are given."""
+    given = quantization
     quantization = _ALIASES.get(quantization, quantization) if quantization else quantization
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise _fail(
@@ -86,7 +87,7 @@ def resolve_quant_config(quantization: str | None, hf_config: dict[str, Any]) ->
     if quantization is not None and quantization != method:
         raise _fail(
             "quantization",
-            f"{quantization!r} does not match the checkpoint's quantization_config.quant_method "
+            f"{given!r} does not match the checkpoint's quantization_config.quant_method "
             f"{method!r} (leave quantization unset to use the checkpoint's)",
         )
     if method == "fp8":
@@ -98,7 +99,9 @@ def resolve_quant_config(quantization: str | None, hf_config: dict[str, Any]) ->
     if method == "gptq":
         return _int4(method, parse_gptq(raw), "scales", ())
     if method == "awq":
-        return _int4(method, parse_awq(raw), "scales", _names(raw, "modules_to_not_convert"))
+        # AutoAWQ (and vLLM) skip a module whose name contains an entry.
+        skipped = tuple("re:.*" + re.escape(n) for n in _names(raw, "modules_to_not_convert"))
+        return _int4(method, parse_awq(raw), "scales", skipped)
     raise _fail("quantization_config.quant_method", f"{method!r} is not supported; {_SUPPORTED}")
 
 
@@ -142,7 +145,8 @@ def _parse_compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
     if fmt not in ("float-quantized", "naive-quantized"):
         raise _fail(
             f"{where}.format",
-            f"{fmt!r} is not supported; supported: 'float-quantized', 'naive-quantized' (FP8)",
+            f"{fmt!r} is not supported; supported: 'float-quantized', 'naive-quantized' (FP8) "
+            "and 'pack-quantized' (int4 W4A16)",
         )
     if raw.get("kv_cache_scheme") is not None:
         raise _fail(f"{where}.kv_cache_scheme", "an FP8 KV cache scheme is not supported yet")

@@ -29,10 +29,12 @@ def _fail(field_name: str, message: str) -> ValueError:
     return ValueError(f"quantization_config.{field_name}: {message}")
 
 
-def _group_size(raw: dict[str, Any], key: str) -> int:
+def _group_size(raw: dict[str, Any], key: str, where: str = "") -> int:
     value = raw.get(key, 128)
     if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
-        raise _fail(key, f"must be a positive integer or -1 (per output row), got {value!r}")
+        raise _fail(
+            where + key, f"must be a positive integer or -1 (per output row), got {value!r}"
+        )
     return value
 
 
@@ -96,13 +98,16 @@ def parse_pack_quantized(raw: dict[str, Any]) -> Int4Scheme:
     if strategy == "channel":
         group_size = -1
     elif strategy == "group":
-        group_size = _group_size(weights, "group_size")
+        group_size = _group_size(weights, "group_size", f"{where}.weights.")
     else:
         raise _fail(f"{where}.weights.strategy", f"{strategy!r}; supported: group, channel")
     actorder = weights.get("actorder")
     if actorder not in (None, False, "group", "weight"):
         raise _fail(f"{where}.weights.actorder", f"{actorder!r}; supported: group, weight, none")
-    return Int4Scheme("pack_quantized", group_size, bool(actorder), has_zero=False)
+    if actorder == "group" and strategy != "group":
+        raise _fail(f"{where}.weights.actorder", "'group' needs the group strategy")
+    # "weight" quantizes in activation order but keeps the groups contiguous: no g_idx.
+    return Int4Scheme("pack_quantized", group_size, actorder == "group", has_zero=False)
 
 
 def scheme_summary(scheme: Int4Scheme) -> str:

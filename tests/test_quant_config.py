@@ -221,3 +221,13 @@ def test_int4_formats_and_vllms_marlin_names() -> None:
         "awq_marlin", {"quantization_config": {**awq, "zero_point": True}}
     )
     assert config is not None and config.int4 is not None and config.int4.layout == "awq"
+
+
+def test_awq_skips_modules_whose_name_contains_an_entry() -> None:
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True}
+    awq["modules_to_not_convert"] = ["layers.0.mlp", "visual"]
+    config = resolve_quant_config(None, {"quantization_config": awq})
+    assert config is not None
+    assert config.is_ignored("model.layers.0.mlp.down_proj")
+    assert config.is_ignored("model.visual.blocks.0.attn.qkv")
+    assert not config.is_ignored("model.layers.1.mlp.down_proj")

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ferrum.kernels.attention_ref import paged_attention_ref
 from ferrum.kernels.fused_moe_ref import fused_moe_ref
+from ferrum.kernels.int4_ref import dequantize_int4
 from ferrum.kernels.interface import Kernels
 
 # One tile for every step of the unified attention kernel: 64 rows (query tokens x the heads
@@ -42,7 +43,7 @@ def batch_invariant_kernels(base: Kernels) -> Kernels:
         fused_moe=fused_moe_row_by_row,
         fp8_block_linear=row_by_row(base.fp8_block_linear),
         fp8_channel_linear=row_by_row(base.fp8_channel_linear),
-        int4_linear=row_by_row(base.int4_linear),
+        int4_linear=_int4_row_by_row,
     )
 
 
@@ -60,6 +61,7 @@ def _triton(base: Kernels) -> Kernels:
         "triton", "separate", BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_stages=4
     )
     fp8_buckets = {1 << 62: fp8_tile}
+    # base.int4_linear stays: its tile follows the weight's shape alone (int4_linear._tile).
     return dataclasses.replace(
         base,
         batch_invariant=True,
@@ -119,6 +121,20 @@ def row_by_row(linear: Any) -> Any:
         return torch.cat(outs).view(*x.shape[:-1], -1)
 
     return run
+
+
+def _int4_row_by_row(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    g_idx: torch.Tensor | None,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`int4_linear_ref`: the weights dequantized once, then one row at a time."""
+    weight = dequantize_int4(packed, scale, zero, g_idx, group_size).to(x.dtype)
+    return row_by_row(F.linear)(x, weight, bias)
 
 
 def fused_moe_row_by_row(

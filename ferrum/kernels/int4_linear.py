@@ -66,9 +66,14 @@ def _w4a16_kernel(
         else:
             groups = offs_k // GROUP_SIZE
         group_col = groups[:, None].to(tl.int64)
-        scales = tl.load(scale_ptr + cols[None, :] * stride_sn + group_col, mask=k_in[:, None])
+        # Past K: scale 0 and zero 0, so the tail's weights are 0 (never undefined lanes).
+        scales = tl.load(
+            scale_ptr + cols[None, :] * stride_sn + group_col, mask=k_in[:, None], other=0.0
+        )
         if HAS_ZERO:
-            zeros = tl.load(zero_ptr + cols[None, :] * stride_zn + group_col, mask=k_in[:, None])
+            zeros = tl.load(
+                zero_ptr + cols[None, :] * stride_zn + group_col, mask=k_in[:, None], other=0
+            )
             codes = codes - zeros.to(tl.int32)
         else:
             codes = codes - 8  # int4_ref.SYMMETRIC_ZERO

@@ -120,7 +120,7 @@ class ModelRunner:
             sdpa_max_len=min(sched.max_num_batched_tokens, max_model_len),
         )
         self.sampling_staging = sampling_staging(sched.max_num_seqs, device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.device_config.batch_invariant)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(model_config.seed)
         self.cuda_graphs: CUDAGraphRunner | None = None

@@ -141,16 +141,19 @@ def _top_p_cutoff(sorted_desc: torch.Tensor, meta: SamplingMetadata) -> torch.Te
     return torch.where(active, cutoff, torch.full_like(cutoff, float("-inf")))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, meta: SamplingMetadata, whole_rows: bool = False
+) -> torch.Tensor:
     """Keeps the k largest logits, then the smallest set of tokens whose probability mass
     (renormalized after top-k) reaches top_p; the most likely token always survives. Tokens
-    tied with the last survivor survive too."""
+    tied with the last survivor survive too. `whole_rows`: top-p sorts whole rows, never the
+    batch's max_top_k columns (a width other rows set would change the softmax's rounding)."""
     if meta.top_p is None:
         if meta.top_k is None:
             return logits
         largest = logits.topk(meta.max_top_k, dim=-1).values
         return logits.masked_fill(logits < _top_k_threshold(largest, meta.top_k), float("-inf"))
-    if meta.top_k_covers_top_p:
+    if meta.top_k_covers_top_p and not whole_rows:
         candidates = logits.topk(meta.max_top_k, dim=-1).values
     else:
         candidates = logits.sort(dim=-1, descending=True).values
@@ -190,7 +193,11 @@ def advance_sampling_generator(
 
 
 class Sampler:
-    """Picks one token per row from [N, V] logits; see the module docstring for the order."""
+    """Picks one token per row from [N, V] logits; see the module docstring for the order.
+    `batch_invariant`: no step's width depends on the other rows."""
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        self.batch_invariant = batch_invariant
 
     def __call__(
         self,
@@ -220,9 +227,8 @@ class Sampler:
             return SamplerOutput(sampled, None, None, None)
         return self._gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
 
-    @staticmethod
     def _sample(
-        logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None
+        self, logits: torch.Tensor, meta: SamplingMetadata, generator: torch.Generator | None
     ) -> torch.Tensor:
         greedy = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:
@@ -231,7 +237,7 @@ class Sampler:
         assert meta.temperature is not None
         logits = logits / meta.temperature[:, None]
         if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(logits, meta)
+            logits = apply_top_k_top_p(logits, meta, self.batch_invariant)
         probs = logits.softmax(dim=-1)
         if meta.min_p is not None:
             probs = apply_min_p(probs, meta.min_p)

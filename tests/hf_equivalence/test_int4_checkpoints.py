@@ -143,6 +143,27 @@ def test_int4_act_order_experts_are_refused(int4_checkpoint) -> None:  # noqa: A
         make_llm(int4_dir)
 
 
-def test_dummy_weights_in_the_int4_layout(int4_checkpoint) -> None:  # noqa: ANN001
-    llm = make_llm(int4_checkpoint("gptq-sym-g32")[0], load_format="dummy")
+@pytest.mark.parametrize(
+    ("case", "changes"),
+    [
+        ("gptq-sym-g32", {}),
+        ("gptq-asym-act-order-g16", {}),
+        ("gptq-per-channel", {"desc_act": True}),
+    ],
+)
+def test_dummy_weights_in_the_int4_layout(int4_checkpoint, tmp_path, case, changes) -> None:  # noqa: ANN001
+    # Act-order layers keep the identity grouping (dummy weights must not overwrite g_idx).
+    llm = make_llm(edited(int4_checkpoint(case)[0], tmp_path, **changes), load_format="dummy")
     assert len(greedy(llm, [[1, 2, 3]])[0]) == MAX_TOKENS
+
+
+def test_compressed_tensors_weight_actorder_has_no_g_idx(int4_checkpoint, tmp_path) -> None:  # noqa: ANN001
+    """actorder "weight" keeps the groups contiguous: no weight_g_idx (shardable as usual)."""
+    int4_dir, twin = int4_checkpoint("ct-g16")
+    path = os.path.join(int4_dir, "config.json")
+    with open(path) as f:
+        groups = json.load(f)["quantization_config"]["config_groups"]
+    groups["group_0"]["weights"]["actorder"] = "weight"
+    _, model = load(edited(int4_dir, tmp_path, config_groups=groups))
+    seq = Seq(prompt(9, 4), [3, 1, 2], 9)
+    assert_close_to_fp32_rounding(run_step(model, [seq])[0], hf_logits(twin, seq.token_ids))

@@ -185,6 +185,8 @@ def test_top_k_candidates_give_the_same_top_p_mask_as_a_full_sort() -> None:
     meta = _meta([_row(p) for p in params], 200)
     assert meta.top_k_covers_top_p and meta.max_top_k == 120
     fast = apply_top_k_top_p(logits, meta)
+    # Batch-invariant samplers sort whole rows: a width the other rows set never enters.
+    assert torch.equal(apply_top_k_top_p(logits, meta, whole_rows=True), fast)
     meta.top_k_covers_top_p = False
     full = apply_top_k_top_p(logits, meta)
     assert torch.equal(fast, full)

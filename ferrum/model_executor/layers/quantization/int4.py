@@ -81,8 +81,8 @@ class Int4LinearMethod:
             self._own_loader(layer, self.shape_name, shape, lambda p, t, s: {s})
 
     def _own_loader(self, layer: nn.Module, name: str, param: nn.Parameter, loader) -> None:  # noqa: ANN001
-        """A parameter every shard of a merged layer loads whole: kept by the layers' loaders."""
-        param.dummy_by_layer = False  # type: ignore[attr-defined]
+        """A parameter every shard of a merged layer loads whole: kept by the layers' loaders;
+        dummy weights keep its initial value (the identity grouping, the shape)."""
         param.same_for_every_shard = True  # type: ignore[attr-defined]
         set_weight_loader(param, loader)
         setattr(layer, name, param)
@@ -113,13 +113,13 @@ class Int4LinearMethod:
         return None
 
     def fill_dummy_weights(self, layer: nn.Module, std: float, generator: GeneratorFor) -> None:
-        """Uniform codes 0..15 (std ~4.6 around 8) and scales giving the weights std `std`."""
+        """Uniform codes 1..15 (mean 8, std ~4.3) and scales giving the weights std `std`."""
         packed = getattr(layer, self.packed_name)
         gen = generator(packed.device)
-        codes = torch.randint(0, 16, (packed.shape[0], packed.shape[1] * NIBBLES),
+        codes = torch.randint(1, 16, (packed.shape[0], packed.shape[1] * NIBBLES),
                               generator=gen, device=packed.device)  # fmt: skip
         packed.data.copy_(pack_int4(codes))
-        getattr(layer, self.scale_name).data.fill_(std / 4.6)
+        getattr(layer, self.scale_name).data.fill_(std / 4.3)
         if self.zero_name:
             getattr(layer, self.zero_name).data.fill_(SYMMETRIC_ZERO)
 

@@ -76,6 +76,7 @@ class Int4MoEMethod:
             for name in self.extra:  # read and dropped (act-order is refused)
                 param = nn.Parameter(torch.empty(0), requires_grad=False)
                 param.same_for_every_shard = True  # type: ignore[attr-defined]
+                param.dummy_by_layer = True  # type: ignore[attr-defined]
                 param.weight_loader = self._ignore  # type: ignore[attr-defined]
                 setattr(layer, f"{proj}_{name}", param)
 
@@ -108,14 +109,14 @@ class Int4MoEMethod:
             )  # fmt: skip
 
     def fill_dummy_weights(self, layer: nn.Module, std: float, generator: GeneratorFor) -> None:
-        """Uniform codes 0..15 (std ~4.6 around 8) and scales giving the weights std `std`."""
+        """Uniform codes 1..15 (mean 8, std ~4.3) and scales giving the weights std `std`."""
         for proj in ("w13", "w2"):
             packed = getattr(layer, f"{proj}_{self.names['packed']}")
             shape = (*packed.shape[:2], packed.shape[2] * NIBBLES)
             gen = generator(packed.device)
-            codes = torch.randint(0, 16, shape, generator=gen, device=packed.device)
+            codes = torch.randint(1, 16, shape, generator=gen, device=packed.device)
             packed.data.copy_(pack_int4(codes))
-            getattr(layer, f"{proj}_{self.names['scale']}").data.fill_(std / 4.6)
+            getattr(layer, f"{proj}_{self.names['scale']}").data.fill_(std / 4.3)
             if "zero" in self.names:
                 getattr(layer, f"{proj}_{self.names['zero']}").data.fill_(SYMMETRIC_ZERO)
 
