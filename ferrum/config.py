@@ -365,14 +365,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_parallel_fits_model(self.parallel_config, self.model_config.arch)
-        int4 = self.model_config.quant_config and self.model_config.quant_config.int4
-        if int4 and int4.act_order and self.parallel_config.tensor_parallel_size > 1:
-            raise _fail(
-                "tensor_parallel_size",
-                "int4 checkpoints with act-order (desc_act / actorder group) are not supported "
-                "with tensor parallelism yet (a row-parallel layer would need every group's "
-                "scales on each rank; ferrum splits them with the input columns)",
-            )
         if self.device_config.batch_invariant and self.model_config.arch.linear_attention_layers:
             raise _fail(
                 "batch_invariant",

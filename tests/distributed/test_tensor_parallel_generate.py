@@ -74,6 +74,7 @@ def test_two_ranks_generate_what_one_does_with_fp8(pool, tiny_checkpoint, tmp_pa
     ("arch", "fmt", "group", "parallel"),
     [
         ("qwen3", "gptq", 16, {}),
+        ("qwen3", "gptq-act-order", 16, {}),
         ("qwen3", "awq", 16, {}),
         ("qwen3", "ct", -1, {}),
         ("qwen3_moe", "gptq", 16, {}),
@@ -85,8 +86,18 @@ def test_two_ranks_generate_what_one_does_with_int4(
 ):
     """Int4 layers split over two ranks: column-parallel shares split the packed words by output
     rows; row-parallel ones (o_proj, down_proj) by input columns on group boundaries (a
-    per-channel scale is whole on every rank); experts by intermediate columns, or whole."""
-    path, _ = write_int4_checkpoint(tiny_checkpoint(arch), str(tmp_path / fmt), fmt, group)
+    per-channel scale is whole on every rank; with act-order, g_idx splits with the columns and
+    every rank holds every group's scales); experts by intermediate columns, or whole."""
+    act_order = fmt.endswith("-act-order")
+    fmt = fmt.removesuffix("-act-order")
+    path, _ = write_int4_checkpoint(
+        tiny_checkpoint(arch),
+        str(tmp_path / fmt),
+        fmt,
+        group,
+        sym=not act_order,
+        act_order=act_order,
+    )
     expected = generate(path)
     rank0, rank1 = pool.run(generate_on_rank, path, parallel)
     assert rank0 == rank1

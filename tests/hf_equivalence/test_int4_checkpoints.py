@@ -122,12 +122,6 @@ def test_unsupported_or_inconsistent_checkpoints_are_refused(
         LLM(folder, skip_tokenizer_init=True, dtype="float32", device="cpu", num_kv_blocks=16)
 
 
-def test_act_order_with_tensor_parallelism_is_refused(int4_checkpoint) -> None:  # noqa: ANN001
-    int4_dir, _ = int4_checkpoint("gptq-asym-act-order-g16")
-    with pytest.raises(ValueError, match="tensor_parallel_size: int4 checkpoints with act-order"):
-        make_llm(int4_dir, tensor_parallel_size=2)
-
-
 @pytest.mark.parametrize("case", ["gptq-sym-g32", "awq-g32", "ct-g16"])
 def test_int4_experts_dequantized_at_load_match_the_twin(int4_checkpoint, case) -> None:  # noqa: ANN001
     int4_dir, twin = int4_checkpoint(case, "qwen3_moe")

@@ -159,6 +159,7 @@ class RowParallelLinear(Linear):
     ) -> None:
         group = tp_group or _SINGLE
         local = split_evenly(input_size, group.world_size, "input size")
+        self.full_input_size = input_size  # read by quant methods while creating weights
         super().__init__(local, output_size, bias, **linear_kwargs)
         self.tp_group = group
         if group.world_size > 1:

@@ -61,6 +61,11 @@ class Int4LinearMethod:
         groups = input_size // group
         dtype = torch.get_default_dtype()
         scale_block = None if self.scheme.group_size == -1 else group
+        if self.scheme.act_order:
+            # g_idx picks any group for any column: every rank holds every group's scales
+            # (a row-parallel layer's columns are split, its groups are not).
+            groups = getattr(layer, "full_input_size", input_size) // group
+            scale_block = None
         params = {
             self.packed_name: _parameter(
                 torch.empty(output_size, input_size // NIBBLES, dtype=torch.int32), NIBBLES
@@ -75,7 +80,11 @@ class Int4LinearMethod:
             setattr(layer, name, param)
         if self.g_idx_name:
             g_idx = _parameter(torch.arange(input_size, dtype=torch.int32) // group)
-            self._own_loader(layer, self.g_idx_name, g_idx, self._load_g_idx)
+
+            def load_g_idx(param: nn.Parameter, loaded: object, shard_id: Hashable) -> set:
+                return self._load_g_idx(layer, param, loaded, shard_id)  # type: ignore[arg-type]
+
+            self._own_loader(layer, self.g_idx_name, g_idx, load_g_idx)
         if self.shape_name:
             shape = _parameter(torch.tensor([output_size, input_size]))
             self._own_loader(layer, self.shape_name, shape, lambda p, t, s: {s})
@@ -88,8 +97,13 @@ class Int4LinearMethod:
         setattr(layer, name, param)
 
     def _load_g_idx(
-        self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard_id: Hashable
+        self,
+        layer: nn.Module,
+        param: nn.Parameter,
+        loaded: torch.Tensor | CheckpointTensor,
+        shard_id: Hashable,
     ) -> set[Hashable]:
+        """The rank's columns of g_idx (a row-parallel layer's share; others take it whole)."""
         values = materialize(loaded).to(torch.int32)
         if not self.scheme.act_order:
             group = self.scheme.group_size if self.scheme.group_size != -1 else len(values)
@@ -99,6 +113,9 @@ class Int4LinearMethod:
                     "quantization_config says desc_act is false"
                 )
             return {shard_id}
+        local = param.shape[0]
+        if len(values) != local and len(values) % local == 0 and hasattr(layer, "tp_group"):
+            values = values[layer.tp_group.rank * local : (layer.tp_group.rank + 1) * local]
         if values.shape != param.shape:
             raise ValueError(
                 f"g_idx: expected shape {tuple(param.shape)}, got {tuple(values.shape)}"
