@@ -2,7 +2,8 @@
 shapes with random weights (`load_format="dummy"`), bf16 and FP8 (quantized at load). 8 probes,
 64 greedy tokens with logprobs, each alone; then among 56 other prompts in one call (chunked
 differently: a 1,024-token budget), after prefix-cache hits, and on a small KV pool with a
-256-token budget where requests are preempted and recomputed. Tokens and logprobs bitwise equal."""
+256-token budget where requests are preempted and recomputed; and eager (no CUDA graphs) against
+graphs. Tokens and logprobs bitwise equal."""
 
 from __future__ import annotations
 
@@ -74,3 +75,12 @@ def test_probes_are_bitwise_equal_in_every_batch(model: str, quantization: str |
     for name, got in (("batch", batched), ("prefix hit", after_hits), ("preempted", preempted)):
         equal = sum(g == a for g, a in zip(got, alone))
         assert equal == len(PROBES), f"{name}: {equal}/{len(PROBES)} probes equal to alone"
+
+
+def test_eager_equals_cuda_graphs() -> None:
+    graphs = engine("qwen3-0.6b", None, kv_cache_memory_bytes=4 << 30)
+    expected = probes_in_a_batch(graphs)
+    drop(graphs)
+    eager = engine("qwen3-0.6b", None, kv_cache_memory_bytes=4 << 30, enforce_eager=True)
+    assert probes_in_a_batch(eager) == expected
+    drop(eager)

@@ -17,7 +17,13 @@ from ferrum import LLM
 from tests.utils.int4_checkpoints import write_int4_checkpoint
 from tests.utils.model_step import Seq, load, prompt, run_step
 from tests.utils.tiny_checkpoints import hf_greedy, hf_logits, load_hf_model
-from tests.utils.tiny_llm import MAX_TOKENS, greedy, make_llm, random_prompts
+from tests.utils.tiny_llm import (
+    MAX_TOKENS,
+    greedy,
+    make_llm,
+    random_prompts,
+    teacher_forced_agreement,
+)
 
 # (format, group size, symmetric, act-order)
 CASES = {
@@ -161,3 +167,15 @@ def test_compressed_tensors_weight_actorder_has_no_g_idx(int4_checkpoint, tmp_pa
     _, model = load(edited(int4_dir, tmp_path, config_groups=groups))
     seq = Seq(prompt(9, 4), [3, 1, 2], 9)
     assert_close_to_fp32_rounding(run_step(model, [seq])[0], hf_logits(twin, seq.token_ids))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["gptq-asym-act-order-g16", "awq-g32", "ct-g16"])
+def test_the_triton_kernel_on_cuda_matches_the_twin(int4_checkpoint, case) -> None:  # noqa: ANN001
+    """The compiled kernel in fp16 against the twin in fp32 on the CPU (what transformers gives,
+    above): nearly every generated token is the twin's most likely one."""
+    int4_dir, twin = int4_checkpoint(case)
+    prompts = random_prompts([7, 30], seed=6)
+    llm = LLM(int4_dir, skip_tokenizer_init=True, dtype="float16", device="cuda",
+              max_model_len=128, num_kv_blocks=64)  # fmt: skip
+    assert teacher_forced_agreement(make_llm(twin), prompts, greedy(llm, prompts)) >= 0.9
