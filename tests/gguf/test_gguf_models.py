@@ -118,3 +118,14 @@ def test_transformers_reads_the_llama_file_as_its_twin(gguf_models) -> None:
     assert set(expected) <= set(tensors)
     for name, values in expected.items():
         assert torch.equal(torch.as_tensor(tensors[name]).float(), values), name
+
+
+def test_two_tensor_parallel_ranks_load_a_gguf_file(gguf_models) -> None:
+    """Each rank narrows the dequantized tensors to its share, as it does a folder's."""
+    path, _ = gguf_models["qwen3"]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 21], seed=8)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in _llm(path).generate(prompts, params, use_tqdm=False)]
+    two = LLM(path, dtype="float32", device="cpu", block_size=4, max_model_len=128,
+              tensor_parallel_size=2)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)] == one
