@@ -78,3 +78,27 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
     return out
+
+
+def paged_attention_query_by_query_ref(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_reqs, max_blocks_per_req] int32
+    query_start_loc: list[int],  # [num_reqs + 1], host
+    seq_lens: list[int],  # [num_reqs], host
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention_ref` one query token at a time, over exactly the keys it sees, as a
+    decode of it would run: a token's result depends on nothing else in the step (the
+    batch-invariant torch path; each token copied to its own buffer, whatever its alignment)."""
+    out = torch.empty_like(query)
+    for i, seq_len in enumerate(seq_lens):
+        start, q_len = query_start_loc[i], query_start_loc[i + 1] - query_start_loc[i]
+        for j in range(q_len):
+            token, visible = start + j, seq_len - q_len + j + 1
+            out[token] = paged_attention_ref(
+                query[token : token + 1].clone(), kv_cache, block_tables[i : i + 1], [0, 1],
+                [visible], scale, sliding_window,
+            )[0]  # fmt: skip
+    return out

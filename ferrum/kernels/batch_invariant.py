@@ -18,15 +18,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ferrum.kernels.attention_ref import paged_attention_ref
+from ferrum.kernels.attention_ref import paged_attention_query_by_query_ref
 from ferrum.kernels.fused_moe_ref import fused_moe_ref
-from ferrum.kernels.int4_ref import dequantize_int4
-from ferrum.kernels.interface import Kernels
+from ferrum.kernels.int4_ref import int4_linear_ref
+from ferrum.kernels.interface import Kernels, host_paged_attention
 
-# One tile for every step of the unified attention kernel: 64 rows (query tokens x the heads
-# sharing a KV head), 4 warps.
-ATTENTION_BLOCK_M = 64
-ATTENTION_NUM_WARPS = 4
+# One tile for every step of the unified attention kernel: (BLOCK_M, num_warps), 64 rows (query
+# tokens x the heads sharing a KV head) and 4 warps.
+ATTENTION_TILE = (64, 4)
 # The experts' grouped GEMM, one tile for every batch (the fused-MoE 128-token bucket).
 MOE_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
 
@@ -39,11 +38,11 @@ def batch_invariant_kernels(base: Kernels) -> Kernels:
         base,
         batch_invariant=True,
         dense_linear=row_by_row(F.linear),
-        paged_attention=_attention_query_by_query,
+        paged_attention=host_paged_attention(paged_attention_query_by_query_ref),
         fused_moe=fused_moe_row_by_row,
         fp8_block_linear=row_by_row(base.fp8_block_linear),
         fp8_channel_linear=row_by_row(base.fp8_channel_linear),
-        int4_linear=_int4_row_by_row,
+        int4_linear=functools.partial(int4_linear_ref, linear=row_by_row(F.linear)),
     )
 
 
@@ -56,6 +55,7 @@ def _triton(base: Kernels) -> Kernels:
         fp8_channel_linear,
     )
     from ferrum.kernels.fused_moe import fused_moe
+    from ferrum.kernels.paged_attention import paged_attention
 
     fp8_tile = Fp8GemmConfig(
         "triton", "separate", BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_stages=4
@@ -66,46 +66,13 @@ def _triton(base: Kernels) -> Kernels:
         base,
         batch_invariant=True,
         dense_linear=invariant_linear,
-        paged_attention=_unified_attention,
+        paged_attention=functools.partial(paged_attention, unified_tile=ATTENTION_TILE),
         fused_moe=functools.partial(fused_moe, config=MOE_CONFIG),
         fp8_block_linear=functools.partial(fp8_block_linear, buckets=fp8_buckets),
         fp8_block_linear_takes_rows=functools.partial(
             block_linear_takes_fp8_rows, buckets=fp8_buckets
         ),
         fp8_channel_linear=functools.partial(fp8_channel_linear, buckets=fp8_buckets),
-    )
-
-
-def _unified_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    out: torch.Tensor,
-    workspace: Any = None,
-    sliding_window: int | None = None,
-    out_fp8: Any = None,
-) -> torch.Tensor:
-    """`paged_attention`'s signature; the unified kernel at the one tile (no split-KV)."""
-    from ferrum.kernels.paged_attention import paged_attention_unified
-
-    return paged_attention_unified(
-        query,
-        kv_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        max_query_len,
-        scale,
-        out,
-        sliding_window=sliding_window,
-        block_m=ATTENTION_BLOCK_M,
-        num_warps=ATTENTION_NUM_WARPS,
-        out_fp8=out_fp8,
     )
 
 
@@ -121,20 +88,6 @@ def row_by_row(linear: Any) -> Any:
         return torch.cat(outs).view(*x.shape[:-1], -1)
 
     return run
-
-
-def _int4_row_by_row(
-    x: torch.Tensor,
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor | None,
-    g_idx: torch.Tensor | None,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`int4_linear_ref`: the weights dequantized once, then one row at a time."""
-    weight = dequantize_int4(packed, scale, zero, g_idx, group_size).to(x.dtype)
-    return row_by_row(F.linear)(x, weight, bias)
 
 
 def fused_moe_row_by_row(
@@ -154,37 +107,3 @@ def fused_moe_row_by_row(
         for t in range(hidden.shape[0])
     ]  # fmt: skip
     return torch.cat(outs)
-
-
-def _attention_query_by_query(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    out: torch.Tensor,
-    workspace: None = None,
-    sliding_window: int | None = None,
-    out_fp8: None = None,
-) -> torch.Tensor:
-    """Into `out`: each query token alone over exactly the keys it sees, as a decode of it
-    would run."""
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
-        q_len = starts[i + 1] - starts[i]
-        for j in range(q_len):
-            token = starts[i] + j
-            visible = seq_len - q_len + j + 1
-            out[token] = paged_attention_ref(
-                query[token : token + 1].clone(),
-                kv_cache,
-                block_tables[i : i + 1],
-                [0, 1],
-                [visible],
-                scale,
-                sliding_window,
-            )[0]
-    return out

@@ -8,6 +8,8 @@ with g = g_idx[k]."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -69,8 +71,10 @@ def int4_linear_ref(
     g_idx: torch.Tensor | None,
     group_size: int,
     bias: torch.Tensor | None = None,
+    *,
+    linear: Callable[..., torch.Tensor] = F.linear,
 ) -> torch.Tensor:
     """[..., N] in x's dtype: x @ dequantize_int4(...)^T (the weights rounded to x's dtype, the
-    product in x's dtype, as the kernel's tensor-core tiles)."""
+    product in x's dtype, as the kernel's tensor-core tiles), the product by `linear`."""
     weight = dequantize_int4(packed, scale, zero, g_idx, group_size).to(x.dtype)
-    return F.linear(x, weight, bias)
+    return linear(x, weight, bias)

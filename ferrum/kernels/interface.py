@@ -108,7 +108,7 @@ def torch_kernels() -> Kernels:
         silu_and_mul=silu_and_mul_ref,
         silu_and_mul_fp8=_no_fp8_rows,
         rotary_kv=_rotary_kv,
-        paged_attention=_paged_attention,
+        paged_attention=host_paged_attention(paged_attention_ref),
         moe_router=select_experts,
         fused_moe=fused_moe_ref,
         dense_linear=torch.nn.functional.linear,
@@ -157,26 +157,30 @@ def _rotary_kv(
     write_kv_cache_ref(k, value, kv_cache, slot_mapping)
 
 
-def _paged_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    out: torch.Tensor,
-    workspace: None = None,
-    sliding_window: int | None = None,
-    out_fp8: None = None,
-) -> torch.Tensor:
-    """Into `out`. Bounds, split-KV workspace and FP8 rows are the launcher's alone (the runner
-    allocates no workspace and the layer asks no rows of the references)."""
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    return out.copy_(
-        paged_attention_ref(query, kv_cache, block_tables, starts, lens, scale, sliding_window)
-    )
+def host_paged_attention(ref: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`paged_attention`'s launcher signature over a reference taking host lists (`ref`:
+    attention_ref's)."""
+
+    def attention(
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_query_len: int,
+        max_seq_len: int,
+        scale: float,
+        out: torch.Tensor,
+        workspace: None = None,
+        sliding_window: int | None = None,
+        out_fp8: None = None,
+    ) -> torch.Tensor:
+        """Into `out`. Bounds, split-KV workspace and FP8 rows are the launcher's alone (the
+        runner allocates no workspace and the layer asks no rows of the references)."""
+        starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+        return out.copy_(ref(query, kv_cache, block_tables, starts, lens, scale, sliding_window))
+
+    return attention
 
 
 def _causal_conv1d_prefill(

@@ -317,6 +317,8 @@ def paged_attention(
     workspace: SplitKVWorkspace | None = None,
     sliding_window: int | None = None,
     out_fp8: Fp8GroupRows | None = None,
+    *,
+    unified_tile: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Causal paged attention, same contract as `paged_attention_ref`; writes and returns `out` (and
     `out_fp8`, when given: out's [num_tokens, num_heads * 128] rows quantized per token-group of
@@ -324,14 +326,15 @@ def paged_attention(
     q_i = query_start_loc[i+1] - query_start_loc[i], context L_i = seq_lens[i]) sits at position
     L_i - q_i + j and attends to positions 0..L_i - q_i + j (`sliding_window` W: only the last W):
     out = softmax(scale * q K^T) V, softmax in fp32. Small decode-only batches over long contexts
-    take split-KV (`use_split_kv`, on the context a window leaves), others the unified path.
+    take split-KV (`use_split_kv`, on the context a window leaves), others the unified path;
+    `unified_tile` (BLOCK_M, num_warps) fixes the unified path's tile and never splits KV.
     `max_query_len` / `max_seq_len` are upper bounds."""
     num_reqs = seq_lens.shape[0] if seq_lens.dim() == 1 else 0
     num_kv_heads = kv_cache.shape[3] if kv_cache.dim() == 5 else 1
     window = _window_constexpr(sliding_window)
     max_context = min(max_seq_len, window) if window else max_seq_len
     fp8_cache = kv_cache.dtype == FP8_KV_DTYPE
-    if use_split_kv(
+    if unified_tile is None and use_split_kv(
         num_reqs, query.shape[0], num_kv_heads, max_query_len, max_context, workspace, fp8_cache
     ):
         assert workspace is not None
@@ -357,5 +360,7 @@ def paged_attention(
         scale,
         out,
         sliding_window=sliding_window,
+        block_m=None if unified_tile is None else unified_tile[0],
+        num_warps=None if unified_tile is None else unified_tile[1],
         out_fp8=out_fp8,
     )

@@ -8,17 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferrum.kernels.batch_invariant import (
-    ATTENTION_BLOCK_M,
-    ATTENTION_NUM_WARPS,
-    MOE_CONFIG,
-    batch_invariant_kernels,
-)
+from ferrum.kernels.batch_invariant import MOE_CONFIG, batch_invariant_kernels
 from ferrum.kernels.batch_invariant_matmul import invariant_linear
 from ferrum.kernels.fused_moe import fused_moe
 from ferrum.kernels.fused_moe_ref import fused_moe_ref
-from ferrum.kernels.interface import torch_kernels
-from ferrum.kernels.paged_attention import paged_attention_unified
+from ferrum.kernels.interface import Kernels, torch_kernels, triton_kernels
 from tests.utils.paged_batches import TOL, free_blocks_below_window, make_batch, reference
 
 # Row subsets of a 37-row batch: alone, a decode-sized batch, reversed, every third.
@@ -54,22 +48,18 @@ def test_torch_path_linear_rows_do_not_depend_on_the_batch() -> None:
     torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
-def unified(b, scale: float, window: int | None = None) -> torch.Tensor:  # noqa: ANN001
-    out = torch.full_like(b.query, float("nan"))
-    return paged_attention_unified(
-        b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, b.max_query_len,
-        scale, out, sliding_window=window, block_m=ATTENTION_BLOCK_M,
-        num_warps=ATTENTION_NUM_WARPS,
-    )  # fmt: skip
+def invariant_attention(kernels: Kernels):  # noqa: ANN201
+    def attend(b, scale: float, window: int | None = None) -> torch.Tensor:  # noqa: ANN001
+        out = torch.full_like(b.query, float("nan"))
+        return batch_invariant_kernels(kernels).paged_attention(
+            b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, b.max_query_len,
+            b.max_seq_len, scale, out, None, window,
+        )  # fmt: skip
+
+    return attend
 
 
-def torch_path(b, scale: float, window: int | None = None) -> torch.Tensor:  # noqa: ANN001
-    attention = batch_invariant_kernels(torch_kernels()).paged_attention
-    out = torch.full_like(b.query, float("nan"))
-    return attention(
-        b.query, b.kv_cache, b.block_tables, b.query_start_loc, b.seq_lens, b.max_query_len,
-        b.max_seq_len, scale, out, None, window,
-    )  # fmt: skip
+unified, torch_path = invariant_attention(triton_kernels()), invariant_attention(torch_kernels())
 
 
 def as_decodes(b, chunk_start: int, q_len: int, seq_len: int):  # noqa: ANN001, ANN201
