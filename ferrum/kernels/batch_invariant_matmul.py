@@ -37,6 +37,37 @@ def invariant_tile(n: int, k: int, dtype: torch.dtype) -> InvariantTile:
 
 
 # One compiled kernel for every row count (Triton would specialise M == 1 and M % 16 == 0).
+@triton.jit
+def tile_rows_cols(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (n_tile, m_tile)'s output offsets and the rows / columns it reads: past M it
+    reads row M - 1 and past N column N - 1 (int64), so no row's loads depend on its tile."""
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_m, M - 1).to(tl.int64)
+    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    return offs_m, offs_n, rows, cols
+
+
+@triton.jit
+def store_tile(
+    acc, out_ptr, bias_ptr, offs_m, offs_n, cols, M, N, stride_om, HAS_BIAS: tl.constexpr
+):
+    """acc (+ bias) into out's rows offs_m and columns offs_n inside [M, N], in out's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gemm_rows(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as [M, K] rows (contiguous along K) and an empty [M, N] output in x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > 0 and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    return x2, torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+
+
 @triton.jit(do_not_specialize=("M",))
 def _invariant_matmul_kernel(
     out_ptr,  # [M, N]
@@ -55,14 +86,8 @@ def _invariant_matmul_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program (n_tile, m_tile): out[m_tile rows, n_tile columns]. Rows past M read row M - 1 and
-    columns past N column N - 1 (stores are masked), so no row's loads depend on its tile."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_m, M - 1).to(tl.int64)
-    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    """Program (n_tile, m_tile): out[m_tile rows, n_tile columns] (`tile_rows_cols`)."""
+    offs_m, offs_n, rows, cols = tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + rows[:, None] * stride_xm
     w_cols = w_ptr + cols[None, :] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -72,11 +97,7 @@ def _invariant_matmul_kernel(
         a = tl.load(x_rows + offs_k[None, :], mask=k_in[None, :], other=0.0)
         b = tl.load(w_cols + offs_k[:, None], mask=k_in[:, None], other=0.0)
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, cols, M, N, stride_om, HAS_BIAS)
 
 
 def invariant_linear(
@@ -93,11 +114,8 @@ def invariant_linear(
         )
     if weight.stride(1) != 1:
         raise ValueError("weight must be contiguous along K")
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] > 0 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2, out = gemm_rows(x, n)
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     tile = invariant_tile(n, k, weight.dtype)

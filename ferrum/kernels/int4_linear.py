@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferrum.kernels.batch_invariant_matmul import gemm_rows, store_tile, tile_rows_cols
 from ferrum.kernels.int4_ref import NIBBLES
 from ferrum.kernels.paged_attention_common import _dot_precision
 
@@ -41,14 +42,8 @@ def _w4a16_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program (n_tile, m_tile). K is a multiple of 8 (whole words); rows past M and columns past
-    N read row M - 1 / column N - 1 (stores are masked)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_m, M - 1).to(tl.int64)
-    cols = tl.minimum(offs_n, N - 1).to(tl.int64)
+    """Program (n_tile, m_tile) (`tile_rows_cols`). K is a multiple of 8 (whole words)."""
+    offs_m, offs_n, rows, cols = tile_rows_cols(M, N, BLOCK_M, BLOCK_N)
     x_rows = x_ptr + rows[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -79,11 +74,7 @@ def _w4a16_kernel(
             codes = codes - 8  # int4_ref.SYMMETRIC_ZERO
         w = (codes.to(tl.float32) * scales.to(tl.float32)).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    store_tile(acc, out_ptr, bias_ptr, offs_m, offs_n, cols, M, N, stride_om, HAS_BIAS)
 
 
 def _tile(n: int) -> tuple[int, int, int, int, int]:
@@ -105,11 +96,8 @@ def int4_linear(
     k = words * NIBBLES
     if x.shape[-1] != k or x.dtype not in ACT_DTYPES:
         raise ValueError(f"x must be [..., {k}] fp16/bf16/fp32, got {list(x.shape)} {x.dtype}")
-    x2 = x.reshape(-1, k)
-    if x2.shape[0] > 0 and x2.stride(1) != 1:
-        x2 = x2.contiguous()
+    x2, out = gemm_rows(x, n)
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out.view(*x.shape[:-1], n)
     block_m, block_n, block_k, warps, stages = _tile(n)
