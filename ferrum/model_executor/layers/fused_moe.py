@@ -95,9 +95,7 @@ class FusedMoE(nn.Module):
         w13_shards = frozenset((p, e) for p in (GATE, UP) for e in experts)
         w2_shards = frozenset((DOWN, e) for e in experts)
         for name, param in self.named_parameters(recurse=False):
-            if getattr(param, "same_for_every_shard", False):  # loaded by its own loader
-                param.shard_ids = w13_shards if name.startswith("w13") else w2_shards  # type: ignore[attr-defined]
-            elif name.startswith("w13"):
+            if name.startswith("w13"):
                 set_weight_loader(param, self._load_w13, w13_shards)
             else:
                 set_weight_loader(param, self._load_w2, w2_shards)

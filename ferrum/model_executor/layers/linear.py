@@ -71,6 +71,22 @@ def new_parameter(*shape: int) -> nn.Parameter:
     return param
 
 
+def quantized_parameter(
+    data: torch.Tensor, output_block: int = 1, input_block: int | None = None
+) -> nn.Parameter:
+    """A parameter of a quantized format: loaded whole (layers that split weights set their own
+    loaders), `output_block` weight rows and `input_block` weight columns an entry (block
+    scales, packed codes, groups; the layers' splits read them), and filled by the method's
+    `fill_dummy_weights` rather than the generic random initialisation."""
+    param = nn.Parameter(data, requires_grad=False)
+    set_weight_loader(param, default_weight_loader)
+    param.output_block = output_block  # type: ignore[attr-defined]
+    if input_block is not None:
+        param.input_block = input_block  # type: ignore[attr-defined]
+    param.dummy_by_layer = True  # type: ignore[attr-defined]
+    return param
+
+
 class Linear(nn.Module):
     """y = x W^T + b with W: [output_size, input_size], in the model dtype or in the format of
     `quant_method` (which then creates the weight parameters and runs the product)."""

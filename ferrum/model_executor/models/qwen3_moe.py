@@ -25,8 +25,11 @@ from ferrum.quant_config import QuantConfig
 # `...mlp.experts.down_proj` [E, H, I]).
 _PER_EXPERT = re.compile(
     r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv|qweight|scales|"
-    r"qzeros|g_idx|weight_packed|weight_scale|weight_shape)$"
+    r"qzeros|weight_packed|weight_scale)$"
 )
+# Int4 experts' tensors that carry nothing to load: g_idx (act-order experts are refused, so it
+# is the identity grouping) and compressed-tensors' weight_shape.
+_SKIPPED_EXPERT = re.compile(r"^.*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.(g_idx|weight_shape)$")
 _STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up|down)_proj(\.weight)?$")
 
 
@@ -109,6 +112,8 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         return LlamaDecoderLayer(attention, mlp, arch, kernels)
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Hashable] | None:
+        if _SKIPPED_EXPERT.match(name):
+            return None
         return map_expert_name(name) or super().map_checkpoint_name(name)
 
 

@@ -22,19 +22,11 @@ from ferrum.kernels.fp8_weight import (
 )
 from ferrum.kernels.interface import Kernels
 from ferrum.model_executor.layers.linear import (
-    default_weight_loader,
     new_parameter,
-    set_weight_loader,
+    quantized_parameter,
 )
 from ferrum.model_executor.layers.quantization.base import GeneratorFor
 from ferrum.quant_config import QuantConfig
-
-
-def _parameter(data: torch.Tensor, output_block: int = 1) -> nn.Parameter:
-    param = nn.Parameter(data, requires_grad=False)
-    set_weight_loader(param, default_weight_loader)
-    param.output_block = output_block  # type: ignore[attr-defined]
-    return param
 
 
 class Fp8LinearMethod:
@@ -64,22 +56,22 @@ class Fp8LinearMethod:
         if self.quantize_on_load:
             layer.weight = new_parameter(output_size, input_size)
             return
-        layer.weight = _parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE))
+        layer.weight = quantized_parameter(torch.empty(output_size, input_size, dtype=FP8_DTYPE))
         if self.block:
             rows, cols = -(-output_size // WEIGHT_BLOCK[0]), input_size // WEIGHT_BLOCK[1]
-            scale = _parameter(torch.empty(rows, cols, dtype=torch.float32), WEIGHT_BLOCK[0])
+            scale = quantized_parameter(
+                torch.empty(rows, cols, dtype=torch.float32), WEIGHT_BLOCK[0]
+            )
         else:
-            scale = _parameter(torch.empty(output_size, 1, dtype=torch.float32))
+            scale = quantized_parameter(torch.empty(output_size, 1, dtype=torch.float32))
         setattr(layer, self.scale_name, scale)
-        for param in (layer.weight, scale):
-            param.dummy_by_layer = True  # type: ignore[attr-defined]
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not self.quantize_on_load or layer.weight.dtype == FP8_DTYPE:
             return
         weight, scale = quantize_weight_block(layer.weight.data)
-        layer.weight = _parameter(weight)
-        setattr(layer, self.scale_name, _parameter(scale, WEIGHT_BLOCK[0]))
+        layer.weight = quantized_parameter(weight)
+        setattr(layer, self.scale_name, quantized_parameter(scale, WEIGHT_BLOCK[0]))
 
     def fill_dummy_weights(self, layer: nn.Module, std: float, generator: GeneratorFor) -> None:
         if self.quantize_on_load:

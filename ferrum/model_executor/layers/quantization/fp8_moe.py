@@ -14,18 +14,11 @@ from ferrum.kernels.fp8_quant import FP8_DTYPE
 from ferrum.kernels.fp8_weight import WEIGHT_BLOCK, quantize_weight_block
 from ferrum.kernels.fused_moe_ref import fused_moe_ref
 from ferrum.kernels.interface import Kernels
-from ferrum.model_executor.layers.linear import new_parameter
+from ferrum.model_executor.layers.linear import new_parameter, quantized_parameter
 from ferrum.model_executor.layers.quantization.base import GeneratorFor
 from ferrum.quant_config import QuantConfig
 
 _BLOCK = WEIGHT_BLOCK[0]
-
-
-def _parameter(data: torch.Tensor, output_block: int = 1) -> nn.Parameter:
-    param = nn.Parameter(data, requires_grad=False)
-    param.output_block = output_block  # type: ignore[attr-defined]
-    param.dummy_by_layer = True  # type: ignore[attr-defined]
-    return param
 
 
 class Fp8MoEMethod:
@@ -58,10 +51,10 @@ class Fp8MoEMethod:
             if self.quantize_on_load:
                 setattr(layer, name, new_parameter(*shape))
                 continue
-            setattr(layer, name, _parameter(torch.empty(shape, dtype=FP8_DTYPE)))
+            setattr(layer, name, quantized_parameter(torch.empty(shape, dtype=FP8_DTYPE)))
             scale_shape = (shape[0], shape[1] // _BLOCK, shape[2] // _BLOCK)
             scale = torch.empty(scale_shape, dtype=torch.float32)
-            setattr(layer, f"{name}_scale", _parameter(scale, _BLOCK))
+            setattr(layer, f"{name}_scale", quantized_parameter(scale, _BLOCK))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if not self.quantize_on_load or layer.w13.dtype == FP8_DTYPE:
@@ -73,8 +66,8 @@ class Fp8MoEMethod:
             for expert in range(weight.shape[0]):
                 codes[expert], scale = quantize_weight_block(weight[expert])
                 scales.append(scale)
-            setattr(layer, name, _parameter(codes))
-            setattr(layer, f"{name}_scale", _parameter(torch.stack(scales), _BLOCK))
+            setattr(layer, name, quantized_parameter(codes))
+            setattr(layer, f"{name}_scale", quantized_parameter(torch.stack(scales), _BLOCK))
 
     def fill_dummy_weights(self, layer: nn.Module, std: float, generator: GeneratorFor) -> None:
         if self.quantize_on_load:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ferrum.kernels.int4_ref import NIBBLES, SYMMETRIC_ZERO, pack_int4
 from ferrum.kernels.interface import Kernels
-from ferrum.model_executor.layers.linear import default_weight_loader, set_weight_loader
+from ferrum.model_executor.layers.linear import quantized_parameter, set_weight_loader
 from ferrum.model_executor.layers.quantization.base import GeneratorFor
 from ferrum.model_executor.layers.quantization.int4_checkpoint import checkpoint_view
 from ferrum.model_executor.weight_loader import CheckpointTensor, materialize
@@ -21,15 +21,6 @@ from ferrum.quant_config import QuantConfig
 
 if TYPE_CHECKING:
     from ferrum.kernels.fp8_quant import Fp8GroupRows
-
-
-def _parameter(data: torch.Tensor, input_block: int | None = None) -> nn.Parameter:
-    param = nn.Parameter(data, requires_grad=False)
-    set_weight_loader(param, default_weight_loader)
-    param.dummy_by_layer = True  # type: ignore[attr-defined]
-    if input_block is not None:
-        param.input_block = input_block  # type: ignore[attr-defined]
-    return param
 
 
 class Int4LinearMethod:
@@ -67,26 +58,29 @@ class Int4LinearMethod:
             groups = getattr(layer, "full_input_size", input_size) // group
             scale_block = None
         params = {
-            self.packed_name: _parameter(
-                torch.empty(output_size, input_size // NIBBLES, dtype=torch.int32), NIBBLES
+            self.packed_name: quantized_parameter(
+                torch.empty(output_size, input_size // NIBBLES, dtype=torch.int32),
+                input_block=NIBBLES,
             ),
-            self.scale_name: _parameter(torch.empty(output_size, groups, dtype=dtype), scale_block),
+            self.scale_name: quantized_parameter(
+                torch.empty(output_size, groups, dtype=dtype), input_block=scale_block
+            ),
         }
         if self.zero_name:
             zero = torch.empty(output_size, groups, dtype=torch.uint8)
-            params[self.zero_name] = _parameter(zero, scale_block)
+            params[self.zero_name] = quantized_parameter(zero, input_block=scale_block)
         for name, param in params.items():
             param.checkpoint_view = checkpoint_view(self.scheme.layout, name)  # type: ignore[attr-defined]
             setattr(layer, name, param)
         if self.g_idx_name:
-            g_idx = _parameter(torch.arange(input_size, dtype=torch.int32) // group)
+            g_idx = quantized_parameter(torch.arange(input_size, dtype=torch.int32) // group)
 
             def load_g_idx(param: nn.Parameter, loaded: object, shard_id: Hashable) -> set:
                 return self._load_g_idx(layer, param, loaded, shard_id)  # type: ignore[arg-type]
 
             self._own_loader(layer, self.g_idx_name, g_idx, load_g_idx)
         if self.shape_name:
-            shape = _parameter(torch.tensor([output_size, input_size]))
+            shape = quantized_parameter(torch.tensor([output_size, input_size]))
             self._own_loader(layer, self.shape_name, shape, lambda p, t, s: {s})
 
     def _own_loader(self, layer: nn.Module, name: str, param: nn.Parameter, loader) -> None:  # noqa: ANN001

@@ -3,11 +3,10 @@ to the model dtype once loaded: the fused-MoE kernels have no int4 path yet, so 
 the model dtype's memory (4x the int4 bytes in bf16), and start-up says so. Loading reads the
 checkpoint's per-expert tensors in ferrum's int4 layout (int4_checkpoint.py) into stacked
 parameters `w13_<name>` [E, 2I, ...] (gate rows, then up) and `w2_<name>` [E, H, ...]; then
-`w13` / `w2` replace them. Act-order experts are refused (config.py)."""
+`w13` / `w2` replace them. Act-order experts are refused (config.py), so the experts' g_idx and
+compressed-tensors' weight_shape tensors are skipped by name (qwen3_moe.map_expert_name)."""
 
 from __future__ import annotations
-
-from collections.abc import Hashable
 
 import torch
 from torch import nn
@@ -15,19 +14,13 @@ from torch import nn
 from ferrum.kernels.int4_ref import NIBBLES, SYMMETRIC_ZERO, dequantize_int4, pack_int4
 from ferrum.kernels.interface import Kernels
 from ferrum.logger import init_logger
+from ferrum.model_executor.layers.linear import quantized_parameter
 from ferrum.model_executor.layers.quantization.base import GeneratorFor
 from ferrum.model_executor.layers.quantization.int4_checkpoint import checkpoint_view
 from ferrum.quant_config import QuantConfig
 
 logger = init_logger(__name__)
 _logged = False
-
-
-def _parameter(data: torch.Tensor, input_block: int | None) -> nn.Parameter:
-    param = nn.Parameter(data, requires_grad=False)
-    param.dummy_by_layer = True  # type: ignore[attr-defined]
-    param.input_block = input_block  # type: ignore[attr-defined]
-    return param
 
 
 class Int4MoEMethod:
@@ -41,8 +34,6 @@ class Int4MoEMethod:
             "scale": quant_config.scale_name,
             **({"zero": "qzeros"} if self.scheme.has_zero else {}),
         }
-        self.extra = [n for n in ("g_idx",) if self.scheme.layout in ("gptq", "gptq_v2")]
-        self.extra += [] if gptq_like else ["weight_shape"]
         self._kernel = kernels.fused_moe
         self.groups: dict[str, int] = {}
 
@@ -66,23 +57,15 @@ class Int4MoEMethod:
             words = torch.empty(num_experts, rows, cols // NIBBLES, dtype=torch.int32)
             zeros = torch.empty(num_experts, rows, cols // full, dtype=torch.uint8)
             made = {
-                "packed": _parameter(words, NIBBLES),
-                "scale": _parameter(torch.empty(num_experts, rows, cols // full), group_block),
-                "zero": _parameter(zeros, group_block),
+                "packed": quantized_parameter(words, input_block=NIBBLES),
+                "scale": quantized_parameter(
+                    torch.empty(num_experts, rows, cols // full), input_block=group_block
+                ),
+                "zero": quantized_parameter(zeros, input_block=group_block),
             }
             for key, name in self.names.items():
                 made[key].checkpoint_view = checkpoint_view(self.scheme.layout, name)  # type: ignore[attr-defined]
                 setattr(layer, f"{proj}_{name}", made[key])
-            for name in self.extra:  # read and dropped (act-order is refused)
-                param = nn.Parameter(torch.empty(0), requires_grad=False)
-                param.same_for_every_shard = True  # type: ignore[attr-defined]
-                param.dummy_by_layer = True  # type: ignore[attr-defined]
-                param.weight_loader = self._ignore  # type: ignore[attr-defined]
-                setattr(layer, f"{proj}_{name}", param)
-
-    @staticmethod
-    def _ignore(param: nn.Parameter, loaded: object, shard_id: Hashable) -> set[Hashable]:
-        return {shard_id}
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         global _logged
@@ -96,7 +79,7 @@ class Int4MoEMethod:
             for e in range(packed.shape[0]):
                 z = None if zero is None else zero[e]
                 experts[e] = dequantize_int4(packed[e], scale[e], z, None, self.groups[proj])
-            for name in (*self.names.values(), *self.extra):
+            for name in self.names.values():
                 delattr(layer, f"{proj}_{name}")
             setattr(layer, proj, nn.Parameter(experts.to(dtype), requires_grad=False))
         if not _logged:
