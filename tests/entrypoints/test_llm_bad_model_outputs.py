@@ -20,6 +20,7 @@ from ferrum.entrypoints.openai.tool_parsers.tool_choice import (
     tool_call_structural_tag,
 )
 from ferrum.sampling_params import StructuredOutputsParams
+from tests.utils.parser_samples import function_tool
 
 MAX_TOKENS = 200
 SEEDS = range(16)
@@ -51,33 +52,14 @@ SCHEMAS = {
     },
     "object": {"type": "object"},  # json_object: any object
 }
+WEATHER = {
+    "city": {"type": "string", "maxLength": 16},
+    "unit": {"enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+}
 TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "maxLength": 16},
-                    "unit": {"enum": ["celsius", "fahrenheit"]},
-                    "days": {"type": "integer", "minimum": 1, "maximum": 14},
-                },
-                "required": ["city", "unit", "days"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "parameters": {
-                "type": "object",
-                "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
-                "required": ["query"],
-            },
-        },
-    },
+    function_tool("get_weather", WEATHER, ["city", "unit", "days"]),
+    function_tool("search", {"query": {"type": "string"}, "limit": {"type": "integer"}}, ["query"]),
 ]
 SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -19,6 +19,7 @@ from ferrum.model_executor.token_bitmask import allocate_token_bitmask, apply_to
 from ferrum.sampling_params import StructuredOutputsParams
 from ferrum.structured_output import GrammarCompilerService, GrammarSpec
 from ferrum.structured_output.closing import tag_exits
+from tests.utils.parser_samples import function_tool
 
 SEEDS = range(24)
 MAX_TOKENS = 120
@@ -43,23 +44,12 @@ SCHEMAS = {
         "items": {"type": "array", "items": {"type": "object"}},
     },
 }
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "maxLength": 16},
-                    "days": {"type": "integer"},
-                    "note": {"type": "string"},
-                },
-                "required": ["city", "days", "note"],
-            },
-        },
-    }
-]
+WEATHER = {
+    "city": {"type": "string", "maxLength": 16},
+    "days": {"type": "integer"},
+    "note": {"type": "string"},
+}
+TOOLS = [function_tool("get_weather", WEATHER, ["city", "days", "note"])]
 
 
 def _sample(

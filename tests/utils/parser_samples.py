@@ -11,42 +11,32 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+
+def function_tool(
+    name: str, properties: dict[str, Any], required: list[str] | None = None
+) -> dict[str, Any]:
+    """An OpenAI `tools` entry: a function whose parameters are an object of `properties`."""
+    parameters: dict[str, Any] = {"type": "object", "properties": properties}
+    if required is not None:
+        parameters["required"] = required
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+SEARCH = {
+    "query": {"type": "string"},
+    "filters": {"type": "object"},
+    "limit": {"type": "number"},
+    "tags": {"type": "array", "items": {"type": "string"}},
+    "note": {"type": ["string", "null"]},
+}
 TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "days": {"type": "integer"},
-                    "metric": {"type": "boolean"},
-                },
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "query": {"type": "string"},
-                    "filters": {"type": "object"},
-                    "limit": {"type": "number"},
-                    "tags": {"type": "array", "items": {"type": "string"}},
-                    "note": {"type": ["string", "null"]},
-                },
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}},
-    },
+    function_tool(
+        "get_weather",
+        {"city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}},
+        ["city"],
+    ),
+    function_tool("search", SEARCH),
+    function_tool("get_time", {}),
 ]
 
 

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from ferrum.default_model import DEFAULT_MODEL_NAME
+from tests.utils.parser_samples import function_tool
 from tests.utils.remote_server import RemoteServer
 
 MODEL = DEFAULT_MODEL_NAME
@@ -29,21 +30,12 @@ PROFILE = {
     },
     "required": ["name", "age", "bio", "scores"],
 }
-LOOKUP = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "key": {"type": "string", "maxLength": 16},
-                "count": {"type": "integer"},
-                "mode": {"enum": ["exact", "fuzzy"]},
-            },
-            "required": ["key", "count", "mode"],
-        },
-    },
+LOOKUP_PROPERTIES = {
+    "key": {"type": "string", "maxLength": 16},
+    "count": {"type": "integer"},
+    "mode": {"enum": ["exact", "fuzzy"]},
 }
+LOOKUP = function_tool("lookup", LOOKUP_PROPERTIES, ["key", "count", "mode"])
 LOOKUP_PARAMETERS = LOOKUP["function"]["parameters"]
 
 
