@@ -1,0 +1,50 @@
+"""Torch forms of the two LoRA ops over a batch whose tokens use different adapters (slot per
+token, -1: none). shrink: t[i] = x[i] @ A[slot[i]]^T; expand: y[i] += t[i] @ B[slot[i]]^T (the
+adapter's scaling is folded into B when it is loaded). `*_ref` loops over tokens on the host (the
+obvious definition, for tests); the `lora_*_torch` forms are the CPU path: one GEMM over every
+slot's A then a gather, and one masked GEMM per slot, with no host sync (CUDA-graph safe)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def lora_shrink_ref(
+    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """x [T, K], lora_a [L, N, K], token_slots [T] -> [T, N] (zero rows where slot is -1)."""
+    out = x.new_zeros(x.shape[0], lora_a.shape[1])
+    for i, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            out[i] = (lora_a[slot].float() @ x[i].float()).to(x.dtype)
+    return out
+
+
+def lora_expand_ref(
+    t: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor
+) -> None:
+    """y [T, N] += t [T, K] @ lora_b[slot] [N, K]^T per token, in place (rows with slot -1 kept)."""
+    for i, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            y[i] += (lora_b[slot].float() @ t[i].float()).to(y.dtype)
+
+
+def lora_shrink_torch(
+    x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """`lora_shrink_ref` as one GEMM over every slot's A, then each token's slot gathered."""
+    num_slots, n, k = lora_a.shape
+    num_tokens = x.shape[0]
+    every = (x @ lora_a.reshape(num_slots * n, k).t()).view(num_tokens, num_slots, n)
+    index = token_slots.clamp(min=0).long().view(num_tokens, 1, 1).expand(num_tokens, 1, n)
+    picked = every.gather(1, index).squeeze(1)
+    return picked * (token_slots >= 0).to(picked.dtype).unsqueeze(1)
+
+
+def lora_expand_torch(
+    t: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor
+) -> None:
+    """`lora_expand_ref` as one GEMM per slot over the tokens of that slot (others masked)."""
+    for slot in range(lora_b.shape[0]):
+        mask = (token_slots == slot).to(t.dtype).unsqueeze(1)
+        y += (t * mask) @ lora_b[slot].t()

@@ -1,0 +1,92 @@
+"""Triton LoRA shrink over a batch mixing adapters: out[i] = x[i] @ A[slot[i]]^T for every token
+with an adapter (rows of tokens without one are zero). Program (m, n, s) multiplies block m of
+slot s's tokens (gathered through `LoRASegments`) by columns block n of A[s]; a program past its
+slot's token count does nothing. The grid depends on the token count and shapes only, never on
+which adapters the step holds (CUDA graphs replay any mix)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels.lora_segments import LoRASegments
+
+BLOCK_M = 16
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr,  # [num_tokens, K]
+    a_ptr,  # [num_slots, N, K]
+    out_ptr,  # [num_tokens, N]
+    sorted_ptr,  # [num_tokens] int32
+    start_ptr,  # [num_slots] int32
+    count_ptr,  # [num_slots] int32
+    N,
+    K,
+    stride_x,
+    stride_a_slot,
+    stride_a_n,
+    stride_out,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    count = tl.load(count_ptr + slot)
+    if pid_m * BLOCK_M < count:
+        start = tl.load(start_ptr + slot)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < count
+        rows = tl.load(sorted_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        a_base = a_ptr + slot.to(tl.int64) * stride_a_slot
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            xt = tl.load(
+                x_ptr + rows[:, None] * stride_x + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            at = tl.load(
+                a_base + offs_n[None, :] * stride_a_n + offs_k[:, None],
+                mask=mask_k[:, None] & mask_n[None, :],
+                other=0.0,
+            )
+            acc += tl.dot(xt, at)
+        tl.store(
+            out_ptr + rows[:, None] * stride_out + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask_m[:, None] & mask_n[None, :],
+        )
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -> torch.Tensor:
+    """x [T, K], lora_a [L, N, K] (last dim contiguous) -> [T, N] in x's dtype; `segments`
+    filled from this batch's token slots."""
+    if x.dim() != 2 or lora_a.dim() != 3 or x.shape[1] != lora_a.shape[2]:
+        raise ValueError(f"x {tuple(x.shape)} and lora_a {tuple(lora_a.shape)}: [T, K], [L, N, K]")
+    if x.dtype not in FLOAT_DTYPES or lora_a.dtype != x.dtype:
+        raise ValueError(f"x and lora_a: one float dtype, got {x.dtype} and {lora_a.dtype}")
+    if x.stride(1) != 1 or lora_a.stride(2) != 1:
+        raise ValueError("x and lora_a: the last dimension must be contiguous")
+    num_tokens, k = x.shape
+    num_slots, n, _ = lora_a.shape
+    out = torch.zeros(num_tokens, n, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    block_n = max(16, min(64, triton.next_power_of_2(n)))
+    grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(n, block_n), num_slots)
+    _lora_shrink_kernel[grid](
+        x, lora_a, out, segments.sorted_tokens, segments.slot_starts, segments.slot_counts,
+        n, k, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,89 @@
+"""The LoRA shrink and expand (Triton, and the CPU torch path) against the per-token reference,
+over batches mixing adapter slots and tokens without an adapter, on odd shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrum.kernels.lora_expand import lora_expand
+from ferrum.kernels.lora_ref import (
+    lora_expand_ref,
+    lora_expand_torch,
+    lora_shrink_ref,
+    lora_shrink_torch,
+)
+from ferrum.kernels.lora_segments import LoRASegments
+from ferrum.kernels.lora_shrink import lora_shrink
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _batch(num_tokens: int, num_slots: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-1, num_slots, (num_tokens,), generator=g).to(torch.int32).to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "k", "n", "num_slots"), [(1, 40, 8, 1), (7, 72, 24, 3), (37, 96, 16, 4)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shrink_matches_reference(
+    num_tokens: int, k: int, n: int, num_slots: int, dtype: torch.dtype
+) -> None:
+    slots = _batch(num_tokens, num_slots, num_tokens)
+    x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
+    lora_a = torch.randn(num_slots, n, k, device=DEVICE).to(dtype)
+    expected = lora_shrink_ref(x, lora_a, slots)
+    segments = LoRASegments.empty(64, num_slots, DEVICE)
+    segments.fill(slots)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(lora_shrink(x, lora_a, segments), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(lora_shrink_torch(x, lora_a, slots), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "k", "n", "num_slots"), [(1, 8, 40, 1), (9, 16, 72, 3), (33, 24, 130, 4)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_expand_adds_in_place_on_a_column_slice(
+    num_tokens: int, k: int, n: int, num_slots: int, dtype: torch.dtype
+) -> None:
+    slots = _batch(num_tokens, num_slots, k)
+    t = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
+    lora_b = torch.randn(num_slots, n, k, device=DEVICE).to(dtype)
+    wide = torch.randn(num_tokens, n + 10, device=DEVICE).to(dtype)
+    expected = wide.clone()
+    lora_expand_ref(t, lora_b, slots, expected[:, 5 : 5 + n])
+    segments = LoRASegments.empty(64, num_slots, DEVICE)
+    segments.fill(slots)
+    got = wide.clone()
+    lora_expand(t, lora_b, segments, got[:, 5 : 5 + n])
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    by_torch = wide.clone()
+    lora_expand_torch(t, lora_b, slots, by_torch[:, 5 : 5 + n])
+    torch.testing.assert_close(by_torch, expected, atol=tol, rtol=tol)
+    untouched = slots.cpu() < 0
+    assert torch.equal(got[untouched], wide[untouched])
+
+
+def test_segments_group_tokens_by_slot() -> None:
+    segments = LoRASegments.empty(8, 3, DEVICE)
+    segments.fill(torch.tensor([2, -1, 0, 2, 0], dtype=torch.int32, device=DEVICE))
+    assert segments.sorted_tokens[:5].tolist() == [1, 2, 4, 0, 3]
+    assert segments.slot_starts.tolist() == [1, 3, 3]
+    assert segments.slot_counts.tolist() == [2, 0, 2]
+
+
+def test_launchers_name_the_bad_argument() -> None:
+    segments = LoRASegments.empty(4, 1, DEVICE)
+    with pytest.raises(ValueError, match="lora_a"):
+        lora_shrink(torch.zeros(2, 8, device=DEVICE), torch.zeros(1, 4, 6, device=DEVICE), segments)
+    with pytest.raises(ValueError, match="y: expected shape"):
+        lora_expand(
+            torch.zeros(2, 4, device=DEVICE),
+            torch.zeros(1, 8, 4, device=DEVICE),
+            segments,
+            torch.zeros(2, 9, device=DEVICE),
+        )
