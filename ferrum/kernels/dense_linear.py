@@ -1,7 +1,8 @@
 """Linear layers in the model dtype on the Triton backend: out = x @ W^T (+ bias).
 
-One activation row on a GPU whose tile table (gemv_config) lists the weight's shape runs the
-GEMV (gemv.py), which was measured faster than cuBLAS there; everything else runs F.linear.
+One activation row on a GPU runs the GEMV (gemv.py) with its tuned tile, or the rule's where no
+table lists the shape (gemv_config.gemv_tile); a shape a table marks null (cuBLAS measured
+faster) and everything else runs F.linear.
 """
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrum.kernels import cuda_device_name
+from ferrum.kernels.device_properties import device_properties
 from ferrum.kernels.gemv import WEIGHT_DTYPES, gemv
-from ferrum.kernels.gemv_config import GemvTile, get_gemv_tiles
+from ferrum.kernels.gemv_config import GemvTile, gemv_tile
 
 
 def gemv_tile_for(x: torch.Tensor, weight: torch.Tensor) -> GemvTile | None:
-    """The GEMV's tile when x is one contiguous row on a GPU and W's shape is in the device's
-    table."""
+    """The GEMV's tile when x is one contiguous row on a GPU and the device's table does not
+    mark W's shape for F.linear."""
     k = weight.shape[-1]
     if not x.is_cuda or x.numel() != k or x.shape[-1] != k or x.stride(-1) != 1:
         return None
@@ -24,8 +25,8 @@ def gemv_tile_for(x: torch.Tensor, weight: torch.Tensor) -> GemvTile | None:
         return None
     if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2 or weight.stride(1) != 1:
         return None
-    tiles = get_gemv_tiles(cuda_device_name(x.device))
-    return tiles.get((weight.shape[0], weight.shape[1]))
+    device = device_properties(x.device)
+    return None if device is None else gemv_tile(weight.shape[0], weight.shape[1], device)
 
 
 def dense_linear(

@@ -1,7 +1,8 @@
 """Launch configs of the W8A8 FP8 GEMM per scale format, weight shape, device and batch bucket:
 `fp8_gemm_configs/{block|channel}_N{N}_K{K}_{device}.json` maps a bucket (the most rows it covers)
-to Fp8GemmConfig fields; a batch takes the smallest bucket covering it, or the largest. Without a
-file the H100 defaults below apply (`bench_fp8_gemm.py --sweep` measures, `--save` writes).
+to Fp8GemmConfig fields; a batch takes the smallest bucket covering it, or the largest. The user's
+folder (tuned_tables; `ferrum tune` writes it) is read before this package's; without either
+file a GPU takes fp8_gemm_rule's buckets, the CPU the fixed defaults below.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from ferrum.kernels.tuned_tables import tuned_file, user_config_dir
 
 CONFIG_DIR = Path(__file__).parent / "fp8_gemm_configs"
 SCALE_FORMATS = ("block", "channel")
@@ -182,15 +185,29 @@ def _check_buckets(scale_format: str, buckets: Buckets, where: str) -> None:
 
 
 @functools.cache
+def load_tuned_buckets(
+    scale_format: str, n: int, k: int, device_name: str, user_dir: Path | None = None
+) -> Buckets | None:
+    """The tuned buckets of this weight shape on the named device: `user_dir`'s file (see
+    tuned_tables), else the packaged one; None without either."""
+    _check_format(scale_format)
+    path = tuned_file(CONFIG_DIR, config_path(scale_format, n, k, device_name).name, user_dir)
+    if path is None:
+        return None
+    buckets = parse_buckets(json.loads(path.read_text()), str(path))
+    _check_buckets(scale_format, buckets, str(path))
+    return buckets
+
+
 def get_fp8_gemm_buckets(scale_format: str, n: int, k: int, device_name: str | None) -> Buckets:
-    """The tuned buckets for this weight shape on the named device, else the defaults."""
+    """The tuned buckets for this weight shape on the named device (the process's user folder,
+    then the package), else the fixed defaults (fp8_gemm_rule.fp8_gemm_buckets is what layers
+    run: it falls back to the device's rule instead)."""
     _check_format(scale_format)
     if device_name:
-        path = config_path(scale_format, n, k, device_name)
-        if path.is_file():
-            buckets = parse_buckets(json.loads(path.read_text()), str(path))
-            _check_buckets(scale_format, buckets, str(path))
-            return buckets
+        tuned = load_tuned_buckets(scale_format, n, k, device_name, user_config_dir())
+        if tuned is not None:
+            return tuned
     return DEFAULT_BUCKETS[scale_format]
 
 

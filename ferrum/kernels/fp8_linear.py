@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrum.kernels import cuda_capability, cuda_device_name
+from ferrum.kernels import cuda_capability
+from ferrum.kernels.device_properties import device_properties
 from ferrum.kernels.fp8_gemm import w8a8_block_fp8_matmul, w8a8_channel_fp8_matmul
-from ferrum.kernels.fp8_gemm_config import Buckets, Fp8GemmConfig, get_fp8_gemm_buckets, pick
+from ferrum.kernels.fp8_gemm_config import Buckets, Fp8GemmConfig, pick
+from ferrum.kernels.fp8_gemm_rule import fp8_gemm_buckets
 from ferrum.kernels.fp8_gemm_wgmma import w8a8_block_fp8_matmul_wgmma, wgmma_gemm_takes
 from ferrum.kernels.fp8_gemv import fp8_gemv
 from ferrum.kernels.fp8_quant import (
@@ -27,8 +29,9 @@ _ACT_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _buckets(scale_format: str, device: torch.device, n: int, k: int) -> Buckets:
-    """The tuned buckets of this shape on the GPU (fp8_gemm_configs/), else the defaults."""
-    return get_fp8_gemm_buckets(scale_format, n, k, cuda_device_name(device))
+    """The tuned buckets of this shape on the GPU (user folder, then fp8_gemm_configs/), else the
+    device's rule (fp8_gemm_rule); on the CPU the fixed defaults."""
+    return fp8_gemm_buckets(scale_format, n, k, device_properties(device))
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -13,8 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels import FLOAT_DTYPES, cuda_device_name
-from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED, get_configs, pick
+from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels.device_properties import device_properties
+from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED, pick
+from ferrum.kernels.fused_moe_rule import moe_configs
 from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS, small_batch_moe
 from ferrum.kernels.moe_align import moe_align_block_size
 
@@ -314,8 +316,9 @@ def fused_moe(
     """The mixture of `fused_moe_ref` (`fused_moe_fp8_ref` with scales), [num_tokens, hidden_size]
     in hidden's dtype. The small-batch path runs up to small_batch_max_tokens (default
     SMALL_BATCH_MAX_TOKENS; 0 when a grouped `config` is given); tiles otherwise from the tuned
-    file, else the defaults; `small_config` overrides the small path's. A pair whose expert id is
-    outside [0, num_experts) (another rank's, expert parallelism) adds zero and reads no weights."""
+    files, else the device's rule (fused_moe_rule); `small_config` overrides the small path's.
+    A pair whose expert id is outside [0, num_experts) (another rank's, expert parallelism) adds
+    zero and reads no weights."""
     _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape
     num_experts, _, inter = w2.shape
@@ -324,12 +327,13 @@ def fused_moe(
         return torch.zeros_like(hidden)
     if small_batch_max_tokens is None:
         small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS if config is None else 0
-    tuned_grouped, tuned_small = get_configs(
+    tuned_grouped, tuned_small = moe_configs(
         num_tokens,
         num_experts,
         inter,
         hidden_size,
-        cuda_device_name(hidden.device),
+        top_k,
+        device_properties(hidden.device),
         fp8=w13_scale is not None,
     )
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)

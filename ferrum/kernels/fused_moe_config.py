@@ -2,14 +2,18 @@
 maps batch buckets (the most tokens covered) to configs in up to two sections: "grouped"
 (BLOCK_M/N/K, num_warps, num_stages; `tune_fused_moe.py --save`) and "small" (GATE_UP_BLOCK_N/K,
 DOWN_BLOCK_E (default 1), DOWN_SPLIT (default 0), DOWN_BLOCK_N/K, num_warps, num_stages;
-`bench_moe_layer.py --sweep --save`). A batch takes the smallest bucket covering it, or the
-largest; a missing section falls back to the file without `_fp8`, then to the defaults below."""
+`bench_moe_layer.py --sweep --save`, `ferrum tune`). A batch takes the smallest bucket covering
+it, or the largest; a missing section falls back to the file without `_fp8`; the user's folder
+(tuned_tables) is read before the package's. Without a file: fused_moe_rule on a GPU, the fixed
+defaults below on the CPU."""
 
 from __future__ import annotations
 
 import functools
 import json
 from pathlib import Path
+
+from ferrum.kernels.tuned_tables import user_config_dir
 
 CONFIG_DIR = Path(__file__).parent / "fused_moe_configs"
 GROUPED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -107,10 +111,23 @@ def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets
 
 @functools.cache
 def load_tuned(
-    num_experts: int, inter: int, hidden: int, device_name: str, fp8: bool = False
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    device_name: str,
+    fp8: bool = False,
+    user_dir: Path | None = None,
 ) -> dict[str, Buckets]:
-    """The sections of the matching tuned file ({} without one)."""
-    path = config_path(num_experts, inter, hidden, device_name, fp8)
+    """The sections of the matching tuned files, section by section `user_dir`'s (tuned_tables)
+    over the package's ({} without either)."""
+    name = config_path(num_experts, inter, hidden, device_name, fp8).name
+    sections = _read_sections(CONFIG_DIR / name)
+    if user_dir is not None:
+        sections |= _read_sections(user_dir / CONFIG_DIR.name / name)
+    return sections
+
+
+def _read_sections(path: Path) -> dict[str, Buckets]:
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
@@ -118,6 +135,18 @@ def load_tuned(
     if not isinstance(data, dict) or not set(data) <= set(sections):
         raise ValueError(f"{path}: must be an object with sections {sorted(sections)}")
     return {name: parse_buckets(data[name], sections[name], f"{path}:{name}") for name in data}
+
+
+def tuned_sections(
+    num_experts: int, inter: int, hidden: int, device_name: str, fp8: bool = False
+) -> dict[str, Buckets]:
+    """Each section from the first file that has it: with fp8, the FP8 experts' files before
+    the others; the process's user folder before the package within each."""
+    user_dir = user_config_dir()
+    tuned = load_tuned(num_experts, inter, hidden, device_name, False, user_dir)
+    if fp8:
+        tuned = tuned | load_tuned(num_experts, inter, hidden, device_name, True, user_dir)
+    return tuned
 
 
 def pick(buckets: Buckets, num_tokens: int) -> dict[str, int]:
@@ -138,9 +167,7 @@ def get_configs(
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(grouped config, small-batch config) for a batch of num_tokens on the named device, of FP8
     experts or of experts in the activations' dtype."""
-    tuned = load_tuned(num_experts, inter, hidden, device_name) if device_name else {}
-    if fp8 and device_name:
-        tuned = tuned | load_tuned(num_experts, inter, hidden, device_name, True)
+    tuned = tuned_sections(num_experts, inter, hidden, device_name, fp8) if device_name else {}
     return (
         pick(tuned.get("grouped", DEFAULT_GROUPED), num_tokens),
         pick(tuned.get("small", DEFAULT_SMALL), num_tokens),

@@ -1,5 +1,5 @@
-"""Model-dtype linear layers on the Triton backend: the one-row GEMV for the shapes in the
-device's tile table, F.linear otherwise, and the same tokens end to end."""
+"""Model-dtype linear layers on the Triton backend: the one-row GEMV on a GPU (the tuned or the
+rule's tile), F.linear otherwise, and the same tokens end to end."""
 
 from __future__ import annotations
 
@@ -17,13 +17,6 @@ from ferrum.model_executor.layers.quantization.dense import DenseLinearMethod
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-class _EveryShape:
-    """A tile table listing every weight shape."""
-
-    def get(self, shape: tuple[int, int]) -> GemvTile:
-        return GemvTile(BLOCK_N=4, BLOCK_K=64)
-
-
 @pytest.fixture
 def gemv_calls(monkeypatch) -> list[tuple[int, int]]:
     """Makes every shape take the GEMV and records the weight shape of each GEMV launch."""
@@ -34,7 +27,8 @@ def gemv_calls(monkeypatch) -> list[tuple[int, int]]:
         calls.append(tuple(weight.shape))
         return real_gemv(x, weight, *args, **kwargs)
 
-    monkeypatch.setattr(dense_linear_module, "get_gemv_tiles", lambda name: _EveryShape())
+    every_shape = GemvTile(BLOCK_N=4, BLOCK_K=64)
+    monkeypatch.setattr(dense_linear_module, "gemv_tile", lambda n, k, device: every_shape)
     monkeypatch.setattr(dense_linear_module, "gemv", spy)
     return calls
 

@@ -10,6 +10,7 @@ from ferrum.kernels.fp8_gemm_config import (
     DEFAULT_BUCKETS,
     Fp8GemmConfig,
     get_fp8_gemm_buckets,
+    load_tuned_buckets,
     parse_buckets,
     pick,
     save_buckets,
@@ -42,7 +43,7 @@ def test_save_then_load_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     path = save_buckets("channel", 4096, 12288, "NVIDIA H100 80GB HBM3", buckets, tmp_path)
     assert path.name == "channel_N4096_K12288_NVIDIA_H100_80GB_HBM3.json"
     monkeypatch.setattr(fp8_gemm_config, "CONFIG_DIR", tmp_path)
-    get_fp8_gemm_buckets.cache_clear()
+    load_tuned_buckets.cache_clear()
     try:
         assert get_fp8_gemm_buckets("channel", 4096, 12288, "NVIDIA H100 80GB HBM3") == buckets
         assert (
@@ -51,7 +52,7 @@ def test_save_then_load_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         )
         assert get_fp8_gemm_buckets("block", 4096, 12288, None) is DEFAULT_BUCKETS["block"]
     finally:
-        get_fp8_gemm_buckets.cache_clear()
+        load_tuned_buckets.cache_clear()
 
 
 @pytest.mark.parametrize(
@@ -106,13 +107,13 @@ def test_block_gemv_tiles_are_checked_when_read_or_written(
     path = save_buckets("channel", 256, 512, "GPU", wide, tmp_path)  # any tile: per-channel
     (tmp_path / path.name.replace("channel", "block")).write_text(path.read_text())
     monkeypatch.setattr(fp8_gemm_config, "CONFIG_DIR", tmp_path)
-    get_fp8_gemm_buckets.cache_clear()
+    load_tuned_buckets.cache_clear()
     try:
         with pytest.raises(ValueError, match="BLOCK_N dividing 128"):
             get_fp8_gemm_buckets("block", 256, 512, "GPU")
         assert get_fp8_gemm_buckets("channel", 256, 512, "GPU") == wide
     finally:
-        get_fp8_gemm_buckets.cache_clear()
+        load_tuned_buckets.cache_clear()
 
 
 def test_wgmma_buckets_serve_block_scales_only(tmp_path: Path) -> None:

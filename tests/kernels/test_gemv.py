@@ -50,14 +50,18 @@ def test_rejects_mismatched_operands() -> None:
         gemv(torch.zeros(1, 16, dtype=torch.float16), w, 8, 24)
 
 
-def test_tile_file_round_trip_keeps_other_shapes_and_drops_losers(tmp_path) -> None:
+def test_tile_file_round_trip_keeps_other_shapes_and_marks_losers_null(tmp_path) -> None:
     save_gemv_tiles("Some GPU", {(4096, 4096): GemvTile(8, 512), (8, 8): GemvTile(1, 8)}, tmp_path)
     path = save_gemv_tiles(
         "Some GPU", {(6144, 4096): GemvTile(16, 1024, 8, 3)}, tmp_path, drop=frozenset({(8, 8)})
     )
     assert path.name == "Some_GPU.json"
     tiles = parse_tiles(json.loads(path.read_text()), str(path))
-    assert tiles == {(4096, 4096): GemvTile(8, 512), (6144, 4096): GemvTile(16, 1024, 8, 3)}
+    assert tiles == {
+        (4096, 4096): GemvTile(8, 512),
+        (6144, 4096): GemvTile(16, 1024, 8, 3),
+        (8, 8): None,  # measured slower than cuBLAS: F.linear
+    }
 
 
 def test_the_shipped_tile_files_parse() -> None:
@@ -74,6 +78,8 @@ def test_every_shipped_tile_of_this_gpu_matches_f_linear() -> None:
         pytest.skip("no tile table for this GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     for (n, k), tile in tiles.items():
+        if tile is None:
+            continue
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         got = gemv(x, w, tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages)

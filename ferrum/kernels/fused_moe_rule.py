@@ -1,0 +1,132 @@
+"""The fused MoE's tiles on a GPU without a tuned table, from the expert shapes, the batch and the
+device, and the lookup fused_moe takes (`moe_configs`: tuned sections, else these rules).
+Grouped GEMM (`grouped_rule`), by the rows an expert gets on average (pairs / experts):
+BLOCK_M 16 under 8 rows, 32 under 32, 64 under 128, else 128 (the H100 table's steps); 64
+columns, 128 once experts average 64 rows (full tiles, compute bound); BLOCK_K 128 for tiles up
+to 64x64, else 64; 8 warps from 64x128; stages filling shared memory, at most 4 (3 from 64 rows).
+Small batches (`small_rule`): each GEMV's rows a program the widest of 32/16/8 that still makes
+two waves of programs; one or two tokens sum all their choices in one down program (FP8 experts:
+one program a choice, DOWN_SPLIT) since they have too few programs to hide a choice's wait."""
+
+from __future__ import annotations
+
+import functools
+
+from ferrum.kernels.device_properties import DeviceProperties
+from ferrum.kernels.fused_moe_config import (
+    DEFAULT_GROUPED,
+    DEFAULT_SMALL,
+    Buckets,
+    pick,
+    tuned_sections,
+)
+from ferrum.kernels.tile_rules import cdiv, fit_stages, next_pow2
+
+# (average rows an expert gets below which, BLOCK_M) of the grouped GEMM; 128 beyond.
+_ROWS_TO_BLOCK_M = ((8, 16), (32, 32), (128, 64))
+# Token counts the rule's tables list (`rule_buckets`), as the H100 tables do.
+GROUPED_RULE_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 4096)
+SMALL_RULE_BUCKETS = (1, 2, 4, 8)
+_GEMV_WIDTHS = (32, 16, 8)
+_GEMV_PROGRAMS_PER_SM = 2
+
+
+def moe_configs(
+    num_tokens: int,
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    top_k: int,
+    device: DeviceProperties | None,
+    fp8: bool = False,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(grouped config, small-batch config) for a batch of num_tokens: each from the tuned files
+    of this device (fused_moe_config.tuned_sections), else the rules; off CUDA (None) the fixed
+    defaults."""
+    if device is None:
+        return pick(DEFAULT_GROUPED, num_tokens), pick(DEFAULT_SMALL, num_tokens)
+    tuned = tuned_sections(num_experts, inter, hidden, device.name, fp8)
+    shape = (num_experts, inter, hidden, top_k, device, fp8)
+    grouped = tuned.get("grouped")
+    small = tuned.get("small")
+    return (
+        pick(grouped, num_tokens) if grouped else grouped_rule(num_tokens, *shape),
+        pick(small, num_tokens) if small else small_rule(num_tokens, *shape),
+    )
+
+
+@functools.cache
+def grouped_rule(
+    num_tokens: int,
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    top_k: int,
+    device: DeviceProperties,
+    fp8: bool = False,
+) -> dict[str, int]:
+    """The grouped GEMMs' tile (module docstring); activations 16-bit, weights FP8 with fp8."""
+    rows = num_tokens * top_k / max(1, num_experts)
+    block_m = next((bm for bound, bm in _ROWS_TO_BLOCK_M if rows < bound), 128)
+    block_n = 128 if rows >= 64 else 64
+    block_k = 128 if block_m * block_n <= 64 * 64 else 64
+    stage_bytes = block_k * (block_m * 2 + block_n * (1 if fp8 else 2))
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "num_warps": 8 if block_m * block_n >= 64 * 128 else 4,
+        "num_stages": fit_stages(stage_bytes, device, 4 if block_m <= 32 else 3),
+    }
+
+
+def _widest(rows: int, programs_per_row: int, device: DeviceProperties) -> int:
+    """The widest of _GEMV_WIDTHS whose programs still make _GEMV_PROGRAMS_PER_SM waves."""
+    target = _GEMV_PROGRAMS_PER_SM * device.num_sms
+    return next(
+        (w for w in _GEMV_WIDTHS if programs_per_row * cdiv(rows, w) >= target), _GEMV_WIDTHS[-1]
+    )
+
+
+@functools.cache
+def small_rule(
+    num_tokens: int,
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    top_k: int,
+    device: DeviceProperties,
+    fp8: bool = False,
+) -> dict[str, int]:
+    """The small-batch GEMVs' tiles (module docstring): K tiles of 256 (16-byte loads)."""
+    few = num_tokens <= 2
+    split = int(fp8 and few)
+    # The down GEMV runs a program per token (per pair with DOWN_SPLIT) and column tile.
+    down_programs = num_tokens * top_k if split else num_tokens
+    return {
+        "GATE_UP_BLOCK_N": _widest(inter, num_tokens * top_k, device),
+        "GATE_UP_BLOCK_K": 256,
+        "DOWN_BLOCK_E": min(8, next_pow2(top_k)) if few and not split else 1,
+        "DOWN_SPLIT": split,
+        "DOWN_BLOCK_N": _widest(hidden, down_programs, device),
+        "DOWN_BLOCK_K": 256,
+        "num_warps": 4 if few else 8,
+        "num_stages": 2,
+    }
+
+
+def rule_buckets(
+    section: str,
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    top_k: int,
+    device: DeviceProperties,
+    fp8: bool = False,
+) -> Buckets:
+    """The rule as a table section ("grouped" or "small") at the token counts tables list."""
+    rule, bounds = {
+        "grouped": (grouped_rule, GROUPED_RULE_BUCKETS),
+        "small": (small_rule, SMALL_RULE_BUCKETS),
+    }[section]
+    return {t: rule(t, num_experts, inter, hidden, top_k, device, fp8) for t in bounds}

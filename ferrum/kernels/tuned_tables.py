@@ -1,0 +1,35 @@
+"""Where tuned tile tables are read, in this order: the user's folder (`ferrum tune` writes it;
+DeviceConfig.tuned_config_dir, default ~/.cache/ferrum/tuned_configs, set once per process by the
+model runner through `set_user_config_dir`), then the tables shipped beside these modules; with
+neither, the tile rules (tile_rules, fp8_gemm_rule, fused_moe_rule) choose. Both folders share one
+layout: `<folder>/{fp8_gemm_configs,fused_moe_configs,gemv_configs}/<file>`, the same file names
+and the same JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class _UserFolder:
+    """The process's user table folder (None: none is read). Set at start-up, before the first
+    forward; the table caches key on it, so a later change is seen, never mixed."""
+
+    path: Path | None = None
+
+
+def set_user_config_dir(path: Path | str | None) -> None:
+    """Makes `path` the user table folder of this process (None: read the packaged tables only)."""
+    _UserFolder.path = None if path is None else Path(path)
+
+
+def user_config_dir() -> Path | None:
+    return _UserFolder.path
+
+
+def tuned_file(package_dir: Path, file_name: str, user_dir: Path | None) -> Path | None:
+    """The file that holds this table, first found wins: `user_dir/<package_dir's name>/
+    file_name`, then `package_dir/file_name`; None when neither exists."""
+    paths = [package_dir / file_name]
+    if user_dir is not None:
+        paths.insert(0, user_dir / package_dir.name / file_name)
+    return next((p for p in paths if p.is_file()), None)
