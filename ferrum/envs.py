@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 
 def _get(name: str, default: str) -> str:
@@ -92,6 +93,17 @@ def debug_profile_steps() -> tuple[int, int, str] | None:
     if window[0] < 1 or window[1] < 1 or not directory:
         return None
     return window[0], window[1], directory
+
+
+def tuned_config_dir() -> Path:
+    """The folder of this machine's tuned tile tables (`ferrum tune` writes, kernels read) when
+    no `tuned_config_dir` field names one: FERRUM_TUNED_CONFIG_DIR (for debugging), else
+    $XDG_CACHE_HOME/ferrum/tuned_configs, else ~/.cache/ferrum/tuned_configs."""
+    override = _get("FERRUM_TUNED_CONFIG_DIR", "")
+    if override:
+        return Path(override).expanduser()
+    cache = _get("XDG_CACHE_HOME", "")
+    return (Path(cache) if cache else Path.home() / ".cache") / "ferrum" / "tuned_configs"
 
 
 def ray_address() -> str | None:

@@ -1,5 +1,5 @@
 """The `ferrum` command: `ferrum generate [MODEL] --prompt ...`, `ferrum serve [MODEL]`,
-`ferrum run [MODEL] [PROMPT]`, `ferrum --version`."""
+`ferrum run [MODEL] [PROMPT]`, `ferrum bench ...`, `ferrum tune [MODEL]`, `ferrum --version`."""
 
 from __future__ import annotations
 
@@ -159,7 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_file_arg(run)
     run.set_defaults(handler=_run, parser=run)
     _add_bench_commands(commands)
+    _add_tune_command(commands)
     return parser
+
+
+def _add_tune_command(commands: argparse._SubParsersAction) -> None:
+    from ferrum.bench import tune
+
+    sub = commands.add_parser(
+        "tune",
+        help="time kernel tiles on this GPU and write its tuned tables (resumable)",
+        description=tune.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    tune.add_cli_args(sub)
+    sub.set_defaults(handler=tune.main, parser=sub)
 
 
 def _add_bench_commands(commands: argparse._SubParsersAction) -> None:

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ferrum.kernels.tuned_tables import tuned_file, user_config_dir
+from ferrum.kernels.tuned_tables import tuned_file, user_config_dir, write_table
 
 CONFIG_DIR = Path(__file__).parent / "fp8_gemm_configs"
 SCALE_FORMATS = ("block", "channel")
@@ -232,6 +232,5 @@ def save_buckets(
     path = directory / config_path(scale_format, n, k, device_name).name
     data = {str(b): dataclasses.asdict(buckets[b]) for b in sorted(buckets)}
     _check_buckets(scale_format, parse_buckets(data, str(path)), str(path))
-    directory.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_table(path, data)
     return path

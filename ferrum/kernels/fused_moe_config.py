@@ -13,7 +13,7 @@ import functools
 import json
 from pathlib import Path
 
-from ferrum.kernels.tuned_tables import user_config_dir
+from ferrum.kernels.tuned_tables import user_config_dir, write_table
 
 CONFIG_DIR = Path(__file__).parent / "fused_moe_configs"
 GROUPED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -192,6 +192,5 @@ def save_section(
     path = directory / config_path(num_experts, inter, hidden, device_name, fp8).name
     data = json.loads(path.read_text()) if path.is_file() else {}
     data[section] = {str(k): buckets[k] for k in sorted(buckets)}
-    directory.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_table(path, data)
     return path

@@ -17,7 +17,7 @@ from pathlib import Path
 from ferrum.kernels.device_properties import DeviceProperties
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
 from ferrum.kernels.tile_rules import gemv_tile_rule
-from ferrum.kernels.tuned_tables import user_config_dir
+from ferrum.kernels.tuned_tables import user_config_dir, write_table
 
 CONFIG_DIR = Path(__file__).parent / "gemv_configs"
 _SHAPE_KEY = re.compile(r"N(\d+)_K(\d+)")
@@ -109,6 +109,5 @@ def save_gemv_tiles(
         f"N{n}_K{k}": None if merged[n, k] is None else dataclasses.asdict(merged[n, k])
         for n, k in sorted(merged)
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    write_table(path, data, sort_keys=False)
     return path

@@ -7,6 +7,7 @@ and the same JSON."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 
@@ -33,3 +34,12 @@ def tuned_file(package_dir: Path, file_name: str, user_dir: Path | None) -> Path
     if user_dir is not None:
         paths.insert(0, user_dir / package_dir.name / file_name)
     return next((p for p in paths if p.is_file()), None)
+
+
+def write_table(path: Path, data: object, sort_keys: bool = True) -> None:
+    """Writes `data` as indented JSON to `path` (folders made) through a temporary file renamed
+    over it, so a reader or an interrupted writer never sees half a table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=sort_keys) + "\n")
+    tmp.replace(path)

@@ -1,0 +1,170 @@
+"""`ferrum tune`: finds the fastest kernel tiles of a model's op shapes on this GPU and writes
+them where ferrum reads them first (the user's tuned-table folder, kernels/tuned_tables), as
+vLLM's `benchmark_moe.py --tune` does for its MoE. The shapes come from a model folder (under
+--tensor-parallel-size) or --shape; the ops from --dtype (bf16: gemv, moe_grouped, moe_small;
+fp8: fp8_gemm, moe_grouped, moe_small with FP8 experts) or --ops; the batches from
+--batch-sizes. Each (op, shape, batch) times every candidate of tune_ops' search space
+(tune_gpu: CUDA graphs, CUDA events, median) and keeps the fastest; results are written as they
+come (tune_store), so an interrupted run is resumed by running the same command again."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ferrum.bench.tune_ops import candidates
+from ferrum.bench.tune_shapes import (
+    DEFAULT_BATCH_SIZES,
+    DTYPE_OPS,
+    OPS,
+    LinearShape,
+    MoEShape,
+    TuneTask,
+    build_tasks,
+    lm_head_shape,
+    model_shapes,
+    parse_shape,
+)
+from ferrum.bench.tune_store import Config, TuneStore
+
+TimeFn = Callable[[TuneTask, Config], float]
+CandidatesFn = Callable[[TuneTask], list[Config]]
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="model folder whose shapes to tune")
+    parser.add_argument(
+        "--shape", action="append", default=[], help="linear:N:K or moe:E:I:H:TOP_K (repeatable)"
+    )
+    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="weights")
+    parser.add_argument(
+        "--scale-format", choices=("block", "channel"), default="block",
+        help="FP8 linear weight scales (default: block, as --quantization fp8 makes)",
+    )  # fmt: skip
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    parser.add_argument("--ops", default=None, help=f"comma list of {', '.join(OPS)}")
+    parser.add_argument(
+        "--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
+        help="comma list of row (token) counts: each is a table bucket",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tuned-config-dir", type=Path, default=None,
+        help="folder to write (default: the one ferrum reads, ~/.cache/ferrum/tuned_configs)",
+    )  # fmt: skip
+    parser.add_argument("--iters", type=int, default=20, help="calls in a timed CUDA graph")
+    parser.add_argument("--repeats", type=int, default=5, help="timed graph replays (median)")
+
+
+@dataclass(frozen=True, slots=True)
+class TunePlan:
+    ops: tuple[str, ...]
+    linear: list[LinearShape]
+    moe: list[MoEShape]
+    batch_sizes: tuple[int, ...]
+
+    def tasks(self) -> list[TuneTask]:
+        return build_tasks(self.ops, self.linear, self.moe, self.batch_sizes)
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(sorted({int(v) for v in text.split(",") if v.strip()}))
+    except ValueError:
+        values = ()
+    if not values or values[0] < 1:
+        raise ValueError(f"{flag}: expected a comma list of positive integers, got {text!r}")
+    return values
+
+
+def plan_from_args(args: argparse.Namespace) -> TunePlan:
+    """The ops, shapes and batches the flags ask for (ValueError naming the flag otherwise)."""
+    ops = tuple(args.ops.split(",")) if args.ops else DTYPE_OPS[args.dtype]
+    if args.dtype == "bf16" and "fp8_gemm" in ops:
+        raise ValueError("--ops: fp8_gemm measures FP8 weights: use --dtype fp8")
+    linear: list[LinearShape] = []
+    moe: list[MoEShape] = []
+    if args.model:
+        from ferrum.model_arch import ModelArchConfig
+        from ferrum.model_folder import read_hf_config
+
+        arch = ModelArchConfig.from_hf_config(read_hf_config(args.model))
+        linear, moe = model_shapes(arch, args.tensor_parallel_size)
+        if args.dtype == "bf16":
+            linear.append(lm_head_shape(arch, args.tensor_parallel_size))
+    for text in args.shape:
+        shape = parse_shape(text)
+        (linear if isinstance(shape, LinearShape) else moe).append(shape)  # type: ignore[arg-type]
+    if not linear and not moe:
+        raise ValueError("give a model folder or --shape")
+    batch_sizes = _int_list(args.batch_sizes, "--batch-sizes")
+    return TunePlan(ops, list(dict.fromkeys(linear)), list(dict.fromkeys(moe)), batch_sizes)
+
+
+def run_tuning(
+    tasks: Iterable[TuneTask],
+    store: TuneStore,
+    candidates_fn: CandidatesFn,
+    time_fn: TimeFn,
+    show_progress: bool = True,
+) -> dict[str, int]:
+    """Measures every task the store does not hold yet and records the fastest candidate of
+    each (a candidate that raises, e.g. a tile the compiler refuses, is counted and skipped).
+    Returns counts: measured, skipped (already measured), empty (no candidate ran)."""
+    tasks = list(tasks)
+    todo = [t for t in tasks if not store.measured(t)]
+    counts = {"measured": 0, "skipped": len(tasks) - len(todo), "empty": 0, "failed": 0}
+    bar = tqdm(todo, desc="ferrum tune", unit="task", disable=not show_progress)
+    for task in bar:
+        configs = candidates_fn(task)
+        best: tuple[float, Config] | None = None
+        for config in configs:
+            try:
+                us = time_fn(task, config)
+            except Exception as e:  # a tile the compiler or the kernel refuses
+                counts["failed"] += 1
+                bar.write(f"{task.key}: {config} failed: {type(e).__name__}: {e}"[:300])
+                continue
+            if best is None or us < best[0]:
+                best = (us, config)
+        if best is None:
+            counts["empty"] += 1
+            bar.write(f"{task.key}: no candidate ran ({len(configs)} tried); not recorded")
+            continue
+        store.record(task, best[1], best[0], len(configs))
+        counts["measured"] += 1
+        bar.set_postfix_str(f"{task.key} {best[0]:.1f} us")
+    return counts
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from ferrum import envs
+    from ferrum.bench.tune_gpu import GpuBench
+    from ferrum.kernels.device_properties import device_properties
+
+    plan = plan_from_args(args)
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "ferrum tune times kernels on a CUDA GPU, and this machine has none visible "
+            "(torch.cuda.is_available() is False); run it on the GPU the tables are for"
+        )
+    device = device_properties(torch.device("cuda"))
+    assert device is not None
+    folder = args.tuned_config_dir or envs.tuned_config_dir()
+    fp8 = args.dtype == "fp8"
+    store = TuneStore(folder, device, fp8, args.scale_format)
+    store.write_all()
+    print(f"{device.name}: {len(plan.tasks())} tasks, results in {folder}")
+    bench = GpuBench(device, fp8, args.scale_format, args.iters, args.repeats)
+    counts = run_tuning(
+        plan.tasks(), store, lambda task: candidates(task, device, args.scale_format), bench
+    )
+    print(", ".join(f"{n} {what}" for what, n in counts.items()))
+    for path in store.write_all():
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,180 @@
+"""`ferrum tune`'s timer on the GPU (`GpuBench(task, config) -> microseconds`). A candidate runs
+as the engine runs it: the bf16 GEMV or F.linear at one row, the FP8 linear with the candidate as
+its only bucket, the fused MoE with it as its grouped or small-batch config, over random operands
+(weights N(0, 0.02), activations N(0, 1), routing the top-k of random logits); timed as a CUDA
+graph of `iters` calls cycling over weight copies (enough to stream from HBM, not L2) or MoE
+routings, replayed `repeats` times after a warm-up, each replay between two CUDA events: the
+median microseconds a call."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ferrum.bench.tune_shapes import LinearShape, MoEShape, TuneTask
+from ferrum.bench.tune_store import Config
+from ferrum.kernels.device_properties import DeviceProperties
+from ferrum.kernels.fp8_gemm_config import Fp8GemmConfig
+from ferrum.kernels.fp8_linear import fp8_block_linear, fp8_channel_linear
+from ferrum.kernels.fp8_weight import quantize_weight_block, quantize_weight_per_channel
+from ferrum.kernels.fused_moe import fused_moe
+from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS
+from ferrum.kernels.gemv import gemv
+from ferrum.kernels.gemv_config import GemvTile
+from ferrum.kernels.tile_rules import cdiv
+
+MAX_COPIES = 16
+# Routings a MoE candidate cycles over, so that consecutive calls read other experts.
+NUM_ROUTINGS = 8
+RunFn = Callable[[int], object]
+# A bucket bound above any batch: the candidate serves every row count.
+_EVERY_BATCH = 1 << 62
+
+
+def graph_time_us(fn: Callable[[int], object], num_copies: int, iters: int, repeats: int) -> float:
+    """Median GPU microseconds a call of fn(i) (module docstring); one untimed call per copy
+    first compiles and warms up."""
+    for i in range(num_copies):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(iters):
+            fn(i % num_copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(times)
+
+
+class GpuBench:
+    """Times candidates on the current GPU (`__call__(task, config) -> microseconds`), building
+    each shape's operands once: bf16 activations, weights bf16 or FP8 (`fp8`, `scale_format`)."""
+
+    def __init__(
+        self,
+        device: DeviceProperties,
+        fp8: bool,
+        scale_format: str = "block",
+        iters: int = 20,
+        repeats: int = 5,
+    ) -> None:
+        self.device = device
+        self.fp8 = fp8
+        self.scale_format = scale_format
+        self.iters = iters
+        self.repeats = repeats
+        self._weights: dict[tuple[str, object], list[tuple[torch.Tensor, ...]]] = {}
+        self._gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def _copies(self, weight_bytes: int) -> int:
+        """Copies whose bytes together pass twice the L2 cache (one at least, MAX_COPIES most)."""
+        return max(1, min(MAX_COPIES, cdiv(2 * self.device.l2_cache_bytes, max(1, weight_bytes))))
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=self._gen)
+
+    def __call__(self, task: TuneTask, config: Config) -> float:
+        fn, num_copies = run_fn(self, task, config)
+        return graph_time_us(fn, num_copies, self.iters, self.repeats)
+
+    def weights(self, op: str, shape: object, make: Callable[[], tuple[torch.Tensor, ...]],
+                weight_bytes: int) -> list[tuple[torch.Tensor, ...]]:  # fmt: skip
+        """The shape's weight copies (made once): `make()` a copy."""
+        key = (op, shape)
+        if key not in self._weights:
+            self._weights.clear()  # one shape's operands on the GPU at a time
+            torch.cuda.empty_cache()
+            self._weights[key] = [make() for _ in range(self._copies(weight_bytes))]
+        return self._weights[key]
+
+
+def run_fn(bench: GpuBench, task: TuneTask, config: Config) -> tuple[RunFn, int]:
+    """(fn(i) running the candidate on weight copy i, number of copies)."""
+    if isinstance(task.shape, LinearShape):
+        if task.op == "gemv":
+            return _gemv_fn(bench, task.shape, config)
+        assert isinstance(config, Fp8GemmConfig)
+        return _fp8_linear_fn(bench, task.shape, task.m, config)
+    assert isinstance(config, dict)
+    return _moe_fn(bench, task.shape, task.m, task.op == "moe_small", config)
+
+
+def _gemv_fn(bench: GpuBench, shape: LinearShape, tile: Config) -> tuple[RunFn, int]:
+    weights = bench.weights(
+        "gemv", shape, lambda: (bench.randn(shape.n, shape.k) * 0.02,), 2 * shape.n * shape.k
+    )
+    x = bench.randn(1, shape.k)
+    if tile is None:
+        return (lambda i: F.linear(x, weights[i][0])), len(weights)
+    assert isinstance(tile, GemvTile)
+    args = (tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages)
+    return (lambda i: gemv(x, weights[i][0], *args)), len(weights)
+
+
+def _fp8_linear_fn(
+    bench: GpuBench, shape: LinearShape, m: int, config: Fp8GemmConfig
+) -> tuple[RunFn, int]:
+    block = bench.scale_format == "block"
+    quantize = quantize_weight_block if block else quantize_weight_per_channel
+    weights = bench.weights(
+        f"fp8_{bench.scale_format}",
+        shape,
+        lambda: quantize(bench.randn(shape.n, shape.k) * 0.02),
+        shape.n * shape.k,
+    )
+    x = bench.randn(m, shape.k)
+    linear = fp8_block_linear if block else fp8_channel_linear
+    buckets = {_EVERY_BATCH: config}
+    return (lambda i: linear(x, *weights[i], buckets=buckets)), len(weights)
+
+
+def _expert_weights(bench: GpuBench, shape: MoEShape) -> tuple[torch.Tensor, ...]:
+    """(w13, w2) in bf16, or (w13, w2, w13_scale, w2_scale) FP8 with 128x128 block scales."""
+    e, i, h = shape.num_experts, shape.inter, shape.hidden
+    w13, w2 = bench.randn(e, 2 * i, h) * 0.02, bench.randn(e, h, i) * 0.02
+    if not bench.fp8:
+        return w13, w2
+    out = []
+    for w in (w13, w2):
+        pairs = [quantize_weight_block(w[x]) for x in range(e)]
+        out.append((torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])))
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+def _moe_fn(
+    bench: GpuBench, shape: MoEShape, num_tokens: int, small: bool, config: dict[str, int]
+) -> tuple[RunFn, int]:
+    e, i, h = shape.num_experts, shape.inter, shape.hidden
+    # One copy: the experts of a batch are spread over all of them (routings vary instead).
+    size = max(3 * e * i * h, 2 * bench.device.l2_cache_bytes)
+    experts = bench.weights("moe_fp8" if bench.fp8 else "moe", shape,
+                            lambda: _expert_weights(bench, shape), size)[0]  # fmt: skip
+    routings = []
+    for _ in range(NUM_ROUTINGS):
+        logits = torch.randn(num_tokens, e, device="cuda", generator=bench._gen)
+        weights, ids = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
+        routings.append((bench.randn(num_tokens, h), weights, ids.to(torch.int32)))
+    scales = {}
+    if bench.fp8:
+        scales = {"w13_scale": experts[2], "w2_scale": experts[3]}
+    if small:
+        kwargs = {"small_config": config, "small_batch_max_tokens": SMALL_BATCH_MAX_TOKENS}
+    else:
+        kwargs = {"config": config, "small_batch_max_tokens": 0}
+
+    def run(r: int) -> object:
+        hidden, weights, ids = routings[r]
+        return fused_moe(hidden, experts[0], experts[1], weights, ids, **kwargs, **scales)
+
+    return run, NUM_ROUTINGS
