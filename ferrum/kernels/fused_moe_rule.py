@@ -5,7 +5,7 @@ BLOCK_M 16 under 8 rows, 32 under 32, 64 under 128, else 128 (the H100 table's s
 columns, 128 once experts average 64 rows (full tiles, compute bound); BLOCK_K 128 for tiles up
 to 64x64, else 64; 8 warps from 64x128; stages filling shared memory, at most 4 (3 from 64 rows).
 Small batches (`small_rule`): each GEMV's rows a program the widest of 32/16/8 that still makes
-two waves of programs; one or two tokens sum all their choices in one down program (FP8 experts:
+two waves of programs (gate/up of FP8 experts: four, for half the bytes a row); one or two tokens sum all their choices in one down program (FP8 experts:
 one program a choice, DOWN_SPLIT) since they have too few programs to hide a choice's wait."""
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def grouped_rule(
     }
 
 
-def _widest(rows: int, programs_per_row: int, device: DeviceProperties) -> int:
-    """The widest of _GEMV_WIDTHS whose programs still make _GEMV_PROGRAMS_PER_SM waves."""
-    target = _GEMV_PROGRAMS_PER_SM * device.num_sms
+def _widest(rows: int, programs_per_row: int, device: DeviceProperties, waves: int = 1) -> int:
+    """The widest of _GEMV_WIDTHS whose programs make `waves` times _GEMV_PROGRAMS_PER_SM a SM."""
+    target = waves * _GEMV_PROGRAMS_PER_SM * device.num_sms
     return next(
         (w for w in _GEMV_WIDTHS if programs_per_row * cdiv(rows, w) >= target), _GEMV_WIDTHS[-1]
     )
@@ -104,7 +104,7 @@ def small_rule(
     # The down GEMV runs a program per token (per pair with DOWN_SPLIT) and column tile.
     down_programs = num_tokens * top_k if split else num_tokens
     return {
-        "GATE_UP_BLOCK_N": _widest(inter, num_tokens * top_k, device),
+        "GATE_UP_BLOCK_N": _widest(inter, num_tokens * top_k, device, 2 if fp8 else 1),
         "GATE_UP_BLOCK_K": 256,
         "DOWN_BLOCK_E": min(8, next_pow2(top_k)) if few and not split else 1,
         "DOWN_SPLIT": split,
