@@ -1,5 +1,6 @@
 """envs.py: importing ferrum makes torch's idle CPU threads sleep (OMP_WAIT_POLICY=PASSIVE)
-unless the user chose a policy, or torch was imported first (then it is left alone)."""
+unless the user chose a policy, or torch was imported first (then it is left alone); the tuned
+tables' folder."""
 
 from __future__ import annotations
 
@@ -31,3 +32,17 @@ def test_importing_ferrum_prefers_passive_openmp(env: dict, first: str, policy: 
         check=True,
     )
     assert out.stdout.strip() == policy
+
+
+def test_tuned_config_dir_is_the_debug_override_else_the_xdg_cache(monkeypatch, tmp_path) -> None:
+    from pathlib import Path
+
+    from ferrum import envs
+
+    monkeypatch.delenv("FERRUM_TUNED_CONFIG_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert envs.tuned_config_dir() == tmp_path / "ferrum" / "tuned_configs"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert envs.tuned_config_dir() == Path.home() / ".cache" / "ferrum" / "tuned_configs"
+    monkeypatch.setenv("FERRUM_TUNED_CONFIG_DIR", str(tmp_path / "mine"))
+    assert envs.tuned_config_dir() == tmp_path / "mine"
