@@ -338,6 +338,13 @@ class DeviceConfig:
             "when other work shares the cores"
         ),
     )
+    tuned_config_dir: str | None = field(
+        default=None,
+        metadata=_help(
+            "folder of this machine's tuned kernel tile tables, read before the packaged ones "
+            "(`ferrum tune` writes it; default ~/.cache/ferrum/tuned_configs)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -101,6 +101,7 @@ class EngineArgs:
     enforce_eager: bool = DeviceConfig.enforce_eager
     batch_invariant: bool = DeviceConfig.batch_invariant
     num_cpu_threads: int | None = DeviceConfig.num_cpu_threads
+    tuned_config_dir: str | None = DeviceConfig.tuned_config_dir
     async_scheduling: bool | None = None
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size

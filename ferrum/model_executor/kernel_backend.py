@@ -11,13 +11,21 @@ from typing import TYPE_CHECKING
 from ferrum import envs
 from ferrum.kernels.batch_invariant import batch_invariant_kernels
 from ferrum.kernels.interface import Kernels, torch_kernels, triton_kernels
+from ferrum.kernels.tuned_tables import set_user_config_dir
 
 if TYPE_CHECKING:
     import torch
 
+    from ferrum.config import DeviceConfig
 
-def resolve_kernel_backend(kernel_backend: str, device: torch.device) -> str:
-    """ "auto" is Triton on CUDA and torch elsewhere; Triton on the CPU turns the interpreter on."""
+
+def resolve_kernel_backend(device_config: DeviceConfig, device: torch.device) -> str:
+    """The process's kernel backend: "auto" is Triton on CUDA and torch elsewhere; Triton on the
+    CPU turns the interpreter on. Points the kernels' tile lookup at the tuned tables' folder
+    (`tuned_config_dir`, else envs.tuned_config_dir())."""
+    folder = device_config.tuned_config_dir
+    set_user_config_dir(envs.tuned_config_dir() if folder is None else folder)
+    kernel_backend = device_config.kernel_backend
     if kernel_backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if kernel_backend == "triton":

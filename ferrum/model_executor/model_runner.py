@@ -85,7 +85,7 @@ class ModelRunner:
         self.dtype = _TORCH_DTYPES[model_config.dtype]
         self.block_size = config.cache_config.block_size
         self.vocab_size = model_config.vocab_size
-        self.kernel_backend = resolve_kernel_backend(config.device_config.kernel_backend, device)
+        self.kernel_backend = resolve_kernel_backend(config.device_config, device)
         self.kv_cache_dtype = kv_cache_torch_dtype(config, self.dtype, self.kernel_backend, device)
         self.model = load_model(
             model_config,
