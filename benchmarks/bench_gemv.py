@@ -171,7 +171,7 @@ def main() -> int:
     if args.save:
         losers = frozenset(shapes) - frozenset(winners)
         path = save_gemv_tiles(device_name, winners, drop=losers)
-        print(f"saved {path} ({len(winners)} shapes; {len(losers)} dropped as slower)")
+        print(f"saved {path} ({len(winners)} shapes; {len(losers)} marked null: F.linear)")
     if args.out is not None:
         payload = {"device": device_name, "torch": torch.__version__, "results": results}
         args.out.write_text(json.dumps(payload, indent=1))
