@@ -339,11 +339,7 @@ class DeviceConfig:
         ),
     )
     tuned_config_dir: str | None = field(
-        default=None,
-        metadata=_help(
-            "folder of this machine's tuned kernel tile tables, read before the packaged ones "
-            "(`ferrum tune` writes it; default ~/.cache/ferrum/tuned_configs)"
-        ),
+        default=None, metadata=_help("`ferrum tune`'s tables (~/.cache/ferrum/tuned_configs)")
     )
 
     def __post_init__(self) -> None:
