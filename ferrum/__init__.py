@@ -14,18 +14,28 @@ __version__ = "0.1.0"
 
 envs.prefer_passive_openmp()
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
+    "__version__",
+]
 
 _LAZY = {
     "LLM": "ferrum.entrypoints.llm",
     "CompletionOutput": "ferrum.outputs",
     "Logprob": "ferrum.outputs",
+    "LoRARequest": "ferrum.lora_request",
     "RequestOutput": "ferrum.outputs",
     "SamplingParams": "ferrum.sampling_params",
 }
 
 if TYPE_CHECKING:
     from ferrum.entrypoints.llm import LLM
+    from ferrum.lora_request import LoRARequest
     from ferrum.outputs import CompletionOutput, Logprob, RequestOutput
     from ferrum.sampling_params import SamplingParams
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from ferrum.config_fields import field_error as _fail
 from ferrum.config_fields import field_help as _help
+from ferrum.lora_config import LoRAConfig, check_lora_fits
 from ferrum.model_arch import ModelArchConfig
 from ferrum.model_folder import read_generation_config, read_hf_config
 from ferrum.parallel_config import ParallelConfig, check_parallel_fits_model
@@ -365,9 +366,13 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig
     )
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         check_parallel_fits_model(self.parallel_config, self.model_config.arch)
+        check_lora_fits(
+            self.lora_config, self.model_config.arch, self.device_config.batch_invariant
+        )
         if self.device_config.batch_invariant and self.model_config.arch.linear_attention_layers:
             raise _fail(
                 "batch_invariant",

@@ -13,6 +13,7 @@ from ferrum.errors import FieldError
 from ferrum.sampling_params import ResolvedSamplingParams
 
 if TYPE_CHECKING:
+    from ferrum.lora_request import RequestLoRA
     from ferrum.structured_output.manager import RequestGrammar
 
 
@@ -65,6 +66,7 @@ class Request:
         "block_hashes",
         "stop_reason",
         "grammar",
+        "lora",
         "prompt_logprobs",
     )
 
@@ -98,6 +100,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # Structured outputs: the grammar (compiling, then its matcher); set by the engine core.
         self.grammar: RequestGrammar | None = None
+        # LoRA: the request's adapter (its weights may still be loading); set by the engine core.
+        self.lora: RequestLoRA | None = None
         # prompt_logprobs: positions 1, 2, ... of the prompt collected so far, until they are
         # sent with the first output token (then None; None too when not asked for).
         self.prompt_logprobs: list[Logprobs] | None = (
@@ -115,6 +119,12 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def block_hash_extra_keys(self) -> tuple[int] | None:
+        """What keys this request's prefix-cache blocks besides their tokens: its adapter, so
+        requests of two adapters (or one and the base model) never share KV."""
+        return None if self.lora is None else (self.lora.lora_int_id,)
 
     @property
     def max_tokens(self) -> int:

@@ -36,6 +36,27 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., s
 
 
 @pytest.fixture(scope="session")
+def peft_adapter(
+    tiny_checkpoint: Callable[..., str], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., str]:
+    """Factory `peft_adapter(arch, **options) -> folder`: a random PEFT LoRA adapter of the tiny
+    `arch` checkpoint (tests/utils/lora_adapters.py), built once per session per options."""
+    from tests.utils.lora_adapters import make_peft_adapter
+
+    root = tmp_path_factory.mktemp("peft_adapters")
+    built: dict[str, str] = {}
+
+    def build(arch: str, **options: Any) -> str:
+        key = f"{arch}-{sorted(options.items())!r}"
+        if key not in built:
+            digest = hashlib.sha1(key.encode()).hexdigest()[:10]
+            built[key] = make_peft_adapter(tiny_checkpoint(arch), root / digest, **options)
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def shipped_llm() -> Any:
     """The shipped trained model (ferrum/model_files) as an fp32 CPU `LLM` with its tokenizer,
     shared by the session: tests must leave it with no unfinished request."""

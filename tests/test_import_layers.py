@@ -35,15 +35,28 @@ LAYERS = [
         "kv",
         "structured_output",
         "structured_outputs_config",
+        "lora_request",
+        "lora_config",
+        "lora_checkpoint",
     },
     {"scheduler"},
-    {"distributed", "executor", "model_executor"},
+    {"distributed", "executor", "model_executor", "lora"},
     {"engine"},
     {"entrypoints", "bench", "__main__"},
 ]
 LAYER_OF = {name: level for level, names in enumerate(LAYERS) for name in names}
 # Layers that never import torch at run time (a TYPE_CHECKING import names a type only).
-TORCH_FREE = ("request", "kv", "scheduler", "structured_output", "errors", "sampling_params")
+TORCH_FREE = (
+    "request",
+    "kv",
+    "scheduler",
+    "structured_output",
+    "errors",
+    "sampling_params",
+    "lora_request",
+    "lora_config",
+    "lora_checkpoint",
+)
 
 
 def _top(module: str) -> str:

@@ -24,14 +24,13 @@ from ferrum.config import (
 from ferrum.default_model import resolve_model
 from ferrum.engine.vllm_args import VLLM_ARG_HELP, resolve_vllm_args
 from ferrum.logger import init_logger
+from ferrum.lora_config import LoRAConfig
 
 logger = init_logger(__name__)
 
 # vLLM engine arguments ferrum does not have -> the value that means "off" in vLLM (accepted: it
 # asks for what ferrum does); any other value raises a ValueError naming the argument.
 NOT_SUPPORTED_YET: dict[str, Any] = {
-    "enable_lora": False,
-    "max_lora_rank": None,
     "speculative_config": None,
     "revision": None,
     "download_dir": None,
@@ -69,7 +68,14 @@ _SHORT_FLAGS = {
 
 _CONFIG_FIELDS = {
     f.name: f
-    for config_class in (ModelConfig, CacheConfig, SchedulerConfig, DeviceConfig, ParallelConfig)
+    for config_class in (
+        ModelConfig,
+        CacheConfig,
+        SchedulerConfig,
+        DeviceConfig,
+        ParallelConfig,
+        LoRAConfig,
+    )
     for f in fields(config_class)
     if "help" in f.metadata
 }
@@ -110,6 +116,10 @@ class EngineArgs:
     distributed_executor_backend: str | None = ParallelConfig.distributed_executor_backend
     disable_custom_all_reduce: bool = ParallelConfig.disable_custom_all_reduce
     worker_step_timeout: float = ParallelConfig.worker_step_timeout
+    enable_lora: bool = LoRAConfig.enable_lora
+    max_loras: int = LoRAConfig.max_loras
+    max_lora_rank: int = LoRAConfig.max_lora_rank
+    max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None
     # vLLM's arguments without a config field: accepted, mapped or refused (vllm_args.py).
     enable_chunked_prefill: bool | None = None
@@ -162,6 +172,7 @@ class EngineArgs:
             device_config=DeviceConfig(**_init_args(DeviceConfig, values)),
             parallel_config=parallel_config,
             structured_outputs_config=_structured_outputs_config(self.structured_outputs_config),
+            lora_config=LoRAConfig(**_init_args(LoRAConfig, values)),
         )
 
     @staticmethod

@@ -21,6 +21,7 @@ from ferrum.engine.grammar_frontend import GrammarFrontend
 from ferrum.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from ferrum.engine.request_stream import RequestStream
 from ferrum.logger import init_logger
+from ferrum.lora_request import LoRARequest
 from ferrum.outputs import RequestOutput
 from ferrum.recovery_config import EngineRecoveryConfig
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
@@ -105,6 +106,7 @@ class AsyncLLM(FrontEnd):
         prompt: PromptType,
         params: SamplingParams,
         default_max_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validates and queues one request (n completions); on error nothing is queued. While a
         core restarts, the request waits for it. Unset `max_tokens`: `default_max_tokens` capped
@@ -112,7 +114,11 @@ class AsyncLLM(FrontEnd):
         stream early (break, error, cancellation) aborts the request in the core."""
         loop = asyncio.get_running_loop()
         request = self.check_can_serve().process(
-            request_id, prompt, params, default_max_tokens=default_max_tokens
+            request_id,
+            prompt,
+            params,
+            default_max_tokens=default_max_tokens,
+            lora_request=self.loras.check(lora_request),
         )
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(

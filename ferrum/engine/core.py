@@ -32,6 +32,7 @@ from ferrum.engine.input_processor import load_tokenizer
 from ferrum.executor import Executor, create_executor
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.logger import init_logger
+from ferrum.lora.loads import lora_loads
 from ferrum.model_executor.kv_cache_sizing import kv_cache_group_specs
 from ferrum.request import Logprobs, Request, RequestStatus
 from ferrum.scheduler.output import SchedulerOutput
@@ -88,6 +89,7 @@ class EngineCore:
         # Pipeline parallelism keeps one step in flight per stage (the requests split between
         # them); otherwise async scheduling keeps one.
         self.pipeline_depth = config.parallel_config.pipeline_parallel_size
+        self.loras = lora_loads(config)  # LoRA adapters, loaded off the step loop
         self.scheduler = Scheduler(
             config.scheduler_config, self.kv_cache_manager, pipeline_depth=self.pipeline_depth
         )
@@ -136,6 +138,9 @@ class EngineCore:
             request.grammar = RequestGrammar(
                 self.grammars.submit(r.sampling_params.structured_outputs), max_tokens=budget
             )
+        if r.lora_request is not None:
+            assert self.loras is not None, "the front end refuses adapters without enable_lora"
+            request.lora = self.loras.handle(r.lora_request)
         self.scheduler.add_request(request)
 
     def finish_requests(
@@ -165,6 +170,8 @@ class EngineCore:
             self._complete_oldest()
         # An empty step still tells the runner which requests finished.
         scheduler_output = self.scheduler.schedule()
+        if self.loras is not None:
+            scheduler_output.lora = self.loras.step_data(scheduler_output, self.scheduler.requests)
         if logger.isEnabledFor(logging.DEBUG) and not scheduler_output.is_empty:
             logger.debug(
                 "step %d: %d requests (%d new), %d tokens",
@@ -237,7 +244,9 @@ class EngineCore:
 
     def _waiting_on_grammars(self) -> bool:
         return any(
-            r.grammar is not None and r.grammar.matcher is None for r in self.scheduler.waiting
+            (r.grammar is not None and r.grammar.matcher is None)
+            or (r.lora is not None and r.lora.loading)
+            for r in self.scheduler.waiting
         )
 
     def _report_failed(self) -> None:
@@ -307,6 +316,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stops the executor's workers (bounded); the core is unusable afterwards."""
+        if self.loras is not None:
+            self.loras.shutdown()
         self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:

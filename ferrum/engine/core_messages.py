@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferrum.lora_request import LoRARequest
 from ferrum.request import Logprobs, RequestStatus
 from ferrum.sampling_params import ResolvedSamplingParams
 
@@ -28,6 +29,8 @@ class EngineCoreRequest:
     # The completion's own max_tokens when sampling_params' is a probation run's one-token limit:
     # its grammar closes within the completion's budget, not the trial's.
     grammar_max_tokens: int | None = None
+    # The LoRA adapter the completion runs with (None: the base model).
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)

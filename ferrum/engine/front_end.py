@@ -8,6 +8,7 @@ from ferrum.config import EngineConfig
 from ferrum.engine.core_client import ClientEvent, CoreClient, EngineDied, RequestsFailed
 from ferrum.engine.core_messages import CoreInfo, CoreOutputs
 from ferrum.engine.input_processor import InputProcessor, load_tokenizer
+from ferrum.engine.lora_frontend import LoRAFrontEnd
 from ferrum.engine.output_processor import OutputProcessor
 from ferrum.outputs import RequestOutput
 from ferrum.request import RequestStatus
@@ -20,6 +21,7 @@ class FrontEnd:
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.loras = LoRAFrontEnd(config)
         # Built once a core is loaded, again after a restart (its pool may differ).
         self.input_processor: InputProcessor | None = None
         self.dead_reason: str | None = None

@@ -13,6 +13,7 @@ from ferrum.config import ModelConfig
 from ferrum.engine.core_messages import EngineCoreRequest
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.errors import FieldError
+from ferrum.lora_request import LoRARequest
 from ferrum.request import check_request_fits
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
@@ -104,10 +105,12 @@ class InputProcessor:
         *,
         output_kind: RequestOutputKind | None = None,
         default_max_tokens: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validates one request and fans it out into one core request per completion of `n`
         (seeded completions get seeds seed, seed+1, ...). `output_kind` overrides the params';
-        unset `max_tokens` is `default_max_tokens` capped by the room left, else all of it."""
+        unset `max_tokens` is `default_max_tokens` capped by the room left, else all of it.
+        `lora_request`: the adapter of every completion, already checked (`LoRAFrontEnd`)."""
         prompt = self.process_prompt(prompt)
         self._check_token_fields(params)
         max_tokens = self._resolve_max_tokens(params, len(prompt.token_ids), default_max_tokens)
@@ -121,7 +124,14 @@ class InputProcessor:
             resolved = params.resolve(max_tokens, seed, stop_ids, bad_words)
             req_id = child_request_id(request_id, index, params.n)
             requests.append(
-                EngineCoreRequest(req_id, prompt.token_ids, resolved, eos, arrival_time)
+                EngineCoreRequest(
+                    req_id,
+                    prompt.token_ids,
+                    resolved,
+                    eos,
+                    arrival_time,
+                    lora_request=lora_request,
+                )
             )
         kind = params.output_kind if output_kind is None else output_kind
         return ProcessedRequest(request_id, prompt, params, kind, arrival_time, tuple(requests))

@@ -23,6 +23,7 @@ from ferrum.engine.grammar_frontend import tokenizer_info_builder
 from ferrum.engine.inprocess_client import InProcessClient
 from ferrum.engine.input_processor import PromptType
 from ferrum.logger import init_logger
+from ferrum.lora_request import LoRARequest
 from ferrum.outputs import RequestOutput
 from ferrum.recovery_config import EngineRecoveryConfig
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
@@ -94,13 +95,20 @@ class LLMEngine(FrontEnd):
         params: SamplingParams,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues one request (n completions); on error nothing is queued.
-        `output_kind` (default: the params') says what `step` returns of it."""
+        `output_kind` (default: the params') says what `step` returns of it; `lora_request`:
+        the adapter it runs with (None: the base model)."""
         self._check_alive()
         assert self.input_processor is not None
         request = self.input_processor.process(
-            request_id, prompt, params, arrival_time, output_kind=output_kind
+            request_id,
+            prompt,
+            params,
+            arrival_time,
+            output_kind=output_kind,
+            lora_request=self.loras.check(lora_request),
         )
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)

@@ -13,6 +13,7 @@ from ferrum.engine.arg_utils import EngineArgs, check_not_supported_yet
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.engine.llm_engine import LLMEngine
 from ferrum.errors import FieldError
+from ferrum.lora_request import LoRARequest
 from ferrum.outputs import RequestOutput
 from ferrum.sampling_params import RequestOutputKind, SamplingParams
 
@@ -54,23 +55,32 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt; returns one RequestOutput per prompt, in input order.
-        A prompt of the wrong type is a TypeError naming the accepted ones."""
+        A prompt of the wrong type is a TypeError naming the accepted ones. `lora_request`: the
+        adapter of every prompt, or one per prompt (None: the base model); needs enable_lora."""
         if self._shut_down:
             raise RuntimeError("LLM: generate after shutdown(); create a new LLM")
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = self._per_prompt_params(sampling_params, len(prompts))
+        loras = _per_prompt_loras(lora_request, len(prompts))
         engine = self.llm_engine
         for p in params:
             engine.start_grammar_compile(p)
         request_ids: list[str] = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
             request_id = engine.next_request_id()
             try:
-                engine.add_request(request_id, prompt, p, output_kind=RequestOutputKind.FINAL_ONLY)
+                engine.add_request(
+                    request_id,
+                    prompt,
+                    p,
+                    output_kind=RequestOutputKind.FINAL_ONLY,
+                    lora_request=lora,
+                )
             except (TypeError, ValueError) as e:
                 # All or nothing: a bad prompt leaves no request of this call in the engine.
                 engine.abort_request(request_ids)
@@ -163,6 +173,21 @@ def _prompt_list(prompts: Any) -> list[PromptType]:
     if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
         raise TypeError(f"prompts must be {_PROMPT_TYPES}; got {type(prompts).__name__}")
     return list(prompts)
+
+
+def _per_prompt_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, as vLLM: one for all, or a list of one per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(
+            f"lora_request: got {len(loras)} for {num_prompts} prompts (give one, or one per "
+            "prompt)"
+        )
+    return loras
 
 
 def _for_prompt(index: int, error: TypeError | ValueError) -> TypeError | ValueError:

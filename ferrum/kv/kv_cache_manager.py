@@ -132,7 +132,12 @@ class KVCacheManager:
     def _find_common_prefix(self, request: Request) -> tuple[GroupBlockIds, int]:
         if not self.enable_prefix_caching:
             return tuple([] for _ in self.groups), 0
-        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        block_hash.extend_block_hashes(
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.block_hash_extra_keys,
+        )
         num_blocks = (request.num_tokens - 1) // self.block_size
         # Each group serves at most num_blocks; shrinking it may change a window group's answer,
         # so go round until every group serves the same length (it only ever shrinks).

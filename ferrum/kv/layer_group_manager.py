@@ -59,7 +59,12 @@ class LayerGroupManager(ABC):
         caching off."""
         if not self.enable_prefix_caching:
             return [], 0
-        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        block_hash.extend_block_hashes(
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.block_hash_extra_keys,
+        )
         block_ids = self.find_cached_prefix(request, (request.num_tokens - 1) // self.block_size)
         return block_ids, len(block_ids) * self.block_size
 

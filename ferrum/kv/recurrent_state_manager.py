@@ -149,7 +149,9 @@ class RecurrentStateManager(LayerGroupManager):
         if start > end - size or end > request.num_tokens or self.block_pool.num_free_blocks < 1:
             return None
         tokens = request.all_token_ids[block * size : end]
-        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, size)
+        block_hash.extend_block_hashes(
+            request.block_hashes, request.all_token_ids, size, request.block_hash_extra_keys
+        )
         if self.block_pool.find(request.block_hashes[block], tokens) is not None:
             return None  # already cached
         return block

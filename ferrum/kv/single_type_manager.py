@@ -183,7 +183,12 @@ class FullAttentionManager(LayerGroupManager):
         start = len(state.entry_ids)
         if num_full_blocks <= start:
             return
-        block_hash.extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        block_hash.extend_block_hashes(
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            request.block_hash_extra_keys,
+        )
         token_ids = request.all_token_ids
         size = self.block_size
         parent_entry_id = state.entry_ids[-1] if state.entry_ids else ROOT_ENTRY_ID

@@ -12,6 +12,7 @@ from ferrum.config import EngineConfig
 from ferrum.distributed.parallel_state import TensorParallelGroup
 from ferrum.distributed.pipeline_group import PipelineGroup
 from ferrum.kv.kv_cache_spec import layer_group_ids
+from ferrum.lora.runner import lora_runner
 from ferrum.model_executor.compile_watch import start_up_compiles, watch_serving_compiles
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
 from ferrum.model_executor.gpu_memory_profile import (
@@ -129,6 +130,7 @@ class ModelRunner:
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
         self._last_sampled_rows: dict[str, int] = {}
         self.grammar_bitmasks = GrammarBitmaskBuffers(sched.max_num_seqs, self.vocab_size, device)
+        self.lora = lora_runner(self.model, config, self.dtype, device)
 
     def determine_num_kv_blocks(self) -> list[int]:
         """KV blocks per layer group: the CPU budget, or what a profiled peak leaves on the GPU."""
@@ -231,10 +233,14 @@ class ModelRunner:
         grammars) must have accepted every output token already."""
         requests = self.requests
         requests.apply(scheduler_output)
+        if self.lora is not None:
+            self.lora.apply(scheduler_output)
         self.recurrent.start_requests(scheduler_output.scheduled_new_reqs)
         if scheduler_output.is_empty:
             return LaunchedStep([], [], None, None)
         num_scheduled = scheduler_output.num_scheduled_tokens
+        if self.lora is not None:
+            self.lora.prepare(num_scheduled)
         num_tokens = scheduler_output.total_num_scheduled_tokens
         graphs = self.cuda_graphs
         shape = None if graphs is None else graphs.padded_shape(len(num_scheduled), num_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferrum.lora_request import LoRAStep
 from ferrum.request import Logprobs
 from ferrum.sampling_params import ResolvedSamplingParams
 
@@ -48,6 +49,8 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Numbers the scheduler's steps; the scheduler matches outputs to the requests it scheduled.
     step_id: int = 0
+    # LoRA: the new requests' adapters and the runner's host-cache updates (None: nothing).
+    lora: LoRAStep | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -70,6 +73,7 @@ class SchedulerOutput:
                 self.finished_req_ids,
                 self.preempted_req_ids,
                 self.step_id,
+                self.lora,
             ),
         )
 
@@ -84,6 +88,7 @@ def _unpickle_scheduler_output(
     finished_req_ids: set[str],
     preempted_req_ids: set[str],
     step_id: int,
+    lora: LoRAStep | None,
 ) -> SchedulerOutput:
     cached = list(
         map(CachedRequestData, cached_req_ids, cached_new_block_ids, cached_num_computed_tokens)
@@ -96,6 +101,7 @@ def _unpickle_scheduler_output(
         finished_req_ids,
         preempted_req_ids,
         step_id,
+        lora,
     )
 
 

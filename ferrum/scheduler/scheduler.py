@@ -17,6 +17,7 @@ from ferrum.config import SchedulerConfig
 from ferrum.kv.kv_cache_manager import GroupBlockIds, KVCacheManager
 from ferrum.logger import init_logger
 from ferrum.request import Request, RequestStatus
+from ferrum.scheduler.lora_admission import lora_admits
 from ferrum.scheduler.output import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -177,9 +178,9 @@ class Scheduler:
             if request.status == RequestStatus.PREEMPTED and self._has_step_in_flight(request):
                 compiling.append(self.waiting.popleft())  # its token comes first
                 continue
-            if not self._grammar_ready(request):
+            if not self._grammar_ready(request) or not self._lora_ready(request):
                 if request.is_finished:
-                    continue  # _grammar_ready took it out of the queue
+                    continue  # _grammar_ready / _lora_ready took it out of the queue
                 compiling.append(self.waiting.popleft())
                 continue
             computed_blocks: GroupBlockIds | None
@@ -282,6 +283,16 @@ class Scheduler:
             return True
         try:
             return request.grammar.poll(request.output_token_ids)
+        except Exception as e:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._failed.append((request, str(e) or type(e).__name__))
+            return False
+
+    def _lora_ready(self, request: Request) -> bool:
+        """`lora_admits`; a request whose adapter failed to load is finished, aborted, and kept
+        for `take_failed`."""
+        try:
+            return lora_admits(request, self.running)
         except Exception as e:
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             self._failed.append((request, str(e) or type(e).__name__))

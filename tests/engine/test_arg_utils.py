@@ -83,9 +83,9 @@ def test_cuda_without_cuda_fails_before_loading() -> None:
 
 
 def test_vllm_arguments_not_supported_yet() -> None:
-    check_not_supported_yet({"speculative_config": None, "enable_lora": False})  # "off": fine
-    with pytest.raises(ValueError, match="enable_lora=True: not supported yet by ferrum"):
-        check_not_supported_yet({"enable_lora": True})
+    check_not_supported_yet({"revision": None, "rope_scaling": None})  # "off": fine
+    with pytest.raises(ValueError, match="revision='main': not supported yet by ferrum"):
+        check_not_supported_yet({"revision": "main"})
     with pytest.raises(TypeError, match="unexpected engine argument 'max_num_seq'.*max_num_seqs"):
         check_not_supported_yet({"max_num_seq": 4})
     assert not set(NOT_SUPPORTED_YET) & {f.name for f in fields(EngineArgs)}

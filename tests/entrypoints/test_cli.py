@@ -83,10 +83,10 @@ def test_unknown_flag_shows_the_subcommand_usage(capsys: pytest.CaptureFixture[s
 
 def test_vllm_flags_not_supported_yet_say_so(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["serve", "--enable-lora"])
+        main(["serve", "--revision", "main"])
     err = capsys.readouterr().err
     assert err.startswith("usage: ferrum serve")
-    assert "--enable-lora: not supported yet by ferrum" in err
+    assert "--revision: not supported yet by ferrum" in err
 
 
 def test_help_states_defaults() -> None:
@@ -247,7 +247,7 @@ def test_config_file_values_are_defaults_that_flags_override(
     for text, message in (
         ("max-model-len: many\n", "argument --max-model-len: invalid int value: 'many'"),
         ("no-such-flag: 1\n", "'no-such-flag' is not a flag of this command"),
-        ("enable_lora: true\n", "'enable_lora' is not supported yet by ferrum"),
+        ("revision: main\n", "'revision' is not supported yet by ferrum"),
         ("[1, 2]\n", "must hold a mapping of flag names to values"),
     ):
         config.write_text(text)

@@ -215,8 +215,8 @@ def test_prompts_of_a_wrong_type_are_a_type_error(llm: LLM, prompts) -> None:
 
 
 def test_vllm_arguments_not_supported_yet_say_so() -> None:
-    with pytest.raises(ValueError, match="enable_lora=True: not supported yet by ferrum"):
-        LLM(enable_lora=True)
+    with pytest.raises(ValueError, match="revision='main': not supported yet by ferrum"):
+        LLM(revision="main")
     with pytest.raises(TypeError, match="unexpected engine argument 'max_num_seq'"):
         LLM(max_num_seq=4)
 

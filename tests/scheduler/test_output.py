@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
+from ferrum.lora_request import LoRAStep
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -21,6 +22,7 @@ def test_pickled_step_is_equal() -> None:
         finished_req_ids={"x"},
         preempted_req_ids={"y"},
         step_id=17,
+        lora=LoRAStep({"n": 3}, {3: None}),
     )
     for protocol in (2, pickle.HIGHEST_PROTOCOL):
         copy = pickle.loads(pickle.dumps(step, protocol=protocol))
@@ -35,6 +37,7 @@ def test_pickled_step_is_equal() -> None:
         "finished_req_ids",
         "preempted_req_ids",
         "step_id",
+        "lora",
     }
     empty = SchedulerOutput([], [], {}, 0)
     assert pickle.loads(pickle.dumps(empty)) == empty

@@ -1,0 +1,157 @@
+"""LoRA around the decoder layers' linear layers: `LoRALinear` wraps a column-parallel merged
+layer (qkv, gate_up: one slice per shard) or a row-parallel one (o, down) and adds, per token,
+its adapter's product to the base output: y += (x A_s^T) B_s^T, A and B read from a pool of
+`max_loras` device slots (a slot never used, or cleared, is all zeros). Tensor parallelism
+splits A and B like the base weight: column-parallel layers hold their rows of each shard's B,
+row-parallel ones their input columns of A, and the partial product joins the base layer's
+partial output before its all-reduce. The step's token -> slot map lives in `LoRABatch`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferrum.kernels.lora_ref import lora_expand_torch, lora_shrink_torch
+from ferrum.kernels.lora_segments import LoRASegments
+from ferrum.model_executor.layers.linear import Linear, MergedLinear
+from ferrum.model_executor.layers.parallel_linear import RowParallelLinear
+
+# The modules of a decoder layer that take adapters (`lora_checkpoint.MODULES`' targets).
+LORA_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class LoRABatch:
+    """The step's adapter slot per token (-1: none), in a buffer sized once (CUDA graphs read
+    it in place), and its grouping by slot for the Triton kernels."""
+
+    def __init__(
+        self, max_tokens: int, max_loras: int, device: torch.device, is_triton: bool
+    ) -> None:
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.segments = LoRASegments.empty(max_tokens, max_loras, device) if is_triton else None
+
+    def regroup(self) -> None:
+        """Refreshes the grouping after `token_slots` changed (Triton only)."""
+        if self.segments is not None:
+            self.segments.fill(self.token_slots)
+
+    def shrink(self, x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
+        if self.segments is not None:
+            from ferrum.kernels.lora_shrink import lora_shrink
+
+            return lora_shrink(x, lora_a, self.segments)
+        return lora_shrink_torch(x, lora_a, self.token_slots[: x.shape[0]])
+
+    def expand(self, t: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor) -> None:
+        if self.segments is not None:
+            from ferrum.kernels.lora_expand import lora_expand
+
+            lora_expand(t, lora_b, self.segments, y)
+        else:
+            lora_expand_torch(t, lora_b, self.token_slots[: t.shape[0]], y)
+
+
+class LoRALinear(nn.Module):
+    """A base linear layer plus `max_loras` adapter slots of rank up to `max_rank`."""
+
+    def __init__(
+        self, base: Linear, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.batch = batch
+        self.max_rank = max_rank
+        tp = getattr(base, "tp_group", None)
+        self.tp_size = 1 if tp is None else tp.world_size
+        self.tp_rank = 0 if tp is None else tp.rank
+        self.row_parallel = isinstance(base, RowParallelLinear)
+        # Output slices: (shard id, first local output row, local rows, first checkpoint row).
+        if isinstance(base, MergedLinear):
+            rows = getattr(base, "checkpoint_rows", None)
+            self.slices = [
+                (name, base.shard_offsets[name], size, rows[name][0] if rows else 0)
+                for name, size in base.shard_sizes.items()
+            ]
+        else:
+            self.slices = [(None, 0, base.output_size, 0)]
+        num_slices, device = len(self.slices), base_device(base)
+        self.lora_a = torch.zeros(
+            max_loras, num_slices * max_rank, base.input_size, dtype=dtype, device=device
+        )
+        self.lora_b = torch.zeros(max_loras, base.output_size, max_rank, dtype=dtype, device=device)
+
+    def takes_fp8_rows(self, x: torch.Tensor) -> bool:
+        """Never: the adapter's product reads x in the model dtype."""
+        return False
+
+    def set_slot(
+        self, slot: int, shards: dict[str | None, tuple[torch.Tensor, torch.Tensor]] | None
+    ) -> None:
+        """Fills `slot` with an adapter's (A, scaled B) per shard (full, unsharded: this rank's
+        part is taken here); shards it lacks, or all with None, are zero."""
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        for index, (name, offset, size, first_row) in enumerate(self.slices):
+            if shards is None or name not in shards:
+                continue
+            a, b = shards[name]
+            rank = a.shape[0]
+            if self.row_parallel:
+                local = self.base_layer.input_size
+                a = a[:, self.tp_rank * local : (self.tp_rank + 1) * local]
+            else:
+                b = b[first_row : first_row + size]
+            start = index * self.max_rank
+            self.lora_a[slot, start : start + rank].copy_(a)
+            self.lora_b[slot, offset : offset + size, :rank].copy_(b)
+
+    def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        t = self.batch.shrink(x, self.lora_a)
+        for index, (_, offset, size, _) in enumerate(self.slices):
+            start = index * self.max_rank
+            self.batch.expand(
+                t[:, start : start + self.max_rank],
+                self.lora_b[:, offset : offset + size],
+                y[:, offset : offset + size],
+            )
+
+    def forward(self, x: torch.Tensor, x_fp8: object = None) -> torch.Tensor:
+        if x_fp8 is not None:
+            raise ValueError("x_fp8: a LoRA layer takes no FP8 rows")
+        base = self.base_layer
+        if not (self.row_parallel and self.tp_size > 1):
+            y = base(x)
+            self._add_lora(y, x)
+            return y
+        # Row parallel: this rank's partial product, its adapter part, then the all-reduce.
+        if base.quant_method is not None:
+            partial = base.quant_method.apply(base, x, None, None)
+        else:
+            partial = torch.nn.functional.linear(x, base.weight)
+        self._add_lora(partial, x)
+        out = base.tp_group.all_reduce(partial)
+        return out if base.bias is None else out + base.bias
+
+
+def base_device(layer: nn.Module) -> torch.device:
+    return next(layer.parameters()).device
+
+
+def install_lora_layers(
+    model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype
+) -> dict[tuple[int, str], LoRALinear]:
+    """Wraps every LoRA-capable linear layer of the model's decoder layers (this pipeline
+    stage's) in place; returns them by (layer index, module name)."""
+    layers: dict[tuple[int, str], LoRALinear] = {}
+    decoder = model.model.layers
+    for layer_idx in model.stage.layer_ids:
+        for name in LORA_MODULES:
+            parent_name, attr = name.split(".")
+            parent = getattr(decoder[layer_idx], parent_name, None)
+            base = getattr(parent, attr, None)
+            if not isinstance(base, Linear):
+                continue  # e.g. MoE experts: the adapter loader refuses their targets
+            wrapped = LoRALinear(base, batch, max_loras, max_rank, dtype)
+            setattr(parent, attr, wrapped)
+            layers[(layer_idx, name)] = wrapped
+    return layers
