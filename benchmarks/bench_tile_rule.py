@@ -1,6 +1,7 @@
 """Times, on the current GPU, each op's tile from the default rule against the tile its tuned
 table gives (the user's folder, then ferrum/kernels/*_configs), per shape and batch bucket, and
-prints rule/table ratios: how far the untuned default is from tuned (issue 37 asks <= 1.10).
+prints rule/table ratios: how far the untuned default is from tuned (issue 37 asks <= 1.10),
+beside the time the call's bytes take at the GPU's HBM bandwidth (the bound of small batches).
 
 Ops and shapes: bf16 one-row GEMV and FP8 linear (block scales) at the models' linear shapes;
 the fused MoE (bf16 and FP8 experts; grouped and small-batch) at their MoE shapes. Timing is
@@ -67,6 +68,19 @@ def table_and_rule(task: TuneTask, device: DeviceProperties, user_dir: Path, fp8
     return (_MISSING if buckets is None else moe_pick(buckets, task.m)), rule
 
 
+def roofline_us(task: TuneTask, device: DeviceProperties, fp8: bool) -> float:
+    """Microseconds to read the weights the call needs (and its activations, output) at the
+    device's HBM bandwidth: the bound of the memory-bound (small batch) rows."""
+    s, m = task.shape, task.m
+    if isinstance(s, LinearShape):
+        weight = s.n * s.k * (1 if task.op == "fp8_gemm" else 2)
+        return (weight + 2 * m * (s.n + s.k)) / device.hbm_bandwidth * 1e6
+    # Experts a batch of m tokens is expected to touch under uniform routing.
+    active = s.num_experts * (1 - (1 - s.top_k / s.num_experts) ** m)
+    weight = active * 3 * s.inter * s.hidden * (1 if fp8 else 2)
+    return (weight + 4 * m * s.hidden) / device.hbm_bandwidth * 1e6
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=MODELS, help="comma list of model folders")
@@ -98,8 +112,11 @@ def main() -> int:
         False: list(dict.fromkeys(linear + heads)),
         True: [s for s in linear if s.k % 128 == 0],
     }
-    print(f"{device.name}: rule vs table ({user_dir}, then the package), us per call")
-    print(f"{'op':12s} {'shape':28s} {'M':>5s} {'table':>9s} {'rule':>9s} {'rule/table':>10s}")
+    hbm = f"{device.hbm_bandwidth / 1e12:.2f} TB/s"
+    print(f"{device.name} ({device.num_sms} SMs, HBM {hbm}): rule vs table ({user_dir}, then "
+          "the package), us per call")  # fmt: skip
+    print(f"{'op':12s} {'shape':28s} {'M':>5s} {'table':>9s} {'rule':>9s} {'rule/table':>10s} "
+          f"{'HBM bound':>9s}")  # fmt: skip
     rows = []
     for fp8 in (False, True):
         bench = GpuBench(device, fp8)
@@ -113,12 +130,13 @@ def main() -> int:
             )  # fmt: skip
             ratio = None if table_us is None else rule_us / table_us
             op = f"{task.op}{'_fp8' if fp8 and task.op.startswith('moe') else ''}"
+            bound = roofline_us(task, device, fp8)
             rows.append({"op": op, "shape": task.shape.key, "m": task.m, "table_us": table_us,
-                         "rule_us": rule_us, "ratio": ratio})  # fmt: skip
+                         "rule_us": rule_us, "ratio": ratio, "hbm_bound_us": bound})  # fmt: skip
             shown = "-" if ratio is None else f"{ratio:.3f}{' !' if ratio > 1.10 else ''}"
             table_text = "-" if table_us is None else f"{table_us:.1f}"
             print(f"{op:12s} {task.shape.key:28s} {task.m:5d} {table_text:>9s} "
-                  f"{rule_us:9.1f} {shown:>10s}", flush=True)  # fmt: skip
+                  f"{rule_us:9.1f} {shown:>10s} {bound:9.1f}", flush=True)  # fmt: skip
     ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
     if ratios:
         geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
