@@ -9,6 +9,7 @@ median microseconds a call."""
 from __future__ import annotations
 
 import statistics
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -68,21 +69,34 @@ class GpuBench:
         scale_format: str = "block",
         iters: int = 20,
         repeats: int = 5,
+        torch_device: str = "cuda",
+        dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         self.device = device
         self.fp8 = fp8
         self.scale_format = scale_format
         self.iters = iters
         self.repeats = repeats
+        # Where operands live and the activations' dtype (the CPU and fp16: tests, under the
+        # Triton interpreter, which has no bf16).
+        self.torch_device = torch_device
+        self.dtype = dtype
         self._weights: dict[tuple[str, object], list[tuple[torch.Tensor, ...]]] = {}
-        self._gen = torch.Generator(device="cuda").manual_seed(0)
+        self._gen = torch.Generator(device=torch_device).manual_seed(0)
 
     def _copies(self, weight_bytes: int) -> int:
         """Copies whose bytes together pass twice the L2 cache (one at least, MAX_COPIES most)."""
         return max(1, min(MAX_COPIES, cdiv(2 * self.device.l2_cache_bytes, max(1, weight_bytes))))
 
-    def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=self._gen)
+    def randn(self, *shape: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        gen = self._gen if generator is None else generator
+        return torch.randn(*shape, device=self.torch_device, dtype=self.dtype, generator=gen)
+
+    def task_generator(self, task: TuneTask) -> torch.Generator:
+        """A generator seeded by the task: every candidate of a task gets the same activations
+        and routings."""
+        seed = zlib.crc32(task.key.encode())
+        return torch.Generator(device=self.torch_device).manual_seed(seed)
 
     def __call__(self, task: TuneTask, config: Config) -> float:
         fn, num_copies = run_fn(self, task, config)
@@ -94,27 +108,30 @@ class GpuBench:
         key = (op, shape)
         if key not in self._weights:
             self._weights.clear()  # one shape's operands on the GPU at a time
-            torch.cuda.empty_cache()
+            if self.torch_device == "cuda":
+                torch.cuda.empty_cache()
             self._weights[key] = [make() for _ in range(self._copies(weight_bytes))]
         return self._weights[key]
 
 
 def run_fn(bench: GpuBench, task: TuneTask, config: Config) -> tuple[RunFn, int]:
     """(fn(i) running the candidate on weight copy i, number of copies)."""
-    if isinstance(task.shape, LinearShape):
-        if task.op == "gemv":
-            return _gemv_fn(bench, task.shape, config)
+    if task.op == "gemv":
+        return _gemv_fn(bench, task, config)
+    if task.op == "fp8_gemm":
         assert isinstance(config, Fp8GemmConfig)
-        return _fp8_linear_fn(bench, task.shape, task.m, config)
+        return _fp8_linear_fn(bench, task, config)
     assert isinstance(config, dict)
-    return _moe_fn(bench, task.shape, task.m, task.op == "moe_small", config)
+    return _moe_fn(bench, task, config)
 
 
-def _gemv_fn(bench: GpuBench, shape: LinearShape, tile: Config) -> tuple[RunFn, int]:
+def _gemv_fn(bench: GpuBench, task: TuneTask, tile: Config) -> tuple[RunFn, int]:
+    shape = task.shape
+    assert isinstance(shape, LinearShape)
     weights = bench.weights(
         "gemv", shape, lambda: (bench.randn(shape.n, shape.k) * 0.02,), 2 * shape.n * shape.k
     )
-    x = bench.randn(1, shape.k)
+    x = bench.randn(1, shape.k, generator=bench.task_generator(task))
     if tile is None:
         return (lambda i: F.linear(x, weights[i][0])), len(weights)
     assert isinstance(tile, GemvTile)
@@ -122,9 +139,9 @@ def _gemv_fn(bench: GpuBench, shape: LinearShape, tile: Config) -> tuple[RunFn, 
     return (lambda i: gemv(x, weights[i][0], *args)), len(weights)
 
 
-def _fp8_linear_fn(
-    bench: GpuBench, shape: LinearShape, m: int, config: Fp8GemmConfig
-) -> tuple[RunFn, int]:
+def _fp8_linear_fn(bench: GpuBench, task: TuneTask, config: Fp8GemmConfig) -> tuple[RunFn, int]:
+    shape, m = task.shape, task.m
+    assert isinstance(shape, LinearShape)
     block = bench.scale_format == "block"
     quantize = quantize_weight_block if block else quantize_weight_per_channel
     weights = bench.weights(
@@ -133,7 +150,7 @@ def _fp8_linear_fn(
         lambda: quantize(bench.randn(shape.n, shape.k) * 0.02),
         shape.n * shape.k,
     )
-    x = bench.randn(m, shape.k)
+    x = bench.randn(m, shape.k, generator=bench.task_generator(task))
     linear = fp8_block_linear if block else fp8_channel_linear
     buckets = {_EVERY_BATCH: config}
     return (lambda i: linear(x, *weights[i], buckets=buckets)), len(weights)
@@ -152,19 +169,20 @@ def _expert_weights(bench: GpuBench, shape: MoEShape) -> tuple[torch.Tensor, ...
     return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
-def _moe_fn(
-    bench: GpuBench, shape: MoEShape, num_tokens: int, small: bool, config: dict[str, int]
-) -> tuple[RunFn, int]:
+def _moe_fn(bench: GpuBench, task: TuneTask, config: dict[str, int]) -> tuple[RunFn, int]:
+    shape, num_tokens, small = task.shape, task.m, task.op == "moe_small"
+    assert isinstance(shape, MoEShape)
     e, i, h = shape.num_experts, shape.inter, shape.hidden
     # One copy: the experts of a batch are spread over all of them (routings vary instead).
     size = max(3 * e * i * h, 2 * bench.device.l2_cache_bytes)
     experts = bench.weights("moe_fp8" if bench.fp8 else "moe", shape,
                             lambda: _expert_weights(bench, shape), size)[0]  # fmt: skip
+    gen = bench.task_generator(task)
     routings = []
     for _ in range(NUM_ROUTINGS):
-        logits = torch.randn(num_tokens, e, device="cuda", generator=bench._gen)
+        logits = torch.randn(num_tokens, e, device=bench.torch_device, generator=gen)
         weights, ids = torch.topk(torch.softmax(logits, -1), shape.top_k, -1)
-        routings.append((bench.randn(num_tokens, h), weights, ids.to(torch.int32)))
+        routings.append((bench.randn(num_tokens, h, generator=gen), weights, ids.to(torch.int32)))
     scales = {}
     if bench.fp8:
         scales = {"w13_scale": experts[2], "w2_scale": experts[3]}
