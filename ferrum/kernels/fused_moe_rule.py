@@ -5,8 +5,9 @@ BLOCK_M 16 under 8 rows, 32 under 32, 64 under 128, else 128 (the H100 table's s
 columns, 128 once experts average 64 rows (full tiles, compute bound); BLOCK_K 128 for tiles up
 to 64x64, else 64; 8 warps from 64x128; stages filling shared memory, at most 4 (3 from 64 rows).
 Small batches (`small_rule`): each GEMV's rows a program the widest of 32/16/8 that still makes
-two waves of programs (gate/up of FP8 experts: four, for half the bytes a row); one or two tokens sum all their choices in one down program (FP8 experts:
-one program a choice, DOWN_SPLIT) since they have too few programs to hide a choice's wait."""
+two waves of programs (four for FP8 experts' gate/up: half the bytes a row); one or two tokens
+sum all their choices in one down program (FP8 experts: a program a choice, DOWN_SPLIT), having
+too few programs to hide a choice's wait."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ from ferrum.kernels.tile_rules import cdiv, fit_stages, next_pow2
 
 # (average rows an expert gets below which, BLOCK_M) of the grouped GEMM; 128 beyond.
 _ROWS_TO_BLOCK_M = ((8, 16), (32, 32), (128, 64))
-# Token counts the rule's tables list (`rule_buckets`), as the H100 tables do.
-GROUPED_RULE_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 4096)
+# Token counts the rule's tables list (`rule_buckets`): the H100 tables' and every power of two
+# between, then one bucket for all larger batches.
+GROUPED_RULE_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 62)
 SMALL_RULE_BUCKETS = (1, 2, 4, 8)
 _GEMV_WIDTHS = (32, 16, 8)
 _GEMV_PROGRAMS_PER_SM = 2
@@ -41,21 +43,17 @@ def moe_configs(
     fp8: bool = False,
 ) -> tuple[dict[str, int], dict[str, int]]:
     """(grouped config, small-batch config) for a batch of num_tokens: each from the tuned files
-    of this device (fused_moe_config.tuned_sections), else the rules; off CUDA (None) the fixed
-    defaults."""
+    of this device (fused_moe_config.tuned_sections), else the rules as tables (`rule_buckets`:
+    the same bucket semantics); off CUDA (None) the fixed defaults."""
     if device is None:
         return pick(DEFAULT_GROUPED, num_tokens), pick(DEFAULT_SMALL, num_tokens)
     tuned = tuned_sections(num_experts, inter, hidden, device.name, fp8)
     shape = (num_experts, inter, hidden, top_k, device, fp8)
-    grouped = tuned.get("grouped")
-    small = tuned.get("small")
-    return (
-        pick(grouped, num_tokens) if grouped else grouped_rule(num_tokens, *shape),
-        pick(small, num_tokens) if small else small_rule(num_tokens, *shape),
-    )
+    grouped = tuned.get("grouped") or rule_buckets("grouped", *shape)
+    small = tuned.get("small") or rule_buckets("small", *shape)
+    return pick(grouped, num_tokens), pick(small, num_tokens)
 
 
-@functools.cache
 def grouped_rule(
     num_tokens: int,
     num_experts: int,
@@ -88,7 +86,6 @@ def _widest(rows: int, programs_per_row: int, device: DeviceProperties, waves: i
     )
 
 
-@functools.cache
 def small_rule(
     num_tokens: int,
     num_experts: int,
@@ -115,6 +112,7 @@ def small_rule(
     }
 
 
+@functools.cache
 def rule_buckets(
     section: str,
     num_experts: int,

@@ -67,7 +67,8 @@ def test_fp8_gemm_user_table_beats_package_beats_rule(folders) -> None:
 def test_moe_sections_come_from_the_user_then_the_package_then_the_rule(folders) -> None:
     package, user = folders
     shape = (8, 128, 256)
-    expected_rule = (grouped_rule(20, *shape, 2, H100), small_rule(20, *shape, 2, H100))
+    # The rule as a table: 20 tokens take the 32-token bucket, the small path's largest (8).
+    expected_rule = (grouped_rule(32, *shape, 2, H100), small_rule(8, *shape, 2, H100))
     assert moe_configs(20, *shape, 2, H100) == expected_rule
     assert moe_configs(20, *shape, 2, None) == (pick(DEFAULT_GROUPED, 20), pick(DEFAULT_SMALL, 20))
     shipped = {64: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}}
