@@ -2,10 +2,11 @@
 
 Spaces: gemv, BLOCK_N 1-8 x BLOCK_K 512-4096 x 4/8 warps x 1/2 stages, and F.linear (None);
 fp8_gemm at one row the FP8 GEMV's grid, above it Triton tiles (the bucket's rows and a second
-height, 32-128 columns, split-K that keeps 4 K steps a split, 3-5 stages), the Hopper wgmma
-tiles (block scales) and cuBLASLt where it takes the operands; moe_grouped BLOCK_M 16-128 (up
-to four times an expert's average rows) x N, K 64/128 x 4/8 warps x 3/4 stages; moe_small the
-gate/up and down GEMV widths, K tiles and the three ways of summing a token's choices.
+height, 32-128 columns, split-K that keeps 4 K steps a split, 3-5 stages; up to 64 rows also
+quantizing the activations inside the GEMM), the Hopper wgmma tiles (block scales) and
+cuBLASLt where it takes the operands; moe_grouped BLOCK_M 16-128 (up to four times an expert's
+average rows) x N, K 64/128 x 4/8 warps x 3/4 stages; moe_small the gate/up and down GEMV
+widths, K tiles and the three ways of summing a token's choices.
 Tiles a kernel refuses (its config's checks) are left out."""
 
 from __future__ import annotations
@@ -56,9 +57,12 @@ def fp8_gemm_candidates(
         if split > 1 and k_steps // split < 4 or ns == 5 and bm > 64:
             continue
         warps = (4, 8) if bm * bn >= 64 * 128 else (4,)
-        for nw in warps:
-            found += _valid(Fp8GemmConfig, "triton", BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split,
-                            GROUP_M=1 if m <= 64 else 8, num_warps=nw, num_stages=ns)  # fmt: skip
+        # Activations quantized inside the GEMM (one launch fewer) at the bucket's own height.
+        quants = ("separate", "fused") if m <= 64 and bm == heights[0] else ("separate",)
+        for nw, quant in itertools.product(warps, quants):
+            found += _valid(Fp8GemmConfig, "triton", quant, BLOCK_M=bm, BLOCK_N=bn,
+                            SPLIT_K=split, GROUP_M=1 if m <= 64 else 8, num_warps=nw,
+                            num_stages=ns)  # fmt: skip
     if block and device.is_hopper:
         for bm, bn, ns, un in itertools.product((64, 128), (64, 128), (4, 6, 8), (2, 4)):
             if bm == 128 and m <= 64:
