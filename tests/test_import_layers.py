@@ -38,6 +38,7 @@ LAYERS = [
         "lora_request",
         "lora_config",
         "lora_checkpoint",
+        "speculative_config",
     },
     {"scheduler"},
     {"distributed", "executor", "model_executor", "lora"},

@@ -72,6 +72,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     from ferrum.engine.arg_utils import EngineArgs, add_config_args
     from ferrum.entrypoints.openai.frontend_args import FrontendConfig
     from ferrum.entrypoints.openai.http_limits import HttpLimits
+    from ferrum.entrypoints.openai.lora_routes import add_lora_args
     from ferrum.entrypoints.openai.server_config import ServerConfig
     from ferrum.recovery_config import EngineRecoveryConfig
 
@@ -96,6 +97,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         choices=["critical", "error", "warning", "info", "debug", "trace"],
         help="uvicorn's log level (its access log is at info; default: info)",
     )
+    add_lora_args(parser)
     add_config_args(parser.add_argument_group("TLS, root path and logs"), ServerConfig)
     add_config_args(parser.add_argument_group("HTTP limits (refusals: 408, 413, 503)"), HttpLimits)
     FrontendConfig.add_cli_args(parser)

@@ -28,17 +28,32 @@ def add_info_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> N
         for name in model_names
     }
 
+    def all_cards() -> dict[str, ModelCard]:
+        """The base model's names, then the LoRA adapters loaded now (parent: the base)."""
+        adapters = {
+            name: ModelCard(
+                id=name,
+                created=created,
+                root=lora.lora_path,
+                parent=model_names[0],
+                max_model_len=max_model_len,
+            )
+            for name, lora in engine.loras.by_name.items()
+        }
+        return cards | adapters
+
     @app.get("/v1/models", response_model=ModelList, responses=ERROR_RESPONSES)
     async def list_models() -> ModelList:
-        return ModelList(data=list(cards.values()))
+        return ModelList(data=list(all_cards().values()))
 
     @app.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERROR_RESPONSES)
     async def retrieve_model(model: str) -> ModelCard:
-        card = cards.get(model)
+        served = all_cards()
+        card = served.get(model)
         if card is None:
             raise APIError(
                 404,
-                f"The model `{model}` does not exist; this server serves {model_names}",
+                f"The model `{model}` does not exist; this server serves {list(served)}",
                 param="model",
                 code="model_not_found",
             )

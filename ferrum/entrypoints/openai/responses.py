@@ -75,6 +75,8 @@ class ModelCard(OpenAIModel):
     created: int
     owned_by: str = "ferrum"
     root: str
+    # A LoRA adapter's base model (vLLM's field); None for a base model.
+    parent: str | None = None
     max_model_len: int
 
 

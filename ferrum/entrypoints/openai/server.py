@@ -49,6 +49,7 @@ from ferrum.entrypoints.openai.http_guard import (
 )
 from ferrum.entrypoints.openai.http_limits import HttpLimits, raise_open_files_limit
 from ferrum.entrypoints.openai.info_routes import add_info_routes
+from ferrum.entrypoints.openai.lora_routes import add_lora_routes, register_lora_modules
 from ferrum.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from ferrum.entrypoints.openai.protocol import (
     CompletionRequest,
@@ -122,6 +123,7 @@ def build_app(
     completion = OpenAIServingCompletion(engine, model_names, frontend.return_tokens_as_token_ids)
     _add_generation_routes(app, completion, chat, request_log)
     add_token_routes(app, engine, chat)
+    add_lora_routes(app, engine, model_names)
     return app
 
 
@@ -317,6 +319,7 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError("skip_tokenizer_init: the server needs a tokenizer")
     model_names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     engine = AsyncLLM(config, config_from_args(EngineRecoveryConfig, args))
+    register_lora_modules(engine, args.lora_modules, model_names)
     logger.info(
         "ferrum %s serving %s as %s; config and tokenizer ready in %.2f s",
         __version__,

@@ -12,6 +12,7 @@ from ferrum.engine.errors import EngineDeadError, EngineNotReadyError, RequestCr
 from ferrum.engine.input_processor import ProcessedPrompt, PromptType
 from ferrum.engine.request_stream import RequestStream
 from ferrum.entrypoints.openai.http_errors import APIError
+from ferrum.entrypoints.openai.lora_routes import REQUEST_LORA, lora_for_model
 from ferrum.entrypoints.openai.protocol import SamplingRequest
 from ferrum.entrypoints.openai.responses import (
     PromptLogprob,
@@ -113,15 +114,20 @@ class OpenAIServing:
         self.defaults: dict[str, Any] = engine.config.model_config.default_sampling_kwargs()
 
     def check_request(self, model: str | None) -> None:
+        """A served model name (a base name or a LoRA adapter's: that adapter then runs the
+        request's completions, `REQUEST_LORA`) and an engine that can serve."""
         if model is not None and not is_unicode(model):
             raise APIError(400, f"model: {NOT_UNICODE}", param="model")
-        if model is not None and model not in self.model_names:
+        lora = lora_for_model(self.engine, model)
+        if model is not None and lora is None and model not in self.model_names:
+            served = self.model_names + list(self.engine.loras.by_name)
             raise APIError(
                 404,
-                f"The model `{model}` does not exist; this server serves {self.model_names}",
+                f"The model `{model}` does not exist; this server serves {served}",
                 param="model",
                 code="model_not_found",
             )
+        REQUEST_LORA.set(lora)
         try:
             self.engine.check_can_serve()
         except (EngineDeadError, EngineNotReadyError) as e:
@@ -198,7 +204,9 @@ class OpenAIServing:
         try:
             default_max_tokens = self.defaults.get("max_tokens")
             for request_id, prompt, params in requests:
-                stream = self.engine.add_request(request_id, prompt, params, default_max_tokens)
+                stream = self.engine.add_request(
+                    request_id, prompt, params, default_max_tokens, lora_request=REQUEST_LORA.get()
+                )
                 streams.append(stream)
         except (ValueError, EngineDeadError, EngineNotReadyError) as e:
             for stream in streams:

@@ -33,6 +33,7 @@ class _Engine:
         prompt: ProcessedPrompt,
         params: SamplingParams,
         default_max_tokens: int | None = None,
+        lora_request: object = None,
     ):
         self.queued.append(request_id)
         return request_id

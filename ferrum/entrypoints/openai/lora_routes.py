@@ -1,0 +1,113 @@
+"""LoRA adapters on the server (vLLM's interface): `--lora-modules name=path ...` at start-up,
+`POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` while serving (behind the API key
+like every working route), and a request's `model` field naming an adapter instead of the base
+model. An adapter's folder is read (off the event loop) when it is added: a folder ferrum cannot
+serve is a 400 naming why, and a request never waits on a bad file."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from contextvars import ContextVar
+
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+
+from ferrum.engine.async_llm import AsyncLLM
+from ferrum.entrypoints.openai.http_errors import ERROR_RESPONSES, APIError
+from ferrum.entrypoints.openai.protocol import RequestModel
+from ferrum.errors import FieldError
+from ferrum.lora_request import LoRARequest
+
+# The adapter the current HTTP request's `model` names (None: the base model); set by the
+# model check at the start of a request's handler and read when its completions are queued
+# (each request is handled in its own task, with its own context).
+REQUEST_LORA: ContextVar[LoRARequest | None] = ContextVar("request_lora", default=None)
+
+
+class LoadLoRAAdapterRequest(RequestModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(RequestModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """`name=path` or vLLM's JSON `{"name": ..., "path": ...}` -> (name, path)."""
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+            return str(value["name"]), str(value["path"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: {e}") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: expected name=path")
+    return name, path
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served from start-up (PEFT folders; needs --enable-lora): a "
+        "request's model field names one; also vLLM's JSON form "
+        '\'{"name": "sql", "path": "/adapters/sql"}\'',
+    )
+
+
+def register_lora_modules(
+    engine: AsyncLLM, modules: list[tuple[str, str]] | None, model_names: list[str]
+) -> None:
+    """Adds the `--lora-modules` adapters (a ValueError names a bad one)."""
+    for name, path in modules or ():
+        if not engine.config.lora_config.enable_lora:
+            raise ValueError("--lora-modules: LoRA adapters need --enable-lora")
+        engine.loras.add(name, path, tuple(model_names))
+
+
+def lora_for_model(engine: AsyncLLM, model: str | None) -> LoRARequest | None:
+    """The adapter a request's `model` names (None for a base model name or no name)."""
+    return None if model is None else engine.loras.by_name.get(model)
+
+
+def add_lora_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> None:
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        _check_enabled(engine, "load_lora_adapter")
+        try:
+            # Reads the folder's files: off the event loop.
+            await asyncio.to_thread(
+                engine.loras.add, body.lora_name, body.lora_path, tuple(model_names)
+            )
+        except FieldError as e:
+            raise APIError(400, str(e), param=e.field) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post(
+        "/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES
+    )
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        _check_enabled(engine, "unload_lora_adapter")
+        known = engine.loras.by_name.get(body.lora_name)
+        if known is None or body.lora_int_id not in (None, known.lora_int_id):
+            raise APIError(
+                404,
+                f"The LoRA adapter `{body.lora_name}` is not loaded",
+                param="lora_name",
+                code="model_not_found",
+            )
+        engine.loras.remove(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _check_enabled(engine: AsyncLLM, route: str) -> None:
+    if not engine.config.lora_config.enable_lora:
+        raise APIError(400, f"{route} needs a server started with --enable-lora")

@@ -1,0 +1,137 @@
+"""LoRA adapters through a live server: `--lora-modules` at start-up, the request's `model`
+picking the adapter (greedy tokens equal transformers + PEFT), `/v1/models` listing adapters with
+their parent, `POST /v1/load_lora_adapter` / `unload_lora_adapter` behind the API key while
+streams run, and bad adapter folders answered with 400s (never a 5xx)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from ferrum.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from tests.utils.lora_adapters import make_peft_adapter, peft_greedy
+from tests.utils.remote_server import API_KEY, RemoteServer
+
+PROMPT = [9, 81, 23, 40, 5, 77, 12]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("server_adapters")
+    return {
+        "sql": make_peft_adapter(DEFAULT_MODEL_DIR, root / "sql", rank=4, seed=1),
+        "chat": make_peft_adapter(
+            DEFAULT_MODEL_DIR, root / "chat", rank=8, seed=2, targets=("q_proj", "down_proj")
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_server(
+    adapters: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RemoteServer]:
+    log = tmp_path_factory.mktemp("lora_server") / "server.log"
+    args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "256"]
+    args.append("--return-tokens-as-token-ids")
+    remote = RemoteServer([*args, "--lora-modules", f"sql={adapters['sql']}"], log, api_key=API_KEY)
+    yield remote
+    assert remote.stop() == 0, remote.log()
+
+
+def _post(server: RemoteServer, route: str, body: dict, key: bool = True) -> httpx.Response:
+    headers = server.headers if key else {}
+    return httpx.post(server.url + route, json=body, headers=headers, timeout=120)
+
+
+def _greedy_ids(server: RemoteServer, model: str) -> list[int]:
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
+    response = _post(server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    tokens = response.json()["choices"][0]["logprobs"]["tokens"]
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_adapters_are_listed_and_picked_by_model(lora_server, adapters) -> None:
+    models = httpx.get(lora_server.url + "/v1/models", headers=lora_server.headers).json()
+    cards = {card["id"]: card for card in models["data"]}
+    assert cards["sql"]["parent"] == DEFAULT_MODEL_NAME and cards["sql"]["root"] == adapters["sql"]
+    assert cards[DEFAULT_MODEL_NAME]["parent"] is None
+    assert (
+        _greedy_ids(lora_server, "sql")
+        == peft_greedy(DEFAULT_MODEL_DIR, adapters["sql"], [PROMPT], MAX_TOKENS)[0]
+    )
+    assert (
+        _greedy_ids(lora_server, DEFAULT_MODEL_NAME)
+        == peft_greedy(DEFAULT_MODEL_DIR, None, [PROMPT], MAX_TOKENS)[0]
+    )
+    response = _post(lora_server, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert response.status_code == 404 and "'sql'" in response.json()["error"]["message"]
+
+
+def test_load_and_unload_while_streams_run(lora_server, adapters) -> None:
+    body = {"lora_name": "chat", "lora_path": adapters["chat"]}
+    assert _post(lora_server, "/v1/load_lora_adapter", body, key=False).status_code == 401
+    stream_body = {"prompt": "Once upon a time", "max_tokens": 24, "stream": True}
+
+    def stream(model: str) -> str:
+        with httpx.stream(
+            "POST",
+            lora_server.url + "/v1/completions",
+            json=stream_body | {"model": model},
+            headers=lora_server.headers,
+            timeout=120,
+        ) as response:
+            assert response.status_code == 200
+            return "".join(response.iter_text())
+
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(stream, m) for m in ("sql", DEFAULT_MODEL_NAME) * 2]
+        loaded = _post(lora_server, "/v1/load_lora_adapter", body)
+        assert loaded.status_code == 200, loaded.text
+        assert (
+            _greedy_ids(lora_server, "chat")
+            == peft_greedy(DEFAULT_MODEL_DIR, adapters["chat"], [PROMPT], MAX_TOKENS)[0]
+        )
+        unload = _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "chat"})
+        assert unload.status_code == 200, unload.text
+        assert all(s.result().rstrip().endswith("data: [DONE]") for s in streams)
+    assert _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 404
+    response = _post(lora_server, "/v1/completions", {"model": "chat", "prompt": "x"})
+    assert response.status_code == 404
+
+
+def test_bad_adapters_are_400s(lora_server, adapters, tmp_path) -> None:
+    dora = tmp_path / "dora"
+    shutil.copytree(adapters["sql"], dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(config | {"use_dora": True}))
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters["sql"], broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 3)
+    for name, path, message in (
+        ("dora", str(dora), "DoRA adapters are not supported"),
+        ("broken", str(broken), "not a safetensors file"),
+        ("missing", str(tmp_path / "nowhere"), "not a folder"),
+        ("sql", adapters["sql"], "'sql' is already served"),
+        (DEFAULT_MODEL_NAME, adapters["sql"], "is already served"),
+    ):
+        response = _post(
+            lora_server, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path}
+        )
+        assert response.status_code == 400, response.text
+        assert message in response.json()["error"]["message"]
+    response = _post(lora_server, "/v1/load_lora_adapter", {"lora_name": "x"})
+    assert response.status_code == 400  # lora_path missing
