@@ -13,6 +13,7 @@ from ferrum.model_folder import read_generation_config, read_hf_config
 from ferrum.parallel_config import ParallelConfig, check_parallel_fits_model
 from ferrum.quant_config import QUANTIZATION_CHOICES, QuantConfig, resolve_quant_config
 from ferrum.sampling_params import MAX_LOGPROBS
+from ferrum.speculative_config import SpeculativeConfig, check_speculation_fits
 from ferrum.structured_outputs_config import StructuredOutputsConfig
 
 _DTYPES = ("float32", "float16", "bfloat16")
@@ -366,6 +367,8 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig
     )
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
+    draft_model_config: ModelConfig | None = None  # speculative_config's (built by EngineArgs)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
@@ -373,6 +376,8 @@ class EngineConfig:
         check_lora_fits(
             self.lora_config, self.model_config.arch, self.device_config.batch_invariant
         )
+        spec, model = self.speculative_config, self.model_config
+        check_speculation_fits(spec, self.parallel_config.pipeline_parallel_size, model.arch)
         if self.device_config.batch_invariant and self.model_config.arch.linear_attention_layers:
             raise _fail(
                 "batch_invariant",

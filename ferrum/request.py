@@ -68,6 +68,7 @@ class Request:
         "grammar",
         "lora",
         "prompt_logprobs",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -102,6 +103,8 @@ class Request:
         self.grammar: RequestGrammar | None = None
         # LoRA: the request's adapter (its weights may still be loading); set by the engine core.
         self.lora: RequestLoRA | None = None
+        # Speculative decoding: the proposer's drafts for the next step (verified there).
+        self.spec_token_ids: list[int] = []
         # prompt_logprobs: positions 1, 2, ... of the prompt collected so far, until they are
         # sent with the first output token (then None; None too when not asked for).
         self.prompt_logprobs: list[Logprobs] | None = (

@@ -22,16 +22,17 @@ from ferrum.config import (
     StructuredOutputsConfig,
 )
 from ferrum.default_model import resolve_model
+from ferrum.engine.draft_model_config import draft_model_config
 from ferrum.engine.vllm_args import VLLM_ARG_HELP, resolve_vllm_args
 from ferrum.logger import init_logger
 from ferrum.lora_config import LoRAConfig
+from ferrum.speculative_config import SpeculativeConfig
 
 logger = init_logger(__name__)
 
 # vLLM engine arguments ferrum does not have -> the value that means "off" in vLLM (accepted: it
 # asks for what ferrum does); any other value raises a ValueError naming the argument.
 NOT_SUPPORTED_YET: dict[str, Any] = {
-    "speculative_config": None,
     "revision": None,
     "download_dir": None,
     "hf_token": None,
@@ -121,6 +122,7 @@ class EngineArgs:
     max_lora_rank: int = LoRAConfig.max_lora_rank
     max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     # vLLM's arguments without a config field: accepted, mapped or refused (vllm_args.py).
     enable_chunked_prefill: bool | None = None
     cpu_offload_gb: float | None = None
@@ -148,6 +150,7 @@ class EngineArgs:
             worker_step_timeout=self.worker_step_timeout,
         )
         _check_device_exists(device, parallel_config)
+        speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         async_scheduling = self.async_scheduling
         if async_scheduling is None:
             async_scheduling = device.startswith("cuda")
@@ -172,6 +175,8 @@ class EngineArgs:
             device_config=DeviceConfig(**_init_args(DeviceConfig, values)),
             parallel_config=parallel_config,
             structured_outputs_config=_structured_outputs_config(self.structured_outputs_config),
+            speculative_config=speculative_config,
+            draft_model_config=draft_model_config(speculative_config, model_config),
             lora_config=LoRAConfig(**_init_args(LoRAConfig, values)),
         )
 
@@ -188,6 +193,17 @@ class EngineArgs:
                     help="grammar compilation for structured outputs, as JSON: "
                     '{"compile_timeout_s": 10.0, "compile_cache_size": 256, '
                     '"compile_max_workers": 4, "disable_any_whitespace": true} (the defaults)',
+                )
+                continue
+            if f.name == "speculative_config":
+                parser.add_argument(
+                    "--speculative-config",
+                    dest=f.name,
+                    type=json.loads,
+                    default=None,
+                    help="speculative decoding, as JSON (vLLM's keys): "
+                    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+                    '"prompt_lookup_min": 1, "disable_by_batch_size": 16}',
                 )
                 continue
             if f.name in _CONFIG_FIELDS:

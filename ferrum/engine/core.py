@@ -35,8 +35,9 @@ from ferrum.logger import init_logger
 from ferrum.lora.loads import lora_loads
 from ferrum.model_executor.kv_cache_sizing import kv_cache_group_specs
 from ferrum.request import Logprobs, Request, RequestStatus
-from ferrum.scheduler.output import SchedulerOutput
+from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.scheduler.scheduler import Scheduler
+from ferrum.speculative_config import num_lookahead_tokens
 from ferrum.structured_output import StructuredOutputMatcher
 from ferrum.structured_output.manager import RequestGrammar, StructuredOutputManager
 
@@ -78,21 +79,12 @@ class EngineCore:
         except BaseException:
             executor.shutdown()
             raise
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks,
-            config.cache_config.block_size,
-            config.cache_config.enable_prefix_caching,
-            groups=kv_cache_group_specs(config.model_config),
-            max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
-            snapshot_interval_blocks=snapshot_interval_blocks(config.cache_config),
-        )
         # Pipeline parallelism keeps one step in flight per stage (the requests split between
         # them); otherwise async scheduling keeps one.
         self.pipeline_depth = config.parallel_config.pipeline_parallel_size
         self.loras = lora_loads(config)  # LoRA adapters, loaded off the step loop
-        self.scheduler = Scheduler(
-            config.scheduler_config, self.kv_cache_manager, pipeline_depth=self.pipeline_depth
-        )
+        self.scheduler = _make_scheduler(config, num_blocks)
+        self.kv_cache_manager = self.scheduler.kv_cache_manager
         self.async_scheduling = config.scheduler_config.async_scheduling
         # Launched steps not completed yet, oldest first (between calls of `step`: at most one,
         # which may await its deferred sampling, or pipeline_depth - 1).
@@ -161,11 +153,7 @@ class EngineCore:
         nothing was scheduled. Outputs of steps completed before an exception come next call."""
         self.failed_step_req_ids = []
         pipelined = self.pipeline_depth > 1
-        if (
-            not pipelined
-            and self._in_flight
-            and (not self.async_scheduling or self.scheduler.needs_host_history())
-        ):
+        if not pipelined and self._in_flight and self._needs_previous_tokens():
             self._sample_deferred()
             self._complete_oldest()
         # An empty step still tells the runner which requests finished.
@@ -216,6 +204,22 @@ class EngineCore:
             self._complete_oldest()
         outputs, self._completed_outputs = self._completed_outputs, []
         return outputs
+
+    def _needs_previous_tokens(self) -> bool:
+        """Whether the step in flight must complete before the next is scheduled: synchronous
+        scheduling, penalties or bad words, and speculative decoding while it may propose (a
+        step's drafts follow its last token) or verified drafts in that step."""
+        if not self.async_scheduling or self.scheduler.needs_host_history():
+            return True
+        spec = self.config.speculative_config
+        if spec is None:
+            return False
+        limit = spec.disable_by_batch_size
+        return (
+            bool(self._in_flight[-1][0].scheduled_spec_decode_tokens)
+            or limit is None
+            or self.scheduler.num_running < limit
+        )
 
     def _sample_deferred(self) -> None:
         """Queues the sampling of the newest step in flight if it awaits it. Its matchers are up
@@ -272,18 +276,14 @@ class EngineCore:
         if runner_output.prompt_logprobs:
             self._collect_prompt_logprobs(runner_output.prompt_logprobs)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
-        logprobs = (
-            dict(zip(runner_output.req_ids, runner_output.logprobs))
-            if runner_output.logprobs is not None
-            else {}
-        )
+        logprobs = token_logprobs(runner_output)
         self._completed_outputs.extend(
             EngineCoreOutput(
                 req_id=u.request.req_id,
                 new_token_ids=u.new_token_ids,
                 finish_reason=u.request.status.finish_reason if u.finished else None,
                 stop_reason=u.request.stop_reason,
-                logprobs=logprobs.get(u.request.req_id),
+                logprobs=_first(logprobs.get(u.request.req_id), len(u.new_token_ids)),
                 prompt_logprobs=_take_prompt_logprobs(u.request),
                 num_cached_tokens=max(u.request.num_cached_tokens, 0),
                 first_scheduled_time=u.request.first_scheduled_time,
@@ -321,7 +321,7 @@ class EngineCore:
         self.executor.shutdown()
 
     def stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
+        kv, spec = self.kv_cache_manager, self.scheduler.spec_stats
         return SchedulerStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -331,7 +331,46 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             iteration_tokens_counts=tuple(self._iteration_tokens_counts),
             iteration_tokens_sum=self._iteration_tokens_sum,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
         )
+
+
+def token_logprobs(output: ModelRunnerOutput) -> dict[str, list[Logprobs]]:
+    """Each request's logprobs of the step's tokens, in token order (accepted drafts first)."""
+    if output.logprobs is None:
+        return {}
+    accepted = {} if output.spec_decode is None else output.spec_decode.accepted_logprobs
+    return {
+        req_id: [*accepted.get(req_id, ()), entry]
+        for req_id, entry in zip(output.req_ids, output.logprobs)
+        if entry is not None
+    }
+
+
+def _first(entries: list[Logprobs] | None, n: int) -> list[Logprobs] | None:
+    """The entries of a request's first n new tokens (the later ones came after its stop)."""
+    return None if entries is None else entries[:n]
+
+
+def _make_scheduler(config: EngineConfig, num_blocks: int | list[int]) -> Scheduler:
+    """The scheduler over a KV cache manager of `num_blocks` (per layer group)."""
+    kv_cache_manager = KVCacheManager(
+        num_blocks,
+        config.cache_config.block_size,
+        config.cache_config.enable_prefix_caching,
+        groups=kv_cache_group_specs(config.model_config),
+        max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
+        snapshot_interval_blocks=snapshot_interval_blocks(config.cache_config),
+    )
+    return Scheduler(
+        config.scheduler_config,
+        kv_cache_manager,
+        config.parallel_config.pipeline_parallel_size,
+        num_lookahead_tokens(config.speculative_config),
+    )
 
 
 def _take_prompt_logprobs(request: Request) -> list[Logprobs] | None:

@@ -42,7 +42,8 @@ class EngineCoreOutput:
     # "stop" / "length" / "abort" once finished by the core, else None.
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: Logprobs | None = None
+    # One entry per new token, when the request asked for logprobs.
+    logprobs: list[Logprobs] | None = None
     # prompt_logprobs, once, with the first output token: prompt positions 1, 2, ... (the
     # prompt token first in each).
     prompt_logprobs: list[Logprobs] | None = None
@@ -67,6 +68,12 @@ class SchedulerStats:
     # more entry for larger steps), and the tokens of all of them.
     iteration_tokens_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    # Speculative decoding since start: drafts verified (one per request and step), their
+    # tokens, the accepted ones, and the accepted ones by draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

@@ -39,18 +39,25 @@ class StatsAcrossCores:
 
 def _with_counters(gauges: SchedulerStats, a: SchedulerStats, b: SchedulerStats) -> SchedulerStats:
     """`gauges` with the counters of `a` and `b` added up."""
-    counts_a, counts_b = a.iteration_tokens_counts, b.iteration_tokens_counts
-    if len(counts_a) < len(counts_b):
-        counts_a, counts_b = counts_b, counts_a
-    counts = tuple(x + (counts_b[i] if i < len(counts_b) else 0) for i, x in enumerate(counts_a))
     return dataclasses.replace(
         gauges,
         prefix_cache_queries=a.prefix_cache_queries + b.prefix_cache_queries,
         prefix_cache_hits=a.prefix_cache_hits + b.prefix_cache_hits,
         num_preemptions=a.num_preemptions + b.num_preemptions,
-        iteration_tokens_counts=counts,
+        iteration_tokens_counts=_add(a.iteration_tokens_counts, b.iteration_tokens_counts),
         iteration_tokens_sum=a.iteration_tokens_sum + b.iteration_tokens_sum,
+        spec_num_drafts=a.spec_num_drafts + b.spec_num_drafts,
+        spec_num_draft_tokens=a.spec_num_draft_tokens + b.spec_num_draft_tokens,
+        spec_num_accepted_tokens=a.spec_num_accepted_tokens + b.spec_num_accepted_tokens,
+        spec_accepted_per_position=_add(a.spec_accepted_per_position, b.spec_accepted_per_position),
     )
+
+
+def _add(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """Element-wise sum; the shorter tuple counts as zeros past its end."""
+    if len(a) < len(b):
+        a, b = b, a
+    return tuple(x + (b[i] if i < len(b) else 0) for i, x in enumerate(a))
 
 
 def sum_replica_stats(

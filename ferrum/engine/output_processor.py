@@ -166,12 +166,14 @@ class OutputProcessor:
                 child.finish_reason = "abort"
         return self._make_output(parent, time.monotonic())
 
-    def _add_logprobs(self, child: _ChildState, step: Logprobs | None) -> None:
-        if child.logprobs is None or step is None:
+    def _add_logprobs(self, child: _ChildState, entries: list[Logprobs] | None) -> None:
+        """Appends one step's entries, one per new token."""
+        if child.logprobs is None or entries is None:
             return
-        child.logprobs.append(self._logprob_entry(step))
-        assert child.cumulative_logprob is not None
-        child.cumulative_logprob += step.logprobs[0]
+        for step in entries:
+            child.logprobs.append(self._logprob_entry(step))
+            assert child.cumulative_logprob is not None
+            child.cumulative_logprob += step.logprobs[0]
 
     def _logprob_entry(self, step: Logprobs) -> dict[int, Logprob]:
         """One position's token id -> Logprob: the chosen (sampled or prompt) token first."""

@@ -1,10 +1,12 @@
 """CUDA graphs captured once at start-up: decode batches (B requests run as the smallest
-captured batch >= B, padded with one-token requests) and single-request prompt chunks (L tokens
+captured batch >= B, padded with one-token requests), single-request prompt chunks (L tokens
 run as the smallest captured count >= L, padded with tokens of no request, which no op mixes
-with real rows). A graph reads the runner's `InputBuffers` where a batch padded to its shape
-(`padded_shape`) lies. A pipeline stage's graphs cover its layers: after the first stage they
-read the previous one's activations from `stage_input(tokens)`; before the last they return
-(hidden, residual) of every padded token."""
+with real rows) and, with speculative decoding, verify batches (B requests of at most q = 1 +
+num_speculative_tokens tokens each run as the smallest captured B' >= B with B' * q tokens).
+A graph reads the runner's `InputBuffers` where a batch padded to its shape (`padded_shape`)
+lies. A pipeline stage's graphs cover its layers: after the first stage they read the previous
+one's activations from `stage_input(tokens)`; before the last they return (hidden, residual)
+of every padded token."""
 
 from __future__ import annotations
 
@@ -42,14 +44,23 @@ class CUDAGraphRunner:
         device: torch.device,
         stage_input_size: int | None = None,
         stage_input_dtype: torch.dtype | None = None,
+        verify_query_len: int = 1,
+        max_verify_batch_size: int = 0,
     ) -> None:
         """`stage_input_size`: the hidden size of the activations a pipeline stage after the
-        first receives (None on the first stage)."""
+        first receives (None on the first stage). `verify_query_len` > 1: verify graphs for
+        batches of 2 to `max_verify_batch_size` requests."""
         self.model = model
         self.inputs = inputs
         self.device = device
         self.decode_sizes = capture_sizes(max_batch_size)
         self.prefill_sizes = [s for s in PREFILL_SIZES if s <= max_prefill_tokens]
+        self.verify_query_len = verify_query_len
+        self.verify_sizes = (
+            [s for s in capture_sizes(max_verify_batch_size) if s > 1]
+            if verify_query_len > 1 and max_verify_batch_size > 1
+            else []
+        )
         # Keyed by padded shape: (tokens, requests).
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
@@ -58,7 +69,11 @@ class CUDAGraphRunner:
         self._hidden_size = stage_input_size
         self._stage_input: torch.Tensor | None = None
         if stage_input_size is not None:
-            max_tokens = max(self.decode_sizes + self.prefill_sizes)
+            max_tokens = max(
+                self.decode_sizes
+                + self.prefill_sizes
+                + [s * verify_query_len for s in self.verify_sizes]
+            )
             self._stage_input = torch.zeros(
                 2 * max_tokens * stage_input_size, dtype=stage_input_dtype, device=device
             )
@@ -80,13 +95,19 @@ class CUDAGraphRunner:
         size = 2 * num_tokens * self._hidden_size
         return self._stage_input[:size].view(2, num_tokens, self._hidden_size)
 
-    def padded_shape(self, num_reqs: int, num_tokens: int) -> tuple[int, int] | None:
+    def padded_shape(
+        self, num_reqs: int, num_tokens: int, max_query_len: int
+    ) -> tuple[int, int] | None:
         """(tokens, requests) of the graph that runs this batch, or None: it runs eagerly."""
         if num_tokens == num_reqs:
             size = self.decode_size(num_reqs)
             return None if size is None else (size, size)
-        size = self.prefill_size(num_tokens) if num_reqs == 1 else None
-        return None if size is None else (size, 1)
+        if num_reqs == 1:
+            size = self.prefill_size(num_tokens)
+            return None if size is None else (size, 1)
+        q = self.verify_query_len
+        size = _smallest_at_least(self.verify_sizes, num_reqs) if max_query_len <= q else None
+        return None if size is None else (size * q, size)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -96,6 +117,7 @@ class CUDAGraphRunner:
         stream = torch.cuda.Stream(self.device)
         shapes = [(s, 1) for s in reversed(self.prefill_sizes)]
         shapes += [(s, s) for s in reversed(self.decode_sizes)]
+        shapes += [(s * self.verify_query_len, s) for s in reversed(self.verify_sizes)]
         for shape in shapes:
             # Padding only: one-token requests (a one-token chunk for the prefill graphs).
             inputs = self.inputs.prepare({}, {}, 0, {}, pad_to=shape)
@@ -117,10 +139,11 @@ class CUDAGraphRunner:
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d CUDA graphs (decode batch sizes 1..%d, single-request prefill chunks of "
-            "up to %d tokens) in %.2f s",
+            "up to %d tokens, verify batches of up to %d requests) in %.2f s",
             len(self.graphs),
             self.max_batch_size,
             self.prefill_sizes[-1] if self.prefill_sizes else 0,
+            self.verify_sizes[-1] if self.verify_sizes else 0,
             time.perf_counter() - start,
         )
 

@@ -74,9 +74,23 @@ def num_kv_blocks(runner: StartUpRunner) -> list[int]:
         budget = profile_gpu_kv_budget(runner)
     # On the CPU an unused default budget would only cost memory; a GPU keeps every block it can
     # for the prefix cache.
-    return num_blocks_from_budget(
+    counts = num_blocks_from_budget(
         budget, *configs, cap_to_need=on_cpu, tp_size=runner.tp_size, layer_ids=layer_ids
     )
+    spec = runner.speculative
+    draft_bytes = (
+        0
+        if spec is None
+        else spec.draft_kv_bytes_per_block(runner.block_size, runner.kv_cache_dtype)
+    )
+    if draft_bytes and not on_cpu:  # a draft model's cache takes a block per first-group block
+        counts = num_blocks_from_budget(
+            budget - counts[0] * draft_bytes,
+            *configs,
+            tp_size=runner.tp_size,
+            layer_ids=layer_ids,
+        )
+    return counts
 
 
 @torch.inference_mode()

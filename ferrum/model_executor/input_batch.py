@@ -14,6 +14,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ferrum.config import EngineConfig
 from ferrum.kernels.sdpa_prefill import (
     PREFIX_PER_CHUNK,
     long_chunk_in_step,
@@ -116,6 +117,23 @@ class InputBuffers:
         )
         self._staging = StagingBuffer(num_bytes, device)
 
+    @classmethod
+    def for_config(
+        cls, config: EngineConfig, num_kv_groups: int, device: torch.device
+    ) -> InputBuffers:
+        """Buffers for the largest step: a batch, a padded CUDA-graph batch or the memory
+        profile."""
+        sched, max_model_len = config.scheduler_config, config.model_config.max_model_len
+        return cls(
+            max_num_tokens=max(sched.max_num_batched_tokens, min(sched.max_num_seqs, 512)),
+            max_num_reqs=max(sched.max_num_seqs, -(-sched.max_num_batched_tokens // max_model_len)),
+            max_model_len=max_model_len,
+            block_size=config.cache_config.block_size,
+            device=device,
+            num_kv_groups=num_kv_groups,
+            sdpa_max_len=min(sched.max_num_batched_tokens, max_model_len),
+        )
+
     def prepare(
         self,
         requests: Mapping[str, RequestTokens],
@@ -123,13 +141,16 @@ class InputBuffers:
         num_tokens: int,
         last_sampled_rows: Mapping[str, int],
         pad_to: tuple[int, int] | None = None,
+        drafts: Mapping[str, list[int]] | None = None,
     ) -> StepInputs:
         """Request i's tokens [computed, computed + scheduled) in scheduling order, with their
         slots, queued to the device. A decode whose input is its pending token (sampled by the
         previous launched step, at row `last_sampled_rows[req_id]` of its output) gets a
         placeholder; prompt chunks only ever cover known tokens. `pad_to` = (tokens, requests)
         of a CUDA graph: padding requests get one token at position 0 over a one-token context
-        in block 0 (never handed out), further padding tokens none; all write KV to slot 0."""
+        in block 0 (never handed out), further padding tokens none; all write KV to slot 0.
+        `drafts`: a request's last tokens (already in its token_ids) are drafts, and the step
+        samples after each of them as well as after the token before them."""
         req_ids = list(num_scheduled_tokens)
         if pad_to is None:
             num_padded, num_rows = num_tokens, len(req_ids)
@@ -138,7 +159,9 @@ class InputBuffers:
             (num_padded, num_rows), width = pad_to, self.max_blocks_per_req
         self._staging.begin()
         step = _StepBuffers.take(self._staging, num_padded, num_rows, width, self.num_kv_groups)
-        rows = _fill_rows(step, requests, num_scheduled_tokens, last_sampled_rows, self.block_size)
+        rows = _fill_rows(
+            step, requests, num_scheduled_tokens, last_sampled_rows, self.block_size, drafts or {}
+        )
         if pad_to is not None:
             step.pad(num_tokens, len(req_ids), num_rows)
         logits_index = None
@@ -149,8 +172,8 @@ class InputBuffers:
         self._staging.copy()
         if pad_to is None:
             max_query_len, max_seq_len = max(num_scheduled_tokens.values()), max(rows.seq_lens)
-        else:  # the bounds a graph is captured for
-            max_query_len = 1 if num_padded == num_rows else num_padded
+        else:  # the bounds a graph is captured for (a verify graph's: tokens / requests)
+            max_query_len = num_padded if num_rows == 1 else num_padded // num_rows
             max_seq_len = self.max_model_len
         long_chunks = pad_to is None and long_chunk_in_step(max_query_len)
         metadata = AttentionMetadata(
@@ -266,6 +289,7 @@ def _fill_rows(
     num_scheduled_tokens: Mapping[str, int],
     last_sampled_rows: Mapping[str, int],
     block_size: int,
+    drafts: Mapping[str, list[int]],
 ) -> _Rows:
     """Writes each scheduled request's tokens, positions, slots and block table row."""
     input_ids_np, positions_np, slot_nps = step.input_ids_np, step.positions_np, step.slot_nps
@@ -319,7 +343,10 @@ def _fill_rows(
         query_start_loc[i + 1] = offset
         seq_lens[i] = end
         if end == num_known + state.num_output_placeholders:
-            logits_indices.append(offset - 1)
+            if drafts and req_id in drafts:
+                logits_indices.extend(range(offset - 1 - len(drafts[req_id]), offset))
+            else:
+                logits_indices.append(offset - 1)
             sampled_req_ids.append(req_id)
     step.query_start_loc_np[: num_reqs + 1] = rows.query_start_loc
     step.seq_lens_np[:num_reqs] = rows.seq_lens

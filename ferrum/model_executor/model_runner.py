@@ -34,9 +34,27 @@ from ferrum.model_executor.runner_state import (
     PendingSample,
     RequestStates,
     append_sampled,
+    append_verified,
+    with_drafts,
 )
 from ferrum.model_executor.sampler import Sampler
-from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow, sampling_staging
+from ferrum.model_executor.sampling_metadata import (
+    SamplingMetadata,
+    SamplingRow,
+    sampling_staging,
+    to_device,
+)
+from ferrum.model_executor.speculative.decoder import (
+    max_sampled_rows,
+    speculative_decoder,
+    verify_graph_sizes,
+)
+from ferrum.model_executor.speculative.verification import (
+    accept,
+    drafts_in_tokens,
+    expand_rows,
+    row_owners,
+)
 from ferrum.model_executor.warm_up import warm_up_runner
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.structured_output import StructuredOutputMatcher
@@ -109,18 +127,11 @@ class ModelRunner:
         self.kv_cache_groups = kv_cache_group_specs(model_config)
         self.recurrent = RecurrentStateCache(self.kv_cache_groups, self.block_size, device)
         sched = config.scheduler_config
-        max_model_len = model_config.max_model_len
-        # Buffers for the largest step: a batch, a padded CUDA-graph batch or the memory profile.
-        self.inputs = InputBuffers(
-            max_num_tokens=max(sched.max_num_batched_tokens, min(sched.max_num_seqs, 512)),
-            max_num_reqs=max(sched.max_num_seqs, -(-sched.max_num_batched_tokens // max_model_len)),
-            max_model_len=max_model_len,
-            block_size=self.block_size,
-            device=device,
-            num_kv_groups=len(self.kv_cache_groups),
-            sdpa_max_len=min(sched.max_num_batched_tokens, max_model_len),
+        self.inputs = InputBuffers.for_config(config, len(self.kv_cache_groups), device)
+        self.speculative = speculative_decoder(
+            config, self.vocab_size, self.kv_cache_groups, self.kernel_backend, device
         )
-        self.sampling_staging = sampling_staging(sched.max_num_seqs, device)
+        self.sampling_staging = sampling_staging(max_sampled_rows(config), device)
         self.sampler = Sampler(config.device_config.batch_invariant)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(model_config.seed)
@@ -151,6 +162,9 @@ class ModelRunner:
             kv_caches, self.split_kv_workspace, layer_group_ids(self.kv_cache_groups)
         )
         self.recurrent.bind(kv_caches)
+        if self.speculative is not None:
+            counts = [num_blocks] if isinstance(num_blocks, int) else num_blocks
+            self.speculative.bind_kv_cache(counts, self.block_size, self.kv_cache_dtype)
 
     def disable_sdpa_after_prefixes(self) -> None:
         """Chunks after a cached prefix attend through the paged kernel, not through SDPA."""
@@ -160,6 +174,8 @@ class ModelRunner:
         """Drops every layer's cache (the memory profile's, before the real one is sized)."""
         self.recurrent.bind([])
         self.model.bind_kv_caches([])
+        if self.speculative is not None:
+            self.speculative.release_kv_cache()
 
     def forward_prompts(self, seq_lens: list[int]) -> torch.Tensor | None:
         """An eager forward of whole prompts (`profile_batch`); None before the last stage."""
@@ -197,8 +213,11 @@ class ModelRunner:
                 # A stage after the first reads the previous one's activations.
                 stage_input_size=None if self.stage.is_first else self.transport.hidden_size,
                 stage_input_dtype=self.dtype,
+                **verify_graph_sizes(self.config),
             )
             self.cuda_graphs.capture()
+            if self.speculative is not None:
+                self.speculative.capture_graphs(self.cuda_graphs)
         if self._compiles_triton():
             watch_serving_compiles()
 
@@ -243,11 +262,19 @@ class ModelRunner:
             self.lora.prepare(num_scheduled)
         num_tokens = scheduler_output.total_num_scheduled_tokens
         graphs = self.cuda_graphs
-        shape = None if graphs is None else graphs.padded_shape(len(num_scheduled), num_tokens)
-        inputs = self.inputs.prepare(
-            requests, num_scheduled, num_tokens, self._last_sampled_rows, pad_to=shape
+        shape = (
+            None
+            if graphs is None
+            else graphs.padded_shape(len(num_scheduled), num_tokens, max(num_scheduled.values()))
         )
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        with drafts_in_tokens(requests, drafts):
+            inputs = self.inputs.prepare(
+                requests, num_scheduled, num_tokens, self._last_sampled_rows, shape, drafts
+            )
         hidden_states = self._forward(inputs, shape, num_tokens)
+        if self.speculative is not None:
+            self.speculative.follow(inputs, shape, num_tokens)
         self.recurrent.snapshot(requests, num_scheduled)
         prompt_chunks = step_prompt_logprobs(
             hidden_states, requests, num_scheduled, self.model.compute_logits
@@ -256,6 +283,8 @@ class ModelRunner:
             requests[req_id].num_computed_tokens += n
         req_ids = inputs.sampled_req_ids
         step = LaunchedStep(req_ids, [requests[r] for r in req_ids], None, None, prompt_chunks)
+        if drafts:
+            step.drafts = [drafts.get(r, []) for r in req_ids]
         if not req_ids:
             return step
         if hidden_states is None:  # a stage before the last: the tokens come from the last
@@ -291,11 +320,17 @@ class ModelRunner:
             )
             for s in states
         ]
+        if step.drafts is not None:
+            rows = expand_rows(rows, step.drafts)
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, self.sampling_staging)
         if pending.matchers:
-            metadata.grammar_bitmask = self.grammar_bitmasks.fill(states, pending.matchers)
+            bitmask = self.grammar_bitmasks.fill(states, pending.matchers)
+            if step.drafts is not None:
+                bitmask = bitmask[to_device(row_owners(step.drafts), torch.int64, self.device)]
+            metadata.grammar_bitmask = bitmask
         sampler_output = self.sampler(pending.logits, metadata, self.generator)
         self._last_sampled = sampler_output.sampled_token_ids
+        # Speculative decoding schedules synchronously: no placeholder reads these rows.
         self._last_sampled_rows = {r: i for i, r in enumerate(step.req_ids)}
         for state in states:
             state.num_output_placeholders += 1
@@ -319,5 +354,17 @@ class ModelRunner:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         if step.done is not None:
             step.done.synchronize()
-        sampled, logprobs = step.output.to_host([s.params.logprobs for s in step.states])
-        return append_sampled(step, sampled, logprobs, prompt_logprobs)
+        if step.drafts is None:
+            sampled, logprobs = step.output.to_host([s.params.logprobs for s in step.states])
+            output = append_sampled(step, sampled, logprobs, prompt_logprobs)
+        else:
+            asked = [s.params.logprobs for s, d in zip(step.states, step.drafts) for _ in [0, *d]]
+            sampled, logprobs = step.output.to_host(asked)
+            tokens, token_logprobs = accept(step.drafts, sampled, logprobs)
+            output = append_verified(step, tokens, token_logprobs, prompt_logprobs)
+        if self.speculative is not None:
+            drafts = self.speculative.propose(
+                step.states, len(self.requests), self.inputs, self.block_size
+            )
+            output.spec_decode = with_drafts(output.spec_decode, drafts)
+        return output

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ferrum.model_executor.input_batch import InputBuffers
     from ferrum.model_executor.pipeline_stage import PipelineStage
     from ferrum.model_executor.sampler import Sampler
+    from ferrum.model_executor.speculative.decoder import SpeculativeDecoder
     from ferrum.model_executor.staging_buffer import StagingBuffer
 
 
@@ -30,6 +31,7 @@ class StartUpRunner(Protocol):
     tp_size: int
     sampler: Sampler
     sampling_staging: StagingBuffer
+    speculative: SpeculativeDecoder | None
 
     def forward_prompts(self, seq_lens: list[int]) -> torch.Tensor | None: ...
     def initialize_kv_cache(self, num_blocks: int | list[int]) -> None: ...

@@ -13,8 +13,9 @@ import torch
 
 from ferrum.model_executor.prompt_logprobs import PromptLogprobsChunk
 from ferrum.model_executor.sampler import SamplerOutput, advance_sampling_generator
+from ferrum.request import Logprobs
 from ferrum.sampling_params import ResolvedSamplingParams
-from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput, SpecDecodeOutput
 from ferrum.structured_output import StructuredOutputMatcher
 
 
@@ -110,6 +111,8 @@ class LaunchedStep:
     # Pipeline parallelism: the buffer the last stage's sampled tokens are broadcast into, and
     # the broadcast's handle (wait before reading).
     token_broadcast: tuple[torch.Tensor, Any] | None = None
+    # Speculative decoding: each sampled request's drafts (in `req_ids` order), when any has.
+    drafts: list[list[int]] | None = None
 
     @property
     def awaits_sampling(self) -> bool:
@@ -137,3 +140,41 @@ def append_sampled(
     if logprobs is not None and all(lp is None for lp in logprobs):
         logprobs = None
     return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs)
+
+
+def append_verified(
+    step: LaunchedStep,
+    tokens: list[list[int]],
+    token_logprobs: list[list[Logprobs | None]] | None,
+    prompt_logprobs: dict | None,
+) -> ModelRunnerOutput:
+    """`append_sampled` for a step that verified drafts: each request emits `tokens[i]` (its
+    accepted drafts, then its sampled token) and forgets the KV of its rejected drafts."""
+    assert step.drafts is not None
+    accepted: dict[str, list[int]] = {}
+    accepted_logprobs: dict[str, list[Logprobs]] = {}
+    sampled, logprobs = [], []
+    for i, (state, emitted, drafts) in enumerate(zip(step.states, tokens, step.drafts)):
+        state.num_output_placeholders -= 1
+        state.output_token_ids.extend(emitted)
+        state.token_ids.extend(emitted)
+        state.num_computed_tokens -= len(drafts) + 1 - len(emitted)
+        sampled.append(emitted[-1])
+        entries = None if token_logprobs is None else token_logprobs[i]
+        logprobs.append(None if entries is None else entries[-1])
+        if drafts:
+            accepted[state.req_id] = emitted[:-1]
+            if entries is not None and entries[0] is not None:
+                accepted_logprobs[state.req_id] = entries[:-1]  # type: ignore[assignment]
+    spec = SpecDecodeOutput(accepted, accepted_logprobs, {})
+    if all(lp is None for lp in logprobs):
+        return ModelRunnerOutput(step.req_ids, sampled, None, prompt_logprobs, spec)
+    return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs, spec)
+
+
+def with_drafts(spec: SpecDecodeOutput | None, drafts: dict[str, list[int]]) -> SpecDecodeOutput:
+    """A step's speculative output with the proposer's drafts for the next step."""
+    if spec is None:
+        return SpecDecodeOutput({}, {}, drafts)
+    spec.draft_token_ids = drafts
+    return spec

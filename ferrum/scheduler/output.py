@@ -49,6 +49,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # Numbers the scheduler's steps; the scheduler matches outputs to the requests it scheduled.
     step_id: int = 0
+    # Speculative decoding: per request verifying drafts, the draft tokens that follow its next
+    # token (they are the last of its num_scheduled_tokens).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # LoRA: the new requests' adapters and the runner's host-cache updates (None: nothing).
     lora: LoRAStep | None = None
 
@@ -73,6 +76,7 @@ class SchedulerOutput:
                 self.finished_req_ids,
                 self.preempted_req_ids,
                 self.step_id,
+                self.scheduled_spec_decode_tokens,
                 self.lora,
             ),
         )
@@ -88,6 +92,7 @@ def _unpickle_scheduler_output(
     finished_req_ids: set[str],
     preempted_req_ids: set[str],
     step_id: int,
+    scheduled_spec_decode_tokens: dict[str, list[int]],
     lora: LoRAStep | None,
 ) -> SchedulerOutput:
     cached = list(
@@ -101,8 +106,21 @@ def _unpickle_scheduler_output(
         finished_req_ids,
         preempted_req_ids,
         step_id,
+        scheduled_spec_decode_tokens,
         lora,
     )
+
+
+@dataclass(slots=True)
+class SpecDecodeOutput:
+    """What speculative decoding adds to a step's output."""
+
+    # Per request that verified drafts: the drafts it accepted, which precede its sampled token.
+    accepted_token_ids: dict[str, list[int]]
+    # Their logprobs, for the requests that asked for logprobs.
+    accepted_logprobs: dict[str, list[Logprobs]]
+    # The proposer's drafts for each request's next step.
+    draft_token_ids: dict[str, list[int]]
 
 
 @dataclass(slots=True)
@@ -115,3 +133,4 @@ class ModelRunnerOutput:
     # prompt_logprobs: per request computing prompt positions this step, the first position it
     # covers (>= 1: position 0 has none) and one entry per position, the prompt token first.
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] | None = None
+    spec_decode: SpecDecodeOutput | None = None

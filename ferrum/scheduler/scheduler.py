@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from ferrum.config import SchedulerConfig
 from ferrum.kv.kv_cache_manager import GroupBlockIds, KVCacheManager
-from ferrum.logger import init_logger
 from ferrum.request import Request, RequestStatus
 from ferrum.scheduler.lora_admission import lora_admits
 from ferrum.scheduler.output import (
@@ -24,9 +23,9 @@ from ferrum.scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
+from ferrum.scheduler.spec_decode import SpecDecodeStats, drafts_to_verify
 from ferrum.scheduler.step_plan import StepPlan
-
-logger = init_logger(__name__)
+from ferrum.scheduler.stop_rules import append_until_stop
 
 
 @dataclass(slots=True)
@@ -40,16 +39,22 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, pipeline_depth: int = 1
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        pipeline_depth: int = 1,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         """`pipeline_depth` > 1 (pipeline parallelism: that many steps in flight at once): a
         request whose next token is still in the pipe is not scheduled (the first stage needs
         the token itself), and a step takes at most 1 / pipeline_depth of the requests, so
-        that the steps in flight split them."""
+        that the steps in flight split them. `num_lookahead_tokens`: KV slots a step that
+        samples allocates past its tokens when the pool has them (a draft model's)."""
         if pipeline_depth < 1:
             raise ValueError(f"pipeline_depth: must be >= 1, got {pipeline_depth}")
         self.config = config
         self.pipeline_depth = pipeline_depth
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         self.requests: dict[str, Request] = {}
@@ -71,6 +76,7 @@ class Scheduler:
         # Requests finished by the scheduler outside a step's output (a grammar that failed to
         # compile), with the reason, until `take_failed`.
         self._failed: list[tuple[Request, str]] = []
+        self.spec_stats = SpecDecodeStats()
 
     # -- requests in and out -------------------------------------------------------------------
 
@@ -148,7 +154,12 @@ class Scheduler:
                 continue
             start = request.num_computed_tokens
             num_new = self.kv_cache_manager.chunk_end(request, start, start + num_new) - start
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            drafts = drafts_to_verify(request, step.budget, self.config.max_model_len)
+            extra = len(drafts) + self._lookahead(request, start + num_new + len(drafts))
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new + extra)
+            if new_block_ids is None and extra:  # drafts and lookahead never preempt anyone
+                drafts = []
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             while new_block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -158,7 +169,9 @@ class Scheduler:
                 new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_block_ids is None:
                 break
-            step.add(request.req_id, num_new, request.num_computed_tokens)
+            if drafts:
+                step.spec_tokens[request.req_id] = drafts
+            step.add(request.req_id, num_new + len(drafts), request.num_computed_tokens)
             step.cached_reqs.append(
                 CachedRequestData(request.req_id, new_block_ids, request.num_computed_tokens)
             )
@@ -196,7 +209,11 @@ class Scheduler:
             num_new = min(request.num_tokens - num_computed, step.budget)
             end = self.kv_cache_manager.chunk_end(request, num_computed, num_computed + num_new)
             num_new = end - num_computed
-            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+            lookahead = self._lookahead(request, end)
+            allocate = self.kv_cache_manager.allocate_slots
+            if (
+                lookahead == 0 or allocate(request, num_new + lookahead, computed_blocks) is None
+            ) and (allocate(request, num_new, computed_blocks) is None):
                 break
             self._admit(request, num_computed)
             step.add(request.req_id, num_new, num_computed)
@@ -212,6 +229,13 @@ class Scheduler:
             )
         # Still compiling (or a token in flight): back to the head of the queue, in their order.
         self.waiting.extendleft(reversed(compiling))
+
+    def _lookahead(self, request: Request, end: int) -> int:
+        """Lookahead slots for a step computing a request's tokens up to `end` (none unless
+        it then samples; never past max_model_len)."""
+        if not self.num_lookahead_tokens or end < request.num_tokens:
+            return 0
+        return max(min(self.num_lookahead_tokens, self.config.max_model_len - end), 0)
 
     def _admit(self, request: Request, num_computed: int) -> None:
         self.waiting.popleft()
@@ -231,7 +255,8 @@ class Scheduler:
         for req_id, num_new in step.num_scheduled.items():
             request = step_requests[req_id] = self.requests[req_id]
             request.num_computed_tokens = step.computed_before[req_id] + num_new
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            num_known = request.num_computed_tokens - len(step.spec_tokens.get(req_id, ()))
+            if num_known == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1  # this step samples its next token
         output = SchedulerOutput(
             scheduled_new_reqs=step.new_reqs,
@@ -241,6 +266,7 @@ class Scheduler:
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids={r.req_id for r in step.preempted} | self._preempted_req_ids,
             step_id=self._num_steps,
+            scheduled_spec_decode_tokens=step.spec_tokens,
         )
         self._finished_req_ids = set()
         self._preempted_req_ids = set()
@@ -323,6 +349,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_output_placeholders = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -336,6 +363,8 @@ class Scheduler:
         scheduling) still takes the token: it is recomputed with it, as if sampled before."""
         self.kv_cache_manager.end_step()
         step_requests = self._step_requests.pop(scheduler_output.step_id, {})
+        spec = runner_output.spec_decode
+        verified = scheduler_output.scheduled_spec_decode_tokens
         updates = []
         for req_id, token_id in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = step_requests.get(req_id)
@@ -343,50 +372,19 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             if request.num_output_placeholders:  # 0 once preempted
                 request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
-            status = self._accept_by_grammar(request, token_id)
-            if status is None:
-                status = self._check_stop(request, token_id)
+            token_ids = [token_id]
+            if spec is not None:
+                accepted = spec.accepted_token_ids.get(req_id, [])
+                token_ids = accepted + token_ids
+                if req_id in verified:
+                    num_drafts = len(verified[req_id])
+                    self.spec_stats.observe(num_drafts, len(accepted))
+                    if request.status == RequestStatus.RUNNING:
+                        request.num_computed_tokens -= num_drafts - len(accepted)
+            token_ids, status = append_until_stop(request, token_ids, self.config.max_model_len)
             if status is not None:
                 self._finish(request, status)
-            updates.append(RequestUpdate(request, [token_id], status is not None))
+            updates.append(RequestUpdate(request, token_ids, status is not None))
+            if spec is not None and not request.is_finished:
+                request.spec_token_ids = spec.draft_token_ids.get(req_id, [])
         return updates
-
-    @staticmethod
-    def _accept_by_grammar(request: Request, token_id: int) -> RequestStatus | None:
-        """Advances the request's matcher; the request stops once its grammar has ended, and is
-        aborted if the grammar refuses the token (the mask allowed nothing, e.g. an empty
-        intersection with allowed_token_ids)."""
-        grammar = request.grammar
-        if grammar is None or grammar.matcher is None:
-            return None
-        if not grammar.matcher.accept_tokens([token_id]):
-            logger.warning(
-                "request %s: token %d is refused by its grammar (%s): aborted",
-                request.req_id,
-                token_id,
-                grammar.field_name,
-            )
-            return RequestStatus.FINISHED_ABORTED
-        if grammar.matcher.is_terminated():
-            if grammar.matcher.closed_by_budget:  # valid, but cut short: as vLLM, "length"
-                return RequestStatus.FINISHED_LENGTH
-            if token_id != request.eos_token_id:
-                request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        return None
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token_id == request.eos_token_id:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.all_stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if (
-            request.num_output_tokens >= request.max_tokens
-            or request.num_tokens >= self.config.max_model_len
-        ):
-            return RequestStatus.FINISHED_LENGTH
-        return None

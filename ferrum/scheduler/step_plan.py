@@ -20,6 +20,8 @@ class StepPlan:
     new_reqs: list[NewRequestData] = field(default_factory=list)
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Speculative decoding: the drafts each request verifies (part of its num_scheduled).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def has_room(self) -> bool:

@@ -138,12 +138,13 @@ def test_logprobs_keep_the_sampled_token_first_with_its_rank(tok) -> None:
     add(processor, "r", logprobs=2)
     # Sampled token 5 was the second most likely; the top-2 are 9 and 5.
     step(
-        processor, EngineCoreOutput("r", [5], logprobs=Logprobs([5, 9, 5], [-1.5, -0.25, -1.5], 2))
+        processor,
+        EngineCoreOutput("r", [5], logprobs=[Logprobs([5, 9, 5], [-1.5, -0.25, -1.5], 2)]),
     )
     (out,) = step(
         processor,
         EngineCoreOutput(
-            "r", [7], finish_reason="length", logprobs=Logprobs([7, 7, 8], [-0.5, -0.5, -1.0], 1)
+            "r", [7], finish_reason="length", logprobs=[Logprobs([7, 7, 8], [-0.5, -0.5, -1.0], 1)]
         ),
     )
     completion = out.outputs[0]

@@ -48,7 +48,7 @@ def prepare_decode(runner: CUDAGraphRunner, req_ids: list[int]) -> StepInputs:
     """Request i decodes token 100 + i at position i, on blocks [i, i + 50]."""
     requests = {str(i): Req([0] * i + [100 + i], [i, i + 50], i) for i in req_ids}
     scheduled = dict.fromkeys(requests, 1)
-    shape = runner.padded_shape(len(req_ids), len(req_ids))
+    shape = runner.padded_shape(len(req_ids), len(req_ids), 1)
     return runner.inputs.prepare(requests, scheduled, len(req_ids), {}, pad_to=shape)
 
 
@@ -56,7 +56,7 @@ def prepare_chunk(runner: CUDAGraphRunner, num_tokens: int, num_cached: int) -> 
     """One request's chunk of token ids position + 1, on blocks [7, 8, 9]."""
     end = num_cached + num_tokens
     requests = {"r": Req(list(range(1, end + 1)) + [0], [7, 8, 9], num_cached)}
-    shape = runner.padded_shape(1, num_tokens)
+    shape = runner.padded_shape(1, num_tokens, num_tokens)
     return runner.inputs.prepare(requests, {"r": num_tokens}, num_tokens, {}, pad_to=shape)
 
 
@@ -93,9 +93,30 @@ def test_buckets_are_the_smallest_captured_size_that_fits(runner: CUDAGraphRunne
     assert [runner.prefill_size(n) for n in (1, 16, 17, 64, 65)] == [16, 16, 32, 64, None]
     # (tokens, requests) of the graph; decode-only batches past the largest bucket and mixed
     # batches run eagerly.
-    assert runner.padded_shape(3, 3) == (4, 4) and runner.padded_shape(9, 9) is None
-    assert runner.padded_shape(1, 20) == (32, 1) and runner.padded_shape(1, 65) is None
-    assert runner.padded_shape(2, 5) is None
+    assert runner.padded_shape(3, 3, 1) == (4, 4) and runner.padded_shape(9, 9, 1) is None
+    assert runner.padded_shape(1, 20, 20) == (32, 1) and runner.padded_shape(1, 65, 65) is None
+    assert runner.padded_shape(2, 5, 4) is None
+
+
+def test_verify_graphs_take_batches_of_short_chunks() -> None:
+    """Speculative decoding: batches of 2..6 requests of at most 4 tokens (1 + 3 drafts) run
+    as B' requests of 4 tokens each, B' the smallest captured batch >= B."""
+    inputs = InputBuffers(64, 8, 8 * BLOCK_SIZE, BLOCK_SIZE, torch.device("cpu"))
+    runner = CUDAGraphRunner(nn.Identity(), inputs, 8, 64, torch.device("cpu"), None, None, 4, 6)
+    assert runner.verify_sizes == [2, 4, 6]
+    assert runner.padded_shape(3, 9, 4) == (16, 4) and runner.padded_shape(2, 3, 2) == (8, 2)
+    assert runner.padded_shape(3, 9, 5) is None  # a chunk longer than a verify row
+    assert runner.padded_shape(7, 10, 2) is None  # more requests than the largest verify batch
+    assert runner.padded_shape(1, 4, 4) == (16, 1)  # one request: a prefill graph
+    requests = {
+        "a": Req([1, 2, 3, 4, 5], [1], 1),
+        "b": Req([6, 7], [2], 1),
+        "c": Req([8, 9, 10], [3], 0),
+    }
+    scheduled = {"a": 4, "b": 1, "c": 3}
+    inputs_step = inputs.prepare(requests, scheduled, 8, {}, pad_to=(16, 4))
+    assert inputs_step.attn_metadata.max_query_len == 4
+    assert inputs_step.attn_metadata.query_start_loc.tolist() == [0, 4, 5, 8, 9]
 
 
 def test_a_decode_batch_is_padded_with_one_token_requests_on_slot_zero(

@@ -17,11 +17,12 @@ def test_pickled_step_is_equal() -> None:
             NewRequestData("n", [1, 2, 3], [4], SamplingParams(temperature=0.5, seed=3), [7], 0)
         ],
         scheduled_cached_reqs=[CachedRequestData("a", [], 12), CachedRequestData("b", [9, 10], 40)],
-        num_scheduled_tokens={"n": 4, "a": 1, "b": 1},
-        total_num_scheduled_tokens=6,
+        num_scheduled_tokens={"n": 4, "a": 1, "b": 3},
+        total_num_scheduled_tokens=8,
         finished_req_ids={"x"},
         preempted_req_ids={"y"},
         step_id=17,
+        scheduled_spec_decode_tokens={"b": [5, 6]},
         lora=LoRAStep({"n": 3}, {3: None}),
     )
     for protocol in (2, pickle.HIGHEST_PROTOCOL):
@@ -37,6 +38,7 @@ def test_pickled_step_is_equal() -> None:
         "finished_req_ids",
         "preempted_req_ids",
         "step_id",
+        "scheduled_spec_decode_tokens",
         "lora",
     }
     empty = SchedulerOutput([], [], {}, 0)

@@ -123,6 +123,7 @@ class _EngineStatsCollector(Collector):
             "Requests preempted to free KV cache blocks",
             lambda s: s.num_preemptions,
         )
+        yield from _spec_decode_families(family, replicas, self.model_name)
         iteration_tokens = HistogramMetricFamily(
             "ferrum:iteration_tokens_total",
             "Tokens (prompt and generated) per engine step",
@@ -142,6 +143,40 @@ class _EngineStatsCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def _spec_decode_families(
+    family: Callable[..., Metric], replicas: list[tuple[str, SchedulerStats | None]], model: str
+) -> Iterator[Metric]:
+    """vLLM's spec_decode counters: drafts verified, draft tokens, accepted tokens (in all, and
+    by draft position)."""
+    yield family(
+        CounterMetricFamily,
+        "ferrum:spec_decode_num_drafts",
+        "Drafts verified (one per request and step that had drafts)",
+        lambda s: s.spec_num_drafts,
+    )
+    yield family(
+        CounterMetricFamily,
+        "ferrum:spec_decode_num_draft_tokens",
+        "Draft tokens verified",
+        lambda s: s.spec_num_draft_tokens,
+    )
+    yield family(
+        CounterMetricFamily,
+        "ferrum:spec_decode_num_accepted_tokens",
+        "Draft tokens accepted",
+        lambda s: s.spec_num_accepted_tokens,
+    )
+    per_position = CounterMetricFamily(
+        "ferrum:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by position in the draft",
+        labels=["model_name", "engine", "position"],
+    )
+    for engine, stats in replicas:
+        for position, count in enumerate(stats.spec_accepted_per_position if stats else ()):
+            per_position.add_metric([model, engine, str(position)], count)
+    yield per_position
 
 
 class ServerMetrics:

@@ -1,0 +1,44 @@
+"""The draft model of `speculative_config` (method draft_model): its ModelConfig, in the
+target's dtype, context length and load format, checked against the target."""
+
+from __future__ import annotations
+
+from ferrum.config import ModelConfig
+from ferrum.config_fields import field_error
+from ferrum.model_executor.kv_cache_sizing import kv_cache_group_specs
+from ferrum.speculative_config import SpeculativeConfig
+
+
+def draft_model_config(spec: SpeculativeConfig | None, target: ModelConfig) -> ModelConfig | None:
+    """None unless `spec` asks for a draft model. Refused by name: a draft that cannot load or
+    run target's context, another vocabulary size, linear-attention layers in the draft, a
+    target without full-attention layers (the draft reads their block tables)."""
+    if spec is None or spec.method != "draft_model":
+        return None
+    assert spec.model is not None
+    name = "speculative_config.model"
+    try:
+        draft = ModelConfig(
+            model=spec.model,
+            dtype=target.dtype,
+            load_format=target.load_format,
+            skip_tokenizer_init=True,
+            max_model_len=target.max_model_len,
+            seed=target.seed,
+        )
+    except (ValueError, OSError) as e:
+        raise field_error(name, f"{spec.model!r} cannot be the draft model: {e}") from e
+    if draft.vocab_size != target.vocab_size:
+        raise field_error(
+            name,
+            f"the draft's vocab_size {draft.vocab_size} differs from the target's "
+            f"{target.vocab_size}: the draft must share the target's tokenizer",
+        )
+    if draft.arch.linear_attention_layers:
+        raise field_error(name, f"a {draft.architecture} draft (linear attention) is not supported")
+    first = kv_cache_group_specs(target)[0]
+    if first.sliding_window is not None or first.recurrent:
+        raise field_error(
+            name, f"a draft model needs full-attention layers in the target {target.architecture}"
+        )
+    return draft

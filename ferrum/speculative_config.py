@@ -1,0 +1,120 @@
+"""Speculative decoding: `EngineConfig.speculative_config` (vLLM's `speculative_config` dict).
+A proposer guesses the next `num_speculative_tokens` tokens of a request; the target model
+verifies them in one forward and keeps the longest prefix its own sampling agrees with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from ferrum.config_fields import field_error as _fail
+from ferrum.model_arch import ModelArchConfig
+
+# "replay" is a benchmark proposer, not a product feature: it replays recorded continuations,
+# each token replaced by a wrong one with probability 1 - acceptance_rate.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "replay")
+NOT_SUPPORTED_METHODS = ("eagle", "eagle3", "mtp", "medusa")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    # The n-gram proposer matches the last n tokens, n from prompt_lookup_max down to _min.
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # No request speculates in a step once this many requests run (None: never turned off).
+    disable_by_batch_size: int | None = 16
+    # method "draft_model": the draft's model folder; "replay": a JSON file
+    # {"<prompt ids joined by ','>": [continuation ids]}.
+    model: str | None = None
+    acceptance_rate: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_SUPPORTED_METHODS:
+            raise _fail(
+                "speculative_config.method",
+                f"{self.method!r} is not supported yet; supported: {SPECULATIVE_METHODS[:2]}",
+            )
+        if self.method not in SPECULATIVE_METHODS:
+            raise _fail(
+                "speculative_config.method",
+                f"must be one of {SPECULATIVE_METHODS}, got {self.method!r}",
+            )
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise _fail(
+                "speculative_config.num_speculative_tokens",
+                f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}",
+            )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not _is_int(low) or not _is_int(high) or not 1 <= low <= high:
+            raise _fail(
+                "speculative_config.prompt_lookup_min",
+                f"and prompt_lookup_max must be integers with 1 <= min <= max, got {low!r}, "
+                f"{high!r}",
+            )
+        limit = self.disable_by_batch_size
+        if limit is not None and (not _is_int(limit) or limit < 1):
+            raise _fail(
+                "speculative_config.disable_by_batch_size",
+                f"must be an integer >= 1 or None, got {limit!r}",
+            )
+        if self.method != "ngram" and not self.model:
+            raise _fail("speculative_config.model", f"method {self.method!r} needs it")
+        if self.method == "ngram" and self.model is not None:
+            raise _fail("speculative_config.model", "not used by method 'ngram'")
+        rate = self.acceptance_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+            raise _fail("speculative_config.acceptance_rate", f"must be in [0, 1], got {rate!r}")
+
+    @classmethod
+    def from_value(
+        cls, value: SpeculativeConfig | dict[str, Any] | None
+    ) -> SpeculativeConfig | None:
+        """A config from itself, a dict of vLLM's keys, or None (speculation off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: must be a dict of its fields, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}"
+            )
+        for name in ("method", "num_speculative_tokens"):
+            if name not in value:
+                raise _fail(f"speculative_config.{name}", "is required")
+        return cls(**value)
+
+
+def check_speculation_fits(
+    config: SpeculativeConfig | None, pipeline_parallel_size: int, arch: ModelArchConfig
+) -> None:
+    """Speculative decoding needs each verifying step's accepted tokens before the next step is
+    scheduled, and KV it can roll back: refused with pipeline parallelism and for models with
+    linear-attention (recurrent) layers."""
+    if config is None:
+        return
+    if pipeline_parallel_size > 1:
+        raise _fail("speculative_config", "not supported with pipeline_parallel_size > 1")
+    if arch.linear_attention_layers:
+        raise _fail(
+            "speculative_config",
+            "not supported for models with linear-attention layers: their recurrent state "
+            "cannot roll back rejected drafts",
+        )
+
+
+def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
+    """KV slots a sampling step allocates past its tokens: where a draft model writes the KV of
+    the drafts it decodes."""
+    if config is None or config.method != "draft_model":
+        return 0
+    return config.num_speculative_tokens
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,65 @@
+"""Speculative decoding on the GPU (runs only with CUDA): greedy tokens equal those without
+speculation through the verify CUDA graphs (batches of 2..15 requests) and eagerly, at several
+acceptance rates; at a real model's shapes (Qwen3-0.6B, random bf16 weights) in batch-invariant
+mode, where the verify rows' numerics equal a decode's, bitwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferrum import LLM, SamplingParams
+from tests.utils.tiny_llm import cuda_llm, random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MODELS = Path(__file__).resolve().parents[2] / "benchmarks" / "models"
+PROMPTS = [p + p[:9] for p in random_prompts([12, 40, 25, 70, 9, 33, 51], seed=5)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def replay(path: Path, prompts: list[list[int]], expected: list[list[int]], rate: float) -> dict:
+    path.write_text(json.dumps({",".join(map(str, p)): e for p, e in zip(prompts, expected)}))
+    return {"method": "replay", "num_speculative_tokens": 3, "model": str(path),
+            "acceptance_rate": rate}  # fmt: skip
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_greedy_tokens_equal_those_without_speculation(
+    tiny_checkpoint,
+    tmp_path: Path,
+    enforce_eager: bool,  # noqa: ANN001
+) -> None:
+    path = tiny_checkpoint("qwen3")
+    expected = generate(cuda_llm(path, enforce_eager=enforce_eager))
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = cuda_llm(path, enforce_eager=enforce_eager, speculative_config=ngram)
+    assert generate(llm) == expected
+    assert llm.llm_engine.stats().spec_num_drafts > 0
+    for rate in (1.0, 0.6, 0.0):
+        spec = replay(tmp_path / "c.json", PROMPTS, expected, rate)
+        llm = cuda_llm(path, enforce_eager=enforce_eager, speculative_config=spec)
+        assert generate(llm) == expected
+        assert generate(llm, PROMPTS[:1]) == expected[:1]  # batch 1: a prefill graph
+
+
+def test_real_shapes_in_batch_invariant_mode_are_bitwise_equal(tmp_path: Path) -> None:
+    kwargs = dict(
+        load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
+        batch_invariant=True, max_num_seqs=32,
+    )  # fmt: skip
+    model = str(MODELS / "qwen3-0.6b")
+    expected = generate(LLM(model, **kwargs))
+    spec = replay(tmp_path / "c.json", PROMPTS, expected, 0.7)
+    llm = LLM(model, speculative_config=spec, **kwargs)
+    assert generate(llm) == expected
+    stats = llm.llm_engine.stats()
+    assert 0.5 < stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens < 0.9

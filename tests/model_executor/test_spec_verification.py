@@ -1,0 +1,47 @@
+"""Drafts verified by sampling: each request's rows expand with its drafts as further outputs,
+and a request emits its draws up to and including the first that differs from its draft."""
+
+from __future__ import annotations
+
+from ferrum.model_executor.sampling_metadata import SamplingRow
+from ferrum.model_executor.speculative.verification import (
+    accept,
+    drafts_in_tokens,
+    expand_rows,
+    row_owners,
+)
+from ferrum.request import Logprobs
+from ferrum.sampling_params import SamplingParams
+
+
+def test_each_request_emits_its_accepted_drafts_then_one_draw() -> None:
+    drafts = [[5, 6, 7], [], [8, 9]]
+    # Rows: request 0 draws 5, 6, 1, 2 (rejects 7 at its third row); request 1 draws 3;
+    # request 2 draws 8, 9 and a bonus 4.
+    sampled = [5, 6, 1, 2, 3, 8, 9, 4]
+    entries = [Logprobs([t], [-float(i)], 1) for i, t in enumerate(sampled)]
+    tokens, logprobs = accept(drafts, sampled, entries)
+    assert tokens == [[5, 6, 1], [3], [8, 9, 4]]
+    assert logprobs == [entries[0:3], entries[4:5], entries[5:8]]
+    assert accept([[5]], [4, 5], None) == ([[4]], None)  # the first draft rejected
+    assert row_owners(drafts) == [0, 0, 0, 0, 1, 2, 2, 2]
+
+
+def test_rows_count_the_drafts_before_them_as_outputs() -> None:
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0).resolve()
+    row = SamplingRow(params, [1, 2], [3], None, {0})
+    rows = expand_rows([row], [[7, 8]])
+    assert [r.output_token_ids for r in rows] == [[3], [3, 7], [3, 7, 8]]
+    assert row.output_token_ids == [3]
+
+
+class _Request:
+    def __init__(self, token_ids: list[int]) -> None:
+        self.token_ids = token_ids
+
+
+def test_drafts_follow_the_tokens_only_within_the_block() -> None:
+    requests = {"a": _Request([1, 2]), "b": _Request([3])}
+    with drafts_in_tokens(requests, {"a": [9, 9], "b": []}):
+        assert requests["a"].token_ids == [1, 2, 9, 9] and requests["b"].token_ids == [3]
+    assert requests["a"].token_ids == [1, 2] and requests["b"].token_ids == [3]
