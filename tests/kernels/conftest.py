@@ -54,3 +54,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _packaged_tables_only():
+    """Kernel tests read the packaged tile tables, never this machine's tuned ones (an engine
+    started earlier in the session points the lookup at them)."""
+    from ferrum.kernels.tuned_tables import set_user_config_dir, user_config_dir
+
+    before = user_config_dir()
+    set_user_config_dir(None)
+    yield
+    set_user_config_dir(before)

@@ -88,6 +88,6 @@ def test_batch_one_decode_through_the_gemv_keeps_the_tokens(
     outputs = [greedy(llm, [p])[0] for p in prompts]
     assert (arch.vocab_size, hidden) in gemv_calls  # the LM head, while serving
     # The reference: F.linear everywhere.
-    monkeypatch.setattr(dense_linear_module, "get_gemv_tiles", lambda name: {})
+    monkeypatch.setattr(dense_linear_module, "gemv_tile", lambda n, k, device: None)
     reference = cuda_llm(path, dtype="float16", num_kv_blocks=64)
     assert teacher_forced_agreement(reference, prompts, outputs) >= 0.9

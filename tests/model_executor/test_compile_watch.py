@@ -186,13 +186,8 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch,
         monkeypatch.setattr("ferrum.model_executor.layers.attention.sdpa_prefill", recorded)
     fp8 = model.endswith("+fp8")
     model = model.removesuffix("+fp8")
-    if fp8 and model == "qwen3_moe":
-        # The tuned H100 file's split down GEMV at 1-2 tokens (the tiny shape has no file).
-        import ferrum.kernels.fused_moe_config as moe_config
-
-        split = {"DOWN_SPLIT": 1, "DOWN_BLOCK_E": 1}
-        small = {2: moe_config.DEFAULT_SMALL[2] | split, 1 << 62: moe_config.DEFAULT_SMALL[1 << 62]}
-        monkeypatch.setattr(moe_config, "DEFAULT_SMALL", small)
+    # FP8 experts take the split down GEMV at 1-2 tokens: the rule's choice (fused_moe_rule) for
+    # the tiny shape, which has no tuned file, as in the H100 file.
     # FP8 layers need input sizes that are multiples of 128; heads of 128 make the attention
     # write o_proj's FP8 rows.
     fp8_shapes = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 128}
@@ -202,7 +197,7 @@ def test_serving_compiles_no_kernel_after_start_up(tiny_checkpoint, monkeypatch,
     config = json.loads((Path(path) / "config.json").read_text())
     vocab_size = config.get("text_config", config)["vocab_size"]
     table = _EveryShapeTable(vocab_size)
-    monkeypatch.setattr(dense_linear_module, "get_gemv_tiles", lambda name: table)
+    monkeypatch.setattr(dense_linear_module, "gemv_tile", lambda n, k, device: table.get((n, k)))
     _forget_compiled_kernels()
     llm = cuda_llm(
         path,

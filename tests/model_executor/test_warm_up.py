@@ -1,6 +1,7 @@
 import pytest
 
 from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED
+from ferrum.kernels.fused_moe_rule import GROUPED_RULE_BUCKETS
 from ferrum.model_executor.warm_up import MULTI_REQUESTS, run_warm_up_batches, warm_up_batches
 
 
@@ -14,6 +15,7 @@ def test_every_power_of_two_runs_at_both_parities_up_to_the_step_budget() -> Non
     assert max(totals) == 8192
     # Every fused-MoE token bucket up to the budget is run at its bound.
     assert all(bound in totals for bound in DEFAULT_GROUPED if bound <= 8192)
+    assert all(bound in totals for bound in GROUPED_RULE_BUCKETS if bound <= 8192)
 
 
 def test_large_batches_hold_several_requests_small_ones_one() -> None:
