@@ -38,7 +38,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ferrum import LLM, SamplingParams
+    from ferrum import LLM, LoRARequest, SamplingParams
     from ferrum.engine.arg_utils import EngineArgs
     from ferrum.entrypoints.sampling_args import sampling_overrides
 
@@ -51,12 +51,16 @@ def _generate(args: argparse.Namespace) -> int:
         **({"max_tokens": GENERATE_MAX_TOKENS, "temperature": 0.0} | sampling_overrides(args)),
     )
     llm = LLM(**vars(engine_args))
+    lora = None if args.lora_path is None else LoRARequest("adapter", 1, args.lora_path)
     if args.chat:
         outputs = llm.chat(
-            [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False
+            [[{"role": "user", "content": p}] for p in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=lora,
         )
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
     for prompt, output in zip(prompts, outputs):
         for completion in output.outputs:
             index = f"completion {completion.index}  " if args.n > 1 else ""
@@ -137,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompt text (repeatable; default: standard input, when it is piped)",
     )
     generate.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    generate.add_argument(
+        "--lora-path",
+        default=None,
+        help="run every prompt with this LoRA adapter (a PEFT folder; needs --enable-lora)",
+    )
     _add_generate_sampling_args(generate)
     add_config_file_arg(generate)
     generate.set_defaults(handler=_generate, parser=generate)

@@ -97,8 +97,10 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Renders each conversation with the model's chat template, then generates."""
+        """Renders each conversation with the model's chat template, then generates (with
+        `lora_request` as in `generate`)."""
         tokenizer = self.llm_engine.tokenizer
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True)")
@@ -118,7 +120,7 @@ class LLM:
                     "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
                 }
             )
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     @staticmethod
     def _per_prompt_params(

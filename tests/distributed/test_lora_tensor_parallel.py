@@ -1,0 +1,42 @@
+"""LoRA under tensor parallelism: two worker processes (gloo) each hold their share of every
+adapter (column-parallel layers their rows of B per q/k/v or gate/up shard, row-parallel ones
+their input columns of A), get the adapters' weights with the step that first needs them, and
+give transformers + PEFT's greedy tokens with adapters and the base model mixed in one batch.
+The tiny llama has 2 KV heads: each rank holds one of k's and v's."""
+
+from __future__ import annotations
+
+from ferrum import LoRARequest, SamplingParams
+from tests.utils.lora_adapters import peft_greedy
+from tests.utils.tiny_llm import MAX_TOKENS, make_llm, random_prompts
+
+
+def test_two_ranks_give_peft_tokens(tiny_checkpoint, peft_adapter) -> None:
+    base = tiny_checkpoint("llama")
+    a = LoRARequest("a", 1, peft_adapter("llama", rank=4, alpha=8.0, seed=1))
+    b = LoRARequest("b", 2, peft_adapter("llama", rank=8, use_rslora=True, seed=7))
+    prompts = random_prompts([9, 4, 17, 6], seed=9)
+    loras = [a, None, b, a]
+    llm = make_llm(
+        base,
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        num_kv_blocks=64,
+        max_num_batched_tokens=8,
+        num_cpu_threads=1,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras
+        )
+    finally:
+        llm.shutdown()
+    expected = [
+        peft_greedy(base, None if lora is None else lora.lora_path, [p], MAX_TOKENS)[0]
+        for p, lora in zip(prompts, loras)
+    ]
+    assert [o.outputs[0].token_ids for o in outputs] == expected
