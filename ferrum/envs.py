@@ -95,6 +95,12 @@ def debug_profile_steps() -> tuple[int, int, str] | None:
     return window[0], window[1], directory
 
 
+def debug_ignore_tuned_tables() -> bool:
+    """FERRUM_DEBUG_IGNORE_TUNED_TABLES=1: the kernels read no tuned tile table (neither the
+    user's nor the packaged ones) and run the default rules' tiles: the untuned side of an A/B."""
+    return _get("FERRUM_DEBUG_IGNORE_TUNED_TABLES", "0") == "1"
+
+
 def tuned_config_dir() -> Path:
     """The folder of this machine's tuned tile tables (`ferrum tune` writes, kernels read) when
     no `tuned_config_dir` field names one: FERRUM_TUNED_CONFIG_DIR (for debugging), else

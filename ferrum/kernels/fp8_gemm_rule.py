@@ -24,7 +24,7 @@ from ferrum.kernels.fp8_gemm_config import (
     load_tuned_buckets,
 )
 from ferrum.kernels.tile_rules import cdiv, fit_stages, gemv_tile_rule, next_pow2, split_k
-from ferrum.kernels.tuned_tables import user_config_dir
+from ferrum.kernels.tuned_tables import tables_ignored, user_config_dir
 
 # The bucket bounds the rule fills: those of the H100 tables.
 RULE_BUCKETS = (1, 16, 32, 64, 128, 256, 1 << 62)
@@ -38,6 +38,8 @@ def fp8_gemm_buckets(scale_format: str, n: int, k: int, device: DeviceProperties
     package), else the rule; off CUDA (None), the fixed DEFAULT_BUCKETS."""
     if device is None:
         return DEFAULT_BUCKETS[scale_format]
+    if tables_ignored():
+        return fp8_gemm_rule(scale_format, n, k, device)
     tuned = load_tuned_buckets(scale_format, n, k, device.name, user_config_dir())
     return tuned if tuned is not None else fp8_gemm_rule(scale_format, n, k, device)
 

@@ -22,6 +22,7 @@ from ferrum.kernels.fused_moe_config import (
     tuned_sections,
 )
 from ferrum.kernels.tile_rules import cdiv, fit_stages, next_pow2
+from ferrum.kernels.tuned_tables import tables_ignored
 
 # (average rows an expert gets below which, BLOCK_M) of the grouped GEMM; 128 beyond.
 _ROWS_TO_BLOCK_M = ((8, 16), (32, 32), (128, 64))
@@ -47,7 +48,7 @@ def moe_configs(
     the same bucket semantics); off CUDA (None) the fixed defaults."""
     if device is None:
         return pick(DEFAULT_GROUPED, num_tokens), pick(DEFAULT_SMALL, num_tokens)
-    tuned = tuned_sections(num_experts, inter, hidden, device.name, fp8)
+    tuned = {} if tables_ignored() else tuned_sections(num_experts, inter, hidden, device.name, fp8)
     shape = (num_experts, inter, hidden, top_k, device, fp8)
     grouped = tuned.get("grouped") or rule_buckets("grouped", *shape)
     small = tuned.get("small") or rule_buckets("small", *shape)

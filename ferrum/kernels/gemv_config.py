@@ -17,7 +17,7 @@ from pathlib import Path
 from ferrum.kernels.device_properties import DeviceProperties
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
 from ferrum.kernels.tile_rules import gemv_tile_rule
-from ferrum.kernels.tuned_tables import user_config_dir, write_table
+from ferrum.kernels.tuned_tables import tables_ignored, user_config_dir, write_table
 
 CONFIG_DIR = Path(__file__).parent / "gemv_configs"
 _SHAPE_KEY = re.compile(r"N(\d+)_K(\d+)")
@@ -87,7 +87,7 @@ def get_gemv_tiles(device_name: str, user_dir: Path | None = None) -> GemvTiles:
 def gemv_tile(n: int, k: int, device: DeviceProperties) -> GemvTile | None:
     """The tile one row times an [N, K] weight runs with on `device`, None for F.linear: the
     tuned entry (user folder, then package), else the rule's tile."""
-    tiles = get_gemv_tiles(device.name, user_config_dir())
+    tiles = {} if tables_ignored() else get_gemv_tiles(device.name, user_config_dir())
     if (n, k) in tiles:
         return tiles[n, k]
     return GemvTile(*gemv_tile_rule(n, k, device))

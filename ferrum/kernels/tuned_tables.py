@@ -3,12 +3,15 @@ DeviceConfig.tuned_config_dir, default ~/.cache/ferrum/tuned_configs, set once p
 model runner through `set_user_config_dir`), then the tables shipped beside these modules; with
 neither, the tile rules (tile_rules, fp8_gemm_rule, fused_moe_rule) choose. Both folders share one
 layout: `<folder>/{fp8_gemm_configs,fused_moe_configs,gemv_configs}/<file>`, the same file names
-and the same JSON."""
+and the same JSON. FERRUM_DEBUG_IGNORE_TUNED_TABLES=1 skips both folders (`tables_ignored`)."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+
+from ferrum import envs
 
 
 class _UserFolder:
@@ -25,6 +28,12 @@ def set_user_config_dir(path: Path | str | None) -> None:
 
 def user_config_dir() -> Path | None:
     return _UserFolder.path
+
+
+@functools.cache
+def tables_ignored() -> bool:
+    """Whether this process reads no tuned table (envs.debug_ignore_tuned_tables), rules only."""
+    return envs.debug_ignore_tuned_tables()
 
 
 def tuned_file(package_dir: Path, file_name: str, user_dir: Path | None) -> Path | None:

@@ -15,7 +15,7 @@ from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED, DEFAULT_SMALL, pick
 from ferrum.kernels.fused_moe_rule import grouped_rule, moe_configs, small_rule
 from ferrum.kernels.gemv_config import GemvTile, gemv_tile, save_gemv_tiles
 from ferrum.kernels.tile_rules import gemv_tile_rule
-from ferrum.kernels.tuned_tables import set_user_config_dir, user_config_dir
+from ferrum.kernels.tuned_tables import set_user_config_dir, tables_ignored, user_config_dir
 
 
 @pytest.fixture
@@ -101,3 +101,22 @@ def test_gemv_user_entry_beats_package_entry_beats_rule(folders) -> None:
     assert gemv_tile(256, 512, H100) == GemvTile(1, 512)
     assert gemv_tile(128, 512, H100) == GemvTile(2, 512)  # the package's, for shapes the user's
     assert gemv_tile(96, 512, H100) == GemvTile(*gemv_tile_rule(96, 512, H100))  # file omits
+
+
+def test_the_debug_switch_ignores_every_table(folders, monkeypatch) -> None:
+    package, user = folders
+    save_buckets("block", 256, 512, H100.name, {1: Fp8GemmConfig()}, user / "fp8_gemm_configs")
+    save_gemv_tiles(H100.name, {(256, 512): None}, package / "gemv_configs")
+    grouped = {64: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}}
+    save_section(8, 128, 256, H100.name, "grouped", grouped, user / "fused_moe_configs")
+    _clear()
+    assert gemv_tile(256, 512, H100) is None
+    monkeypatch.setenv("FERRUM_DEBUG_IGNORE_TUNED_TABLES", "1")
+    tables_ignored.cache_clear()
+    try:
+        assert fp8_gemm_buckets("block", 256, 512, H100) == fp8_gemm_rule("block", 256, 512, H100)
+        assert gemv_tile(256, 512, H100) == GemvTile(*gemv_tile_rule(256, 512, H100))
+        assert moe_configs(64, 8, 128, 256, 2, H100)[0] == grouped_rule(64, 8, 128, 256, 2, H100)
+    finally:
+        monkeypatch.delenv("FERRUM_DEBUG_IGNORE_TUNED_TABLES")
+        tables_ignored.cache_clear()
