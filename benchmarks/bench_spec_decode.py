@@ -1,0 +1,202 @@
+"""Speculative decoding's speed on one model (dummy weights, one JSON):
+
+1. `lat` (BENCHMARKS.md: batch 1, 128-token prompt, TPOT over 512 tokens) and `c64` / `nano`
+   without speculation;
+2. `lat` with the replay proposer at each acceptance rate of `--alphas`: it proposes the
+   target's own greedy continuation (recorded in step 1), each draft replaced by a wrong token
+   with probability 1 - alpha, so the acceptance rate is set (dummy weights cannot give a real
+   one); the measured acceptance is reported beside it;
+3. with `--draft-model`: `lat` with that draft model, and the draft's own time per proposed
+   token (its greedy decode steps, timed on their own);
+4. `c64` / `nano` with speculation on (`--on-config`, n-gram by default): adaptive speculation
+   must not make a loaded engine slower.
+
+Usage: python benchmarks/bench_spec_decode.py --model benchmarks/models/qwen3-8b --out x.json
+(engine flags as for run_workloads.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_REPO_ROOT))
+
+import torch  # noqa: E402
+
+from benchmarks.workload_runs import (  # noqa: E402
+    LAT_SEED_BASE,
+    run_lat,
+    run_throughput,
+    synchronize,
+    throughput_warmup,
+)
+from ferrum import SamplingParams  # noqa: E402
+from ferrum.bench import workloads  # noqa: E402
+from ferrum.bench.latency import WARMUP_SEED_BASE  # noqa: E402
+from ferrum.engine.arg_utils import EngineArgs  # noqa: E402
+from ferrum.entrypoints.llm import LLM  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    EngineArgs.add_cli_args(parser, model_positional=False)
+    parser.set_defaults(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--alphas", default="0,0.7", help="replay acceptance rates")
+    parser.add_argument("--draft-model", default=None, help="a draft model folder (dummy too)")
+    parser.add_argument("--on-config", type=json.loads, default=NGRAM)
+    parser.add_argument("--throughput", default="c64,nano", help="'' to skip step 4")
+    parser.add_argument("--lat-iters", type=int, default=3)
+    parser.add_argument("--lat-warmup", type=int, default=1)
+    return parser.parse_args()
+
+
+def lat_prompts(vocab_size: int, args: argparse.Namespace) -> list[list[int]]:
+    """The prompts `run_lat` decodes 513 tokens from (warm-up and timed iterations)."""
+    seeds = [WARMUP_SEED_BASE + i for i in range(args.lat_warmup)] + list(range(args.lat_iters))
+    prompts = [workloads.lat_prompt(seed=LAT_SEED_BASE + s, n_in=128) for s in seeds]
+    return workloads.fold_to_vocab(prompts, vocab_size)
+
+
+def engine(args: argparse.Namespace, **overrides: Any) -> LLM:
+    values = vars(EngineArgs.from_cli_args(args, args.model)) | overrides
+    llm = LLM(**values)
+    synchronize(llm)
+    return llm
+
+
+def close(llm: LLM) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def spec_stats(llm: LLM) -> dict[str, Any]:
+    stats = llm.llm_engine.stats()
+    drafted = max(stats.spec_num_draft_tokens, 1)
+    return {
+        "drafts": stats.spec_num_drafts,
+        "draft_tokens": stats.spec_num_draft_tokens,
+        "accepted_tokens": stats.spec_num_accepted_tokens,
+        "acceptance_rate": stats.spec_num_accepted_tokens / drafted,
+        "mean_tokens_per_verify": 1
+        + stats.spec_num_accepted_tokens / max(stats.spec_num_drafts, 1),
+    }
+
+
+def throughput(llm: LLM, names: list[str], vocab_size: int, seed: int) -> dict[str, Any]:
+    if not names:
+        return {}
+    throughput_warmup(llm, vocab_size, 1.0)
+    return {
+        name: run_throughput(llm, name, vocab_size, 1.0, seed, 0)["output_tokens_per_second"]
+        for name in names
+    }
+
+
+def draft_time_per_token(llm: LLM, prompt: list[int], k: int) -> float:
+    """Seconds the draft model takes per proposed token: its `propose` calls during one
+    512-token greedy decode, timed with a device sync around each."""
+    runner = llm.llm_engine.client.core.executor.runner  # in-process, one GPU
+    decoder = runner.speculative
+    assert decoder is not None and decoder.draft is not None
+    original, spent, proposed = decoder.draft.propose, [0.0], [0]
+
+    def timed(*a: Any, **kw: Any) -> dict[str, list[int]]:
+        synchronize(llm)
+        start = time.perf_counter()
+        drafts = original(*a, **kw)
+        spent[0] += time.perf_counter() - start
+        proposed[0] += sum(len(d) for d in drafts.values())
+        return drafts
+
+    decoder.draft.propose = timed
+    params = SamplingParams(temperature=0.0, max_tokens=513, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    decoder.draft.propose = original
+    return spent[0] / max(proposed[0], 1)
+
+
+def main() -> None:
+    args = parse_args()
+    report: dict[str, Any] = {"model": args.model, "k": args.num_speculative_tokens}
+    names = [n for n in args.throughput.split(",") if n]
+    base = engine(args)
+    vocab_size = base.llm_engine.config.model_config.vocab_size
+    seed = base.llm_engine.config.model_config.seed
+    report["off"] = {"lat": run_lat(base, vocab_size, 1.0, args.lat_warmup, args.lat_iters)}
+    report["off"] |= throughput(base, names, vocab_size, seed)
+    prompts = lat_prompts(vocab_size, args)
+    greedy = SamplingParams(temperature=0.0, max_tokens=513, ignore_eos=True)
+    outputs = base.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    close(base)
+    recorded = Path(tempfile.mkdtemp()) / "continuations.json"
+    recorded.write_text(
+        json.dumps(
+            {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, outputs)}
+        )
+    )
+    k = args.num_speculative_tokens
+    report["replay"] = {}
+    for alpha in [float(a) for a in args.alphas.split(",")]:
+        spec = {"method": "replay", "num_speculative_tokens": k, "model": str(recorded),
+                "acceptance_rate": alpha}  # fmt: skip
+        llm = engine(args, speculative_config=spec)
+        lat = run_lat(llm, vocab_size, 1.0, args.lat_warmup, args.lat_iters)
+        report["replay"][str(alpha)] = {"lat": lat, **spec_stats(llm)}
+        close(llm)
+        _write(args.out, report)
+    if args.draft_model:
+        spec = {"method": "draft_model", "num_speculative_tokens": k, "model": args.draft_model}
+        llm = engine(args, speculative_config=spec)
+        lat = run_lat(llm, vocab_size, 1.0, args.lat_warmup, args.lat_iters)
+        per_token = draft_time_per_token(llm, prompts[0], k)
+        report["draft_model"] = {"lat": lat, "draft_s_per_token": per_token, **spec_stats(llm)}
+        close(llm)
+        _write(args.out, report)
+    if names:
+        llm = engine(args, speculative_config=args.on_config)
+        report["on"] = {"config": args.on_config, **throughput(llm, names, vocab_size, seed)}
+        report["on"] |= spec_stats(llm)
+        close(llm)
+    _write(args.out, report)
+    print(json.dumps(_summary(report), indent=1))
+
+
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    off_tpot = report["off"]["lat"]["tpot_ms"]
+    summary: dict[str, Any] = {"off_tpot_ms": off_tpot}
+    for alpha, run in report.get("replay", {}).items():
+        tpot = run["lat"]["tpot_ms"]
+        summary[f"alpha={alpha}"] = {"tpot_ms": tpot, "ratio": tpot / off_tpot,
+                                     "acceptance": run["acceptance_rate"]}  # fmt: skip
+    if "draft_model" in report:
+        run = report["draft_model"]
+        summary["draft_model"] = {"tpot_ms": run["lat"]["tpot_ms"],
+                                  "draft_ms_per_token": 1e3 * run["draft_s_per_token"]}  # fmt: skip
+    for name in ("c64", "nano", "c16", "long"):
+        if name in report["off"] and name in report.get("on", {}):
+            summary[name] = {"off": report["off"][name], "on": report["on"][name],
+                             "ratio": report["on"][name] / report["off"][name]}  # fmt: skip
+    return summary
+
+
+def _write(path: str, report: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
