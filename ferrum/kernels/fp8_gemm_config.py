@@ -79,10 +79,11 @@ class Fp8GemmConfig:
 
 Buckets = dict[int, Fp8GemmConfig]
 
-# Defaults (H100, Qwen3-8B shapes): one row takes the GEMV (1.2-2.4x cuBLASLt, slower from two
-# rows), above it cuBLASLt wherever it takes the operands (3-10x these untuned tiles at M <= 64); no
-# wgmma (at 256 rows it lost to cuBLASLt on gate_up). A bucket's tile fields run where its backend
-# does not take the operands: decode batches narrow N tiles quantized in the GEMM, larger ones wide.
+# Defaults off CUDA (a GPU without a table takes fp8_gemm_rule), chosen on the H100 at Qwen3-8B
+# shapes: one row takes the GEMV (1.2-2.4x cuBLASLt, slower from two rows), above it cuBLASLt
+# wherever it takes the operands (3-10x these untuned tiles at M <= 64); no wgmma (at 256 rows it
+# lost to cuBLASLt on gate_up). A bucket's tile fields run where its backend does not take the
+# operands: decode batches narrow N tiles quantized in the GEMM, larger ones wide.
 _FUSED = ("scaled_mm", "fused")
 _GEMV = Fp8GemmConfig("gemv", BLOCK_N=8, BLOCK_K=1024, num_warps=4, num_stages=2)
 DEFAULT_BUCKETS: dict[str, Buckets] = {

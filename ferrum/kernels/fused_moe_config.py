@@ -34,6 +34,7 @@ OPTIONAL_KEYS = {"DOWN_BLOCK_E": 1, "DOWN_SPLIT": 0}
 FLAG_KEYS = ("DOWN_SPLIT",)
 Buckets = dict[int, dict[str, int]]
 
+# Defaults off CUDA (a GPU without a table takes fused_moe_rule's tiles).
 # Small batches take narrow N tiles so that the few active experts still spread their weights
 # over every SM.
 DEFAULT_GROUPED: Buckets = {

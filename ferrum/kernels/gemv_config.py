@@ -77,9 +77,9 @@ def get_gemv_tiles(device_name: str, user_dir: Path | None = None) -> GemvTiles:
     """The shapes measured on this device, the package's file updated by `user_dir`'s (tuned
     tables); {} without either."""
     tiles: GemvTiles = {}
-    for directory in (CONFIG_DIR, None if user_dir is None else user_dir / CONFIG_DIR.name):
-        path = None if directory is None else config_path(device_name, directory)
-        if path is not None and path.is_file():
+    folders = [CONFIG_DIR] + ([] if user_dir is None else [user_dir / CONFIG_DIR.name])
+    for path in (config_path(device_name, folder) for folder in folders):
+        if path.is_file():
             tiles |= parse_tiles(json.loads(path.read_text()), str(path))
     return tiles
 
