@@ -27,10 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import triton
 
+from ferrum.kernels.device_properties import device_properties
 from ferrum.kernels.fp8_weight import quantize_weight_block
 from ferrum.kernels.fused_moe import fused_moe
 from ferrum.kernels.fused_moe_config import save_section
-from ferrum.kernels.fused_moe_small_batch import get_small_batch_config
+from ferrum.kernels.fused_moe_rule import moe_configs
 from ferrum.kernels.moe_router import moe_router
 
 DTYPE = torch.bfloat16
@@ -217,6 +218,12 @@ def paths_for(tokens: int, requested: str | None, fp8: bool) -> list[str]:
     ]
 
 
+def running_small(args: argparse.Namespace, tokens: int) -> dict[str, int]:
+    """The small-path config the layer runs without a sweep: tuned table, else the rule."""
+    shape = (args.experts, args.intermediate, args.hidden, args.top_k)
+    return moe_configs(tokens, *shape, device_properties(torch.device("cuda")))[1]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
@@ -284,7 +291,7 @@ def main() -> int:
                 best_small[tokens] = best[1]
                 print(
                     f"T={tokens}: best small config {best[1]} {best[0]:.1f} us/layer "
-                    f"(default {get_small_batch_config(tokens)})"
+                    f"(as shipped: {running_small(args, tokens)})"
                 )
     if args.save is not None and best_small:
         path = save_section(
