@@ -221,7 +221,7 @@ def paths_for(tokens: int, requested: str | None, fp8: bool) -> list[str]:
 def running_small(args: argparse.Namespace, tokens: int) -> dict[str, int]:
     """The small-path config the layer runs without a sweep: tuned table, else the rule."""
     shape = (args.experts, args.intermediate, args.hidden, args.top_k)
-    return moe_configs(tokens, *shape, device_properties(torch.device("cuda")))[1]
+    return moe_configs(tokens, *shape, device_properties(torch.device("cuda")), args.fp8)[1]
 
 
 def main() -> int:
