@@ -71,6 +71,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="tokenizer folder (default: --model if it is a folder, else the shipped model's)",
     )
     server.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="LoRA adapter names the server serves: request i names adapter i mod their number "
+        "(vLLM's flag; its choice is random)",
+    )
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=DATASETS, default="random", help="prompts")
     data.add_argument("--dataset-path", default=None, help="ShareGPT-style JSON file")
@@ -116,6 +123,7 @@ def main(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             seed=args.seed,
             disable_tqdm=args.disable_tqdm,
+            lora_modules=args.lora_modules,
         )
     )
     result = summarize(records, duration, slos)
@@ -307,9 +315,11 @@ async def run_benchmark(
     temperature: float = 0.0,
     seed: int = 0,
     disable_tqdm: bool = True,
+    lora_modules: list[str] | None = None,
 ) -> tuple[list[RequestRecord], float]:
     """Sends every sample (Poisson arrivals at `request_rate`, at most `max_concurrency` in
-    flight) and returns the records in sample order and the wall time in seconds."""
+    flight) and returns the records in sample order and the wall time in seconds. With
+    `lora_modules`, sample i names adapter i mod their number instead of `model`."""
     import aiohttp
     from tqdm import tqdm
 
@@ -323,7 +333,8 @@ async def run_benchmark(
 
     async def one(index: int, sample: SampleRequest, session: aiohttp.ClientSession) -> None:
         try:
-            payload = build_payload(url, model, sample, temperature)
+            name = lora_modules[index % len(lora_modules)] if lora_modules else model
+            payload = build_payload(url, name, sample, temperature)
             records[index] = await send_request(
                 session, url, payload, headers or {}, sample.prompt_len
             )

@@ -135,3 +135,20 @@ def test_bad_adapters_are_400s(lora_server, adapters, tmp_path) -> None:
         assert message in response.json()["error"]["message"]
     response = _post(lora_server, "/v1/load_lora_adapter", {"lora_name": "x"})
     assert response.status_code == 400  # lora_path missing
+
+
+def test_bench_serve_spreads_requests_over_adapters(lora_server, tmp_path) -> None:
+    from ferrum.entrypoints.cli import main as cli_main
+
+    result_file = tmp_path / "lora.json"
+    code = cli_main(
+        [
+            "bench", "serve", "--base-url", lora_server.url, "--api-key", API_KEY,
+            "--model", DEFAULT_MODEL_NAME, "--tokenizer", DEFAULT_MODEL_DIR,
+            "--lora-modules", "sql", DEFAULT_MODEL_NAME,
+            "--num-prompts", "6", "--random-input-len", "12", "--random-output-len", "4",
+            "--max-concurrency", "3", "--disable-tqdm", "--result-filename", str(result_file),
+        ]
+    )  # fmt: skip
+    result = json.loads(result_file.read_text())
+    assert code == 0 and result["completed"] == 6 and result["failed"] == 0
