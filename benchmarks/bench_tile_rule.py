@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from ferrum import envs
+from ferrum.bench.tune_args import OPS
 from ferrum.bench.tune_gpu import GpuBench
 from ferrum.bench.tune_shapes import (
-    OPS,
     LinearShape,
     TuneTask,
     build_tasks,

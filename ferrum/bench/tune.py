@@ -1,26 +1,17 @@
-"""`ferrum tune`: finds the fastest kernel tiles of a model's op shapes on this GPU and writes
-them where ferrum reads them first (the user's tuned-table folder, kernels/tuned_tables), as
-vLLM's `benchmark_moe.py --tune` does for its MoE. The shapes come from a model folder (under
---tensor-parallel-size) or --shape; the ops from --dtype (bf16: gemv, moe_grouped, moe_small;
-fp8: fp8_gemm, moe_grouped, moe_small with FP8 experts) or --ops; the batches from
---batch-sizes. Each (op, shape, batch) times every candidate of tune_ops' search space
-(tune_gpu: CUDA graphs, CUDA events, median) and keeps the fastest; results are written as they
-come (tune_store), so an interrupted run is resumed by running the same command again."""
+"""`ferrum tune`'s run (tune_args defines the command): plans the tasks from the flags, measures
+each on the GPU (tune_ops' candidates, tune_gpu's timer) and records the fastest (tune_store)."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from tqdm import tqdm
 
+from ferrum.bench.tune_args import DTYPE_OPS
 from ferrum.bench.tune_ops import candidates
 from ferrum.bench.tune_shapes import (
-    DEFAULT_BATCH_SIZES,
-    DTYPE_OPS,
-    OPS,
     LinearShape,
     MoEShape,
     TuneTask,
@@ -33,30 +24,6 @@ from ferrum.bench.tune_store import Config, TuneStore
 
 TimeFn = Callable[[TuneTask, Config], float]
 CandidatesFn = Callable[[TuneTask], list[Config]]
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", help="model folder whose shapes to tune")
-    parser.add_argument(
-        "--shape", action="append", default=[], help="linear:N:K or moe:E:I:H:TOP_K (repeatable)"
-    )
-    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="weights")
-    parser.add_argument(
-        "--scale-format", choices=("block", "channel"), default="block",
-        help="FP8 linear weight scales (default: block, as --quantization fp8 makes)",
-    )  # fmt: skip
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--ops", default=None, help=f"comma list of {', '.join(OPS)}")
-    parser.add_argument(
-        "--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
-        help="comma list of row (token) counts: each is a table bucket",
-    )  # fmt: skip
-    parser.add_argument(
-        "--tuned-config-dir", type=Path, default=None,
-        help="folder to write (default: the one ferrum reads, ~/.cache/ferrum/tuned_configs)",
-    )  # fmt: skip
-    parser.add_argument("--iters", type=int, default=20, help="calls in a timed CUDA graph")
-    parser.add_argument("--repeats", type=int, default=5, help="timed graph replays (median)")
 
 
 @dataclass(frozen=True, slots=True)

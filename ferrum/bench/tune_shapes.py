@@ -12,12 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ferrum.bench.tune_args import OPS
 from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS
 from ferrum.model_arch import ModelArchConfig
-
-OPS = ("gemv", "fp8_gemm", "moe_grouped", "moe_small")
-DTYPE_OPS = {"bf16": ("gemv", "moe_grouped", "moe_small"), "fp8": OPS[1:]}
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 @dataclass(frozen=True, slots=True)

@@ -175,16 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_tune_command(commands: argparse._SubParsersAction) -> None:
-    from ferrum.bench import tune
+    from ferrum.bench import tune_args
 
     sub = commands.add_parser(
         "tune",
         help="time kernel tiles on this GPU and write its tuned tables (resumable)",
-        description=tune.__doc__,
+        description=tune_args.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    tune.add_cli_args(sub)
-    sub.set_defaults(handler=tune.main, parser=sub)
+    tune_args.add_cli_args(sub)
+    sub.set_defaults(handler=tune_args.main, parser=sub)
 
 
 def _add_bench_commands(commands: argparse._SubParsersAction) -> None:

@@ -15,7 +15,6 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.arrival_counters import arrival_counters
-from ferrum.kernels.fused_moe_config import DEFAULT_SMALL, pick
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 # Batches of at most this many tokens take the small-batch GEMV path (no align).
@@ -269,11 +268,6 @@ def _moe_down_split_gemv_kernel(
         out = total.to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + token * stride_om + offs_n, out, mask=n_mask)
         tl.store(counter, 0)
-
-
-def get_small_batch_config(num_tokens: int = 1) -> dict[str, int]:
-    """The small path's default tile config (no tuned file) for a batch of num_tokens."""
-    return pick(DEFAULT_SMALL, num_tokens)
 
 
 def _gemv_tiles(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferrum.bench import tune
+from ferrum.bench import tune, tune_args
 from ferrum.bench.tune_ops import candidates
 from ferrum.bench.tune_shapes import LinearShape, MoEShape, TuneTask, build_tasks
 from ferrum.bench.tune_store import LOG_NAME, TuneStore
@@ -29,7 +29,7 @@ from ferrum.kernels.tuned_tables import set_user_config_dir, user_config_dir
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    tune.add_cli_args(parser)
+    tune_args.add_cli_args(parser)
     return parser.parse_args(argv)
 
 
@@ -194,3 +194,17 @@ def test_the_command_refuses_without_cuda(capsys) -> None:
 
     assert main(["tune", "--shape", "linear:256:512"]) == 2
     assert "CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_cli_builds_without_importing_torch() -> None:
+    """`ferrum serve` and the other commands build the parser `tune` is on: no torch, no triton
+    (the API server's process never imports torch)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from ferrum.entrypoints.cli import build_parser; build_parser(); "
+        "print('torch' in sys.modules, 'triton' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
