@@ -147,3 +147,20 @@ def test_triton_kernels_match_peft(tiny_checkpoint, peft_adapter):
     )
     assert llm.llm_engine.core.executor.runner.lora.batch.segments is not None
     assert _greedy(llm, prompts, loras) == _expected(base, prompts, loras)
+
+
+def test_speculative_decoding_verifies_drafts_with_each_adapter(tiny_checkpoint, adapters):
+    """n-gram drafts are verified in one forward whose tokens carry their request's adapter."""
+    base = tiny_checkpoint("llama")
+    prompts = [p * 3 for p in random_prompts([5, 4, 6], seed=13)]  # repeats: n-gram matches
+    loras = [adapters[0], None, adapters[1]]
+    llm = make_llm(
+        base,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        num_kv_blocks=128,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    assert _greedy(llm, prompts, loras) == _expected(base, prompts, loras)
+    assert llm.llm_engine.stats().spec_num_drafts > 0
