@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# The command's flags only: the run (tune.py) is imported when it runs, so that building the
-# CLI imports neither torch nor triton.
+# The command's flags only (cli.py imports the run, tune.py, when it runs): building the CLI
+# imports neither torch nor triton.
 OPS = ("gemv", "fp8_gemm", "moe_grouped", "moe_small")
 DTYPE_OPS = {"bf16": ("gemv", "moe_grouped", "moe_small"), "fp8": OPS[1:]}
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -41,9 +41,3 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--iters", type=int, default=20, help="calls in a timed CUDA graph")
     parser.add_argument("--repeats", type=int, default=5, help="timed graph replays (median)")
-
-
-def main(args: argparse.Namespace) -> int:
-    from ferrum.bench.tune import main as run
-
-    return run(args)

@@ -184,7 +184,13 @@ def _add_tune_command(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     tune_args.add_cli_args(sub)
-    sub.set_defaults(handler=tune_args.main, parser=sub)
+    sub.set_defaults(handler=_tune, parser=sub)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from ferrum.bench.tune import main as run_tune
+
+    return run_tune(args)
 
 
 def _add_bench_commands(commands: argparse._SubParsersAction) -> None:
