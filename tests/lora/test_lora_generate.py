@@ -164,3 +164,20 @@ def test_speculative_decoding_verifies_drafts_with_each_adapter(tiny_checkpoint,
     )
     assert _greedy(llm, prompts, loras) == _expected(base, prompts, loras)
     assert llm.llm_engine.stats().spec_num_drafts > 0
+
+
+@pytest.mark.parametrize(
+    ("arch", "targets"),
+    [
+        ("qwen2", ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj")),  # q/k/v biases
+        ("gemma3", ("q_proj", "v_proj", "gate_proj", "down_proj")),  # sliding + global layers
+        ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj")),  # attention of a MoE model
+    ],
+)
+def test_other_families_match_peft(tiny_checkpoint, peft_adapter, arch, targets):
+    base = tiny_checkpoint(arch)
+    lora = LoRARequest("a", 1, peft_adapter(arch, rank=4, seed=6, targets=targets))
+    prompts = random_prompts([7, 11], seed=17)
+    loras = [lora, None]
+    llm = make_llm(base, enable_lora=True, max_lora_rank=8, num_kv_blocks=64)
+    assert _greedy(llm, prompts, loras) == _expected(base, prompts, loras)
