@@ -64,12 +64,22 @@ def adapters(peft_adapter):
     ]
 
 
-def test_three_adapters_and_the_base_in_one_batch_match_peft(tiny_checkpoint, adapters):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_three_adapters_and_the_base_in_one_batch_match_peft(
+    tiny_checkpoint, adapters, async_scheduling
+):
     base = tiny_checkpoint("llama")
     a, b, c = adapters
     prompts = random_prompts([5, 12, 3, 9, 7, 4], seed=1)
     loras = [a, None, b, c, a, None]
-    llm = make_llm(base, enable_lora=True, max_loras=3, max_lora_rank=8, num_kv_blocks=128)
+    llm = make_llm(
+        base,
+        enable_lora=True,
+        max_loras=3,
+        max_lora_rank=8,
+        num_kv_blocks=128,
+        async_scheduling=async_scheduling,
+    )
     got = _greedy(llm, prompts, loras)
     assert got == _expected(base, prompts, loras)
     assert got[:1] == _expected(base, prompts[:1], loras[:1], merged=True)
