@@ -78,33 +78,42 @@ def lora_for_model(engine: AsyncLLM, model: str | None) -> LoRARequest | None:
     return None if model is None else engine.loras.by_name.get(model)
 
 
+# vLLM's answer: a line of text; errors are OpenAI's JSON envelope.
+_RESPONSES: dict[int | str, dict] = {
+    200: {"description": "Done", "content": {"text/plain": {"schema": {"type": "string"}}}},
+    **ERROR_RESPONSES,
+}
+
+
 def add_lora_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> None:
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES)
+    # Loads and unloads one at a time: a name is checked and taken in one go.
+    changing = asyncio.Lock()
+
+    @app.post("/v1/load_lora_adapter", responses=_RESPONSES)
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         _check_enabled(engine, "load_lora_adapter")
         try:
-            # Reads the folder's files: off the event loop.
-            await asyncio.to_thread(
-                engine.loras.add, body.lora_name, body.lora_path, tuple(model_names)
-            )
+            async with changing:  # reads the folder's files: off the event loop
+                await asyncio.to_thread(
+                    engine.loras.add, body.lora_name, body.lora_path, tuple(model_names)
+                )
         except FieldError as e:
             raise APIError(400, str(e), param=e.field) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post(
-        "/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=ERROR_RESPONSES
-    )
+    @app.post("/v1/unload_lora_adapter", responses=_RESPONSES)
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         _check_enabled(engine, "unload_lora_adapter")
-        known = engine.loras.by_name.get(body.lora_name)
-        if known is None or body.lora_int_id not in (None, known.lora_int_id):
-            raise APIError(
-                404,
-                f"The LoRA adapter `{body.lora_name}` is not loaded",
-                param="lora_name",
-                code="model_not_found",
-            )
-        engine.loras.remove(body.lora_name)
+        async with changing:
+            known = engine.loras.by_name.get(body.lora_name)
+            if known is None or body.lora_int_id not in (None, known.lora_int_id):
+                raise APIError(
+                    404,
+                    f"The LoRA adapter `{body.lora_name}` is not loaded",
+                    param="lora_name",
+                    code="model_not_found",
+                )
+            engine.loras.remove(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
