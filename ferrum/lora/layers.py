@@ -102,8 +102,9 @@ class LoRALinear(nn.Module):
             else:
                 b = b[first_row : first_row + size]
             start = index * self.max_rank
-            self.lora_a[slot, start : start + rank].copy_(a)
-            self.lora_b[slot, offset : offset + size, :rank].copy_(b)
+            # Pinned host tensors on CUDA: queued without waiting (the host cache keeps them).
+            self.lora_a[slot, start : start + rank].copy_(a, non_blocking=True)
+            self.lora_b[slot, offset : offset + size, :rank].copy_(b, non_blocking=True)
 
     def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> None:
         t = self.batch.shrink(x, self.lora_a)

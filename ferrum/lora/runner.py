@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -16,6 +15,7 @@ from ferrum.config import EngineConfig
 from ferrum.lora.layers import LoRABatch, LoRALinear, install_lora_layers
 from ferrum.lora.weights import LoRAWeights
 from ferrum.lora_config import LoRAConfig
+from ferrum.model_executor.staging_buffer import StagingBuffer, staging_bytes
 from ferrum.scheduler.output import SchedulerOutput
 
 
@@ -37,10 +37,13 @@ class LoRARunner:
         # Adapter id -> device slot, least recently used first.
         self.slots: OrderedDict[int, int] = OrderedDict()
         self.req_lora_ids: dict[str, int] = {}
-        self._slots_np = np.full(max_tokens, -1, dtype=np.int32)
-        self._slots_cpu = torch.from_numpy(self._slots_np)
-        # Tokens of the previous step with an adapter: nothing to rewrite while both are 0.
-        self._num_marked = 0
+        self.max_tokens = max_tokens
+        # The slot map goes up through pinned memory (never waiting for the device), then into
+        # the persistent buffer by a device copy.
+        self._staging = StagingBuffer(staging_bytes((max_tokens, torch.int32)), device)
+        self._pin = device.type == "cuda"
+        # Whether the previous step had a token with an adapter (else the map is all -1 already).
+        self._marked = False
 
     def apply(self, scheduler_output: SchedulerOutput) -> None:
         """Takes the step's adapter updates (new weights, or None: dropped from the host cache
@@ -57,7 +60,7 @@ class LoRARunner:
                 if slot is not None:
                     self._fill_slot(slot, None)
             else:
-                self.host[lora_int_id] = weights
+                self.host[lora_int_id] = _pinned(weights) if self._pin else weights
         self.req_lora_ids.update(step.req_lora_ids)
 
     def prepare(self, num_scheduled_tokens: dict[str, int]) -> None:
@@ -65,22 +68,23 @@ class LoRARunner:
         scheduling order; every other entry -1)."""
         lora_ids = self.req_lora_ids
         wanted = {lora_ids[r] for r in num_scheduled_tokens if r in lora_ids}
-        if not wanted and not self._num_marked:
+        if not wanted and not self._marked:
             return
         assert len(wanted) <= self.max_loras, f"{len(wanted)} adapters > max_loras"
         slot_of = {lora_int_id: self._slot_for(lora_int_id, wanted) for lora_int_id in wanted}
-        slots_np = self._slots_np
-        slots_np[: self._num_marked] = -1
-        offset = marked = 0
+        self._staging.begin()
+        slots_np, staged = self._staging.take(self.max_tokens, torch.int32)
+        slots_np[:] = -1
+        offset = 0
         for req_id, n in num_scheduled_tokens.items():
             lora_int_id = lora_ids.get(req_id)
             if lora_int_id is not None:
                 slots_np[offset : offset + n] = slot_of[lora_int_id]
-                marked = offset + n
             offset += n
-        self._num_marked = marked
-        self.batch.token_slots.copy_(self._slots_cpu)
+        self._staging.copy()
+        self.batch.token_slots.copy_(staged)
         self.batch.regroup()
+        self._marked = bool(wanted)
 
     def _slot_for(self, lora_int_id: int, wanted: set[int]) -> int:
         """The adapter's slot, filling a free one or the least recently used one that this step
@@ -101,6 +105,15 @@ class LoRARunner:
     def _fill_slot(self, slot: int, weights: LoRAWeights | None) -> None:
         for key, layer in self.layers.items():
             layer.set_slot(slot, None if weights is None else weights.modules.get(key))
+
+
+def _pinned(weights: LoRAWeights) -> LoRAWeights:
+    """The adapter in pinned host memory: slot fills then never wait for the device."""
+    modules = {
+        key: {shard: (a.pin_memory(), b.pin_memory()) for shard, (a, b) in shards.items()}
+        for key, shards in weights.modules.items()
+    }
+    return LoRAWeights(weights.lora_int_id, weights.rank, modules)
 
 
 def lora_runner(
