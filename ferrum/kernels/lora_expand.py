@@ -11,9 +11,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
-from ferrum.kernels.lora_segments import LoRASegments
-
-BLOCK_M = 16
+from ferrum.kernels.lora_segments import LoRASegments, block_m
 
 
 @triton.jit
@@ -84,9 +82,10 @@ def lora_expand(
     if num_tokens == 0:
         return
     block_n = 64
-    grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(n, block_n), num_slots)
+    tile_m = block_m(num_tokens)
+    grid = (triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n), num_slots)
     _lora_expand_kernel[grid](
         t, lora_b, y, segments.sorted_tokens, segments.slot_starts, segments.slot_counts,
         n, k, t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=max(16, min(64, triton.next_power_of_2(k))),
+        BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=max(16, min(64, triton.next_power_of_2(k))),
     )  # fmt: skip

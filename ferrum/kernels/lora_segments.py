@@ -10,6 +10,12 @@ from dataclasses import dataclass
 import torch
 
 
+def block_m(num_tokens: int) -> int:
+    """Token tile: 16 rows for decode-sized batches, 64 for prompt chunks (fewer idle
+    programs over a long chunk's slots). A rule of the token count alone (CUDA-graph safe)."""
+    return 16 if num_tokens <= 256 else 64
+
+
 @dataclass(slots=True)
 class LoRASegments:
     sorted_tokens: torch.Tensor  # [max_tokens] int32: token ids ordered by slot

@@ -11,9 +11,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
-from ferrum.kernels.lora_segments import LoRASegments
-
-BLOCK_M = 16
+from ferrum.kernels.lora_segments import LoRASegments, block_m
 
 
 @triton.jit
@@ -83,10 +81,11 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -
     if num_tokens == 0:
         return out
     block_n = max(16, min(64, triton.next_power_of_2(n)))
-    grid = (triton.cdiv(num_tokens, BLOCK_M), triton.cdiv(n, block_n), num_slots)
+    tile_m = block_m(num_tokens)
+    grid = (triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n), num_slots)
     _lora_shrink_kernel[grid](
         x, lora_a, out, segments.sorted_tokens, segments.slot_starts, segments.slot_counts,
         n, k, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64,
+        BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=64,
     )  # fmt: skip
     return out

@@ -25,7 +25,8 @@ def _batch(num_tokens: int, num_slots: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "k", "n", "num_slots"), [(1, 40, 8, 1), (7, 72, 24, 3), (37, 96, 16, 4)]
+    ("num_tokens", "k", "n", "num_slots"),
+    [(1, 40, 8, 1), (7, 72, 24, 3), (37, 96, 16, 4), (300, 80, 16, 2)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_shrink_matches_reference(
@@ -35,7 +36,7 @@ def test_shrink_matches_reference(
     x = torch.randn(num_tokens, k, device=DEVICE).to(dtype)
     lora_a = torch.randn(num_slots, n, k, device=DEVICE).to(dtype)
     expected = lora_shrink_ref(x, lora_a, slots)
-    segments = LoRASegments.empty(64, num_slots, DEVICE)
+    segments = LoRASegments.empty(512, num_slots, DEVICE)
     segments.fill(slots)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(lora_shrink(x, lora_a, segments), expected, atol=tol, rtol=tol)
@@ -43,7 +44,8 @@ def test_shrink_matches_reference(
 
 
 @pytest.mark.parametrize(
-    ("num_tokens", "k", "n", "num_slots"), [(1, 8, 40, 1), (9, 16, 72, 3), (33, 24, 130, 4)]
+    ("num_tokens", "k", "n", "num_slots"),
+    [(1, 8, 40, 1), (9, 16, 72, 3), (33, 24, 130, 4), (300, 8, 40, 2)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_expand_adds_in_place_on_a_column_slice(
@@ -55,7 +57,7 @@ def test_expand_adds_in_place_on_a_column_slice(
     wide = torch.randn(num_tokens, n + 10, device=DEVICE).to(dtype)
     expected = wide.clone()
     lora_expand_ref(t, lora_b, slots, expected[:, 5 : 5 + n])
-    segments = LoRASegments.empty(64, num_slots, DEVICE)
+    segments = LoRASegments.empty(512, num_slots, DEVICE)
     segments.fill(slots)
     got = wide.clone()
     lora_expand(t, lora_b, segments, got[:, 5 : 5 + n])
