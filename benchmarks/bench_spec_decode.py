@@ -23,6 +23,8 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser.set_defaults(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16")
     parser.add_argument("--out", required=True)
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
-    parser.add_argument("--alphas", default="0,0.7", help="replay acceptance rates")
+    parser.add_argument("--alphas", default="0,0.7,1", help="replay acceptance rates")
     parser.add_argument("--draft-model", default=None, help="a draft model folder (dummy too)")
     parser.add_argument("--on-config", type=json.loads, default=NGRAM)
     parser.add_argument("--throughput", default="c64,nano", help="'' to skip step 4")
@@ -69,19 +71,18 @@ def lat_prompts(vocab_size: int, args: argparse.Namespace) -> list[list[int]]:
     return workloads.fold_to_vocab(prompts, vocab_size)
 
 
-def engine(args: argparse.Namespace, **overrides: Any) -> LLM:
-    values = vars(EngineArgs.from_cli_args(args, args.model)) | overrides
-    llm = LLM(**values)
-    synchronize(llm)
-    return llm
-
-
-def close(llm: LLM) -> None:
-    llm.shutdown()
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def with_engine(args: argparse.Namespace, run: Callable[[LLM], Any], **overrides: Any) -> Any:
+    """`run(llm)` on a fresh engine, which is then shut down and its GPU memory freed."""
+    llm = LLM(**(vars(EngineArgs.from_cli_args(args, args.model)) | overrides))
+    try:
+        synchronize(llm)
+        return run(llm)
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def spec_stats(llm: LLM) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def throughput(llm: LLM, names: list[str], vocab_size: int, seed: int) -> dict[s
     }
 
 
-def draft_time_per_token(llm: LLM, prompt: list[int], k: int) -> float:
+def draft_time_per_token(llm: LLM, prompt: list[int]) -> float:
     """Seconds the draft model takes per proposed token: its `propose` calls during one
     512-token greedy decode, timed with a device sync around each."""
     runner = llm.llm_engine.client.core.executor.runner  # in-process, one GPU
@@ -134,44 +135,55 @@ def main() -> None:
     args = parse_args()
     report: dict[str, Any] = {"model": args.model, "k": args.num_speculative_tokens}
     names = [n for n in args.throughput.split(",") if n]
-    base = engine(args)
-    vocab_size = base.llm_engine.config.model_config.vocab_size
-    seed = base.llm_engine.config.model_config.seed
-    report["off"] = {"lat": run_lat(base, vocab_size, 1.0, args.lat_warmup, args.lat_iters)}
-    report["off"] |= throughput(base, names, vocab_size, seed)
-    prompts = lat_prompts(vocab_size, args)
-    greedy = SamplingParams(temperature=0.0, max_tokens=513, ignore_eos=True)
-    outputs = base.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-    close(base)
-    recorded = Path(tempfile.mkdtemp()) / "continuations.json"
-    recorded.write_text(
-        json.dumps(
-            {",".join(map(str, p)): o.outputs[0].token_ids for p, o in zip(prompts, outputs)}
-        )
-    )
+    lat = partial(run_lat, scale=1.0, num_warmup=args.lat_warmup, num_iters=args.lat_iters)
+
+    def off(llm: LLM) -> tuple[dict[str, Any], dict[str, list[int]]]:
+        config = llm.llm_engine.config.model_config
+        figures = {"lat": lat(llm, config.vocab_size)}
+        figures |= throughput(llm, names, config.vocab_size, config.seed)
+        prompts = lat_prompts(config.vocab_size, args)
+        greedy = SamplingParams(temperature=0.0, max_tokens=513, ignore_eos=True)
+        # One at a time, like lat: a batch's other numerics could change a near-tied token.
+        recorded = {}
+        for p in prompts:
+            (output,) = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)
+            recorded[",".join(map(str, p))] = output.outputs[0].token_ids
+        return figures | {"vocab_size": config.vocab_size, "seed": config.seed}, recorded
+
+    report["off"], recorded = with_engine(args, off)
+    vocab_size, seed = report["off"]["vocab_size"], report["off"]["seed"]
+    path = Path(tempfile.mkdtemp()) / "continuations.json"
+    path.write_text(json.dumps(recorded))
     k = args.num_speculative_tokens
     report["replay"] = {}
     for alpha in [float(a) for a in args.alphas.split(",")]:
-        spec = {"method": "replay", "num_speculative_tokens": k, "model": str(recorded),
+        spec = {"method": "replay", "num_speculative_tokens": k, "model": str(path),
                 "acceptance_rate": alpha}  # fmt: skip
-        llm = engine(args, speculative_config=spec)
-        lat = run_lat(llm, vocab_size, 1.0, args.lat_warmup, args.lat_iters)
-        report["replay"][str(alpha)] = {"lat": lat, **spec_stats(llm)}
-        close(llm)
+        report["replay"][str(alpha)] = with_engine(
+            args, lambda llm: {"lat": lat(llm, vocab_size), **spec_stats(llm)},
+            speculative_config=spec,
+        )  # fmt: skip
         _write(args.out, report)
     if args.draft_model:
         spec = {"method": "draft_model", "num_speculative_tokens": k, "model": args.draft_model}
-        llm = engine(args, speculative_config=spec)
-        lat = run_lat(llm, vocab_size, 1.0, args.lat_warmup, args.lat_iters)
-        per_token = draft_time_per_token(llm, prompts[0], k)
-        report["draft_model"] = {"lat": lat, "draft_s_per_token": per_token, **spec_stats(llm)}
-        close(llm)
+        first_prompt = [int(t) for t in next(iter(recorded)).split(",")]
+
+        def drafted(llm: LLM) -> dict[str, Any]:
+            figures = {"lat": lat(llm, vocab_size)}
+            figures["draft_s_per_token"] = draft_time_per_token(llm, first_prompt)
+            return figures | spec_stats(llm)
+
+        report["draft_model"] = with_engine(args, drafted, speculative_config=spec)
         _write(args.out, report)
     if names:
-        llm = engine(args, speculative_config=args.on_config)
-        report["on"] = {"config": args.on_config, **throughput(llm, names, vocab_size, seed)}
-        report["on"] |= spec_stats(llm)
-        close(llm)
+        report["on"] = with_engine(
+            args,
+            lambda llm: (
+                {"config": args.on_config, **throughput(llm, names, vocab_size, seed)}
+                | spec_stats(llm)
+            ),
+            speculative_config=args.on_config,
+        )
     _write(args.out, report)
     print(json.dumps(_summary(report), indent=1))
 

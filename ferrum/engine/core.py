@@ -207,18 +207,14 @@ class EngineCore:
 
     def _needs_previous_tokens(self) -> bool:
         """Whether the step in flight must complete before the next is scheduled: synchronous
-        scheduling, penalties or bad words, and speculative decoding while it may propose (a
-        step's drafts follow its last token) or verified drafts in that step."""
+        scheduling, penalties or bad words, and speculative decoding while a request holds
+        drafts (they follow its last token, which must be known) or the step verifies some."""
         if not self.async_scheduling or self.scheduler.needs_host_history():
             return True
-        spec = self.config.speculative_config
-        if spec is None:
+        if self.config.speculative_config is None:
             return False
-        limit = spec.disable_by_batch_size
-        return (
-            bool(self._in_flight[-1][0].scheduled_spec_decode_tokens)
-            or limit is None
-            or self.scheduler.num_running < limit
+        return bool(self._in_flight[-1][0].scheduled_spec_decode_tokens) or (
+            self.scheduler.has_drafts()
         )
 
     def _sample_deferred(self) -> None:

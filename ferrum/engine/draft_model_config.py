@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ferrum.config import ModelConfig
 from ferrum.config_fields import field_error
-from ferrum.model_executor.kv_cache_sizing import kv_cache_group_specs
+from ferrum.kv.kv_cache_spec import kv_cache_groups
 from ferrum.speculative_config import SpeculativeConfig
 
 
@@ -36,7 +36,9 @@ def draft_model_config(spec: SpeculativeConfig | None, target: ModelConfig) -> M
         )
     if draft.arch.linear_attention_layers:
         raise field_error(name, f"a {draft.architecture} draft (linear attention) is not supported")
-    first = kv_cache_group_specs(target)[0]
+    arch = target.arch
+    windows = [arch.layer_sliding_window(i) for i in range(arch.num_hidden_layers)]
+    first = kv_cache_groups(windows, arch.linear_attention_layers)[0]
     if first.sliding_window is not None or first.recurrent:
         raise field_error(
             name, f"a draft model needs full-attention layers in the target {target.architecture}"

@@ -49,7 +49,7 @@ class CUDAGraphRunner:
     ) -> None:
         """`stage_input_size`: the hidden size of the activations a pipeline stage after the
         first receives (None on the first stage). `verify_query_len` > 1: verify graphs for
-        batches of 2 to `max_verify_batch_size` requests."""
+        batches of 1 to `max_verify_batch_size` requests."""
         self.model = model
         self.inputs = inputs
         self.device = device
@@ -57,8 +57,8 @@ class CUDAGraphRunner:
         self.prefill_sizes = [s for s in PREFILL_SIZES if s <= max_prefill_tokens]
         self.verify_query_len = verify_query_len
         self.verify_sizes = (
-            [s for s in capture_sizes(max_verify_batch_size) if s > 1]
-            if verify_query_len > 1 and max_verify_batch_size > 1
+            capture_sizes(max_verify_batch_size)
+            if verify_query_len > 1 and max_verify_batch_size > 0
             else []
         )
         # Keyed by padded shape: (tokens, requests).
@@ -102,12 +102,12 @@ class CUDAGraphRunner:
         if num_tokens == num_reqs:
             size = self.decode_size(num_reqs)
             return None if size is None else (size, size)
-        if num_reqs == 1:
-            size = self.prefill_size(num_tokens)
-            return None if size is None else (size, 1)
         q = self.verify_query_len
         size = _smallest_at_least(self.verify_sizes, num_reqs) if max_query_len <= q else None
-        return None if size is None else (size * q, size)
+        if size is not None:
+            return size * q, size
+        size = self.prefill_size(num_tokens) if num_reqs == 1 else None
+        return None if size is None else (size, 1)
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -18,6 +18,9 @@ from ferrum.sampling_params import ResolvedSamplingParams
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput, SpecDecodeOutput
 from ferrum.structured_output import StructuredOutputMatcher
 
+# The weight of a verify step's acceptance in a request's moving average.
+ACCEPTANCE_WEIGHT = 0.3
+
 
 @dataclass(slots=True)
 class CachedRequestState:
@@ -33,6 +36,8 @@ class CachedRequestState:
     generator: torch.Generator | None
     # Sampled by launched steps and not yet completed (appended to token_ids on completion).
     num_output_placeholders: int = 0
+    # Speculative decoding: a moving average of the fraction of its drafts accepted.
+    draft_acceptance: float = 1.0
 
 
 class RequestStates(dict[str, CachedRequestState]):
@@ -159,6 +164,9 @@ def append_verified(
         state.output_token_ids.extend(emitted)
         state.token_ids.extend(emitted)
         state.num_computed_tokens -= len(drafts) + 1 - len(emitted)
+        if drafts:
+            rate = (len(emitted) - 1) / len(drafts)
+            state.draft_acceptance += ACCEPTANCE_WEIGHT * (rate - state.draft_acceptance)
         sampled.append(emitted[-1])
         entries = None if token_logprobs is None else token_logprobs[i]
         logprobs.append(None if entries is None else entries[-1])

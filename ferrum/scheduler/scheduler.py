@@ -287,6 +287,10 @@ class Scheduler:
             return 0
         return coming - request.num_computed_tokens
 
+    def has_drafts(self) -> bool:
+        """Whether a running request holds drafts to verify (speculative decoding)."""
+        return any(r.spec_token_ids for r in self.running)
+
     def _has_step_in_flight(self, request: Request) -> bool:
         """Whether a launched, not yet completed step samples for `request`: a request preempted
         while its token was in the pipe (two or more steps in flight: pipeline parallelism)

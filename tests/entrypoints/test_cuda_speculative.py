@@ -1,7 +1,8 @@
 """Speculative decoding on the GPU (runs only with CUDA): greedy tokens equal those without
-speculation through the verify CUDA graphs (batches of 2..15 requests) and eagerly, at several
+speculation through the verify CUDA graphs (batches of 1..15 requests) and eagerly, at several
 acceptance rates; at a real model's shapes (Qwen3-0.6B, random bf16 weights) in batch-invariant
-mode, where the verify rows' numerics equal a decode's, bitwise."""
+mode, where the verify rows' numerics equal a decode's, bitwise, with replayed drafts and with
+the model as its own draft model (all accepted)."""
 
 from __future__ import annotations
 
@@ -39,27 +40,36 @@ def test_greedy_tokens_equal_those_without_speculation(
     enforce_eager: bool,  # noqa: ANN001
 ) -> None:
     path = tiny_checkpoint("qwen3")
-    expected = generate(cuda_llm(path, enforce_eager=enforce_eager))
+    # A small KV pool each: several engines share the GPU.
+    kwargs = dict(enforce_eager=enforce_eager, kv_cache_memory_bytes=1 << 30)
+    expected = generate(cuda_llm(path, **kwargs))
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
-    llm = cuda_llm(path, enforce_eager=enforce_eager, speculative_config=ngram)
+    llm = cuda_llm(path, speculative_config=ngram, **kwargs)
     assert generate(llm) == expected
     assert llm.llm_engine.stats().spec_num_drafts > 0
     for rate in (1.0, 0.6, 0.0):
         spec = replay(tmp_path / "c.json", PROMPTS, expected, rate)
-        llm = cuda_llm(path, enforce_eager=enforce_eager, speculative_config=spec)
+        llm = cuda_llm(path, speculative_config=spec, **kwargs)
         assert generate(llm) == expected
-        assert generate(llm, PROMPTS[:1]) == expected[:1]  # batch 1: a prefill graph
+        assert generate(llm, PROMPTS[:1]) == expected[:1]  # batch 1
 
 
 def test_real_shapes_in_batch_invariant_mode_are_bitwise_equal(tmp_path: Path) -> None:
     kwargs = dict(
         load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2048,
-        batch_invariant=True, max_num_seqs=32,
+        batch_invariant=True, max_num_seqs=32, kv_cache_memory_bytes=4 << 30,
     )  # fmt: skip
     model = str(MODELS / "qwen3-0.6b")
-    expected = generate(LLM(model, **kwargs))
-    spec = replay(tmp_path / "c.json", PROMPTS, expected, 0.7)
+    prompts = [[t + 1000 for t in p] for p in PROMPTS]
+    expected = generate(LLM(model, **kwargs), prompts)
+    spec = replay(tmp_path / "c.json", prompts, expected, 0.7)
     llm = LLM(model, speculative_config=spec, **kwargs)
-    assert generate(llm) == expected
+    assert generate(llm, prompts) == expected
     stats = llm.llm_engine.stats()
-    assert 0.5 < stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens < 0.9
+    # Three drafts accepted with probability 0.7 each, until the first refusal.
+    assert 0.4 < stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens < 0.65
+    draft = {"method": "draft_model", "num_speculative_tokens": 3, "model": model}
+    llm = LLM(model, speculative_config=draft, **kwargs)  # its own draft: all accepted
+    assert generate(llm, prompts) == expected
+    stats = llm.llm_engine.stats()
+    assert stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens > 0.95

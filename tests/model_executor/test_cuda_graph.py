@@ -99,15 +99,16 @@ def test_buckets_are_the_smallest_captured_size_that_fits(runner: CUDAGraphRunne
 
 
 def test_verify_graphs_take_batches_of_short_chunks() -> None:
-    """Speculative decoding: batches of 2..6 requests of at most 4 tokens (1 + 3 drafts) run
+    """Speculative decoding: batches of 1..6 requests of at most 4 tokens (1 + 3 drafts) run
     as B' requests of 4 tokens each, B' the smallest captured batch >= B."""
     inputs = InputBuffers(64, 8, 8 * BLOCK_SIZE, BLOCK_SIZE, torch.device("cpu"))
     runner = CUDAGraphRunner(nn.Identity(), inputs, 8, 64, torch.device("cpu"), None, None, 4, 6)
-    assert runner.verify_sizes == [2, 4, 6]
+    assert runner.verify_sizes == [1, 2, 4, 6]
     assert runner.padded_shape(3, 9, 4) == (16, 4) and runner.padded_shape(2, 3, 2) == (8, 2)
     assert runner.padded_shape(3, 9, 5) is None  # a chunk longer than a verify row
     assert runner.padded_shape(7, 10, 2) is None  # more requests than the largest verify batch
-    assert runner.padded_shape(1, 4, 4) == (16, 1)  # one request: a prefill graph
+    assert runner.padded_shape(1, 4, 4) == (4, 1)
+    assert runner.padded_shape(1, 9, 9) == (16, 1)  # a longer chunk: a prefill graph
     requests = {
         "a": Req([1, 2, 3, 4, 5], [1], 1),
         "b": Req([6, 7], [2], 1),

@@ -84,7 +84,7 @@ class SpeculativeDecoder:
             if params.structured_outputs is not None:
                 continue
             max_drafts = min(
-                self.config.num_speculative_tokens,
+                drafts_worth_proposing(state, self.config.num_speculative_tokens),
                 params.max_tokens - len(state.output_token_ids) - 1,
                 self.max_model_len - len(state.token_ids) - 1,
             )
@@ -105,6 +105,18 @@ class SpeculativeDecoder:
             if drafts:
                 proposals[state.req_id] = drafts
         return proposals
+
+
+def drafts_worth_proposing(state: CachedRequestState, k: int) -> int:
+    """k while most of a request's recent drafts were accepted, 1 while few were, none while
+    almost none were; the average creeps back up while the request proposes none, so that it
+    tries again after ~20 steps (a text that turns repetitive)."""
+    if state.draft_acceptance >= 0.4:
+        return k
+    if state.draft_acceptance >= 0.1:
+        return 1
+    state.draft_acceptance += 0.005
+    return 0
 
 
 def speculative_decoder(
