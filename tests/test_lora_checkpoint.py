@@ -117,6 +117,14 @@ def test_limits_are_validated(kwargs, message) -> None:
         LoRAConfig(enable_lora=True, **kwargs)
 
 
+def test_vllm_lora_arguments_ferrum_lacks_are_refused_unless_off() -> None:
+    from ferrum.engine.arg_utils import check_not_supported_yet
+
+    check_not_supported_yet({"fully_sharded_loras": False, "lora_dtype": "auto"})
+    with pytest.raises(ValueError, match="fully_sharded_loras=True: not supported yet"):
+        check_not_supported_yet({"fully_sharded_loras": True})
+
+
 def test_llm_refuses_adapters_it_cannot_serve(tiny_checkpoint, peft_adapter) -> None:
     base = tiny_checkpoint("llama")
     adapter = LoRARequest("a", 1, peft_adapter("llama", rank=4))

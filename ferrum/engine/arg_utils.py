@@ -33,6 +33,8 @@ logger = init_logger(__name__)
 # vLLM engine arguments ferrum does not have -> the value that means "off" in vLLM (accepted: it
 # asks for what ferrum does); any other value raises a ValueError naming the argument.
 NOT_SUPPORTED_YET: dict[str, Any] = {
+    "fully_sharded_loras": False,
+    "lora_dtype": "auto",
     "revision": None,
     "download_dir": None,
     "hf_token": None,

@@ -1,17 +1,21 @@
-"""LoRA under tensor parallelism: two worker processes (gloo) each hold their share of every
+"""LoRA over worker processes (gloo): under tensor parallelism each rank holds its share of every
 adapter (column-parallel layers their rows of B per q/k/v or gate/up shard, row-parallel ones
-their input columns of A), get the adapters' weights with the step that first needs them, and
-give transformers + PEFT's greedy tokens with adapters and the base model mixed in one batch.
-The tiny llama has 2 KV heads: each rank holds one of k's and v's."""
+their input columns of A); under pipeline parallelism each stage its layers' part. Workers get
+the adapters' weights with the step that first needs them and give transformers + PEFT's greedy
+tokens with adapters and the base model mixed in one batch. The tiny llama has 2 KV heads: each
+tensor-parallel rank holds one of k's and v's."""
 
 from __future__ import annotations
+
+import pytest
 
 from ferrum import LoRARequest, SamplingParams
 from tests.utils.lora_adapters import peft_greedy
 from tests.utils.tiny_llm import MAX_TOKENS, make_llm, random_prompts
 
 
-def test_two_ranks_give_peft_tokens(tiny_checkpoint, peft_adapter) -> None:
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_two_ranks_give_peft_tokens(tiny_checkpoint, peft_adapter, parallel) -> None:
     base = tiny_checkpoint("llama")
     a = LoRARequest("a", 1, peft_adapter("llama", rank=4, alpha=8.0, seed=1))
     b = LoRARequest("b", 2, peft_adapter("llama", rank=8, use_rslora=True, seed=7))
@@ -19,7 +23,6 @@ def test_two_ranks_give_peft_tokens(tiny_checkpoint, peft_adapter) -> None:
     loras = [a, None, b, a]
     llm = make_llm(
         base,
-        tensor_parallel_size=2,
         distributed_executor_backend="mp",
         enable_lora=True,
         max_loras=2,
@@ -27,6 +30,7 @@ def test_two_ranks_give_peft_tokens(tiny_checkpoint, peft_adapter) -> None:
         num_kv_blocks=64,
         max_num_batched_tokens=8,
         num_cpu_threads=1,
+        **{parallel: 2},
     )
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

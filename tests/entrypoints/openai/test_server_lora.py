@@ -77,6 +77,8 @@ def test_adapters_are_listed_and_picked_by_model(lora_server, adapters) -> None:
         _greedy_ids(lora_server, DEFAULT_MODEL_NAME)
         == peft_greedy(DEFAULT_MODEL_DIR, None, [PROMPT], MAX_TOKENS)[0]
     )
+    chat = {"model": "sql", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    assert _post(lora_server, "/v1/chat/completions", chat).status_code == 200
     response = _post(lora_server, "/v1/completions", {"model": "nope", "prompt": "x"})
     assert response.status_code == 404 and "'sql'" in response.json()["error"]["message"]
 
