@@ -8,10 +8,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ferrum.request import Request
 
 NULL_BLOCK_ID = 0
-# The parent entry id of a sequence's first block.
+# The parent entry id of a sequence's first block (a base-model request's: `root_entry_id`).
 ROOT_ENTRY_ID = 0
+
+
+def root_entry_id(request: Request) -> int:
+    """The parent entry id of a request's first block: ROOT_ENTRY_ID, or minus its LoRA
+    adapter's id (entry ids are positive), so that a first block computed with another adapter
+    never verifies, even when its hash collides: KV is never shared across adapters."""
+    return ROOT_ENTRY_ID if request.lora is None else -request.lora.lora_int_id
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ copies the snapshot before the forward; the request holds the snapshot until its
 from __future__ import annotations
 
 from ferrum.kv import block_hash
-from ferrum.kv.block_pool import NULL_BLOCK_ID, ROOT_ENTRY_ID
+from ferrum.kv.block_pool import NULL_BLOCK_ID, root_entry_id
 from ferrum.kv.layer_group_manager import LayerGroupManager
 from ferrum.kv.sliding_window_manager import UNBOUNDED_TOKENS
 from ferrum.request import Request
@@ -161,7 +161,9 @@ class RecurrentStateManager(LayerGroupManager):
         if slot not in self._held.get(request.req_id, ()):
             return None  # its request ended (or was preempted) before this pass
         tokens = request.all_token_ids[block * size : (block + 1) * size]
-        self.block_pool.cache_block(slot, request.block_hashes[block], ROOT_ENTRY_ID, tokens)
+        self.block_pool.cache_block(
+            slot, request.block_hashes[block], root_entry_id(request), tokens
+        )
         return slot if self.block_pool.entry(slot) is not None else None
 
     def _num_entries(self, num_tokens: int) -> int:

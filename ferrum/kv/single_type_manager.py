@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ferrum.kv import block_hash
-from ferrum.kv.block_pool import NULL_BLOCK_ID, ROOT_ENTRY_ID
+from ferrum.kv.block_pool import NULL_BLOCK_ID, root_entry_id
 from ferrum.kv.layer_group_manager import LayerGroupManager
 from ferrum.request import Request
 
@@ -45,7 +45,7 @@ class FullAttentionManager(LayerGroupManager):
         """The cached blocks verified, each after its parent, against the request's first full
         blocks, up to `max_blocks` (block hashes must cover them)."""
         size = self.block_size
-        parent_entry_id = ROOT_ENTRY_ID
+        parent_entry_id = root_entry_id(request)
         block_ids: list[int] = []
         for i in range(max_blocks):
             block_id = self.block_pool.lookup(
@@ -191,7 +191,7 @@ class FullAttentionManager(LayerGroupManager):
         )
         token_ids = request.all_token_ids
         size = self.block_size
-        parent_entry_id = state.entry_ids[-1] if state.entry_ids else ROOT_ENTRY_ID
+        parent_entry_id = state.entry_ids[-1] if state.entry_ids else root_entry_id(request)
         for i in range(start, num_full_blocks):
             block_id = state.block_ids[i]
             parent_entry_id = self.block_pool.cache_block(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ferrum.kv.block_pool import NULL_BLOCK_ID, ROOT_ENTRY_ID
+from ferrum.kv.block_pool import NULL_BLOCK_ID, root_entry_id
 from ferrum.kv.single_type_manager import FullAttentionManager, RequestBlocks
 from ferrum.request import Request
 
@@ -55,12 +55,12 @@ class SlidingWindowManager(FullAttentionManager):
         best: list[int] = []
         run_start = 0  # first block of the current run of cached, chained blocks
         run: list[int] = []
-        parent_entry_id = ROOT_ENTRY_ID
+        root = parent_entry_id = root_entry_id(request)
         for i in range(max_blocks):
             tokens = request.all_token_ids[i * size : (i + 1) * size]
             block_id = pool.find(request.block_hashes[i], tokens)
             entry = None if block_id is None else pool.entry(block_id)
-            if entry is None or (i == 0 and entry.parent_entry_id != ROOT_ENTRY_ID):
+            if entry is None or (i == 0 and entry.parent_entry_id != root):
                 run, run_start = [], i + 1
                 continue
             if not run or entry.parent_entry_id != parent_entry_id:

@@ -63,3 +63,25 @@ def test_prefix_cache_blocks_are_keyed_by_adapter() -> None:
     assert kv.get_computed_blocks(same_tokens[0])[1] == 8
     assert kv.get_computed_blocks(same_tokens[1])[1] == 0
     assert same_tokens[1].block_hashes[0] != same_tokens[0].block_hashes[0]
+
+
+def test_a_hash_collision_across_adapters_is_never_a_hit(monkeypatch) -> None:
+    """Block hashes that ignore the adapter (a collision): the first block's parent entry (the
+    adapter's root) still tells them apart."""
+    from ferrum.kv import block_hash
+
+    original = block_hash.hash_block_tokens
+    monkeypatch.setattr(
+        block_hash, "hash_block_tokens", lambda parent, tokens, extra=None: original(parent, tokens)
+    )
+    scheduler = make_scheduler()
+    scheduler.add_request(_with_adapter(make_request("one", 9, max_tokens=1), 1, 4))
+    run_step(scheduler)
+    run_step(scheduler)
+    kv = scheduler.kv_cache_manager
+    other = _with_adapter(make_request("two", 9, max_tokens=1), 2, 4)
+    same = _with_adapter(make_request("again", 9, max_tokens=1), 1, 4)
+    assert kv.get_computed_blocks(other)[1] == 0
+    assert kv.get_computed_blocks(same)[1] == 8
+    assert other.block_hashes[:2] == same.block_hashes[:2]  # the collision
+    assert kv.get_computed_blocks(make_request("base", 9, max_tokens=1))[1] == 0
