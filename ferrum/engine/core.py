@@ -35,6 +35,7 @@ from ferrum.logger import init_logger
 from ferrum.lora.loads import lora_loads
 from ferrum.model_executor.kv_cache_sizing import kv_cache_group_specs
 from ferrum.request import Logprobs, Request, RequestStatus
+from ferrum.scheduler.lora_admission import lora_adapter_stats
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.scheduler.scheduler import Scheduler
 from ferrum.speculative_config import num_lookahead_tokens
@@ -331,6 +332,7 @@ class EngineCore:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=tuple(spec.accepted_per_position),
+            **lora_adapter_stats(self.scheduler.running, self.scheduler.waiting),
         )
 
 

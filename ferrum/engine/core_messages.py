@@ -74,6 +74,9 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # LoRA: the adapters of the running and of the waiting requests, by name (sorted).
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

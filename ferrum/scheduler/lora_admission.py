@@ -20,3 +20,12 @@ def lora_admits(request: Request, running: Iterable[Request]) -> bool:
         return False
     in_use = {r.lora.lora_int_id for r in running if r.lora is not None}
     return lora.lora_int_id in in_use or len(in_use) < lora.max_loras
+
+
+def lora_adapter_stats(running: Iterable[Request], waiting: Iterable[Request]) -> dict:
+    """`SchedulerStats`' LoRA fields: the adapter names of the running and waiting requests."""
+
+    def names(requests: Iterable[Request]) -> tuple[str, ...]:
+        return tuple(sorted({r.lora.lora_request.lora_name for r in requests if r.lora}))
+
+    return {"running_lora_adapters": names(running), "waiting_lora_adapters": names(waiting)}

@@ -6,6 +6,7 @@ the API process to first scheduling, prefill to the first token, decode from the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,9 +72,10 @@ _E2E_BUCKETS = (
 
 
 class _EngineStatsCollector(Collector):
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, max_loras: int | None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_loras = max_loras
 
     def collect(self) -> Iterator[Metric]:
         """One sample per engine core (label `engine`: the data-parallel replica index); the
@@ -124,6 +126,8 @@ class _EngineStatsCollector(Collector):
             lambda s: s.num_preemptions,
         )
         yield from _spec_decode_families(family, replicas, self.model_name)
+        if self.max_loras is not None:
+            yield _lora_info(replicas, self.max_loras)
         iteration_tokens = HistogramMetricFamily(
             "ferrum:iteration_tokens_total",
             "Tokens (prompt and generated) per engine step",
@@ -179,11 +183,28 @@ def _spec_decode_families(
     yield per_position
 
 
+def _lora_info(replicas: list[tuple[str, SchedulerStats | None]], max_loras: int) -> Metric:
+    """vLLM's lora_requests_info: the adapters in use as labels (comma-separated names), the
+    scrape's wall time as the value."""
+    info = GaugeMetricFamily(
+        "ferrum:lora_requests_info",
+        "LoRA adapters of the running and waiting requests",
+        labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters", "engine"],
+    )
+    now = time.time()
+    for engine, stats in replicas:
+        running = ",".join(stats.running_lora_adapters) if stats else ""
+        waiting = ",".join(stats.waiting_lora_adapters) if stats else ""
+        info.add_metric([str(max_loras), running, waiting, engine], now)
+    return info
+
+
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, max_loras: int | None = None) -> None:
+        """`max_loras`: the engine's, with LoRA on (None: no `lora_requests_info`)."""
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.registry.register(_EngineStatsCollector(engine, model_name))
+        self.registry.register(_EngineStatsCollector(engine, model_name, max_loras))
         labels = ["model_name"]
         self.time_to_first_token = Histogram(
             "ferrum:time_to_first_token_seconds",

@@ -173,7 +173,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_info_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> None:
-    metrics = ServerMetrics(engine, model_names[0])
+    lora = engine.config.lora_config
+    metrics = ServerMetrics(engine, model_names[0], lora.max_loras if lora.enable_lora else None)
     add_info_routes(app, engine, model_names)
 
     @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD

@@ -101,6 +101,13 @@ def test_load_and_unload_while_streams_run(lora_server, adapters) -> None:
 
     with ThreadPoolExecutor(4) as pool:
         streams = [pool.submit(stream, m) for m in ("sql", DEFAULT_MODEL_NAME) * 2]
+        seen = set()
+        for _ in range(50):  # the metric names the adapters of requests in flight
+            text = httpx.get(lora_server.url + "/metrics", headers=lora_server.headers).text
+            line = next(x for x in text.splitlines() if x.startswith("ferrum:lora_requests_info"))
+            seen.add('running_lora_adapters="sql"' in line and 'max_lora="2"' in line)
+            if True in seen or all(s.done() for s in streams):
+                break
         loaded = _post(lora_server, "/v1/load_lora_adapter", body)
         assert loaded.status_code == 200, loaded.text
         assert (
@@ -110,6 +117,7 @@ def test_load_and_unload_while_streams_run(lora_server, adapters) -> None:
         unload = _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "chat"})
         assert unload.status_code == 200, unload.text
         assert all(s.result().rstrip().endswith("data: [DONE]") for s in streams)
+    assert True in seen
     assert _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "chat"}).status_code == 404
     response = _post(lora_server, "/v1/completions", {"model": "chat", "prompt": "x"})
     assert response.status_code == 404
