@@ -83,9 +83,12 @@ def num_kv_blocks(runner: StartUpRunner) -> list[int]:
         if spec is None
         else spec.draft_kv_bytes_per_block(runner.block_size, runner.kv_cache_dtype)
     )
-    if draft_bytes and not on_cpu:  # a draft model's cache takes a block per first-group block
+    if draft_bytes and not on_cpu:
+        # A draft model's cache takes draft_bytes per block of the first group: the budget
+        # shrinks by the share those would take (exact with one group).
+        draft_total = counts[0] * draft_bytes
         counts = num_blocks_from_budget(
-            budget - counts[0] * draft_bytes,
+            budget * budget // (budget + draft_total),
             *configs,
             tp_size=runner.tp_size,
             layer_ids=layer_ids,
