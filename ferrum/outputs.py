@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ferrum.lora_request import LoRARequest
 
 
 @dataclass(slots=True)
@@ -64,6 +68,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # With SamplingParams.prompt_logprobs: in every output, or only the first of DELTA outputs.
     prompt_logprobs: PromptLogprobs | None = None
+    # The LoRA adapter the request ran with (None: the base model), as vLLM's.
+    lora_request: LoRARequest | None = None
 
     def add(self, next_output: RequestOutput) -> None:
         """Appends the next DELTA output of this request to this one (for a reader that fell

@@ -14,6 +14,7 @@ from ferrum.engine.detokenizer import IncrementalDetokenizer
 from ferrum.engine.input_processor import ProcessedPrompt, ProcessedRequest
 from ferrum.engine.tokenizer import Tokenizer
 from ferrum.errors import FieldError
+from ferrum.lora_request import LoRARequest
 from ferrum.outputs import (
     CompletionOutput,
     Logprob,
@@ -50,6 +51,7 @@ class _ParentState:
     # prompt_logprobs once a completion brought them; `prompt_logprobs_sent`: in a DELTA output.
     prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
+    lora_request: LoRARequest | None = None
 
     @property
     def finished(self) -> bool:
@@ -83,6 +85,7 @@ class OutputProcessor:
             children[core_request.req_id] = child
         metrics = RequestMetrics(request.arrival_time)
         parent = _ParentState(request_id, request.prompt, children, request.output_kind, metrics)
+        parent.lora_request = request.core_requests[0].lora_request
         self._parents[request_id] = parent
         for child_id in children:
             self._parent_of[child_id] = parent
@@ -213,6 +216,7 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
             prompt_logprobs=prompt_logprobs,
+            lora_request=parent.lora_request,
         )
 
     @staticmethod

@@ -22,6 +22,7 @@ def _greedy(llm, prompts, loras):
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras
     )
+    assert [o.lora_request for o in outputs] == loras
     return [o.outputs[0].token_ids for o in outputs]
 
 
