@@ -29,6 +29,14 @@ class LoRABatch:
     ) -> None:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.segments = LoRASegments.empty(max_tokens, max_loras, device) if is_triton else None
+        # False for an eager step without adapters: the layers skip their LoRA work. True until
+        # the first step, so start-up (profile, warm-up, CUDA-graph capture) runs and compiles
+        # it; a captured graph always runs it (with the step's slot map).
+        self.active = True
+
+    def runs(self, x: torch.Tensor) -> bool:
+        """Whether the layers add adapters to this forward."""
+        return self.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def regroup(self) -> None:
         """Refreshes the grouping after `token_slots` changed (Triton only)."""
@@ -107,6 +115,8 @@ class LoRALinear(nn.Module):
             self.lora_b[slot, offset : offset + size, :rank].copy_(b, non_blocking=True)
 
     def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        if not self.batch.runs(x):
+            return
         t = self.batch.shrink(x, self.lora_a)
         for index, (_, offset, size, _) in enumerate(self.slices):
             start = index * self.max_rank

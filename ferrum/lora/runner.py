@@ -68,6 +68,7 @@ class LoRARunner:
         scheduling order; every other entry -1)."""
         lora_ids = self.req_lora_ids
         wanted = {lora_ids[r] for r in num_scheduled_tokens if r in lora_ids}
+        self.batch.active = bool(wanted)
         if not wanted and not self._marked:
             return
         assert len(wanted) <= self.max_loras, f"{len(wanted)} adapters > max_loras"

@@ -53,6 +53,7 @@ def test_slots_are_replaced_least_recently_used_first(tiny_checkpoint, peft_adap
     assert 2 not in lora.host and dict(lora.slots) == {3: 0} and not qkv.lora_b[1].any()
     lora.prepare({"b": 1})
     assert not (lora.batch.token_slots != -1).any()
+    assert not lora.batch.active  # an eager step without adapters skips the LoRA work
 
 
 def test_host_cache_evicts_only_adapters_no_request_uses(tiny_checkpoint, peft_adapter) -> None:
