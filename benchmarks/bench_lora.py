@@ -10,7 +10,8 @@ in PEFT's folder layout (adapter_config.json + adapter_model.safetensors, PEFT's
 from config.json alone: PEFT itself would need the base model's weights in memory. Workloads:
 `c64` (64 prompts of 256 tokens, 256 out), `nano` (the nano-vllm recipe), `lat` (one request:
 TPOT = (t(1 + 256 tokens) - t(1 token)) / 256, medians of 3). Each mode gets its own engine:
-`base` (LoRA off), `lora` (LoRA on, requests spread over the adapters). Prints one line per
+`base` (LoRA off), `lora` (LoRA on, requests spread over the adapters), `lora-idle` (LoRA on,
+every request on the base model: what LoRA costs traffic without adapters). Prints one line per
 (mode, workload) and the ratios the issue's bar reads: lora / base throughput and TPOT.
 """
 
@@ -166,7 +167,9 @@ def main() -> int:
     parser.add_argument("--num-adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--workloads", default="c64,nano,lat")
-    parser.add_argument("--modes", default="base,lora", help="base (LoRA off), lora")
+    parser.add_argument(
+        "--modes", default="base,lora", help="base (LoRA off), lora, lora-idle (comma-separated)"
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default=None, help="ferrum only (default: cuda if present)")
     parser.add_argument("--max-model-len", type=int, default=4096)
@@ -179,7 +182,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folders = write_adapters(args.model, Path(tmp), args.num_adapters, args.rank)
         for mode in args.modes.split(","):
-            llm = make_engine(args, lora=mode == "lora")
+            llm = make_engine(args, lora=mode.startswith("lora"))
             for name in args.workloads.split(","):
                 figures = run_workload(name, llm, args, folders if mode == "lora" else [])
                 results[f"{mode}/{name}"] = figures
