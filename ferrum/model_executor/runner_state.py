@@ -180,9 +180,12 @@ def append_verified(
     return ModelRunnerOutput(step.req_ids, sampled, logprobs, prompt_logprobs, spec)
 
 
-def with_drafts(spec: SpecDecodeOutput | None, drafts: dict[str, list[int]]) -> SpecDecodeOutput:
-    """A step's speculative output with the proposer's drafts for the next step."""
+def with_drafts(
+    spec: SpecDecodeOutput | None, drafts: dict[str, list[int]]
+) -> SpecDecodeOutput | None:
+    """A step's speculative output with the proposer's drafts for the next step (None when the
+    step verified none and none are proposed)."""
     if spec is None:
-        return SpecDecodeOutput({}, {}, drafts)
+        return SpecDecodeOutput({}, {}, drafts) if drafts else None
     spec.draft_token_ids = drafts
     return spec

@@ -389,6 +389,8 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
             updates.append(RequestUpdate(request, token_ids, status is not None))
-            if spec is not None and not request.is_finished:
-                request.spec_token_ids = spec.draft_token_ids.get(req_id, [])
+            if not request.is_finished:  # drafts from this step's tokens, or none
+                request.spec_token_ids = (
+                    [] if spec is None else spec.draft_token_ids.get(req_id, [])
+                )
         return updates
