@@ -19,6 +19,8 @@ class LoRAFrontEnd:
         self._checked: dict[int, LoRARequest] = {}
         # The server's adapters by name, in the order they were added.
         self.by_name: dict[str, LoRARequest] = {}
+        # The base model name each server adapter lists as its parent (None: the first served).
+        self.parents: dict[str, str | None] = {}
         self._next_id = 1
 
     def check(self, lora_request: object) -> LoRARequest | None:
@@ -46,18 +48,29 @@ class LoRAFrontEnd:
             self._checked[lora_request.lora_int_id] = lora_request
         return lora_request
 
-    def add(self, name: str, path: str, base_names: tuple[str, ...] = ()) -> LoRARequest:
-        """Registers a server adapter under `name` (not a served base model name, not taken);
-        raises FieldError naming the problem."""
+    def add(
+        self,
+        name: str,
+        path: str,
+        base_names: tuple[str, ...] = (),
+        parent: str | None = None,
+        replace: bool = False,
+    ) -> LoRARequest:
+        """Registers a server adapter under `name` (not a served base model name; taken only
+        with `replace`, which swaps in the new folder once it is validated); raises FieldError
+        naming the problem."""
         if not isinstance(name, str) or not name:
             raise FieldError("lora_name", "lora_name: must be a non-empty string")
-        if name in self.by_name or name in base_names:
+        if name in base_names or (name in self.by_name and not replace):
             raise FieldError("lora_name", f"lora_name: {name!r} is already served")
         while self._next_id in self._checked:
             self._next_id += 1
         lora_request = self.check(LoRARequest(name, self._next_id, path))
         assert lora_request is not None
+        if name in self.by_name:
+            self.remove(name)
         self.by_name[name] = lora_request
+        self.parents[name] = parent
         return lora_request
 
     def remove(self, name: str) -> LoRARequest:
@@ -65,5 +78,6 @@ class LoRAFrontEnd:
         lora_request = self.by_name.pop(name, None)
         if lora_request is None:
             raise FieldError("lora_name", f"lora_name: no adapter {name!r} is loaded")
+        self.parents.pop(name, None)
         self._checked.pop(lora_request.lora_int_id, None)
         return lora_request

@@ -35,7 +35,7 @@ def add_info_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> N
                 id=name,
                 created=created,
                 root=lora.lora_path,
-                parent=model_names[0],
+                parent=engine.loras.parents.get(name) or model_names[0],
                 max_model_len=max_model_len,
             )
             for name, lora in engine.loras.by_name.items()

@@ -29,6 +29,8 @@ REQUEST_LORA: ContextVar[LoRARequest | None] = ContextVar("request_lora", defaul
 class LoadLoRAAdapterRequest(RequestModel):
     lora_name: str
     lora_path: str
+    # vLLM's: replace an adapter of this name (its new files get a new id).
+    load_inplace: bool = False
 
 
 class UnloadLoRAAdapterRequest(RequestModel):
@@ -36,18 +38,23 @@ class UnloadLoRAAdapterRequest(RequestModel):
     lora_int_id: int | None = None
 
 
-def parse_lora_module(text: str) -> tuple[str, str]:
-    """`name=path` or vLLM's JSON `{"name": ..., "path": ...}` -> (name, path)."""
-    if text.lstrip().startswith("{"):
-        try:
-            value = json.loads(text)
-            return str(value["name"]), str(value["path"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: {e}") from None
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: expected name=path")
-    return name, path
+def parse_lora_module(text: str) -> tuple[str, str, str | None]:
+    """`name=path` or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}` ->
+    (name, path, base model name or None)."""
+    if not text.lstrip().startswith("{"):
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: expected name=path")
+        return name, path, None
+    try:
+        value = json.loads(text)
+        unknown = set(value) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}")
+        base = value.get("base_model_name")
+        return str(value["name"]), str(value["path"]), None if base is None else str(base)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: {e}") from None
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:
@@ -59,18 +66,24 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="LoRA adapters served from start-up (PEFT folders; needs --enable-lora): a "
         "request's model field names one; also vLLM's JSON form "
-        '\'{"name": "sql", "path": "/adapters/sql"}\'',
+        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "m"}\' (base_model_name: '
+        "the served name /v1/models lists as its parent)",
     )
 
 
 def register_lora_modules(
-    engine: AsyncLLM, modules: list[tuple[str, str]] | None, model_names: list[str]
+    engine: AsyncLLM, modules: list[tuple[str, str, str | None]] | None, model_names: list[str]
 ) -> None:
     """Adds the `--lora-modules` adapters (a ValueError names a bad one)."""
-    for name, path in modules or ():
+    for name, path, base in modules or ():
         if not engine.config.lora_config.enable_lora:
             raise ValueError("--lora-modules: LoRA adapters need --enable-lora")
-        engine.loras.add(name, path, tuple(model_names))
+        if base is not None and base not in model_names:
+            raise ValueError(
+                f"--lora-modules: base_model_name {base!r} of {name!r} is not a served model "
+                f"name ({model_names})"
+            )
+        engine.loras.add(name, path, tuple(model_names), parent=base)
 
 
 def lora_for_model(engine: AsyncLLM, model: str | None) -> LoRARequest | None:
@@ -95,7 +108,11 @@ def add_lora_routes(app: FastAPI, engine: AsyncLLM, model_names: list[str]) -> N
         try:
             async with changing:  # reads the folder's files: off the event loop
                 await asyncio.to_thread(
-                    engine.loras.add, body.lora_name, body.lora_path, tuple(model_names)
+                    engine.loras.add,
+                    body.lora_name,
+                    body.lora_path,
+                    tuple(model_names),
+                    replace=body.load_inplace,
                 )
         except FieldError as e:
             raise APIError(400, str(e), param=e.field) from None

@@ -39,7 +39,8 @@ def lora_server(
     log = tmp_path_factory.mktemp("lora_server") / "server.log"
     args = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--max-model-len", "256"]
     args.append("--return-tokens-as-token-ids")
-    remote = RemoteServer([*args, "--lora-modules", f"sql={adapters['sql']}"], log, api_key=API_KEY)
+    sql = {"name": "sql", "path": adapters["sql"], "base_model_name": DEFAULT_MODEL_NAME}
+    remote = RemoteServer([*args, "--lora-modules", json.dumps(sql)], log, api_key=API_KEY)
     yield remote
     assert remote.stop() == 0, remote.log()
 
@@ -114,6 +115,10 @@ def test_load_and_unload_while_streams_run(lora_server, adapters) -> None:
             _greedy_ids(lora_server, "chat")
             == peft_greedy(DEFAULT_MODEL_DIR, adapters["chat"], [PROMPT], MAX_TOKENS)[0]
         )
+        # The same name, other files: load_inplace swaps them in (new id, no stale cache).
+        again = body | {"lora_path": adapters["sql"], "load_inplace": True}
+        assert _post(lora_server, "/v1/load_lora_adapter", again).status_code == 200
+        assert _greedy_ids(lora_server, "chat") == _greedy_ids(lora_server, "sql")
         unload = _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "chat"})
         assert unload.status_code == 200, unload.text
         assert all(s.result().rstrip().endswith("data: [DONE]") for s in streams)
@@ -162,3 +167,19 @@ def test_bench_serve_spreads_requests_over_adapters(lora_server, tmp_path) -> No
     )  # fmt: skip
     result = json.loads(result_file.read_text())
     assert code == 0 and result["completed"] == 6 and result["failed"] == 0
+
+
+def test_lora_modules_flag_forms() -> None:
+    import argparse
+
+    from ferrum.entrypoints.openai.lora_routes import parse_lora_module
+
+    assert parse_lora_module("a=/x/y") == ("a", "/x/y", None)
+    assert parse_lora_module('{"name": "a", "path": "/x", "base_model_name": "m"}') == (
+        "a",
+        "/x",
+        "m",
+    )
+    for bad in ("a", "=x", '{"name": "a"}', '{"name": "a", "path": "/x", "rank": 8}'):
+        with pytest.raises(argparse.ArgumentTypeError, match="invalid LoRA module"):
+            parse_lora_module(bad)
