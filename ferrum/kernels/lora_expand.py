@@ -31,6 +31,7 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -58,7 +59,7 @@ def _lora_expand_kernel(
                 mask=mask_k[:, None] & mask_n[None, :],
                 other=0.0,
             )
-            acc += tl.dot(tt, bt)
+            acc += tl.dot(tt, bt, input_precision=DOT_PRECISION)
         y_ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -88,4 +89,5 @@ def lora_expand(
         t, lora_b, y, segments.sorted_tokens, segments.slot_starts, segments.slot_counts,
         n, k, t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=max(16, min(64, triton.next_power_of_2(k))),
+        DOT_PRECISION="ieee" if t.dtype == torch.float32 else "tf32",
     )  # fmt: skip

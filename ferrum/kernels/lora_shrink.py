@@ -31,6 +31,7 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -58,7 +59,7 @@ def _lora_shrink_kernel(
                 mask=mask_k[:, None] & mask_n[None, :],
                 other=0.0,
             )
-            acc += tl.dot(xt, at)
+            acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
         tl.store(
             out_ptr + rows[:, None] * stride_out + offs_n[None, :],
             acc.to(out_ptr.dtype.element_ty),
@@ -87,5 +88,6 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -
         x, lora_a, out, segments.sorted_tokens, segments.slot_starts, segments.slot_counts,
         n, k, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
         BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=64,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
