@@ -71,11 +71,14 @@ class LoRALoads:
             self._loads.pop(lora_int_id, None)
             self.resident[lora_int_id] = None
         excess = len(self.resident) - self.config.cpu_capacity
-        if excess > 0:
+        if excess > 0 or self._loads:
             in_use = {r.lora.lora_int_id for r in requests.values() if r.lora is not None}
-            for lora_int_id in [i for i in self.resident if i not in in_use][:excess]:
+            for lora_int_id in [i for i in self.resident if i not in in_use][: max(excess, 0)]:
                 del self.resident[lora_int_id]
                 step.updates[lora_int_id] = None
+            # Loads whose requests all ended (aborted while it loaded): their weights go.
+            for lora_int_id in [i for i, f in self._loads.items() if i not in in_use and f.done()]:
+                del self._loads[lora_int_id]
         return step if step.req_lora_ids or step.updates else None
 
     def shutdown(self) -> None:

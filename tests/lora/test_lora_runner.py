@@ -77,3 +77,9 @@ def test_host_cache_evicts_only_adapters_no_request_uses(tiny_checkpoint, peft_a
     step = loads.step_data(_step({}), requests)
     assert step.updates == {1: None} and list(loads.resident) == [2]
     assert loads.handle(LoRARequest("x2", 2, path)).poll()  # resident: ready at once
+    # A load whose requests ended before admission is dropped with the next step.
+    orphan = loads.handle(LoRARequest("x3", 3, path))
+    while not orphan.poll():
+        pass
+    loads.step_data(_step({}), requests)
+    assert 3 not in loads._loads
