@@ -140,6 +140,7 @@ def read_safetensors_header(path: str, file: str) -> dict[str, Any]:
             if size > _MAX_HEADER_BYTES:
                 raise _refuse(path, f"{WEIGHTS_FILE} is not a safetensors file (header size)")
             header = json.loads(f.read(size))
+            file_bytes = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         raise _refuse(path, f"{WEIGHTS_FILE} is missing (adapter_model.bin is not read)") from None
     except (OSError, ValueError) as e:
@@ -147,6 +148,12 @@ def read_safetensors_header(path: str, file: str) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise _refuse(path, f"{WEIGHTS_FILE} is not a safetensors file (header)")
     header.pop("__metadata__", None)
+    ends = [e.get("data_offsets", [0, 0])[-1] for e in header.values() if isinstance(e, dict)]
+    if (
+        not all(isinstance(end, int) for end in ends)
+        or 8 + size + max(ends, default=0) > file_bytes
+    ):
+        raise _refuse(path, f"{WEIGHTS_FILE} is truncated (its header names more data)")
     return header
 
 

@@ -78,6 +78,10 @@ def test_refused_configs_say_why(tiny_checkpoint, adapter_copy, change, message)
 def test_refused_files_say_why(tiny_checkpoint, adapter_copy, tmp_path) -> None:
     arch = _arch(tiny_checkpoint("llama"))
     folder = adapter_copy(rank=4)
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(FieldError, match="is truncated"):
+        read_adapter(str(folder), arch, 8)
     (folder / "adapter_model.safetensors").write_bytes(b"\x05\x00")
     with pytest.raises(FieldError, match="not a safetensors file"):
         read_adapter(str(folder), arch, 8)
