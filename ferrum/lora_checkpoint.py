@@ -148,13 +148,20 @@ def read_safetensors_header(path: str, file: str) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise _refuse(path, f"{WEIGHTS_FILE} is not a safetensors file (header)")
     header.pop("__metadata__", None)
-    ends = [e.get("data_offsets", [0, 0])[-1] for e in header.values() if isinstance(e, dict)]
-    if (
-        not all(isinstance(end, int) for end in ends)
-        or 8 + size + max(ends, default=0) > file_bytes
-    ):
-        raise _refuse(path, f"{WEIGHTS_FILE} is truncated (its header names more data)")
+    ends = [_data_end(entry) for entry in header.values()]
+    if None in ends or 8 + size + max(ends, default=0) > file_bytes:  # type: ignore[operator]
+        raise _refuse(path, f"{WEIGHTS_FILE} is truncated or malformed (tensor data offsets)")
     return header
+
+
+def _data_end(entry: Any) -> int | None:
+    """Where a header entry's data ends (None: no valid [start, end] offsets)."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        return None
+    start, end = offsets
+    ok = all(isinstance(v, int) and not isinstance(v, bool) for v in offsets) and 0 <= start <= end
+    return end if ok else None
 
 
 def read_adapter(path: str, arch: ModelArchConfig, max_lora_rank: int) -> AdapterSpec:
