@@ -119,7 +119,7 @@ def _scaling(path: str, config: dict[str, Any], max_lora_rank: int) -> tuple[int
         raise _refuse(path, f"lora_alpha: must be a number, got {alpha!r}")
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        unknown = sorted(t for t in targets if t not in MODULES)
+        unknown = sorted(str(t) for t in targets if t not in MODULES)
         if unknown:
             raise _refuse(
                 path,
@@ -218,7 +218,7 @@ def _adapter_tensor(
         raise _refuse(path, f"tensor {key!r}: dtype {dtype!r}, expected F32, F16 or BF16")
     in_features, out_features = shapes[name]
     expected = (rank, in_features) if part == "A" else (out_features, rank)
-    shape = tuple(entry.get("shape", ()))
+    shape = tuple(entry["shape"]) if isinstance(entry.get("shape"), list) else ()
     if shape != expected:
         raise _refuse(
             path,

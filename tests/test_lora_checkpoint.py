@@ -61,6 +61,9 @@ def test_a_valid_adapter_is_read(tiny_checkpoint, peft_adapter) -> None:
         ({"use_dora": True}, "DoRA adapters are not supported"),
         ({"r": 32}, "rank 32 exceeds max_lora_rank=8"),
         ({"target_modules": ["q_proj", "embed_tokens"]}, r"target_modules \['embed_tokens'\]"),
+        ({"target_modules": ["q_proj", 3, None]}, r"target_modules \['3', 'None'\]"),
+        ({"r": "8"}, "r: must be an integer >= 1"),
+        ({"lora_alpha": [1]}, "lora_alpha: must be a number"),
         ({"bias": "all"}, "adapters with biases are not supported"),
         ({"peft_type": "IA3"}, "only LORA is served"),
         ({"rank_pattern": {"q_proj": 2}}, "rank_pattern"),
@@ -144,3 +147,24 @@ def test_llm_refuses_adapters_it_cannot_serve(tiny_checkpoint, peft_adapter) -> 
     assert not llm.llm_engine.has_unfinished_requests()
     with pytest.raises(FieldError, match="enable_lora: not supported for Qwen3_5ForCausalLM"):
         make_llm(tiny_checkpoint("qwen3_5"), enable_lora=True)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"dtype": "F32", "shape": 5, "data_offsets": [0, 4]}, "expected \\[4, 64\\]"),
+        ({"dtype": "F32", "shape": [4, 64], "data_offsets": "x"}, "truncated or malformed"),
+        ({"dtype": "I8", "shape": [4, 64], "data_offsets": [0, 4]}, "dtype 'I8'"),
+        ([1, 2], "truncated or malformed"),
+    ],
+)
+def test_hostile_safetensors_headers_are_refusals(
+    tiny_checkpoint, adapter_copy, entry, message
+) -> None:
+    folder = adapter_copy(rank=4)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    header = json.dumps({key: entry}).encode()
+    weights = len(header).to_bytes(8, "little") + header + b"\x00" * 4
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    with pytest.raises(FieldError, match=message):
+        read_adapter(str(folder), _arch(tiny_checkpoint("llama")), 8)
