@@ -44,6 +44,24 @@ def test_two_ranks_generate_what_one_does(pool, tiny_checkpoint, case) -> None:
     assert rank0["prefix_cache_hits"] == expected["prefix_cache_hits"]
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_two_ranks_speculate_like_one_rank_without_speculation(
+    pool, tiny_checkpoint, method
+) -> None:
+    """Every rank proposes the same drafts (n-gram from the same tokens; the draft model whole
+    on each rank) and accepts the same ones: greedy tokens equal tp=1's without speculation."""
+    path = tiny_checkpoint("qwen3")
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": None}
+    if method == "draft_model":
+        spec["model"] = path  # its own draft: every draft is accepted
+    expected = generate(path)
+    rank0, rank1 = pool.run(generate_on_rank, path, {}, False, spec)
+    assert rank0 == rank1
+    assert rank0["tokens"][:-1] == expected["tokens"][:-1]
+    if method == "draft_model":
+        assert rank0["accepted_drafts"] > 0
+
+
 FP8_SHAPES = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 64}
 FP8_CASES = {
     "qwen3": ("qwen3", {"num_key_value_heads": 4}, {}),

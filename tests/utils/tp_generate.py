@@ -21,11 +21,13 @@ from ferrum.config import (
     SchedulerConfig,
 )
 from ferrum.distributed.parallel_state import TensorParallelGroup
+from ferrum.engine.draft_model_config import draft_model_config
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.model_executor.model_runner import ModelRunner
 from ferrum.request import Request
 from ferrum.sampling_params import SamplingParams
 from ferrum.scheduler.scheduler import Scheduler
+from ferrum.speculative_config import SpeculativeConfig, num_lookahead_tokens
 from tests.utils.tiny_llm import random_prompts
 
 BLOCK_SIZE = 4
@@ -38,11 +40,20 @@ MAX_NUM_BATCHED_TOKENS = 16
 MAX_TOKENS = 8
 
 
-def engine_config(path: str, tp: int = 1, cuda: bool = False, **parallel: Any) -> EngineConfig:
+def engine_config(
+    path: str,
+    tp: int = 1,
+    cuda: bool = False,
+    speculative: dict[str, Any] | None = None,
+    **parallel: Any,
+) -> EngineConfig:
     """fp32; on the CPU the torch kernels, on CUDA the Triton kernels and CUDA graphs."""
     model = ModelConfig(path, dtype="float32", max_model_len=128)
     device = DeviceConfig(device="cuda", kernel_backend="triton") if cuda else DeviceConfig()
+    spec = SpeculativeConfig.from_value(speculative)
     return EngineConfig(
+        speculative_config=spec,
+        draft_model_config=draft_model_config(spec, model),
         model_config=model,
         cache_config=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS),
         scheduler_config=SchedulerConfig(
@@ -65,12 +76,17 @@ def workload(vocab_size: int) -> list[tuple[list[int], SamplingParams]]:
 
 @torch.inference_mode()
 def generate(
-    path: str, group: TensorParallelGroup | None = None, cuda: bool = False, **parallel: Any
+    path: str,
+    group: TensorParallelGroup | None = None,
+    cuda: bool = False,
+    speculative: dict[str, Any] | None = None,
+    **parallel: Any,
 ) -> dict[str, Any]:
     """Runs `workload` to the end: each request's output tokens (seeded last), the scheduler's
-    preemptions and prefix-cache hits. `cuda`: on the current CUDA device, graphs captured."""
+    preemptions, prefix-cache hits and accepted drafts. `cuda`: on the current CUDA device,
+    graphs captured. `speculative`: a speculative_config."""
     tp = 1 if group is None else group.world_size
-    config = engine_config(path, tp, cuda, **parallel)
+    config = engine_config(path, tp, cuda, speculative, **parallel)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     runner = ModelRunner(config, device, group)
     num_blocks = [
@@ -86,7 +102,11 @@ def generate(
         groups=runner.kv_cache_groups,
         max_num_batched_tokens=config.scheduler_config.max_num_batched_tokens,
     )
-    scheduler = Scheduler(config.scheduler_config, kv)
+    scheduler = Scheduler(
+        config.scheduler_config,
+        kv,
+        num_lookahead_tokens=num_lookahead_tokens(config.speculative_config),
+    )
     requests = [
         Request(f"r{i}", prompt, params.resolve())
         for i, (prompt, params) in enumerate(workload(config.model_config.vocab_size))
@@ -107,11 +127,16 @@ def generate(
         "tokens": [list(r.output_token_ids) for r in requests],
         "num_preemptions": scheduler.num_preemptions,
         "prefix_cache_hits": kv.prefix_cache_hits,
+        "accepted_drafts": scheduler.spec_stats.num_accepted_tokens,
     }
 
 
 def generate_on_rank(
-    group: TensorParallelGroup, path: str, parallel: dict[str, Any], cuda: bool = False
+    group: TensorParallelGroup,
+    path: str,
+    parallel: dict[str, Any],
+    cuda: bool = False,
+    speculative: dict[str, Any] | None = None,
 ) -> Any:
     torch.manual_seed(1000 + group.rank)  # nothing may depend on the global generator
-    return generate(path, group, cuda, **parallel)
+    return generate(path, group, cuda, speculative, **parallel)
