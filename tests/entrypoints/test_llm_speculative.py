@@ -257,3 +257,38 @@ def test_unsupported_set_ups_are_refused_by_name(
 def test_linear_attention_models_are_refused(tiny_checkpoint) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="roll back"):
         make_llm(tiny_checkpoint("qwen3_5"), speculative_config=NGRAM)
+
+
+def test_constrained_requests_decode_beside_speculating_ones() -> None:
+    """The shipped model (its tokenizer): a JSON-schema request and free requests whose text
+    repeats, in one batch, greedy. The constrained one takes no drafts and stays valid; the free
+    ones speculate; every output equals its output without speculation."""
+    from ferrum.default_model import DEFAULT_MODEL_DIR
+    from ferrum.sampling_params import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    prompts = ["Write a person as JSON:", "one two three one two three one two", "a b a b a b a"]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=40,
+            structured_outputs=StructuredOutputsParams(json=schema),
+        ),
+        *[SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 2,
+    ]
+    kwargs = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256)
+
+    def texts(llm: LLM) -> list[str]:
+        return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    expected = texts(LLM(DEFAULT_MODEL_DIR, **kwargs))
+    llm = LLM(DEFAULT_MODEL_DIR, speculative_config=NGRAM, **kwargs)
+    got = texts(llm)
+    assert got == expected
+    assert set(json.loads(got[0])) == {"name", "ok"}
+    assert llm.llm_engine.stats().spec_num_accepted_tokens > 0

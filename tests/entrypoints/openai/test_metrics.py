@@ -98,3 +98,15 @@ def test_each_data_parallel_replica_is_an_engine_label() -> None:
         ("ferrum:iteration_tokens_total_count", [1, 1, 0]),
     ):
         assert [values[(name, (("engine", str(i)),))] for i in range(3)] == want, name
+
+
+def test_spec_decode_counters_come_from_the_cores_stats() -> None:
+    stats = SchedulerStats(0, 0, 0.0, 0, 0, 0, (), 0, 7, 20, 11, (6, 4, 1))
+    values = samples(ServerMetrics(FakeEngine(stats, None), "m"))  # type: ignore[arg-type]
+    engine = (("engine", "0"),)
+    assert values[("ferrum:spec_decode_num_drafts_total", engine)] == 7
+    assert values[("ferrum:spec_decode_num_draft_tokens_total", engine)] == 20
+    assert values[("ferrum:spec_decode_num_accepted_tokens_total", engine)] == 11
+    per_position = "ferrum:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [values[(per_position, engine + (("position", str(p)),))] for p in range(3)] == [6, 4, 1]
+    assert values[("ferrum:spec_decode_num_drafts_total", (("engine", "1"),))] == 0
