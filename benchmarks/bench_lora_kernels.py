@@ -1,0 +1,94 @@
+"""The LoRA kernels beside the base GEMM of each Qwen3-8B LoRA layer (GPU): per token count,
+microseconds of the base F.linear and of LoRA's shrink + expands (`--slots` adapters of rank
+`--rank` in the pool, the tokens spread over `--used` of them), timed in CUDA graphs as the
+engine runs them. The ratio column is what an adapter adds to the layer.
+
+    python benchmarks/bench_lora_kernels.py                        # H100/H200, bf16
+    TRITON_INTERPRET=1 python benchmarks/bench_lora_kernels.py --smoke   # CPU: the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ferrum.kernels.lora_expand import lora_expand  # noqa: E402
+from ferrum.kernels.lora_segments import LoRASegments  # noqa: E402
+from ferrum.kernels.lora_shrink import lora_shrink  # noqa: E402
+
+# Qwen3-8B: (layer, input features, output features of each shard).
+LAYERS = {
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (12288, 12288)),
+    "down": (12288, (4096,)),
+}
+SMOKE_LAYERS = {"qkv": (64, (64, 16, 16)), "down": (96, (64,))}
+
+
+def run_layer(x, weight, lora_a, lora_b, segments, shards, rank) -> None:  # noqa: ANN001
+    y = torch.nn.functional.linear(x, weight)
+    t = lora_shrink(x, lora_a, segments)
+    offset = 0
+    for index, n in enumerate(shards):
+        cols = slice(offset, offset + n)
+        lora_expand(t[:, index * rank : (index + 1) * rank], lora_b[:, cols], segments, y[:, cols])
+        offset += n
+
+
+def timed_us(fn, device: torch.device, iters: int) -> float:  # noqa: ANN001
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e6 / iters
+    from benchmarks.gpu_timing import graph_us
+
+    return graph_us(lambda _: fn(), 1, iters)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="1,8,32,128,512,2048,8192")
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--used", type=int, default=8, help="adapters the tokens use")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("needs CUDA (or --smoke with TRITON_INTERPRET=1)")
+        return 1
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    layers = SMOKE_LAYERS if args.smoke else LAYERS
+    tokens = [1, 8] if args.smoke else [int(t) for t in args.tokens.split(",")]
+    print("layer    tokens  base_us  lora_us  lora/base")
+    for name, (k, shards) in layers.items():
+        n = sum(shards)
+        weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
+        lora_a = torch.randn(args.slots, len(shards) * args.rank, k, device=device, dtype=dtype)
+        lora_b = torch.randn(args.slots, n, args.rank, device=device, dtype=dtype) * 0.01
+        for num_tokens in tokens:
+            x = torch.randn(num_tokens, k, device=device, dtype=dtype)
+            slots = torch.arange(num_tokens, device=device, dtype=torch.int32) % args.used
+            segments = LoRASegments.empty(num_tokens, args.slots, device)
+            segments.fill(slots)
+            iters = 2 if args.smoke else args.iters
+            base = timed_us(partial(torch.nn.functional.linear, x, weight), device, iters)
+            lora = partial(run_layer, x, weight, lora_a, lora_b, segments, shards, args.rank)
+            with_lora = timed_us(lora, device, iters)
+            print(f"{name:8s} {num_tokens:6d} {base:8.1f} {with_lora:8.1f} {with_lora / base:9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
