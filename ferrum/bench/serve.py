@@ -24,6 +24,7 @@ from ferrum.bench.serve_datasets import (
     sharegpt_dataset,
 )
 from ferrum.bench.serve_metrics import RequestRecord, format_summary, parse_goodput, summarize
+from ferrum.bench.serve_spec_metrics import parse_spec_counters, spec_decode_summary
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 # Connection pool size when --max-concurrency is not given.
@@ -111,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
         model = asyncio.run(fetch_first_model(base_url, headers, args.request_timeout))
     tokenizer_path = resolve_tokenizer_path(args.tokenizer, args.model or model)
     samples = build_dataset(args, tokenizer_path)
+    counters_before = asyncio.run(fetch_spec_counters(base_url, headers, args.request_timeout))
     records, duration = asyncio.run(
         run_benchmark(
             base_url + args.endpoint,
@@ -127,6 +129,9 @@ def main(args: argparse.Namespace) -> int:
         )
     )
     result = summarize(records, duration, slos)
+    counters_after = asyncio.run(fetch_spec_counters(base_url, headers, args.request_timeout))
+    if counters_before is not None and counters_after is not None:
+        result["spec_decode"] = spec_decode_summary(counters_before, counters_after)
     print(format_summary(result))
     if args.save_result or args.result_filename:
         result = {
@@ -357,6 +362,25 @@ async def run_benchmark(
     duration = time.perf_counter() - start
     progress.close()
     return [r for r in records if r is not None], duration
+
+
+async def fetch_spec_counters(
+    base_url: str, headers: dict[str, str], timeout: float
+) -> dict[str, Any] | None:
+    """The server's spec_decode counters (`/metrics`), or None when it has no /metrics."""
+    import aiohttp
+
+    client_timeout = aiohttp.ClientTimeout(total=timeout)
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=client_timeout) as session,
+            session.get(base_url + "/metrics", headers=headers) as response,
+        ):
+            if response.status != 200:
+                return None
+            return parse_spec_counters(await response.text())
+    except (aiohttp.ClientError, TimeoutError):
+        return None
 
 
 def _default_result_filename(args: argparse.Namespace, model: str) -> str:

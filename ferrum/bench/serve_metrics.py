@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from ferrum.bench.serve_spec_metrics import format_spec_decode
+
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 SUMMARY_PERCENTILES = (50, 90, 99)
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
@@ -148,6 +150,8 @@ def format_summary(result: dict[str, Any]) -> str:
         row(f"Median {name.upper()} (ms):", result[f"median_{name}_ms"], ".2f")
         for p in SUMMARY_PERCENTILES[1:]:
             row(f"P{p} {name.upper()} (ms):", result[f"p{p}_{name}_ms"], ".2f")
+    if result.get("spec_decode"):
+        lines.extend(format_spec_decode(result["spec_decode"]))
     errors = [e for e in result["errors"] if e]
     if errors:
         lines.append("{s:{c}^60}".format(s=" Errors (first 5 distinct) ", c="-"))

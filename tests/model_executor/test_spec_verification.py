@@ -45,3 +45,18 @@ def test_drafts_follow_the_tokens_only_within_the_block() -> None:
     with drafts_in_tokens(requests, {"a": [9, 9], "b": []}):
         assert requests["a"].token_ids == [1, 2, 9, 9] and requests["b"].token_ids == [3]
     assert requests["a"].token_ids == [1, 2] and requests["b"].token_ids == [3]
+
+
+def test_a_request_whose_drafts_keep_failing_proposes_fewer_then_none() -> None:
+    from ferrum.model_executor.runner_state import CachedRequestState
+    from ferrum.model_executor.speculative.decoder import drafts_worth_proposing
+
+    params = SamplingParams(temperature=0.0).resolve()
+    state = CachedRequestState("r", [1], [], [1], params, ([0],), 0, None)
+    assert drafts_worth_proposing(state, 3) == 3
+    state.draft_acceptance = 0.2
+    assert drafts_worth_proposing(state, 3) == 1
+    state.draft_acceptance = 0.05
+    counts = [drafts_worth_proposing(state, 3) for _ in range(30)]
+    # None while the average stays low; it creeps back up and the request tries one again.
+    assert counts[:9] == [0] * 9 and 1 in counts
