@@ -11,7 +11,7 @@ from ferrum.config_fields import field_error as _fail
 from ferrum.model_arch import ModelArchConfig
 
 # "replay" is a benchmark proposer, not a product feature: it replays recorded continuations,
-# each token replaced by a wrong one with probability 1 - acceptance_rate.
+# each token replaced by a wrong one with probability 1 - acceptance_rate, always k of them.
 SPECULATIVE_METHODS = ("ngram", "draft_model", "replay")
 NOT_SUPPORTED_METHODS = ("eagle", "eagle3", "mtp", "medusa")
 MAX_SPECULATIVE_TOKENS = 16

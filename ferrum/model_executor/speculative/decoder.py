@@ -83,8 +83,10 @@ class SpeculativeDecoder:
             params = state.params
             if params.structured_outputs is not None:
                 continue
+            k = self.config.num_speculative_tokens
             max_drafts = min(
-                drafts_worth_proposing(state, self.config.num_speculative_tokens),
+                # The benchmark's replay always proposes k: its rate is set, not learned.
+                k if self.replay is not None else drafts_worth_proposing(state, k),
                 params.max_tokens - len(state.output_token_ids) - 1,
                 self.max_model_len - len(state.token_ids) - 1,
             )
