@@ -2,11 +2,15 @@
 token, -1: none). shrink: t[i] = x[i] @ A[slot[i]]^T; expand: y[i] += t[i] @ B[slot[i]]^T (the
 adapter's scaling is folded into B when it is loaded). `*_ref` loops over tokens on the host (the
 obvious definition, for tests); the `lora_*_torch` forms are the CPU path: one GEMM over every
-slot's A then a gather, and one masked GEMM per slot, with no host sync (CUDA-graph safe)."""
+slot's A then a gather, and each token's B gathered (small steps) or one masked GEMM per slot,
+with no host sync (CUDA-graph safe)."""
 
 from __future__ import annotations
 
 import torch
+
+# Values a gathered B may hold in `lora_expand_torch` (16 MiB in fp32).
+GATHER_LIMIT = 1 << 22
 
 
 def lora_shrink_ref(
@@ -42,9 +46,21 @@ def lora_shrink_torch(
 
 
 def lora_expand_torch(
-    t: torch.Tensor, lora_b: torch.Tensor, token_slots: torch.Tensor, y: torch.Tensor
+    t: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    y: torch.Tensor,
+    gather_limit: int = GATHER_LIMIT,
 ) -> None:
-    """`lora_expand_ref` as one GEMM per slot over the tokens of that slot (others masked)."""
+    """`lora_expand_ref`: each token's B gathered and one batched product when that copy holds at
+    most `gather_limit` values (decode-sized steps), else one GEMM per slot over the tokens of
+    that slot (others masked). The choice follows the shapes alone."""
+    num_tokens, n = y.shape
+    if num_tokens * n * lora_b.shape[2] <= gather_limit:
+        b = lora_b[token_slots.clamp(min=0).long()]  # [T, N, K]
+        delta = torch.bmm(b, t.unsqueeze(2)).squeeze(2)
+        y += delta * (token_slots >= 0).to(delta.dtype).unsqueeze(1)
+        return
     for slot in range(lora_b.shape[0]):
         mask = (token_slots == slot).to(t.dtype).unsqueeze(1)
         y += (t * mask) @ lora_b[slot].t()

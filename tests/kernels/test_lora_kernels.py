@@ -63,9 +63,10 @@ def test_expand_adds_in_place_on_a_column_slice(
     lora_expand(t, lora_b, segments, got[:, 5 : 5 + n])
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
-    by_torch = wide.clone()
-    lora_expand_torch(t, lora_b, slots, by_torch[:, 5 : 5 + n])
-    torch.testing.assert_close(by_torch, expected, atol=tol, rtol=tol)
+    for gather_limit in (0, 1 << 22):  # one GEMM per slot, or B gathered per token
+        by_torch = wide.clone()
+        lora_expand_torch(t, lora_b, slots, by_torch[:, 5 : 5 + n], gather_limit)
+        torch.testing.assert_close(by_torch, expected, atol=tol, rtol=tol)
     untouched = slots.cpu() < 0
     assert torch.equal(got[untouched], wide[untouched])
 
