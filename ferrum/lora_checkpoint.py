@@ -30,8 +30,10 @@ MODULES: dict[str, tuple[str, str | None]] = {
     "up_proj": ("mlp.gate_up_proj", "up"),
     "down_proj": ("mlp.down_proj", None),
 }
+# A multimodal container (Gemma 3's) names its language model's layers language_model.layers.
 _KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+    r"^base_model\.model\.model\.(?:language_model\.)?layers\.(\d+)\.(self_attn|mlp)\."
+    r"(\w+)\.lora_([AB])\.weight$"
 )
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 

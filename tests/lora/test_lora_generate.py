@@ -183,6 +183,8 @@ def test_speculative_decoding_verifies_drafts_with_each_adapter(tiny_checkpoint,
         ("qwen2", ("q_proj", "k_proj", "v_proj", "o_proj", "up_proj")),  # q/k/v biases
         ("gemma3", ("q_proj", "v_proj", "gate_proj", "down_proj")),  # sliding + global layers
         ("qwen3_moe", ("q_proj", "k_proj", "v_proj", "o_proj")),  # attention of a MoE model
+        # The multimodal container: its language model's layers (not the vision tower's).
+        ("gemma3_mm", r".*language_model.*\.(q_proj|k_proj|o_proj|up_proj|down_proj)"),
     ],
 )
 def test_other_families_match_peft(tiny_checkpoint, peft_adapter, arch, targets):

@@ -24,7 +24,7 @@ def make_peft_adapter(
     *,
     rank: int = 4,
     alpha: float = 8.0,
-    targets: tuple[str, ...] = ALL_TARGETS,
+    targets: tuple[str, ...] | str = ALL_TARGETS,
     use_rslora: bool = False,
     seed: int = 0,
     **lora_config: object,
@@ -35,7 +35,7 @@ def make_peft_adapter(
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
-        target_modules=list(targets),
+        target_modules=targets if isinstance(targets, str) else list(targets),
         use_rslora=use_rslora,
         lora_dropout=0.0,
         **lora_config,
