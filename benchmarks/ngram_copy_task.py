@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)
+    reference = None
     for k in (None, 3, 5):
         spec = None if k is None else {"method": "ngram", "num_speculative_tokens": k}
         llm = LLM(
@@ -37,10 +38,11 @@ def main() -> None:
         texts = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].text for p in PROMPTS]
         per_token = (time.perf_counter() - start) / (len(PROMPTS) * params.max_tokens)
         stats = llm.llm_engine.stats()
+        reference = reference or texts
         print(
             f"k={k}: {per_token * 1e3:.2f} ms/token, drafts {stats.spec_num_drafts}, draft tokens "
             f"{stats.spec_num_draft_tokens}, accepted {stats.spec_num_accepted_tokens}, "
-            f"first output {texts[0][:40]!r}"
+            f"outputs equal without speculation: {texts == reference}"
         )
         llm.shutdown()
 
