@@ -125,7 +125,8 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Appends newly generated ids; returns the stop string that matched, else None. On a match
-        `output_text` ends before the stop string (after it with include_stop_str_in_output). With
+        `output_text` ends before the stop string (after it with include_stop_str_in_output) and
+        `token_ids` with the id that completed it (later ones in `new_token_ids` are dropped). With
         `stop_terminated` the last id, a stop token or EOS, is detokenized only with that flag. Stop
         strings are only looked for once more than `min_tokens` tokens exist."""
         if not new_token_ids:
@@ -136,9 +137,12 @@ class IncrementalDetokenizer:
         skip_last = stop_terminated and not self._include_stop
         to_decode = new_token_ids[:-1] if skip_last else new_token_ids
         check_from = len(self.output_text)
+        num_before = len(self.token_ids)
+        text_ends = []  # output_text's length after each id of to_decode
         for token_id in to_decode:
             self.token_ids.append(token_id)
             self.output_text += self._decode_next(token_id)
+            text_ends.append(len(self.output_text))
             if len(self.token_ids) <= self._min_tokens:
                 check_from = len(self.output_text)
         if skip_last:
@@ -152,6 +156,10 @@ class IncrementalDetokenizer:
         if match is None:
             return None
         stop, index = match
+        # Several new ids (accepted drafts): those after the one that completed the stop string
+        # are dropped, as if it had been the last of its step.
+        last = next(i for i, end in enumerate(text_ends) if end >= index + len(stop))
+        del self.token_ids[num_before + last + 1 :]
         self.output_text = self.output_text[: index + len(stop) if self._include_stop else index]
         self._stopped = True
         return stop

@@ -123,12 +123,15 @@ class OutputProcessor:
                 continue
             self._record_times(parent.metrics, child, core_output, now)
             parent.num_cached_tokens = max(parent.num_cached_tokens, core_output.num_cached_tokens)
-            self._add_logprobs(child, core_output.logprobs)
             if core_output.prompt_logprobs is not None and parent.prompt_logprobs is None:
                 parent.prompt_logprobs = [None]
                 parent.prompt_logprobs.extend(map(self._logprob_entry, core_output.prompt_logprobs))
             stop_terminated = core_output.finish_reason == "stop"
+            num_before = len(child.detokenizer.token_ids)
             stop_string = child.detokenizer.update(core_output.new_token_ids, stop_terminated)
+            # A stop string drops the step's tokens after it, and their logprobs.
+            num_kept = len(child.detokenizer.token_ids) - num_before
+            self._add_logprobs(child, core_output.logprobs, num_kept)
             if stop_string is not None:
                 # A stop string wins over the core's reason for the same token (e.g. "length").
                 child.finish_reason, child.stop_reason = "stop", stop_string
@@ -169,11 +172,13 @@ class OutputProcessor:
                 child.finish_reason = "abort"
         return self._make_output(parent, time.monotonic())
 
-    def _add_logprobs(self, child: _ChildState, entries: list[Logprobs] | None) -> None:
-        """Appends one step's entries, one per new token."""
+    def _add_logprobs(
+        self, child: _ChildState, entries: list[Logprobs] | None, num_tokens: int
+    ) -> None:
+        """Appends one step's entries of its first `num_tokens` new tokens (one per token)."""
         if child.logprobs is None or entries is None:
             return
-        for step in entries:
+        for step in entries[:num_tokens]:
             child.logprobs.append(self._logprob_entry(step))
             assert child.cumulative_logprob is not None
             child.cumulative_logprob += step.logprobs[0]

@@ -128,6 +128,21 @@ def test_earliest_stop_string_wins_within_one_update(tok: Tokenizer) -> None:
     assert detok.output_text == "abc "
 
 
+def test_ids_after_the_stop_string_in_one_update_are_dropped(tok: Tokenizer) -> None:
+    """Several ids in one update (accepted drafts): the output ends with the id that completed
+    the stop string, as when the ids come one at a time."""
+    ids = tok.encode("The end is near; the end is here. More")
+    one_by_one = IncrementalDetokenizer(tok, [], SamplingParams(stop=["end is h"]))
+    for token_id in ids:
+        if one_by_one.update([token_id], stop_terminated=False):
+            break
+    together = IncrementalDetokenizer(tok, [], SamplingParams(stop=["end is h"]))
+    assert together.update(ids, stop_terminated=False) == "end is h"
+    assert together.token_ids == one_by_one.token_ids == ids[: len(one_by_one.token_ids)]
+    assert len(together.token_ids) < len(ids)
+    assert together.output_text == one_by_one.output_text == "The end is near; the "
+
+
 def test_stop_string_holdback_in_deltas(tok: Tokenizer) -> None:
     text = "Numbers 0123456789 and STOP here"
     stop = "STOP here"

@@ -129,8 +129,26 @@ def test_a_stop_string_finishes_a_completion_and_drops_its_later_tokens(tok) -> 
         "stop",
         "river",
     )
+    # The ids after the one that completed the stop string (" flows") are dropped too.
+    kept = tok.encode(" the river")
+    assert completion.token_ids == kept and ids[: len(kept)] == kept and len(kept) < len(ids)
     (out,) = step(processor, EngineCoreOutput(first, [5]), EngineCoreOutput(second, [6]))
-    assert out.outputs[0].token_ids == ids and out.outputs[1].token_ids == tok.encode(" a") + [6]
+    assert out.outputs[0].token_ids == kept and out.outputs[1].token_ids == tok.encode(" a") + [6]
+
+
+def test_a_stop_string_inside_a_step_drops_the_logprobs_after_it(tok) -> None:
+    """A step of several tokens (accepted drafts) whose stop string ends before its last: the
+    later tokens and their logprobs are not output."""
+    processor = OutputProcessor(tok)
+    add(processor, "r", stop=["river"], logprobs=0)
+    ids = tok.encode(" the river flows")
+    entries = [Logprobs([t], [-1.0], 1) for t in ids]
+    outputs, stopped = processor.process([EngineCoreOutput("r", ids, logprobs=entries)])
+    assert stopped == ["r"]
+    completion = outputs[0].outputs[0]
+    assert completion.token_ids == tok.encode(" the river")
+    assert len(completion.logprobs) == len(completion.token_ids)
+    assert completion.cumulative_logprob == -len(completion.token_ids)
 
 
 def test_logprobs_keep_the_sampled_token_first_with_its_rank(tok) -> None:

@@ -292,3 +292,31 @@ def test_constrained_requests_decode_beside_speculating_ones() -> None:
     assert got == expected
     assert set(json.loads(got[0])) == {"name", "ok"}
     assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_stop_strings_end_outputs_as_without_speculation() -> None:
+    """The shipped model (its tokenizer), greedy, a text that repeats (drafts accepted): for stop
+    strings all along the text, the tokens, text and logprobs equal those without speculation
+    (the accepted drafts after the token that completes a stop string are not output)."""
+    from ferrum.default_model import DEFAULT_MODEL_DIR
+
+    prompt = "a b a b a b a"
+    kwargs = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256)
+    base = LLM(DEFAULT_MODEL_DIR, **kwargs)
+    llm = LLM(DEFAULT_MODEL_DIR, speculative_config=NGRAM, **kwargs)
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    text = base.generate(prompt, free, use_tqdm=False)[0].outputs[0].text
+    stops = [text[i : i + 5] for i in range(8, len(text) - 5, 2)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, stop=[stop], logprobs=0) for stop in stops
+    ]
+
+    def completions(engine: LLM) -> list[tuple]:
+        outputs = engine.generate([prompt] * len(stops), params, use_tqdm=False)
+        return [
+            (c.token_ids, c.text, c.finish_reason, len(c.logprobs))
+            for c in (o.outputs[0] for o in outputs)
+        ]
+
+    assert completions(llm) == completions(base)
+    assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
