@@ -72,13 +72,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="tokenizer folder (default: --model if it is a folder, else the shipped model's)",
     )
     server.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
-    server.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=None,
-        help="LoRA adapter names the server serves: request i names adapter i mod their number "
-        "(vLLM's flag; its choice is random)",
-    )
+    lora_help = "LoRA adapter names: request i names adapter i mod N (vLLM's: a random one)"
+    server.add_argument("--lora-modules", nargs="+", default=None, help=lora_help)
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset-name", choices=DATASETS, default="random", help="prompts")
     data.add_argument("--dataset-path", default=None, help="ShareGPT-style JSON file")
