@@ -53,6 +53,8 @@ from ferrum.model_executor.speculative.verification import (
     accept,
     drafts_in_tokens,
     expand_rows,
+    generator_states,
+    rewind_generators,
     row_owners,
 )
 from ferrum.model_executor.warm_up import warm_up_runner
@@ -322,6 +324,7 @@ class ModelRunner:
         ]
         if step.drafts is not None:
             rows = expand_rows(rows, step.drafts)
+            step.generator_states = generator_states(states, step.drafts)
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, self.sampling_staging)
         if pending.matchers:
             bitmask = self.grammar_bitmasks.fill(states, pending.matchers)
@@ -362,6 +365,9 @@ class ModelRunner:
             sampled, logprobs = step.output.to_host(asked)
             tokens, token_logprobs = accept(step.drafts, sampled, logprobs)
             output = append_verified(step, tokens, token_logprobs, prompt_logprobs)
+            rewind_generators(
+                step.states, step.generator_states, tokens, self.vocab_size, self.device
+            )
         if self.speculative is not None:
             drafts = self.speculative.propose(
                 step.states, len(self.requests), self.inputs, self.block_size

@@ -116,8 +116,10 @@ class LaunchedStep:
     # Pipeline parallelism: the buffer the last stage's sampled tokens are broadcast into, and
     # the broadcast's handle (wait before reading).
     token_broadcast: tuple[torch.Tensor, Any] | None = None
-    # Speculative decoding: each sampled request's drafts (in `req_ids` order), when any has.
+    # Speculative decoding: each sampled request's drafts (in `req_ids` order), when any has,
+    # and the generator states of its seeded requests with drafts before they drew (by index).
     drafts: list[list[int]] | None = None
+    generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def awaits_sampling(self) -> bool:

@@ -184,6 +184,30 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_checkpoint, tmp_path: 
     assert llm.llm_engine.stats().spec_num_accepted_tokens > 300
 
 
+def test_seeded_samples_equal_those_without_speculation(
+    checkpoint: str,
+    expected,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    """A seeded request draws once per output token, as without speculation (its generator is
+    rewound past the rows of rejected drafts): the same seed gives the same tokens with or
+    without speculation, whatever else runs and after a restart."""
+    params = [
+        SamplingParams(temperature=0.8, max_tokens=20, seed=100 + i, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def sampled(llm: LLM) -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    spec = replay_config(tmp_path / "c.json", expected, 0.5)
+    llm = make_llm(checkpoint, speculative_config=spec)
+    assert sampled(llm) == sampled(make_llm(checkpoint))
+    stats = llm.llm_engine.stats()
+    assert stats.spec_num_draft_tokens > stats.spec_num_accepted_tokens  # rejected drafts
+
+
 def top_probs(llm: LLM, prompt: list[int], k: int = 2) -> dict[int, float]:
     """The next token's top-k probabilities, renormalized (temperature 1)."""
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=k)

@@ -15,7 +15,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
+import torch
+
 from ferrum.model_executor.input_batch import RequestTokens
+from ferrum.model_executor.runner_state import CachedRequestState
+from ferrum.model_executor.sampler import advance_sampling_generator
 from ferrum.model_executor.sampling_metadata import SamplingRow
 from ferrum.request import Logprobs
 
@@ -65,6 +69,34 @@ def accept(
             token_logprobs.append(logprobs[row : row + len(emitted)])
         row += len(row_drafts) + 1
     return tokens, token_logprobs
+
+
+def generator_states(
+    states: Sequence[CachedRequestState], drafts: Sequence[list[int]]
+) -> dict[int, torch.Tensor]:
+    """Before a verify step samples: the generator state of each seeded request with drafts."""
+    return {
+        i: state.generator.get_state()
+        for i, (state, row_drafts) in enumerate(zip(states, drafts))
+        if row_drafts and state.generator is not None
+    }
+
+
+def rewind_generators(
+    states: Sequence[CachedRequestState],
+    saved: Mapping[int, torch.Tensor],
+    tokens: Sequence[list[int]],
+    vocab_size: int,
+    device: torch.device,
+) -> None:
+    """Each of a seeded request's k + 1 rows drew once; one that emitted fewer tokens goes back
+    to `saved` plus a draw per emitted token. It thus draws once per output token as without
+    speculation: its seed gives the same tokens whatever runs beside it and after a restart."""
+    for i, state in saved.items():
+        generator = states[i].generator
+        assert generator is not None
+        generator.set_state(state)
+        advance_sampling_generator(generator, len(tokens[i]), vocab_size, device)
 
 
 @contextmanager
