@@ -13,6 +13,7 @@ from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.logger import init_logger
 from ferrum.model_executor.kv_cache_sizing import cpu_kv_budget, num_blocks_from_budget
 from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow
+from ferrum.model_executor.speculative.decoder import max_sampled_rows
 from ferrum.parallel_config import kv_heads_per_rank
 from ferrum.sampling_params import SamplingParams
 
@@ -121,7 +122,8 @@ def profile_gpu_kv_budget(runner: StartUpRunner) -> int:
     hidden = runner.forward_prompts(seq_lens)
     logits = None
     if hidden is not None:  # the last stage samples
-        num_sampled = min(sched.max_num_seqs, num_tokens)
+        # Speculative decoding: verify steps sample a row per draft too.
+        num_sampled = min(max_sampled_rows(runner.config), num_tokens)
         logits = runner.model.compute_logits(hidden[:num_sampled])
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50).resolve()
         row = SamplingRow(params, [], [], None, set())

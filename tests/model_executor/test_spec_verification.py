@@ -60,3 +60,53 @@ def test_a_request_whose_drafts_keep_failing_proposes_fewer_then_none() -> None:
     counts = [drafts_worth_proposing(state, 3) for _ in range(30)]
     # None while the average stays low; it creeps back up and the request tries one again.
     assert counts[:9] == [0] * 9 and 1 in counts
+
+
+def test_the_memory_profile_samples_as_many_rows_as_a_verify_step(monkeypatch) -> None:  # noqa: ANN001
+    """A verify step samples a row per request and per draft of the (fewer than
+    disable_by_batch_size) requests that speculate: the profile's sampling takes that many."""
+    import types
+
+    import torch
+
+    from ferrum.model_executor import gpu_memory_profile
+    from ferrum.model_executor.speculative.decoder import max_sampled_rows
+    from ferrum.speculative_config import SpeculativeConfig
+
+    def config(spec: SpeculativeConfig | None) -> types.SimpleNamespace:
+        sched = types.SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+        cache = types.SimpleNamespace(gpu_memory_utilization=0.9)
+        return types.SimpleNamespace(
+            scheduler_config=sched, cache_config=cache, speculative_config=spec
+        )
+
+    ngram = dict(method="ngram", num_speculative_tokens=3)
+    assert max_sampled_rows(config(None)) == 8
+    assert max_sampled_rows(config(SpeculativeConfig(**ngram, disable_by_batch_size=4))) == 17
+    unbounded = config(SpeculativeConfig(**ngram, disable_by_batch_size=None))
+    assert max_sampled_rows(unbounded) == 32
+
+    for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 40, 1 << 40))
+    for name in ("memory_reserved", "memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: 0)
+    sampled_rows = []
+    model = types.SimpleNamespace(compute_logits=lambda h: sampled_rows.append(len(h)) or h)
+    runner = types.SimpleNamespace(
+        config=unbounded,
+        device=torch.device("cpu"),
+        block_size=4,
+        kv_cache_groups=[types.SimpleNamespace(recurrent=False)],
+        initialize_kv_cache=lambda counts: None,
+        forward_prompts=lambda seq_lens: torch.zeros(sum(seq_lens), 16),
+        model=model,
+        sampler=lambda logits, meta: None,
+        vocab_size=16,
+        sampling_staging=None,
+        release_kv_cache=lambda: None,
+        uses_cuda_graphs=lambda: False,
+    )
+    monkeypatch.setattr(gpu_memory_profile.SamplingMetadata, "from_rows", lambda *a: None)
+    gpu_memory_profile.profile_gpu_kv_budget(runner)
+    assert sampled_rows == [32]

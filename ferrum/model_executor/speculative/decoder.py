@@ -135,10 +135,15 @@ def speculative_decoder(
 
 
 def max_sampled_rows(config: EngineConfig) -> int:
-    """The most rows a step samples: a row per request, and one per draft it verifies."""
+    """The most rows a step samples: a row per request, and one per draft of the requests that
+    verify some (fewer than disable_by_batch_size: none get drafts once that many run)."""
+    max_num_seqs = config.scheduler_config.max_num_seqs
     spec = config.speculative_config
-    per_request = 1 if spec is None else 1 + spec.num_speculative_tokens
-    return config.scheduler_config.max_num_seqs * per_request
+    if spec is None:
+        return max_num_seqs
+    limit = spec.disable_by_batch_size
+    num_verifying = max_num_seqs if limit is None else min(max_num_seqs, limit - 1)
+    return max_num_seqs + num_verifying * spec.num_speculative_tokens
 
 
 def verify_graph_sizes(config: EngineConfig) -> dict[str, int]:
