@@ -369,8 +369,11 @@ class ModelRunner:
                 step.states, step.generator_states, tokens, self.vocab_size, self.device
             )
         if self.speculative is not None:
+            # Not for a request preempted or finished since the step launched (async): its
+            # blocks may be another's by now, and a draft model would write into them.
+            live = [s for s in step.states if self.requests.get(s.req_id) is s]
             drafts = self.speculative.propose(
-                step.states, len(self.requests), self.inputs, self.block_size
+                live, len(self.requests), self.inputs, self.block_size
             )
             output.spec_decode = with_drafts(output.spec_decode, drafts)
         return output

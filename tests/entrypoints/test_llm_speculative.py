@@ -344,3 +344,30 @@ def test_stop_strings_end_outputs_as_without_speculation() -> None:
 
     assert completions(llm) == completions(base)
     assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_drafts_are_proposed_for_live_requests_only(tiny_checkpoint) -> None:  # noqa: ANN001
+    """Async scheduling with a draft model and a tight pool: a request preempted (or finished)
+    after its step launched gets no drafts from that step; the draft model never decodes into
+    blocks the request no longer holds."""
+    path = tiny_checkpoint("qwen3")
+    spec = {**draft_config(path), "disable_by_batch_size": 2}
+    llm = make_llm(path, speculative_config=spec, async_scheduling=True, num_kv_blocks=12)
+    runner = llm.llm_engine.core.executor.runner
+    propose, stale = runner.speculative.propose, []
+
+    def checked_propose(states, *args):  # noqa: ANN001, ANN002
+        stale.extend(s.req_id for s in states if runner.requests.get(s.req_id) is not s)
+        return propose(states, *args)
+
+    runner.speculative.propose = checked_propose
+    prompts = [p + p[:7] for p in random_prompts([9, 17, 26, 13, 5, 11, 8, 20], seed=4)]
+    lengths = [20, 4, 9, 14, 17, 6, 12, 15]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    expected = make_llm(path).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False
+    )
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert llm.llm_engine.stats().num_preemptions > 0
+    assert stale == []
