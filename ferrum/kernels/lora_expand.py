@@ -16,7 +16,7 @@ from ferrum.kernels.lora_segments import LoRASegments, block_m
 
 @triton.jit
 def _lora_expand_kernel(
-    t_ptr,  # [num_tokens, K] (row stride stride_t)
+    t_ptr,  # [num_tokens, K] (row stride stride_t), fp32 or B's dtype
     b_ptr,  # [num_slots, N, K]
     y_ptr,  # [num_tokens, N] (row stride stride_y), read and written
     sorted_ptr,  # [num_tokens] int32
@@ -53,7 +53,7 @@ def _lora_expand_kernel(
                 t_ptr + rows[:, None] * stride_t + offs_k[None, :],
                 mask=mask_m[:, None] & mask_k[None, :],
                 other=0.0,
-            )
+            ).to(b_ptr.dtype.element_ty)
             bt = tl.load(
                 b_base + offs_n[None, :] * stride_b_n + offs_k[:, None],
                 mask=mask_k[:, None] & mask_n[None, :],
@@ -69,13 +69,16 @@ def _lora_expand_kernel(
 def lora_expand(
     t: torch.Tensor, lora_b: torch.Tensor, segments: LoRASegments, y: torch.Tensor
 ) -> None:
-    """y [T, N] += t [T, K] @ lora_b[slot] [N, K]^T per token with an adapter, in place."""
+    """y [T, N] += t [T, K] @ lora_b[slot] [N, K]^T per token with an adapter, in place (t in
+    fp32, as the shrink writes it, is rounded to B's dtype for the product)."""
     if t.dim() != 2 or lora_b.dim() != 3 or t.shape[1] != lora_b.shape[2]:
         raise ValueError(f"t {tuple(t.shape)} and lora_b {tuple(lora_b.shape)}: [T, K], [L, N, K]")
     if y.shape != (t.shape[0], lora_b.shape[1]):
         raise ValueError(f"y: expected shape {(t.shape[0], lora_b.shape[1])}, got {tuple(y.shape)}")
-    if t.dtype not in FLOAT_DTYPES or lora_b.dtype != t.dtype or y.dtype != t.dtype:
-        raise ValueError(f"t, lora_b, y: one float dtype, got {t.dtype}, {lora_b.dtype}, {y.dtype}")
+    if lora_b.dtype not in FLOAT_DTYPES or y.dtype != lora_b.dtype:
+        raise ValueError(f"lora_b, y: one float dtype, got {lora_b.dtype}, {y.dtype}")
+    if t.dtype not in (lora_b.dtype, torch.float32):
+        raise ValueError(f"t: float32 (the shrink's) or lora_b's dtype, got {t.dtype}")
     if t.stride(1) != 1 or lora_b.stride(2) != 1 or y.stride(1) != 1:
         raise ValueError("t, lora_b and y: the last dimension must be contiguous")
     num_tokens, k = t.shape
@@ -89,5 +92,5 @@ def lora_expand(
         t, lora_b, y, segments.sorted_tokens, segments.slot_starts, segments.slot_counts,
         n, k, t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=max(16, min(64, triton.next_power_of_2(k))),
-        DOT_PRECISION="ieee" if t.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
     )  # fmt: skip

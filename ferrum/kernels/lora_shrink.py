@@ -1,8 +1,11 @@
-"""Triton LoRA shrink over a batch mixing adapters: out[i] = x[i] @ A[slot[i]]^T for every token
-with an adapter (rows of tokens without one are zero). Program (m, n, s) multiplies block m of
-slot s's tokens (gathered through `LoRASegments`) by columns block n of A[s]; a program past its
-slot's token count does nothing. The grid depends on the token count and shapes only, never on
-which adapters the step holds (CUDA graphs replay any mix)."""
+"""Triton LoRA shrink over a batch mixing adapters: out[i] = x[i] @ A[slot[i]]^T (fp32) for every
+token with an adapter (rows of tokens without one are zero). Program (m, n, s * SPLIT_K + j)
+multiplies block m of slot s's tokens (gathered through `LoRASegments`) by columns block n of
+A[s] over the j-th of SPLIT_K slices of K, adding its partial sums atomically when SPLIT_K > 1
+(A is a few rows of the hidden size or more: without the split a decode step's one program per
+slot would walk all of K alone). A program past its slot's token count does nothing. The grid
+depends on the token count and shapes only, never on which adapters the step holds (CUDA graphs
+replay any mix); the split's atomics make the fp32 sums' order vary from run to run."""
 
 from __future__ import annotations
 
@@ -13,17 +16,20 @@ import triton.language as tl
 from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.lora_segments import LoRASegments, block_m
 
+BLOCK_K = 64
+
 
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, K]
     a_ptr,  # [num_slots, N, K]
-    out_ptr,  # [num_tokens, N]
+    out_ptr,  # [num_tokens, N] fp32, zeroed
     sorted_ptr,  # [num_tokens] int32
     start_ptr,  # [num_slots] int32
     count_ptr,  # [num_slots] int32
     N,
     K,
+    k_per_split,  # a multiple of BLOCK_K
     stride_x,
     stride_a_slot,
     stride_a_n,
@@ -31,11 +37,13 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.program_id(2)
+    slot = tl.program_id(2) // SPLIT_K
+    k_begin = (tl.program_id(2) % SPLIT_K) * k_per_split
     count = tl.load(count_ptr + slot)
     if pid_m * BLOCK_M < count:
         start = tl.load(start_ptr + slot)
@@ -46,8 +54,8 @@ def _lora_shrink_kernel(
         mask_n = offs_n < N
         a_base = a_ptr + slot.to(tl.int64) * stride_a_slot
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, k_per_split, BLOCK_K):
+            offs_k = k_begin + k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             xt = tl.load(
                 x_ptr + rows[:, None] * stride_x + offs_k[None, :],
@@ -60,16 +68,23 @@ def _lora_shrink_kernel(
                 other=0.0,
             )
             acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
-        tl.store(
-            out_ptr + rows[:, None] * stride_out + offs_n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=mask_m[:, None] & mask_n[None, :],
-        )
+        out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc, mask=mask)
+        else:
+            tl.atomic_add(out_ptrs, acc, mask=mask)
+
+
+def split_k(num_tokens: int, k: int) -> int:
+    """K slices: about 256 of K each (at most 32 slices) for steps of up to 256 tokens, whose
+    few token blocks leave the GPU idle otherwise; one for longer steps (no atomics)."""
+    return 1 if num_tokens > 256 else max(1, min(32, k // 256))
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -> torch.Tensor:
-    """x [T, K], lora_a [L, N, K] (last dim contiguous) -> [T, N] in x's dtype; `segments`
-    filled from this batch's token slots."""
+    """x [T, K], lora_a [L, N, K] (last dim contiguous) -> [T, N] fp32; `segments` filled from
+    this batch's token slots."""
     if x.dim() != 2 or lora_a.dim() != 3 or x.shape[1] != lora_a.shape[2]:
         raise ValueError(f"x {tuple(x.shape)} and lora_a {tuple(lora_a.shape)}: [T, K], [L, N, K]")
     if x.dtype not in FLOAT_DTYPES or lora_a.dtype != x.dtype:
@@ -78,16 +93,18 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -
         raise ValueError("x and lora_a: the last dimension must be contiguous")
     num_tokens, k = x.shape
     num_slots, n, _ = lora_a.shape
-    out = torch.zeros(num_tokens, n, dtype=x.dtype, device=x.device)
+    out = torch.zeros(num_tokens, n, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
     block_n = max(16, min(64, triton.next_power_of_2(n)))
     tile_m = block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n), num_slots)
+    splits = split_k(num_tokens, k)
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+    grid = (triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n), num_slots * splits)
     _lora_shrink_kernel[grid](
         x, lora_a, out, segments.sorted_tokens, segments.slot_starts, segments.slot_counts,
-        n, k, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-        BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=64,
+        n, k, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT_K=splits,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out

@@ -26,7 +26,7 @@ def _batch(num_tokens: int, num_slots: int, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("num_tokens", "k", "n", "num_slots"),
-    [(1, 40, 8, 1), (7, 72, 24, 3), (37, 96, 16, 4), (300, 80, 16, 2)],
+    [(1, 40, 8, 1), (7, 72, 24, 3), (37, 96, 16, 4), (300, 80, 16, 2), (5, 700, 24, 3)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_shrink_matches_reference(
@@ -39,7 +39,9 @@ def test_shrink_matches_reference(
     segments = LoRASegments.empty(512, num_slots, DEVICE)
     segments.fill(slots)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(lora_shrink(x, lora_a, segments), expected, atol=tol, rtol=tol)
+    got = lora_shrink(x, lora_a, segments)  # fp32; (5, 700): K in 2 atomic slices
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.to(dtype), expected, atol=tol, rtol=tol)
     torch.testing.assert_close(lora_shrink_torch(x, lora_a, slots), expected, atol=tol, rtol=tol)
 
 
@@ -69,6 +71,9 @@ def test_expand_adds_in_place_on_a_column_slice(
         torch.testing.assert_close(by_torch, expected, atol=tol, rtol=tol)
     untouched = slots.cpu() < 0
     assert torch.equal(got[untouched], wide[untouched])
+    from_fp32 = wide.clone()  # the shrink's fp32 output, rounded to B's dtype in the kernel
+    lora_expand(t.float(), lora_b, segments, from_fp32[:, 5 : 5 + n])
+    torch.testing.assert_close(from_fp32, expected, atol=tol, rtol=tol)
 
 
 def test_segments_group_tokens_by_slot() -> None:
