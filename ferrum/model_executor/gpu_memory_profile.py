@@ -13,7 +13,10 @@ from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.logger import init_logger
 from ferrum.model_executor.kv_cache_sizing import cpu_kv_budget, num_blocks_from_budget
 from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow
-from ferrum.model_executor.speculative.decoder import max_sampled_rows
+from ferrum.model_executor.speculative.decoder import (
+    max_sampled_rows,
+    max_verify_graph_tokens,
+)
 from ferrum.parallel_config import kv_heads_per_rank
 from ferrum.sampling_params import SamplingParams
 
@@ -102,7 +105,8 @@ def profile_gpu_kv_budget(runner: StartUpRunner) -> int:
     """Runs one forward + sampling at max_num_batched_tokens and measures the peak.
 
     Budget = total * gpu_memory_utilization - weights - activation peak - CUDA-graph pool
-    (estimated as the activations of a max_num_seqs-token forward) - non-torch memory.
+    (estimated as the activations of a forward of the largest graph's tokens: max_num_seqs,
+    or more for a verify batch) - non-torch memory.
     """
     sched = runner.config.scheduler_config
     free_before, total = torch.cuda.mem_get_info(runner.device)
@@ -138,10 +142,10 @@ def profile_gpu_kv_budget(runner: StartUpRunner) -> int:
     runner.release_kv_cache()
     del hidden, logits
     torch.cuda.empty_cache()
+    # The largest graph: a decode batch of max_num_seqs or a verify batch of q tokens each.
+    graph_tokens = max(sched.max_num_seqs, max_verify_graph_tokens(runner.config))
     graph_pool = (
-        int(activations * min(1.0, sched.max_num_seqs / num_tokens))
-        if runner.uses_cuda_graphs()
-        else 0
+        int(activations * min(1.0, graph_tokens / num_tokens)) if runner.uses_cuda_graphs() else 0
     )
     util = runner.config.cache_config.gpu_memory_utilization
     budget = int(total * util) - weights - activations - graph_pool - non_torch

@@ -62,9 +62,10 @@ def test_a_request_whose_drafts_keep_failing_proposes_fewer_then_none() -> None:
     assert counts[:9] == [0] * 9 and 1 in counts
 
 
-def test_the_memory_profile_samples_as_many_rows_as_a_verify_step(monkeypatch) -> None:  # noqa: ANN001
+def test_the_memory_profile_covers_verify_steps_and_graphs(monkeypatch) -> None:  # noqa: ANN001
     """A verify step samples a row per request and per draft of the (fewer than
-    disable_by_batch_size) requests that speculate: the profile's sampling takes that many."""
+    disable_by_batch_size) requests that speculate: the profile's sampling takes that many, and
+    its CUDA-graph pool is that of the largest verify graph when it has more tokens."""
     import types
 
     import torch
@@ -89,8 +90,9 @@ def test_the_memory_profile_samples_as_many_rows_as_a_verify_step(monkeypatch) -
     for name in ("reset_peak_memory_stats", "synchronize", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (1 << 40, 1 << 40))
-    for name in ("memory_reserved", "memory_allocated", "max_memory_allocated"):
+    for name in ("memory_reserved", "memory_allocated"):
         monkeypatch.setattr(torch.cuda, name, lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 6400)  # activations
     sampled_rows = []
     model = types.SimpleNamespace(compute_logits=lambda h: sampled_rows.append(len(h)) or h)
     runner = types.SimpleNamespace(
@@ -105,8 +107,11 @@ def test_the_memory_profile_samples_as_many_rows_as_a_verify_step(monkeypatch) -
         vocab_size=16,
         sampling_staging=None,
         release_kv_cache=lambda: None,
-        uses_cuda_graphs=lambda: False,
+        uses_cuda_graphs=lambda: True,
     )
     monkeypatch.setattr(gpu_memory_profile.SamplingMetadata, "from_rows", lambda *a: None)
-    gpu_memory_profile.profile_gpu_kv_budget(runner)
+    budget = gpu_memory_profile.profile_gpu_kv_budget(runner)
     assert sampled_rows == [32]
+    # The graph pool: the activations of the largest graph's tokens out of the profiled 64,
+    # here a verify batch of 8 requests of 4 tokens (32), not max_num_seqs (8).
+    assert budget == int((1 << 40) * 0.9) - 6400 - 6400 * 32 // 64

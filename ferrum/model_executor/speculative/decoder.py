@@ -158,3 +158,9 @@ def verify_graph_sizes(config: EngineConfig) -> dict[str, int]:
     if spec.disable_by_batch_size is not None:
         largest = min(largest, spec.disable_by_batch_size - 1)
     return {"verify_query_len": query_len, "max_verify_batch_size": largest}
+
+
+def max_verify_graph_tokens(config: EngineConfig) -> int:
+    """Tokens of the largest verify CUDA graph (0 without speculative decoding)."""
+    sizes = verify_graph_sizes(config)
+    return sizes["verify_query_len"] * max(sizes["max_verify_batch_size"], 0) if sizes else 0
