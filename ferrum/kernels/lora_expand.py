@@ -1,8 +1,9 @@
 """Triton LoRA expand over a batch mixing adapters, added to the base layer's output in place:
-y[i] += t[i] @ B[slot[i]]^T for every token with an adapter (the adapter's scaling is folded into
-B). Program (m, n, s) handles block m of slot s's tokens and output columns block n; tokens
-without an adapter are never touched. `y` and `t` may be column slices of wider tensors (a merged
-layer's shard: its stride is the row stride)."""
+y[i, cols of shard j] += t[i, j-th K block] @ B[slot[i], cols of shard j]^T for every token with
+an adapter (the adapter's scaling is folded into B). A merged layer's shards (q/k/v, gate/up:
+up to 3, consecutive column ranges starting at `slice_starts`) take one launch: each program
+computes its column block's part of every shard it overlaps. Program (m, n, s) handles block m
+of slot s's tokens and output columns block n; tokens without an adapter are never touched."""
 
 from __future__ import annotations
 
@@ -13,21 +14,26 @@ import triton.language as tl
 from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.lora_segments import LoRASegments, block_m
 
+MAX_SLICES = 3
+
 
 @triton.jit
 def _lora_expand_kernel(
-    t_ptr,  # [num_tokens, K] (row stride stride_t), fp32 or B's dtype
+    t_ptr,  # [num_tokens, NUM_SLICES * K], fp32 or B's dtype
     b_ptr,  # [num_slots, N, K]
-    y_ptr,  # [num_tokens, N] (row stride stride_y), read and written
+    y_ptr,  # [num_tokens, N], read and written
     sorted_ptr,  # [num_tokens] int32
     start_ptr,  # [num_slots] int32
     count_ptr,  # [num_slots] int32
     N,
     K,
+    slice1,  # first column of shard 1 (NUM_SLICES >= 2)
+    slice2,  # first column of shard 2 (NUM_SLICES == 3)
     stride_t,
     stride_b_slot,
     stride_b_n,
     stride_y,
+    NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -46,20 +52,24 @@ def _lora_expand_kernel(
         mask_n = offs_n < N
         b_base = b_ptr + slot.to(tl.int64) * stride_b_slot
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            tt = tl.load(
-                t_ptr + rows[:, None] * stride_t + offs_k[None, :],
-                mask=mask_m[:, None] & mask_k[None, :],
-                other=0.0,
-            ).to(b_ptr.dtype.element_ty)
-            bt = tl.load(
-                b_base + offs_n[None, :] * stride_b_n + offs_k[:, None],
-                mask=mask_k[:, None] & mask_n[None, :],
-                other=0.0,
-            )
-            acc += tl.dot(tt, bt, input_precision=DOT_PRECISION)
+        for j in tl.static_range(NUM_SLICES):
+            lo = 0 if j == 0 else (slice1 if j == 1 else slice2)
+            hi = N if j + 1 == NUM_SLICES else (slice1 if j == 0 else slice2)
+            cols = mask_n & (offs_n >= lo) & (offs_n < hi)
+            for k0 in range(0, K, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < K
+                tt = tl.load(
+                    t_ptr + rows[:, None] * stride_t + (j * K + offs_k)[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0,
+                ).to(b_ptr.dtype.element_ty)
+                bt = tl.load(
+                    b_base + offs_n[None, :] * stride_b_n + offs_k[:, None],
+                    mask=mask_k[:, None] & cols[None, :],
+                    other=0.0,
+                )
+                acc += tl.dot(tt, bt, input_precision=DOT_PRECISION)
         y_ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -67,30 +77,48 @@ def _lora_expand_kernel(
 
 
 def lora_expand(
-    t: torch.Tensor, lora_b: torch.Tensor, segments: LoRASegments, y: torch.Tensor
+    t: torch.Tensor,
+    lora_b: torch.Tensor,
+    segments: LoRASegments,
+    y: torch.Tensor,
+    slice_starts: tuple[int, ...] = (0,),
 ) -> None:
-    """y [T, N] += t [T, K] @ lora_b[slot] [N, K]^T per token with an adapter, in place (t in
-    fp32, as the shrink writes it, is rounded to B's dtype for the product)."""
-    if t.dim() != 2 or lora_b.dim() != 3 or t.shape[1] != lora_b.shape[2]:
-        raise ValueError(f"t {tuple(t.shape)} and lora_b {tuple(lora_b.shape)}: [T, K], [L, N, K]")
+    """y [T, N] += t [T, S * K] @ lora_b[slot] [N, K]^T per token with an adapter and shard (S
+    shards, starting at columns `slice_starts`), in place; t in fp32, as the shrink writes it,
+    is rounded to B's dtype for the product."""
+    num_slices = len(slice_starts)
+    if t.dim() != 2 or lora_b.dim() != 3 or t.shape[1] != num_slices * lora_b.shape[2]:
+        raise ValueError(
+            f"t {tuple(t.shape)} and lora_b {tuple(lora_b.shape)}: [T, S * K], [L, N, K] for "
+            f"S={num_slices} shards"
+        )
     if y.shape != (t.shape[0], lora_b.shape[1]):
         raise ValueError(f"y: expected shape {(t.shape[0], lora_b.shape[1])}, got {tuple(y.shape)}")
+    n = lora_b.shape[1]
+    if (
+        not 1 <= num_slices <= MAX_SLICES
+        or slice_starts[0] != 0
+        or list(slice_starts) != sorted(set(slice_starts))
+        or slice_starts[-1] >= n
+    ):
+        raise ValueError(f"slice_starts: 0 then increasing columns < {n}, at most {MAX_SLICES}")
     if lora_b.dtype not in FLOAT_DTYPES or y.dtype != lora_b.dtype:
         raise ValueError(f"lora_b, y: one float dtype, got {lora_b.dtype}, {y.dtype}")
     if t.dtype not in (lora_b.dtype, torch.float32):
         raise ValueError(f"t: float32 (the shrink's) or lora_b's dtype, got {t.dtype}")
     if t.stride(1) != 1 or lora_b.stride(2) != 1 or y.stride(1) != 1:
         raise ValueError("t, lora_b and y: the last dimension must be contiguous")
-    num_tokens, k = t.shape
-    num_slots, n, _ = lora_b.shape
+    num_tokens, k = t.shape[0], lora_b.shape[2]
     if num_tokens == 0:
         return
+    starts = (*slice_starts[1:], 0, 0)
     block_n = 64
     tile_m = block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n), num_slots)
+    grid = (triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n), lora_b.shape[0])
     _lora_expand_kernel[grid](
         t, lora_b, y, segments.sorted_tokens, segments.slot_starts, segments.slot_counts,
-        n, k, t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=max(16, min(64, triton.next_power_of_2(k))),
+        n, k, starts[0], starts[1], t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        NUM_SLICES=num_slices, BLOCK_M=tile_m, BLOCK_N=block_n,
+        BLOCK_K=max(16, min(64, triton.next_power_of_2(k))),
         DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
     )  # fmt: skip

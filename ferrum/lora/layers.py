@@ -50,13 +50,21 @@ class LoRABatch:
             return lora_shrink(x, lora_a, self.segments)
         return lora_shrink_torch(x, lora_a, self.token_slots[: x.shape[0]])
 
-    def expand(self, t: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor) -> None:
+    def expand(
+        self, t: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, slice_starts: tuple[int, ...]
+    ) -> None:
+        """y += each shard's part of t times its columns of B (shards start at `slice_starts`;
+        t holds one rank-wide block per shard)."""
         if self.segments is not None:
             from ferrum.kernels.lora_expand import lora_expand
 
-            lora_expand(t, lora_b, self.segments, y)
-        else:
-            lora_expand_torch(t, lora_b, self.token_slots[: t.shape[0]], y)
+            lora_expand(t, lora_b, self.segments, y, slice_starts)
+            return
+        rank, slots = lora_b.shape[2], self.token_slots[: t.shape[0]]
+        bounds = (*slice_starts, y.shape[1])
+        for j in range(len(slice_starts)):
+            cols = slice(bounds[j], bounds[j + 1])
+            lora_expand_torch(t[:, j * rank : (j + 1) * rank], lora_b[:, cols], slots, y[:, cols])
 
 
 class LoRALinear(nn.Module):
@@ -118,13 +126,7 @@ class LoRALinear(nn.Module):
         if not self.batch.runs(x):
             return
         t = self.batch.shrink(x, self.lora_a)
-        for index, (_, offset, size, _) in enumerate(self.slices):
-            start = index * self.max_rank
-            self.batch.expand(
-                t[:, start : start + self.max_rank],
-                self.lora_b[:, offset : offset + size],
-                y[:, offset : offset + size],
-            )
+        self.batch.expand(t, self.lora_b, y, tuple(offset for _, offset, _, _ in self.slices))
 
     def forward(self, x: torch.Tensor, x_fp8: object = None) -> torch.Tensor:
         if x_fp8 is not None:

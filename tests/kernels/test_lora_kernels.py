@@ -76,6 +76,25 @@ def test_expand_adds_in_place_on_a_column_slice(
     torch.testing.assert_close(from_fp32, expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("slice_starts", [(0, 40), (0, 64, 80), (0, 5, 70)])
+def test_expand_covers_a_merged_layers_shards_in_one_launch(slice_starts) -> None:
+    num_tokens, rank, n, num_slots = 11, 8, 96, 3
+    slots = _batch(num_tokens, num_slots, 5)
+    t = torch.randn(num_tokens, len(slice_starts) * rank, device=DEVICE)
+    lora_b = torch.randn(num_slots, n, rank, device=DEVICE)
+    y = torch.randn(num_tokens, n, device=DEVICE)
+    expected = y.clone()
+    bounds = (*slice_starts, n)
+    for j in range(len(slice_starts)):
+        cols = slice(bounds[j], bounds[j + 1])
+        block = t[:, j * rank : (j + 1) * rank]
+        lora_expand_ref(block, lora_b[:, cols], slots, expected[:, cols])
+    segments = LoRASegments.empty(64, num_slots, DEVICE)
+    segments.fill(slots)
+    lora_expand(t, lora_b, segments, y, slice_starts)
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_segments_group_tokens_by_slot() -> None:
     segments = LoRASegments.empty(8, 3, DEVICE)
     segments.fill(torch.tensor([2, -1, 0, 2, 0], dtype=torch.int32, device=DEVICE))
@@ -88,6 +107,14 @@ def test_launchers_name_the_bad_argument() -> None:
     segments = LoRASegments.empty(4, 1, DEVICE)
     with pytest.raises(ValueError, match="lora_a"):
         lora_shrink(torch.zeros(2, 8, device=DEVICE), torch.zeros(1, 4, 6, device=DEVICE), segments)
+    with pytest.raises(ValueError, match="slice_starts"):
+        lora_expand(
+            torch.zeros(2, 8, device=DEVICE),
+            torch.zeros(1, 8, 4, device=DEVICE),
+            segments,
+            torch.zeros(2, 8, device=DEVICE),
+            (0, 9),
+        )
     with pytest.raises(ValueError, match="y: expected shape"):
         lora_expand(
             torch.zeros(2, 4, device=DEVICE),
