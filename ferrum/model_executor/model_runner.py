@@ -333,8 +333,11 @@ class ModelRunner:
             metadata.grammar_bitmask = bitmask
         sampler_output = self.sampler(pending.logits, metadata, self.generator)
         self._last_sampled = sampler_output.sampled_token_ids
-        # Speculative decoding schedules synchronously: no placeholder reads these rows.
-        self._last_sampled_rows = {r: i for i, r in enumerate(step.req_ids)}
+        # A verify step's rows are per draft: none may be a placeholder's input (the core
+        # completes a verify step before it schedules the next).
+        self._last_sampled_rows = (
+            {} if step.drafts is not None else {r: i for i, r in enumerate(step.req_ids)}
+        )
         for state in states:
             state.num_output_placeholders += 1
         self.transport.send_tokens(step, self._last_sampled)

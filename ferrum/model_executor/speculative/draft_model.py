@@ -15,7 +15,6 @@ import torch
 
 from ferrum.config import EngineConfig, ModelConfig
 from ferrum.distributed.parallel_state import TensorParallelGroup
-from ferrum.kernels.split_kv_plan import allocate_split_kv_workspace
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
 from ferrum.model_executor.input_batch import InputBuffers, StepInputs
 from ferrum.model_executor.kv_cache_sizing import allocate_kv_caches, kv_bytes_per_block
@@ -78,6 +77,12 @@ class DraftModel:
         )
         self.num_layers = num_layers
         self.max_num_seqs = config.scheduler_config.max_num_seqs
+        # Split-KV decode where the target has it: the Triton kernels on CUDA, not batch-invariant.
+        self.split_kv = (
+            device.type == "cuda"
+            and kernel_backend == "triton"
+            and not config.device_config.batch_invariant
+        )
         self.graphs: CUDAGraphRunner | None = None
 
     def kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
@@ -86,17 +91,16 @@ class DraftModel:
     def bind_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
         """Allocates the draft's cache (`num_blocks` = the target group's) and binds it."""
         caches = allocate_kv_caches(self.config, num_blocks, block_size, dtype, self.device)
-        arch = self.config.arch
-        workspace = (
-            allocate_split_kv_workspace(
+        workspace = None
+        if self.split_kv:
+            from ferrum.kernels.split_kv_plan import allocate_split_kv_workspace  # imports Triton
+
+            workspace = allocate_split_kv_workspace(
                 min(self.max_num_seqs, 512),
-                arch.num_attention_heads,
+                self.config.arch.num_attention_heads,
                 self.config.head_dim,
                 self.device,
             )
-            if self.device.type == "cuda"
-            else None
-        )
         self.model.bind_kv_caches(caches, workspace, [self.kv_group] * self.num_layers)
 
     def release_kv_cache(self) -> None:
