@@ -84,6 +84,17 @@ _CONFIG_FIELDS = {
 }
 
 
+# Fields given on the command line as JSON, and their help.
+_JSON_FLAGS = {
+    "structured_outputs_config": "grammar compilation for structured outputs, as JSON: "
+    '{"compile_timeout_s": 10.0, "compile_cache_size": 256, "compile_max_workers": 4, '
+    '"disable_any_whitespace": true} (the defaults)',
+    "speculative_config": "speculative decoding, as JSON (vLLM's keys): "
+    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+    '"prompt_lookup_min": 1, "disable_by_batch_size": 16}',
+}
+
+
 @dataclass
 class EngineArgs:
     model: str
@@ -186,26 +197,10 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser, *, model_positional: bool = True) -> None:
         """Adds one flag per field; the model is a positional argument (optional) unless told."""
         for f in fields(EngineArgs):
-            if f.name == "structured_outputs_config":
+            if f.name in _JSON_FLAGS:
+                flag = "--" + f.name.replace("_", "-")
                 parser.add_argument(
-                    "--structured-outputs-config",
-                    dest=f.name,
-                    type=json.loads,
-                    default=None,
-                    help="grammar compilation for structured outputs, as JSON: "
-                    '{"compile_timeout_s": 10.0, "compile_cache_size": 256, '
-                    '"compile_max_workers": 4, "disable_any_whitespace": true} (the defaults)',
-                )
-                continue
-            if f.name == "speculative_config":
-                parser.add_argument(
-                    "--speculative-config",
-                    dest=f.name,
-                    type=json.loads,
-                    default=None,
-                    help="speculative decoding, as JSON (vLLM's keys): "
-                    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
-                    '"prompt_lookup_min": 1, "disable_by_batch_size": 16}',
+                    flag, dest=f.name, type=json.loads, default=None, help=_JSON_FLAGS[f.name]
                 )
                 continue
             if f.name in _CONFIG_FIELDS:
