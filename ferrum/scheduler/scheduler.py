@@ -155,11 +155,15 @@ class Scheduler:
             start = request.num_computed_tokens
             num_new = self.kv_cache_manager.chunk_end(request, start, start + num_new) - start
             drafts = drafts_to_verify(request, step.budget, self.config.max_model_len)
-            extra = len(drafts) + self._lookahead(request, start + num_new + len(drafts))
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new + extra)
-            if new_block_ids is None and extra:  # drafts and lookahead never preempt anyone
+            lookahead = self._lookahead(request, start + num_new + len(drafts))
+            allocate = self.kv_cache_manager.allocate_slots
+            new_block_ids = allocate(request, num_new + len(drafts) + lookahead)
+            # Drafts and lookahead never preempt anyone: the lookahead goes first, then drafts.
+            if new_block_ids is None and lookahead and drafts:
+                new_block_ids = allocate(request, num_new + len(drafts))
+            if new_block_ids is None and (lookahead or drafts):
                 drafts = []
-                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+                new_block_ids = allocate(request, num_new)
             while new_block_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
