@@ -8,24 +8,11 @@ import torch
 def graph_us(fn: Callable[[int], object], num_copies: int, iters: int) -> float:
     """GPU microseconds per call of `fn(i)`: a CUDA graph of `iters` calls cycling i over
     `num_copies` (copies of a weight, so that the timed calls stream from HBM rather than L2),
-    replayed three times after one untimed replay. Launch overhead is left out, as in the
-    engine's graphs."""
-    for i in range(num_copies):
-        fn(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            fn(i % num_copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (3 * iters)
+    the median of three replays after one untimed one (`ferrum tune`'s timer). Launch overhead
+    is left out, as in the engine's graphs."""
+    from ferrum.bench.tune_gpu import graph_time_us
+
+    return graph_time_us(fn, num_copies, iters, repeats=3)
 
 
 def launches_ms(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
