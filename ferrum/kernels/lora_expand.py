@@ -13,6 +13,7 @@ import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.lora_segments import LoRASegments, block_m
+from ferrum.kernels.lora_shrink import slot_rows
 
 MAX_SLICES = 3
 
@@ -44,10 +45,8 @@ def _lora_expand_kernel(
     slot = tl.program_id(2)
     count = tl.load(count_ptr + slot)
     if pid_m * BLOCK_M < count:
-        start = tl.load(start_ptr + slot)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < count
-        rows = tl.load(sorted_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        rows, mask_m = slot_rows(sorted_ptr, start_ptr, slot, offs_m, count)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         b_base = b_ptr + slot.to(tl.int64) * stride_b_slot

@@ -20,6 +20,16 @@ BLOCK_K = 64
 
 
 @triton.jit
+def slot_rows(sorted_ptr, start_ptr, slot, offs_m, count):
+    """The batch rows (int64) at positions `offs_m` of a slot's sorted tokens, and their mask
+    (positions past the slot's `count` tokens: row 0, masked)."""
+    mask_m = offs_m < count
+    start = tl.load(start_ptr + slot)
+    rows = tl.load(sorted_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return rows, mask_m
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, K]
     a_ptr,  # [num_slots, N, K]
@@ -46,10 +56,8 @@ def _lora_shrink_kernel(
     k_begin = (tl.program_id(2) % SPLIT_K) * k_per_split
     count = tl.load(count_ptr + slot)
     if pid_m * BLOCK_M < count:
-        start = tl.load(start_ptr + slot)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < count
-        rows = tl.load(sorted_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+        rows, mask_m = slot_rows(sorted_ptr, start_ptr, slot, offs_m, count)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         a_base = a_ptr + slot.to(tl.int64) * stride_a_slot
