@@ -88,7 +88,10 @@ def test_killed_actor_restarts_the_core_and_streams_resume(
     prompts: list[str | list[int]] = [prompt_of(i) for i in range(NUM_STREAMS)]
     results = stream_all(server, prompts, lambda: os.kill(old_actors[-1], signal.SIGKILL))
     assert_intact(results, expected_texts)
-    assert "(Ray actor) died" in full_log(server)
+    # The core names the dead actor, or, when its step's read failed before the actor monitor
+    # reported (a loaded machine: it waits 10 s for the monitor), the Ray workers' failure.
+    log = full_log(server)
+    assert "(Ray actor) died" in log or "the Ray workers failed" in log
     wait_gone(old_processes)
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
     wait_until(lambda: len(actor_pids(server)) == WORLD_SIZE, 60, "the new actors run")
