@@ -1,11 +1,13 @@
 """Triton LoRA shrink over a batch mixing adapters: out[i] = x[i] @ A[slot[i]]^T (fp32) for every
-token with an adapter (rows of tokens without one are zero). Program (m, n, s * SPLIT_K + j)
-multiplies block m of slot s's tokens (gathered through `LoRASegments`) by columns block n of
-A[s] over the j-th of SPLIT_K slices of K, adding its partial sums atomically when SPLIT_K > 1
-(A is a few rows of the hidden size or more: without the split a decode step's one program per
-slot would walk all of K alone). A program past its slot's token count does nothing. The grid
-depends on the token count and shapes only, never on which adapters the step holds (CUDA graphs
-replay any mix); the split's atomics make the fp32 sums' order vary from run to run."""
+token with an adapter (rows of tokens without one are left unwritten: the expand never reads
+them). Program (m, n, s * SPLIT_K + j) multiplies block m of slot s's tokens (gathered through
+`LoRASegments`) by columns block n of A[s] over the j-th of SPLIT_K slices of K (A is a few rows
+of the hidden size or more: without the split a decode step's one program per slot would walk
+all of K alone). Split programs write fp32 partials; the last of a tile's SPLIT_K to arrive
+(`arrival_counters.py`) sums them in split order, so the result is deterministic and nothing
+needs zeroing first. A program past its slot's token count does nothing. The grid depends on the
+token count and shapes only, never on which adapters the step holds (CUDA graphs replay any
+mix)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
+from ferrum.kernels.arrival_counters import arrival_counters
 from ferrum.kernels.lora_segments import LoRASegments, block_m
 
 BLOCK_K = 64
@@ -33,7 +36,9 @@ def slot_rows(sorted_ptr, start_ptr, slot, offs_m, count):
 def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, K]
     a_ptr,  # [num_slots, N, K]
-    out_ptr,  # [num_tokens, N] fp32, zeroed
+    out_ptr,  # [num_tokens, N] fp32
+    partial_ptr,  # [SPLIT_K, num_tokens, N] fp32, used when SPLIT_K > 1
+    counter_ptr,  # [>= tiles] int32, zero between launches, used when SPLIT_K > 1
     sorted_ptr,  # [num_tokens] int32
     start_ptr,  # [num_slots] int32
     count_ptr,  # [num_slots] int32
@@ -44,6 +49,7 @@ def _lora_shrink_kernel(
     stride_a_slot,
     stride_a_n,
     stride_out,
+    stride_partial,  # one split's [num_tokens, N] block
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -76,12 +82,26 @@ def _lora_shrink_kernel(
                 other=0.0,
             )
             acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
-        out_ptrs = out_ptr + rows[:, None] * stride_out + offs_n[None, :]
+        tile = rows[:, None] * stride_out + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
-        if SPLIT_K == 1:
-            tl.store(out_ptrs, acc, mask=mask)
-        else:
-            tl.atomic_add(out_ptrs, acc, mask=mask)
+        if SPLIT_K > 1:
+            tl.store(partial_ptr + (tl.program_id(2) % SPLIT_K) * stride_partial + tile, acc, mask)
+            # Every thread's partial is written before the count (one release atomic after the
+            # barrier); the last arrival reads the others' partials through L2 after its acquire.
+            tl.debug_barrier()
+            counter = counter_ptr + (slot * tl.num_programs(0) + pid_m) * tl.num_programs(1) + pid_n
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+                return
+            acc = tl.load(partial_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(
+                    partial_ptr + s * stride_partial + tile,
+                    mask=mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
+            tl.store(counter, 0)
+        tl.store(out_ptr + tile, acc, mask=mask)
 
 
 def split_k(num_tokens: int, k: int) -> int:
@@ -91,8 +111,8 @@ def split_k(num_tokens: int, k: int) -> int:
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -> torch.Tensor:
-    """x [T, K], lora_a [L, N, K] (last dim contiguous) -> [T, N] fp32; `segments` filled from
-    this batch's token slots."""
+    """x [T, K], lora_a [L, N, K] (last dim contiguous) -> [T, N] fp32 (rows of tokens without an
+    adapter undefined); `segments` filled from this batch's token slots."""
     if x.dim() != 2 or lora_a.dim() != 3 or x.shape[1] != lora_a.shape[2]:
         raise ValueError(f"x {tuple(x.shape)} and lora_a {tuple(lora_a.shape)}: [T, K], [L, N, K]")
     if x.dtype not in FLOAT_DTYPES or lora_a.dtype != x.dtype:
@@ -101,7 +121,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -
         raise ValueError("x and lora_a: the last dimension must be contiguous")
     num_tokens, k = x.shape
     num_slots, n, _ = lora_a.shape
-    out = torch.zeros(num_tokens, n, dtype=torch.float32, device=x.device)
+    out = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
         return out
     block_n = max(16, min(64, triton.next_power_of_2(n)))
@@ -109,9 +129,15 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -
     splits = split_k(num_tokens, k)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
     grid = (triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n), num_slots * splits)
+    if splits > 1:
+        partials = torch.empty(splits, num_tokens, n, dtype=torch.float32, device=x.device)
+        counters = arrival_counters(x.device, grid[0] * grid[1] * num_slots, "LoRA shrink")
+    else:
+        partials, counters = out, segments.slot_counts  # unread
     _lora_shrink_kernel[grid](
-        x, lora_a, out, segments.sorted_tokens, segments.slot_starts, segments.slot_counts,
-        n, k, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        x, lora_a, out, partials, counters, segments.sorted_tokens, segments.slot_starts,
+        segments.slot_counts, n, k, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
+        out.stride(0), num_tokens * n,
         BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT_K=splits,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
     )  # fmt: skip

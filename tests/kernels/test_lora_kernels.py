@@ -39,9 +39,12 @@ def test_shrink_matches_reference(
     segments = LoRASegments.empty(512, num_slots, DEVICE)
     segments.fill(slots)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    got = lora_shrink(x, lora_a, segments)  # fp32; (5, 700): K in 2 atomic slices
+    got = lora_shrink(x, lora_a, segments)  # fp32; (5, 700): K in 2 slices summed in order
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got.to(dtype), expected, atol=tol, rtol=tol)
+    used = slots >= 0  # the kernel leaves the rows of tokens without an adapter unwritten
+    torch.testing.assert_close(got[used].to(dtype), expected[used], atol=tol, rtol=tol)
+    again = lora_shrink(x, lora_a, segments)
+    assert torch.equal(again[used], got[used])  # the split's sums in a fixed order
     torch.testing.assert_close(lora_shrink_torch(x, lora_a, slots), expected, atol=tol, rtol=tol)
 
 
