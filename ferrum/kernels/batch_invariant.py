@@ -67,7 +67,7 @@ def _triton(base: Kernels) -> Kernels:
         batch_invariant=True,
         dense_linear=invariant_linear,
         paged_attention=functools.partial(paged_attention, unified_tile=ATTENTION_TILE),
-        fused_moe=functools.partial(fused_moe, config=MOE_CONFIG),
+        fused_moe=functools.partial(fused_moe, config=MOE_CONFIG, fp8_activations=False),
         fp8_block_linear=functools.partial(fp8_block_linear, buckets=fp8_buckets),
         fp8_block_linear_takes_rows=functools.partial(
             block_linear_takes_fp8_rows, buckets=fp8_buckets

@@ -4,8 +4,9 @@ with `fused_moe_ref`'s roundings (each matmul, the silu and the product in the i
 over j in fp32, j = 0..k-1). Up to SMALL_BATCH_MAX_TOKENS: two GEMVs (`fused_moe_small_batch`);
 else pairs grouped by expert, padded to BLOCK_M (`moe_align`), a grouped GEMM for w13 (SiLU-and-mul)
 and for w2 (times the routing weight), and a combine of each token's k rows. CUDA-graph safe (sizes
-from (T, k, E, H, I) only). FP8 experts (128x128 block scales): activations stay in their dtype,
-each K step's fp32 partial scaled by its block's scale, as `fused_moe_fp8_ref`."""
+from (T, k, E, H, I) only). FP8 experts (128x128 block scales), weight-only: activations stay in
+their dtype, each K step's fp32 partial scaled by its block's scale (`fused_moe_fp8_ref`); W8A8
+(`fused_moe_w8a8`, from fused_moe_rule.W8A8_MIN_TOKENS on sm89+): FP8 activations and FP8 dots."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.device_properties import device_properties
+from ferrum.kernels.fp8_quant import Fp8GroupRows, per_token_group_quant_fp8
+from ferrum.kernels.fused_moe_checks import FP8_BLOCK, check_moe_inputs
 from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED, pick
-from ferrum.kernels.fused_moe_rule import moe_configs
+from ferrum.kernels.fused_moe_rule import moe_configs, uses_fp8_activations, w8a8_configs
 from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS, small_batch_moe
+from ferrum.kernels.fused_moe_w8a8 import check_rows, w8a8_pair_rows
 from ferrum.kernels.moe_align import moe_align_block_size
 
 _COMBINE_BLOCK = 1024
-# Rows and columns of weight covered by one FP8 scale.
-FP8_BLOCK = 128
 
 
 @triton.jit
@@ -196,74 +197,6 @@ def _launch_gemm(
     )
 
 
-def _check_inputs(
-    hidden: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13_scale: torch.Tensor | None,
-    w2_scale: torch.Tensor | None,
-) -> None:
-    if hidden.dim() != 2 or hidden.dtype not in FLOAT_DTYPES or hidden.stride(1) != 1:
-        raise ValueError(
-            f"hidden must be [num_tokens, hidden_size] fp16/bf16/fp32 with stride(1) == 1, got "
-            f"{tuple(hidden.shape)} {hidden.dtype} strides {hidden.stride()}"
-        )
-    num_tokens, hidden_size = hidden.shape
-    if w2.dim() != 3 or w2.shape[1] != hidden_size:
-        raise ValueError(f"w2 must be [E, {hidden_size}, I], got {tuple(w2.shape)}")
-    num_experts, _, inter = w2.shape
-    fp8 = w13_scale is not None
-    if fp8 != (w2_scale is not None):
-        raise ValueError(
-            "w13_scale and w2_scale must be given together (FP8 experts) or not at all"
-        )
-    if fp8 and (inter % FP8_BLOCK or hidden_size % FP8_BLOCK):
-        raise ValueError(
-            f"FP8 experts need hidden_size and intermediate_size multiples of {FP8_BLOCK}, got "
-            f"{hidden_size} and {inter}"
-        )
-    weight_dtype = torch.float8_e4m3fn if fp8 else hidden.dtype
-    for name, w, shape in (
-        ("w13", w13, (num_experts, 2 * inter, hidden_size)),
-        ("w2", w2, (num_experts, hidden_size, inter)),
-    ):
-        if tuple(w.shape) != shape or w.dtype != weight_dtype or not w.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous {list(shape)} {weight_dtype}, got "
-                f"{tuple(w.shape)} {w.dtype} contiguous={w.is_contiguous()}"
-            )
-        scale = w13_scale if name == "w13" else w2_scale
-        if scale is None:
-            continue
-        scale_shape = (num_experts, shape[1] // FP8_BLOCK, shape[2] // FP8_BLOCK)
-        if tuple(scale.shape) != scale_shape or scale.dtype != torch.float32:
-            raise ValueError(
-                f"{name}_scale must be {list(scale_shape)} float32, got "
-                f"{tuple(scale.shape)} {scale.dtype}"
-            )
-        if scale.stride(2) != 1 or scale.device != hidden.device:
-            raise ValueError(f"{name}_scale must be on {hidden.device} with stride(2) == 1")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids must be [{num_tokens}, top_k], got {tuple(topk_ids.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"topk_ids dtype must be int32/int64, got {topk_ids.dtype}")
-    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
-        raise ValueError(
-            f"topk_weights must be float32 {list(topk_ids.shape)}, got "
-            f"{tuple(topk_weights.shape)} {topk_weights.dtype}"
-        )
-    for name, t in (
-        ("w13", w13),
-        ("w2", w2),
-        ("topk_weights", topk_weights),
-        ("topk_ids", topk_ids),
-    ):
-        if t.device != hidden.device:
-            raise ValueError(f"{name} must be on {hidden.device}, got {t.device}")
-
-
 def _grouped_moe(
     out: torch.Tensor,
     hidden: torch.Tensor,
@@ -285,6 +218,15 @@ def _grouped_moe(
     _launch_gemm(act, hidden, w13, w13_scale, flat_weights, align, inter, top_k, True, config)
     pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
     _launch_gemm(pair_out, act, w2, w2_scale, flat_weights, align, hidden_size, 1, False, config)
+    _combine(out, pair_out, topk_ids, num_experts)
+
+
+def _combine(
+    out: torch.Tensor, pair_out: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> None:
+    """out[t] = the sum over j of pair_out[t * k + j] (zero where the expert is not local)."""
+    num_tokens, hidden_size = out.shape
+    top_k = topk_ids.shape[1]
     block = min(_COMBINE_BLOCK, triton.next_power_of_2(hidden_size))
     _moe_combine_kernel[(num_tokens, triton.cdiv(hidden_size, block))](
         out,
@@ -300,6 +242,31 @@ def _grouped_moe(
     )
 
 
+def _w8a8_moe(
+    out: torch.Tensor,
+    hidden: torch.Tensor,
+    x_fp8: Fp8GroupRows | None,
+    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: dict[str, int],
+) -> None:
+    """W8A8 experts (fused_moe_w8a8): hidden's FP8 rows (x_fp8, else quantized here), align,
+    the two FP8 grouped GEMMs, the combine over k."""
+    w13, w2, w13_scale, w2_scale = experts
+    if x_fp8 is None:
+        x_fp8 = Fp8GroupRows(*per_token_group_quant_fp8(hidden))
+    check_rows(x_fp8, hidden)
+    num_experts = w2.shape[0]
+    align = moe_align_block_size(topk_ids, num_experts, config["BLOCK_M"])
+    flat_weights = topk_weights.reshape(-1)
+    pair_out = w8a8_pair_rows(
+        x_fp8, w13, w2, w13_scale, w2_scale, flat_weights, align, topk_ids.shape[1],
+        hidden.dtype, config,
+    )  # fmt: skip
+    _combine(out, pair_out, topk_ids, num_experts)
+
+
 def fused_moe(
     hidden: torch.Tensor,  # [num_tokens, hidden_size]
     w13: torch.Tensor,  # [num_experts, 2 * intermediate_size, hidden_size]
@@ -312,31 +279,46 @@ def fused_moe(
     small_batch_max_tokens: int | None = None,
     w13_scale: torch.Tensor | None = None,  # [num_experts, 2I / 128, H / 128] float32 (FP8)
     w2_scale: torch.Tensor | None = None,  # [num_experts, H / 128, I / 128] float32 (FP8)
+    x_fp8: Fp8GroupRows | None = None,  # hidden quantized per token-group of 128 (W8A8)
+    fp8_activations: bool | None = None,
+    w8a8_config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """The mixture of `fused_moe_ref` (`fused_moe_fp8_ref` with scales), [num_tokens, hidden_size]
-    in hidden's dtype. The small-batch path runs up to small_batch_max_tokens (default
-    SMALL_BATCH_MAX_TOKENS; 0 when a grouped `config` is given); tiles otherwise from the tuned
-    files, else the device's rule (fused_moe_rule); `small_config` overrides the small path's.
-    A pair whose expert id is outside [0, num_experts) (another rank's, expert parallelism) adds
-    zero and reads no weights."""
-    _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    in hidden's dtype. FP8 experts run W8A8 (`fused_moe_w8a8_ref`) where `fp8_activations` says,
+    else where fused_moe_rule.uses_fp8_activations does, on `x_fp8` (else quantizing hidden) with
+    `w8a8_config`, else tuned/rule tiles. Otherwise the small-batch path runs up to
+    small_batch_max_tokens (default SMALL_BATCH_MAX_TOKENS; 0 when a grouped `config` is given);
+    tiles from the tuned files, else the device's rule; `small_config` overrides the small path's.
+    A pair whose expert id is outside [0, num_experts) (another rank's) adds zero."""
+    check_moe_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape
     num_experts, _, inter = w2.shape
     top_k = topk_ids.shape[1]
+    device = device_properties(hidden.device)
+    fp8 = w13_scale is not None and w2_scale is not None
+    if not fp8 and (fp8_activations or x_fp8 is not None or w8a8_config is not None):
+        raise ValueError("fp8_activations, x_fp8 and w8a8_config need FP8 experts (the scales)")
+    w8a8 = fp8 and uses_fp8_activations(num_tokens, device, fp8_activations)
+    if x_fp8 is not None and not w8a8:
+        raise ValueError(
+            f"x_fp8: a batch of {num_tokens} tokens runs weight-only FP8 experts here "
+            "(fused_moe_rule.uses_fp8_activations): pass no FP8 rows"
+        )
     if num_tokens * top_k == 0 or inter == 0 or hidden_size == 0:
         return torch.zeros_like(hidden)
+    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    if w8a8:
+        assert w13_scale is not None and w2_scale is not None
+        shape = (num_experts, inter, hidden_size, top_k)
+        config = w8a8_config or w8a8_configs(num_tokens, *shape, device)
+        experts = (w13, w2, w13_scale, w2_scale)
+        _w8a8_moe(out, hidden, x_fp8, experts, topk_weights, topk_ids, config)
+        return out
     if small_batch_max_tokens is None:
         small_batch_max_tokens = SMALL_BATCH_MAX_TOKENS if config is None else 0
     tuned_grouped, tuned_small = moe_configs(
-        num_tokens,
-        num_experts,
-        inter,
-        hidden_size,
-        top_k,
-        device_properties(hidden.device),
-        fp8=w13_scale is not None,
+        num_tokens, num_experts, inter, hidden_size, top_k, device, fp8=fp8
     )
-    out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     flat_weights = topk_weights.reshape(-1)
     if num_tokens <= small_batch_max_tokens:
         flat_ids = topk_ids.reshape(-1)

@@ -1,11 +1,12 @@
 """Tile configs of the fused MoE kernels: `fused_moe_configs/E{E}_I{I}_H{H}[_fp8]_{device}.json`
-maps batch buckets (the most tokens covered) to configs in up to two sections: "grouped"
-(BLOCK_M/N/K, num_warps, num_stages; `tune_fused_moe.py --save`) and "small" (GATE_UP_BLOCK_N/K,
+maps batch buckets (the most tokens covered) to configs in up to three sections: "grouped"
+(BLOCK_M/N/K, num_warps, num_stages; `tune_fused_moe.py --save`), "small" (GATE_UP_BLOCK_N/K,
 DOWN_BLOCK_E (default 1), DOWN_SPLIT (default 0), DOWN_BLOCK_N/K, num_warps, num_stages;
-`bench_moe_layer.py --sweep --save`, `ferrum tune`). A batch takes the smallest bucket covering
-it, or the largest; a missing section falls back to the file without `_fp8`; the user's folder
-(tuned_tables) is read before the package's. Without a file: fused_moe_rule on a GPU, the fixed
-defaults below on the CPU."""
+`bench_moe_layer.py --sweep --save`, `ferrum tune`) and, in `_fp8` files, "grouped_w8a8" (the
+grouped keys; W8A8 experts, `check_w8a8_config`; `ferrum tune --ops moe_w8a8`). A batch takes
+the smallest bucket covering it, or the largest; a missing section falls back to the file
+without `_fp8`; the user's folder (tuned_tables) is read before the package's. Without a file:
+fused_moe_rule on a GPU, the fixed defaults below on the CPU."""
 
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ SMALL_KEYS = (
     "num_warps",
     "num_stages",
 )
+# The keys of each section a file may hold.
+SECTION_KEYS = {"grouped": GROUPED_KEYS, "small": SMALL_KEYS, "grouped_w8a8": GROUPED_KEYS}
+# The weight block (and activation group) of W8A8 experts: 128 columns of K, 128 rows of N.
+W8A8_BLOCK = 128
 # Keys a section may leave out, and their meaning then: files written before DOWN_BLOCK_E read one
 # expert choice a down tile; before DOWN_SPLIT, one program summed all of a token's choices.
 OPTIONAL_KEYS = {"DOWN_BLOCK_E": 1, "DOWN_SPLIT": 0}
@@ -42,6 +47,10 @@ DEFAULT_GROUPED: Buckets = {
     128: {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
     1024: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
     1 << 62: {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+}
+# W8A8 grouped GEMMs off CUDA (the interpreter): one scale block a K step, one group a column tile.
+DEFAULT_W8A8: Buckets = {
+    1 << 62: {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
 }
 # Gate/up GEMV tile [GATE_UP_BLOCK_N rows of gate and of up, GATE_UP_BLOCK_K], down [DOWN_BLOCK_E
 # choices, DOWN_BLOCK_N, DOWN_BLOCK_K]: 16-byte loads along K, several MB in flight a wave. One or
@@ -110,6 +119,27 @@ def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets
     return dict(sorted(buckets.items()))
 
 
+def check_w8a8_config(config: dict[str, int], where: str) -> None:
+    """A W8A8 grouped config's own limits: BLOCK_N a multiple of W8A8_BLOCK (the gate/up
+    epilogue quantizes whole 128-column groups), BLOCK_K 32..128 (an e4m3 dot's K is at least
+    32; a K step reads one scale column)."""
+    if config["BLOCK_N"] % W8A8_BLOCK:
+        raise ValueError(
+            f"{where}: W8A8 BLOCK_N must be a multiple of {W8A8_BLOCK}, got {config['BLOCK_N']}"
+        )
+    if not 32 <= config["BLOCK_K"] <= W8A8_BLOCK:
+        raise ValueError(f"{where}: W8A8 BLOCK_K must be 32, 64 or 128, got {config['BLOCK_K']}")
+
+
+def parse_section(section: str, data: object, where: str) -> Buckets:
+    """One named section of a config file, validated (`SECTION_KEYS`, `check_w8a8_config`)."""
+    buckets = parse_buckets(data, SECTION_KEYS[section], where)
+    if section == "grouped_w8a8":
+        for bound, config in buckets.items():
+            check_w8a8_config(config, f"{where}[{bound}]")
+    return buckets
+
+
 @functools.cache
 def load_tuned(
     num_experts: int,
@@ -132,10 +162,9 @@ def _read_sections(path: Path) -> dict[str, Buckets]:
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
-    sections = {"grouped": GROUPED_KEYS, "small": SMALL_KEYS}
-    if not isinstance(data, dict) or not set(data) <= set(sections):
-        raise ValueError(f"{path}: must be an object with sections {sorted(sections)}")
-    return {name: parse_buckets(data[name], sections[name], f"{path}:{name}") for name in data}
+    if not isinstance(data, dict) or not set(data) <= set(SECTION_KEYS):
+        raise ValueError(f"{path}: must be an object with sections {sorted(SECTION_KEYS)}")
+    return {name: parse_section(name, data[name], f"{path}:{name}") for name in data}
 
 
 def tuned_sections(
@@ -186,9 +215,12 @@ def save_section(
     fp8: bool = False,
 ) -> Path:
     """Writes one section of the tuned file (of FP8 experts with fp8) in `directory` (default
-    CONFIG_DIR), keeping the other section."""
-    keys = {"grouped": GROUPED_KEYS, "small": SMALL_KEYS}[section]
-    parse_buckets({str(k): v for k, v in buckets.items()}, keys, section)
+    CONFIG_DIR), keeping the other sections."""
+    if section not in SECTION_KEYS:
+        raise ValueError(f"section must be one of {sorted(SECTION_KEYS)}, got {section!r}")
+    if section == "grouped_w8a8" and not fp8:
+        raise ValueError("section grouped_w8a8 belongs to the FP8 experts' file: pass fp8=True")
+    parse_section(section, {str(k): v for k, v in buckets.items()}, section)
     directory = CONFIG_DIR if directory is None else directory
     path = directory / config_path(num_experts, inter, hidden, device_name, fp8).name
     data = json.loads(path.read_text()) if path.is_file() else {}

@@ -7,7 +7,9 @@ to 64x64, else 64; 8 warps from 64x128; stages filling shared memory, at most 4 
 Small batches (`small_rule`): each GEMV's rows a program the widest of 32/16/8 that still makes
 two waves of programs (four for FP8 experts' gate/up: half the bytes a row); one or two tokens
 sum all their choices in one down program (FP8 experts: a program a choice, DOWN_SPLIT), having
-too few programs to hide a choice's wait."""
+too few programs to hide a choice's wait. W8A8 (`w8a8_rule`): the grouped rule's BLOCK_M, one
+128-column group a column tile, K steps of 128 (one scale column); taken from W8A8_MIN_TOKENS
+tokens on sm89+ (`uses_fp8_activations`), weight-only below (the GEMV path)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from ferrum.kernels.device_properties import DeviceProperties
 from ferrum.kernels.fused_moe_config import (
     DEFAULT_GROUPED,
     DEFAULT_SMALL,
+    DEFAULT_W8A8,
+    W8A8_BLOCK,
     Buckets,
     pick,
     tuned_sections,
@@ -32,6 +36,26 @@ GROUPED_RULE_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1 << 
 SMALL_RULE_BUCKETS = (1, 2, 4, 8)
 _GEMV_WIDTHS = (32, 16, 8)
 _GEMV_PROGRAMS_PER_SM = 2
+# FP8 experts run W8A8 (FP8 activations, grouped GEMMs) from this many tokens: every batch past
+# the small-batch GEMVs (fused_moe_small_batch.SMALL_BATCH_MAX_TOKENS = 8), which stay
+# weight-only. One number to move once measured.
+W8A8_MIN_TOKENS = 9
+
+
+def uses_fp8_activations(
+    num_tokens: int, device: DeviceProperties | None, forced: bool | None = None
+) -> bool:
+    """Whether FP8 experts run W8A8 for a batch of num_tokens: `forced` when given (True needs
+    FP8 tensor cores, sm89+, or the CPU interpreter), else from W8A8_MIN_TOKENS on a GPU with
+    FP8 tensor cores (weight-only on older GPUs and off CUDA)."""
+    if forced is not None:
+        if forced and device is not None and not device.has_fp8_tensor_cores:
+            raise ValueError(
+                f"fp8_activations: {device.name} (sm{device.capability[0]}{device.capability[1]})"
+                " has no FP8 tensor cores (sm89+): its FP8 experts run weight-only"
+            )
+        return forced
+    return device is not None and device.has_fp8_tensor_cores and num_tokens >= W8A8_MIN_TOKENS
 
 
 def moe_configs(
@@ -55,6 +79,23 @@ def moe_configs(
     return pick(grouped, num_tokens), pick(small, num_tokens)
 
 
+def w8a8_configs(
+    num_tokens: int,
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    top_k: int,
+    device: DeviceProperties | None,
+) -> dict[str, int]:
+    """The W8A8 grouped config for a batch of num_tokens: the "grouped_w8a8" section of this
+    device's FP8 tuned files, else `w8a8_rule` as a table; off CUDA (None) DEFAULT_W8A8."""
+    if device is None:
+        return pick(DEFAULT_W8A8, num_tokens)
+    shape = (num_experts, inter, hidden, top_k, device, True)
+    tuned = {} if tables_ignored() else tuned_sections(*shape[:3], device.name, True)
+    return pick(tuned.get("grouped_w8a8") or rule_buckets("grouped_w8a8", *shape), num_tokens)
+
+
 def grouped_rule(
     num_tokens: int,
     num_experts: int,
@@ -76,6 +117,29 @@ def grouped_rule(
         "BLOCK_K": block_k,
         "num_warps": 8 if block_m * block_n >= 64 * 128 else 4,
         "num_stages": fit_stages(stage_bytes, device, 4 if block_m <= 32 else 3),
+    }
+
+
+def w8a8_rule(
+    num_tokens: int,
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    top_k: int,
+    device: DeviceProperties,
+    fp8: bool = True,
+) -> dict[str, int]:
+    """The W8A8 grouped GEMMs' tile (module docstring): 1-byte operands, and the gate/up GEMM
+    reads two weight tiles a K step (gate and up), which sizes its stages."""
+    block_m = grouped_rule(num_tokens, num_experts, inter, hidden, top_k, device, True)["BLOCK_M"]
+    block_n = block_k = W8A8_BLOCK
+    stage_bytes = block_k * (block_m + 2 * block_n)
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "num_warps": 8 if block_m >= 64 else 4,
+        "num_stages": fit_stages(stage_bytes, device, 4 if block_m <= 64 else 3),
     }
 
 
@@ -123,9 +187,11 @@ def rule_buckets(
     device: DeviceProperties,
     fp8: bool = False,
 ) -> Buckets:
-    """The rule as a table section ("grouped" or "small") at the token counts tables list."""
+    """The rule as a table section ("grouped", "small" or "grouped_w8a8") at the token counts
+    tables list."""
     rule, bounds = {
         "grouped": (grouped_rule, GROUPED_RULE_BUCKETS),
         "small": (small_rule, SMALL_RULE_BUCKETS),
+        "grouped_w8a8": (w8a8_rule, GROUPED_RULE_BUCKETS),
     }[section]
     return {t: rule(t, num_experts, inter, hidden, top_k, device, fp8) for t in bounds}

@@ -24,6 +24,7 @@ from ferrum.model_executor.layers.parallel_linear import split_evenly
 from ferrum.model_executor.weight_loader import CheckpointTensor, materialize
 
 if TYPE_CHECKING:
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
     from ferrum.model_executor.layers.quantization.fp8_moe import Fp8MoEMethod
     from ferrum.model_executor.layers.quantization.int4_moe import Int4MoEMethod
 
@@ -181,8 +182,19 @@ class FusedMoE(nn.Module):
         param.data[local].copy_(materialize(loaded.narrow(1, start, size)))
         return {(DOWN, expert_id)}
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        """hidden: [T, H], router_logits: [T, E] -> [T, H] (summed over the ranks)."""
+    def takes_fp8_rows(self, hidden: torch.Tensor) -> bool:
+        """Whether forward on hidden reads its rows quantized per token-group (W8A8 experts)."""
+        takes = getattr(self.quant_method, "takes_fp8_rows", None)
+        return takes is not None and takes(self, hidden)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        x_fp8: Fp8GroupRows | None = None,
+    ) -> torch.Tensor:
+        """hidden: [T, H], router_logits: [T, E] -> [T, H] (summed over the ranks); `x_fp8`:
+        hidden's FP8 rows, where `takes_fp8_rows(hidden)`."""
         topk_weights, topk_ids = self._router(router_logits, self.top_k, self.renormalize)
         if self.expert_parallel:
             local_ids = topk_ids - self.expert_start
@@ -190,7 +202,8 @@ class FusedMoE(nn.Module):
                 (local_ids < 0) | (local_ids >= self.num_local_experts), -1
             )
         if self.quant_method is not None:
-            out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+            rows = () if x_fp8 is None else (x_fp8,)
+            out = self.quant_method.apply(self, hidden, topk_weights, topk_ids, *rows)
         else:
             out = self._kernel(hidden, self.w13, self.w2, topk_weights, topk_ids)
         return self.tp_group.all_reduce(out)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Hashable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from ferrum.model_executor.models.llama import LlamaDecoderLayer, LlamaMLP, laye
 from ferrum.model_executor.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 from ferrum.model_executor.pipeline_stage import PipelineStage
 from ferrum.quant_config import QuantConfig
+
+if TYPE_CHECKING:
+    from ferrum.kernels.fp8_quant import Fp8GroupRows
 
 # Per-expert tensors (`...mlp.experts.{e}.gate_proj.weight`, and `.weight_scale_inv` in FP8
 # checkpoints) and the stacked HF layout (`...mlp.experts.gate_up_proj` [E, 2I, H],
@@ -71,8 +75,13 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             quant_method=get_moe_method(quant_config, kernels, prefix, arch.num_experts),
         )
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.gate(hidden))
+    def takes_fp8_rows(self, hidden: torch.Tensor) -> bool:
+        """Whether the experts read hidden's FP8 rows (W8A8): the norm before writes them."""
+        return self.experts.takes_fp8_rows(hidden)
+
+    def forward(self, hidden: torch.Tensor, x_fp8: Fp8GroupRows | None = None) -> torch.Tensor:
+        """The router reads hidden; the experts hidden's FP8 rows too where they take them."""
+        return self.experts(hidden, self.gate(hidden), x_fp8)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
