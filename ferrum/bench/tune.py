@@ -50,8 +50,9 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 def plan_from_args(args: argparse.Namespace) -> TunePlan:
     """The ops, shapes and batches the flags ask for (ValueError naming the flag otherwise)."""
     ops = tuple(args.ops.split(",")) if args.ops else DTYPE_OPS[args.dtype]
-    if args.dtype == "bf16" and "fp8_gemm" in ops:
-        raise ValueError("--ops: fp8_gemm measures FP8 weights: use --dtype fp8")
+    for op in ("fp8_gemm", "moe_w8a8"):
+        if args.dtype == "bf16" and op in ops:
+            raise ValueError(f"--ops: {op} measures FP8 weights: use --dtype fp8")
     linear: list[LinearShape] = []
     moe: list[MoEShape] = []
     if args.model:

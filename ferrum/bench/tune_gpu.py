@@ -1,6 +1,7 @@
 """`ferrum tune`'s timer on the GPU (`GpuBench(task, config) -> microseconds`). A candidate runs
 as the engine runs it: the bf16 GEMV or F.linear at one row, the FP8 linear with the candidate as
-its only bucket, the fused MoE with it as its grouped or small-batch config, over random operands
+its only bucket, the fused MoE with it as its grouped, small-batch or W8A8 config (W8A8 quantizing
+the activations in the launcher, where the engine's norm writes them), over random operands
 (weights N(0, 0.02), activations N(0, 1), routing the top-k of random logits); timed as a CUDA
 graph of `iters` calls (and at least one per copy) cycling over weight copies (together twice the
 L2 cache, so calls stream from HBM) or MoE routings, replayed `repeats` times after a warm-up,
@@ -188,7 +189,9 @@ def _moe_fn(bench: GpuBench, task: TuneTask, config: dict[str, int]) -> tuple[Ru
     scales = {}
     if bench.fp8:
         scales = {"w13_scale": experts[2], "w2_scale": experts[3]}
-    if small:
+    if task.op == "moe_w8a8":
+        kwargs = {"w8a8_config": config, "fp8_activations": True}
+    elif small:
         kwargs = {"small_config": config, "small_batch_max_tokens": SMALL_BATCH_MAX_TOKENS}
     else:
         kwargs = {"config": config, "small_batch_max_tokens": 0}

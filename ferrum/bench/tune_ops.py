@@ -6,7 +6,8 @@ height, 32-128 columns, split-K that keeps 4 K steps a split, 3-5 stages; up to 
 quantizing the activations inside the GEMM), the Hopper wgmma tiles (block scales) and
 cuBLASLt where it takes the operands; moe_grouped BLOCK_M 16-128 (up to four times an expert's
 average rows) x N, K 64/128 x 4/8 warps x 3/4 stages; moe_small the gate/up and down GEMV
-widths, K tiles and the three ways of summing a token's choices.
+widths, K tiles and the three ways of summing a token's choices; moe_w8a8 the grouped
+heights x N 128/256 (whole 128-column groups) x K 64/128 x 4/8 warps x 2-4 stages.
 Tiles a kernel refuses (its config's checks) are left out."""
 
 from __future__ import annotations
@@ -82,6 +83,14 @@ def moe_grouped_candidates(shape: MoEShape, num_tokens: int) -> list[Config]:
     return [dict(zip(keys, c)) for c in space if c[0] <= tallest]
 
 
+def moe_w8a8_candidates(shape: MoEShape, num_tokens: int) -> list[Config]:
+    rows = num_tokens * shape.top_k / shape.num_experts
+    tallest = max(16, 4 * next_pow2(int(rows) + 1))
+    space = itertools.product((16, 32, 64, 128), (128, 256), (64, 128), (4, 8), (2, 3, 4))
+    keys = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    return [dict(zip(keys, c)) for c in space if c[0] <= tallest]
+
+
 def moe_small_candidates(shape: MoEShape) -> list[Config]:
     sums = ((min(8, next_pow2(shape.top_k)), 0), (1, 0), (1, 1))  # (DOWN_BLOCK_E, DOWN_SPLIT)
     found: list[Config] = []
@@ -110,4 +119,6 @@ def candidates(
     assert isinstance(shape, MoEShape)
     if task.op == "moe_grouped":
         return moe_grouped_candidates(shape, task.m)
+    if task.op == "moe_w8a8":
+        return moe_w8a8_candidates(shape, task.m)
     return moe_small_candidates(shape)

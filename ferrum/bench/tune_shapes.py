@@ -3,7 +3,8 @@
   gemv         the bf16 linear at one row (dense_linear), a shape per weight [N, K];
   fp8_gemm     the FP8 linear (fp8_linear, block or per-channel scales) per weight and row count;
   moe_grouped  the fused MoE's grouped GEMMs per token count above the small-batch path's;
-  moe_small    its small-batch GEMVs per token count up to SMALL_BATCH_MAX_TOKENS.
+  moe_small    its small-batch GEMVs per token count up to SMALL_BATCH_MAX_TOKENS;
+  moe_w8a8     its W8A8 grouped GEMMs (FP8 experts) per token count from W8A8_MIN_TOKENS.
 Linear shapes are those of the attention and MLP projections as ferrum merges them (qkv, o,
 gate_up, down; the LM head for gemv, which FP8 leaves unquantized); linear-attention layers'
 own projections are not listed."""
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ferrum.bench.tune_args import OPS
+from ferrum.kernels.fused_moe_rule import W8A8_MIN_TOKENS
 from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS
 from ferrum.model_arch import ModelArchConfig
 
@@ -110,7 +112,8 @@ def build_tasks(
     batch_sizes: tuple[int, ...],
 ) -> list[TuneTask]:
     """The tasks of each op in `ops`: gemv at one row; fp8_gemm at every batch size;
-    moe_small at those up to SMALL_BATCH_MAX_TOKENS and moe_grouped at those above."""
+    moe_small at those up to SMALL_BATCH_MAX_TOKENS and moe_grouped at those above; moe_w8a8
+    at those the rule runs W8A8 (from W8A8_MIN_TOKENS)."""
     tasks: list[TuneTask] = []
     for op in ops:
         if op == "gemv":
@@ -120,6 +123,9 @@ def build_tasks(
         elif op in ("moe_small", "moe_grouped"):
             small = op == "moe_small"
             sizes = [m for m in batch_sizes if (m <= SMALL_BATCH_MAX_TOKENS) == small]
+            tasks += [TuneTask(op, s, m) for s in moe for m in sizes]
+        elif op == "moe_w8a8":
+            sizes = [m for m in batch_sizes if m >= W8A8_MIN_TOKENS]
             tasks += [TuneTask(op, s, m) for s in moe for m in sizes]
         else:
             raise ValueError(f"--ops: unknown op {op!r}; ops are {', '.join(OPS)}")

@@ -133,7 +133,7 @@ class TuneStore:
             buckets = dict(sorted((base | results).items()))  # type: ignore[operator]
             return save_buckets(fmt, n, k, name, buckets, self.folder / FP8_GEMM_DIR.name)
         assert isinstance(shape, MoEShape)
-        section = "small" if op == "moe_small" else "grouped"
+        section = {"moe_small": "small", "moe_w8a8": "grouped_w8a8"}.get(op, "grouped")
         e, i, h = shape.num_experts, shape.inter, shape.hidden
         load_tuned.cache_clear()
         sections = load_tuned(e, i, h, name, False, self.folder)

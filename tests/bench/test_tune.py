@@ -20,9 +20,15 @@ from ferrum.kernels import fp8_gemm_config, fused_moe_config, gemv_config
 from ferrum.kernels.device_properties import H100, L40S
 from ferrum.kernels.fp8_gemm_config import Fp8GemmConfig, parse_buckets
 from ferrum.kernels.fp8_gemm_rule import fp8_gemm_buckets, fp8_gemm_rule
-from ferrum.kernels.fused_moe_config import GROUPED_KEYS, SMALL_KEYS
+from ferrum.kernels.fused_moe_config import GROUPED_KEYS, SMALL_KEYS, parse_section
 from ferrum.kernels.fused_moe_config import parse_buckets as parse_moe_buckets
-from ferrum.kernels.fused_moe_rule import moe_configs, small_rule
+from ferrum.kernels.fused_moe_rule import (
+    W8A8_MIN_TOKENS,
+    moe_configs,
+    small_rule,
+    w8a8_configs,
+    w8a8_rule,
+)
 from ferrum.kernels.gemv_config import gemv_tile
 from ferrum.kernels.tuned_tables import set_user_config_dir, user_config_dir
 
@@ -107,6 +113,8 @@ def test_search_spaces_hold_only_configs_the_kernels_take() -> None:
     for op, keys in (("moe_grouped", GROUPED_KEYS), ("moe_small", SMALL_KEYS)):
         found = candidates(TuneTask(op, moe, 16 if op == "moe_grouped" else 2), H100)
         parse_moe_buckets({str(i + 1): c for i, c in enumerate(found)}, keys, op)
+    found = candidates(TuneTask("moe_w8a8", moe, 64), H100)
+    parse_section("grouped_w8a8", {str(i + 1): c for i, c in enumerate(found)}, "moe_w8a8")
     assert candidates(TuneTask("gemv", shape, 1), H100)[0] is None  # F.linear
 
 
@@ -130,6 +138,24 @@ def test_tuned_tables_round_trip_into_the_kernels_lookup(tmp_path, read_from) ->
     assert (tmp_path / "fused_moe_configs" / name).is_file()
     path = tmp_path / "fp8_gemm_configs" / f"block_N256_K512_{L40S.table_name}.json"
     assert parse_buckets(json.loads(path.read_text()), str(path)) == buckets
+
+
+def test_w8a8_tables_round_trip_into_the_kernels_lookup(tmp_path, read_from) -> None:
+    """moe_w8a8 runs at the batches the rule gives W8A8, only with FP8 experts; its results are
+    the `grouped_w8a8` section of the FP8 experts' file, the rule's buckets elsewhere."""
+    moe = MoEShape(8, 128, 256, 2)
+    tasks = build_tasks(("moe_w8a8",), [], [moe], (1, 8, 9, 64))
+    assert [t.m for t in tasks] == [m for m in (9, 64) if m >= W8A8_MIN_TOKENS]
+    with pytest.raises(ValueError, match="use --dtype fp8"):
+        tune.plan_from_args(_args("--shape", "moe:8:128:256:2", "--ops", "moe_w8a8"))
+    store = TuneStore(tmp_path, H100, fp8=True)
+    tune.run_tuning(tasks, store, lambda t: candidates(t, H100), _score, False)
+    read_from(tmp_path)
+    for m in (9, 64):
+        assert w8a8_configs(m, 8, 128, 256, 2, H100) == _best(TuneTask("moe_w8a8", moe, m), H100)
+    assert w8a8_configs(4096, 8, 128, 256, 2, H100) == w8a8_rule(4096, 8, 128, 256, 2, H100)
+    path = tmp_path / "fused_moe_configs" / f"E8_I128_H256_fp8_{H100.table_name}.json"
+    assert set(json.loads(path.read_text())) == {"grouped_w8a8"}
 
 
 def test_gemv_results_mark_f_linear_winners_null(tmp_path, read_from) -> None:

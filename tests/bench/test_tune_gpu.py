@@ -58,3 +58,15 @@ def test_moe_candidates_agree(op, num_tokens, fp8) -> None:
     fn, num_routings = run_fn(bench, task, found[0])
     other = found[-1] if op == "moe_grouped" else next(c for c in found if c["DOWN_SPLIT"])
     _same(run_fn(bench, task, other)[0](num_routings - 1), fn(num_routings - 1), 4e-3)
+
+
+def test_moe_w8a8_candidates_agree() -> None:
+    """Two W8A8 tiles of one K step (the same fp32 sums): a short one and one twice as wide as
+    the intermediate size."""
+    bench = _bench(True)
+    task = TuneTask("moe_w8a8", MoEShape(4, 128, 128, 2), 12)
+    found = candidates(task, L40S)
+    short = next(c for c in found if c["BLOCK_N"] == 128 and c["BLOCK_K"] == 64)
+    wide = next(c for c in found if (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) == (32, 256, 64))
+    fn, num_routings = run_fn(bench, task, short)
+    _same(run_fn(bench, task, wide)[0](num_routings - 1), fn(num_routings - 1), 4e-3)

@@ -6,16 +6,29 @@ it quantizes with torch, and random bf16 inputs run at the model's shapes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from ferrum.kernels.device_properties import A100, H100, L40S
+from ferrum.kernels.device_properties import A100, H100, KNOWN_DEVICES, L40S
 from ferrum.kernels.fp8_quant import Fp8GroupRows, per_token_group_quant_fp8
 from ferrum.kernels.fp8_quant_ref import per_token_group_quant_fp8_ref
 from ferrum.kernels.fp8_weight import quantize_weight_block
 from ferrum.kernels.fused_moe import fused_moe
+from ferrum.kernels.fused_moe_config import (
+    DEFAULT_SMALL,
+    check_w8a8_config,
+    load_tuned,
+    save_section,
+)
 from ferrum.kernels.fused_moe_ref import fused_moe_fp8_ref, select_experts
-from ferrum.kernels.fused_moe_rule import W8A8_MIN_TOKENS, uses_fp8_activations
+from ferrum.kernels.fused_moe_rule import (
+    W8A8_MIN_TOKENS,
+    rule_buckets,
+    uses_fp8_activations,
+    w8a8_rule,
+)
 from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS
 from ferrum.kernels.fused_moe_w8a8_ref import fused_moe_w8a8_ref
 
@@ -119,6 +132,38 @@ def test_w8a8_arguments_are_checked() -> None:
     narrow = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}
     with pytest.raises(ValueError, match="BLOCK_N must be a multiple of 128"):
         fused_moe(x, w13, w2, weights, ids, w8a8_config=narrow, **run)
+
+
+def test_w8a8_rule_fits_every_known_gpu() -> None:
+    """Whole groups a column tile, one scale column a K step, stages within shared memory (the
+    gate/up GEMM's: an activation tile and two weight tiles a stage, 1 byte each)."""
+    for device in KNOWN_DEVICES.values():
+        for t, c in rule_buckets("grouped_w8a8", 128, 768, 2048, 8, device).items():
+            check_w8a8_config(c, f"{device.name} T<={t}")
+            stage = c["BLOCK_K"] * (c["BLOCK_M"] + 2 * c["BLOCK_N"])
+            assert stage * c["num_stages"] <= device.shared_memory_per_block, (device, t, c)
+    small, large = w8a8_rule(64, 128, 768, 2048, 8, H100), w8a8_rule(8192, 128, 768, 2048, 8, H100)
+    assert small["BLOCK_M"] < large["BLOCK_M"] == 128
+    assert w8a8_rule(8192, 128, 768, 2048, 8, L40S)["num_stages"] < large["num_stages"]
+
+
+def test_w8a8_section_format(tmp_path) -> None:
+    """`grouped_w8a8` lives in the FP8 experts' file, with W8A8's own limits checked on write
+    and on read; the other sections of the file stay."""
+    good = {64: {"BLOCK_M": 16, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}}
+    folder = tmp_path / "fused_moe_configs"
+    with pytest.raises(ValueError, match="fp8=True"):
+        save_section(8, 128, 256, "GPU", "grouped_w8a8", good, folder)
+    save_section(8, 128, 256, "GPU", "small", {1: DEFAULT_SMALL[2]}, folder, fp8=True)
+    path = save_section(8, 128, 256, "GPU", "grouped_w8a8", good, folder, fp8=True)
+    data = json.loads(path.read_text())
+    assert set(data) == {"small", "grouped_w8a8"} and data["grouped_w8a8"]["64"] == good[64]
+    data["grouped_w8a8"]["64"]["BLOCK_N"] = 64
+    path.write_text(json.dumps(data))
+    load_tuned.cache_clear()
+    with pytest.raises(ValueError, match="BLOCK_N must be a multiple of 128"):
+        load_tuned(8, 128, 256, "GPU", True, tmp_path)
+    load_tuned.cache_clear()
 
 
 @cuda_only
