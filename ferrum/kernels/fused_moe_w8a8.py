@@ -27,6 +27,45 @@ from ferrum.kernels.fused_moe_config import W8A8_BLOCK, check_w8a8_config
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
+@triton.jit
+def _w_scales(w_s_ptrs, w_s_tile, k_block, n_mask, BLOCK_N: tl.constexpr):
+    """One K block's weight scales of the tile's columns, [1, BLOCK_N]; a tile that is one
+    128-row block (BLOCK_N == 128) loads its one scale (a scalar, broadcast)."""
+    if BLOCK_N == 128:
+        scales = tl.load(w_s_tile + k_block)
+    else:
+        scales = tl.load(w_s_ptrs + k_block, mask=n_mask, other=0.0)[None, :]
+    return scales
+
+
+@triton.jit
+def _store_act_groups(
+    q_ptr,  # [num_pairs, N] fp8
+    scale_ptr,  # [num_pairs, N / 128] fp32
+    y,  # [BLOCK_M, BLOCK_N] fp32, the act tile (columns past N are zero)
+    pairs,  # [BLOCK_M] the tile's rows
+    row_mask,
+    col0,  # the tile's first column, a multiple of BLOCK_N
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    AMAX_FLOOR: tl.constexpr,
+):
+    """Quantizes the tile per 128-column group (fp8_quant's math) and stores codes and scales."""
+    groups = tl.reshape(y, (BLOCK_M, BLOCK_N // 128, 128))
+    amax = tl.max(tl.abs(groups), 2)
+    q, _ = quantize_fp8_tile(groups, amax[:, :, None], FP8_MAX, AMAX_FLOOR)
+    rows = pairs.to(tl.int64)[:, None]
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    mask = row_mask[:, None] & (offs_n < N)[None, :]
+    tl.store(q_ptr + rows * N + offs_n[None, :], tl.reshape(q, (BLOCK_M, BLOCK_N)), mask=mask)
+    group_ids = col0 // 128 + tl.arange(0, BLOCK_N // 128)
+    s_mask = row_mask[:, None] & (group_ids < N // 128)[None, :]
+    tl.store(scale_ptr + rows * (N // 128) + group_ids[None, :], fp8_scale_of(amax, FP8_MAX,
+             AMAX_FLOOR), mask=s_mask)  # fmt: skip
+
+
 @triton.jit(do_not_specialize=("num_pairs",))
 def _moe_w8a8_gemm_kernel(
     out_ptr,  # [num_pairs, N]: fp8 act codes (GATED), else fp32 weighted rows
@@ -71,42 +110,36 @@ def _moe_w8a8_gemm_kernel(
     # W^T tiles [BLOCK_K, BLOCK_N] of w [N, K]: K contiguous, as FP8 tensor cores read them.
     w_ptrs = w_ptr + expert * (2 if GATED else 1) * N * K + offs_n[None, :].to(tl.int64) * K
     w_ptrs += offs_k[:, None]
-    w_s_ptrs = w_scale_ptr + expert * (2 if GATED else 1) * (N // 128) * num_kb
-    w_s_ptrs += (offs_n // 128) * num_kb
-    up_offset = N * K
-    up_s_offset = (N // 128) * num_kb
+    w_s_tile = (
+        w_scale_ptr + (expert * (2 if GATED else 1) * (N // 128) + pid_n * BLOCK_N // 128) * num_kb
+    )
+    w_s_ptrs = w_s_tile + (tl.arange(0, BLOCK_N) // 128) * num_kb
+    up_s = (N // 128) * num_kb  # the up rows' scales after the gate rows'
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
         a_s = tl.load(a_s_ptrs + k0 // 128, mask=row_mask, other=0.0)[:, None]
         w = tl.load(w_ptrs, mask=n_mask[None, :], other=0.0)
-        w_s = tl.load(w_s_ptrs + k0 // 128, mask=n_mask, other=0.0)[None, :]
+        w_s = _w_scales(w_s_ptrs, w_s_tile, k0 // 128, n_mask, BLOCK_N)
         acc += tl.dot(a, w) * (a_s * w_s)
         if GATED:
-            w_up = tl.load(w_ptrs + up_offset, mask=n_mask[None, :], other=0.0)
-            w_up_s = tl.load(w_s_ptrs + up_s_offset + k0 // 128, mask=n_mask, other=0.0)
-            acc_up += tl.dot(a, w_up) * (a_s * w_up_s[None, :])
+            w_up = tl.load(w_ptrs + N * K, mask=n_mask[None, :], other=0.0)
+            w_up_s = _w_scales(w_s_ptrs + up_s, w_s_tile + up_s, k0 // 128, n_mask, BLOCK_N)
+            acc_up += tl.dot(a, w_up) * (a_s * w_up_s)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
     result = acc.to(DTYPE).to(tl.float32)
-    out_mask = row_mask[:, None] & n_mask[None, :]
-    out_offs = pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
     if GATED:
         act = (result / (1.0 + tl.exp(-result))).to(DTYPE).to(tl.float32)
         y = (act * acc_up.to(DTYPE).to(tl.float32)).to(DTYPE).to(tl.float32)
-        groups = tl.reshape(y, (BLOCK_M, BLOCK_N // 128, 128))
-        amax = tl.max(tl.abs(groups), 2)
-        q, _ = quantize_fp8_tile(groups, amax[:, :, None], FP8_MAX, AMAX_FLOOR)
-        tl.store(out_ptr + out_offs, tl.reshape(q, (BLOCK_M, BLOCK_N)), mask=out_mask)
-        group_ids = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
-        s_offs = pairs.to(tl.int64)[:, None] * (N // 128) + group_ids[None, :]
-        s_mask = row_mask[:, None] & (group_ids < N // 128)[None, :]
-        tl.store(out_scale_ptr + s_offs, fp8_scale_of(amax, FP8_MAX, AMAX_FLOOR), mask=s_mask)
+        _store_act_groups(out_ptr, out_scale_ptr, y, pairs, row_mask, pid_n * BLOCK_N, N, BLOCK_M,
+                          BLOCK_N, FP8_MAX, AMAX_FLOOR)  # fmt: skip
     else:
         weight = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
-        tl.store(out_ptr + out_offs, result * weight[:, None], mask=out_mask)
+        out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(out_ptrs, result * weight[:, None], mask=row_mask[:, None] & n_mask[None, :])
 
 
 def check_rows(rows: Fp8GroupRows, hidden: torch.Tensor) -> None:
