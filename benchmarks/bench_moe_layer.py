@@ -8,7 +8,8 @@ distinct active expert's weights (w13 + w2) once per layer.
 Path `grouped_mm` is the same layer on torch._grouped_mm (sort by expert, two grouped GEMMs,
 weighted index_add): the comparison the Triton kernels are kept against.
 --fp8: FP8 experts (128x128 block scales applied in the kernels; GB/s counts one byte per
-weight); grouped_mm then is not run, and --save writes the `_fp8` file of the shape.
+weight), W8A8 where fused_moe_rule.uses_fp8_activations says (bench_moe_w8a8.py times both
+forms); grouped_mm then is not run, and --save writes the `_fp8` file of the shape.
 Usage: python benchmarks/bench_moe_layer.py [--tokens 1,2,4,8] [--path small|grouped|auto|
        grouped_mm] [--fp8] [--sweep [--save DIR]] [--out results.json]
 """
