@@ -69,7 +69,7 @@ def main() -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     layers = SMOKE_LAYERS if args.smoke else LAYERS
     tokens = [1, 8] if args.smoke else [int(t) for t in args.tokens.split(",")]
-    print("layer    tokens  base_us  lora_us  lora/base")
+    print("layer    tokens  base_us  lora_us  lora/base  shrink_us  expand_us")
     for name, (k, shards) in layers.items():
         n = sum(shards)
         weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
@@ -84,7 +84,15 @@ def main() -> int:
             base = timed_us(partial(torch.nn.functional.linear, x, weight), device, iters)
             lora = partial(run_layer, x, weight, lora_a, lora_b, segments, shards, args.rank)
             with_lora = timed_us(lora, device, iters)
-            print(f"{name:8s} {num_tokens:6d} {base:8.1f} {with_lora:8.1f} {with_lora / base:9.2f}")
+            shrink = timed_us(partial(lora_shrink, x, lora_a, segments), device, iters)
+            t = lora_shrink(x, lora_a, segments)
+            y = torch.nn.functional.linear(x, weight)
+            starts = tuple(sum(shards[:i]) for i in range(len(shards)))
+            expand = timed_us(partial(lora_expand, t, lora_b, segments, y, starts), device, iters)
+            print(
+                f"{name:8s} {num_tokens:6d} {base:8.1f} {with_lora:8.1f} {with_lora / base:9.2f} "
+                f"{shrink:10.1f} {expand:10.1f}"
+            )
     return 0
 
 

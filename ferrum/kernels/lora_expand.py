@@ -2,8 +2,9 @@
 y[i, cols of shard j] += t[i, j-th K block] @ B[slot[i], cols of shard j]^T for every token with
 an adapter (the adapter's scaling is folded into B). A merged layer's shards (q/k/v, gate/up:
 up to 3, consecutive column ranges starting at `slice_starts`) take one launch: each program
-computes its column block's part of every shard it overlaps. Program (m, n, s) handles block m
-of slot s's tokens and output columns block n; tokens without an adapter are never touched."""
+computes its column block's part of every shard it overlaps. Program (b, n) handles the b-th token
+block (`lora_tiles.py`: block m of slot s's tokens) and output columns block n; tokens without an
+adapter are never touched."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.lora_segments import LoRASegments, block_m
-from ferrum.kernels.lora_shrink import slot_rows
+from ferrum.kernels.lora_tiles import max_token_blocks, slot_block, slot_rows
+from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_SLICES = 3
 
@@ -28,6 +30,7 @@ def _lora_expand_kernel(
     count_ptr,  # [num_slots] int32
     N,
     K,
+    num_slots,
     slice1,  # first column of shard 1 (NUM_SLICES >= 2)
     slice2,  # first column of shard 2 (NUM_SLICES == 3)
     stride_t,
@@ -38,13 +41,17 @@ def _lora_expand_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SLOTS_P2: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
+    USE_PDL: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Reads nothing before the wait: the slot map and x are written by the step's kernels.
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
+    slot, pid_m = slot_block(count_ptr, tl.program_id(0), num_slots, SLOTS_P2, BLOCK_M)
     pid_n = tl.program_id(1)
-    slot = tl.program_id(2)
-    count = tl.load(count_ptr + slot)
-    if pid_m * BLOCK_M < count:
+    if slot < num_slots:
+        count = tl.load(count_ptr + slot)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rows, mask_m = slot_rows(sorted_ptr, start_ptr, slot, offs_m, count)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,11 +120,15 @@ def lora_expand(
     starts = (*slice_starts[1:], 0, 0)
     block_n = 64
     tile_m = block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n), lora_b.shape[0])
+    num_slots = lora_b.shape[0]
+    grid = (max_token_blocks(num_tokens, tile_m, num_slots), triton.cdiv(n, block_n))
     _lora_expand_kernel[grid](
         t, lora_b, y, segments.sorted_tokens, segments.slot_starts, segments.slot_counts,
-        n, k, starts[0], starts[1], t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
+        n, k, num_slots, starts[0], starts[1], t.stride(0), lora_b.stride(0), lora_b.stride(1),
+        y.stride(0),
         NUM_SLICES=num_slices, BLOCK_M=tile_m, BLOCK_N=block_n,
+        SLOTS_P2=triton.next_power_of_2(num_slots),
         BLOCK_K=max(16, min(64, triton.next_power_of_2(k))),
         DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
+        **pdl_launch_args(t.device),
     )  # fmt: skip

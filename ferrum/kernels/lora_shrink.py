@@ -1,13 +1,12 @@
 """Triton LoRA shrink over a batch mixing adapters: out[i] = x[i] @ A[slot[i]]^T (fp32) for every
 token with an adapter (rows of tokens without one are left unwritten: the expand never reads
-them). Program (m, n, s * SPLIT_K + j) multiplies block m of slot s's tokens (gathered through
-`LoRASegments`) by columns block n of A[s] over the j-th of SPLIT_K slices of K (A is a few rows
-of the hidden size or more: without the split a decode step's one program per slot would walk
-all of K alone). Split programs write fp32 partials; the last of a tile's SPLIT_K to arrive
-(`arrival_counters.py`) sums them in split order, so the result is deterministic and nothing
-needs zeroing first. A program past its slot's token count does nothing. The grid depends on the
-token count and shapes only, never on which adapters the step holds (CUDA graphs replay any
-mix)."""
+them). Program (b, n, j) multiplies the b-th token block (`lora_tiles.py`: block m of slot s's
+tokens, gathered through `LoRASegments`) by columns block n of A[s] over the j-th of SPLIT_K
+slices of K (a decode step splits K: else one program per slot would walk all of it alone).
+Split programs write fp32 partials; the last of a tile's SPLIT_K to arrive
+(`arrival_counters.py`) sums them in split order: deterministic, and nothing is zeroed first.
+A program past the step's last token block does nothing. The grid depends on the token count and
+shapes only, never on which adapters the step holds (CUDA graphs replay any mix)."""
 
 from __future__ import annotations
 
@@ -18,18 +17,10 @@ import triton.language as tl
 from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.arrival_counters import arrival_counters
 from ferrum.kernels.lora_segments import LoRASegments, block_m
+from ferrum.kernels.lora_tiles import max_token_blocks, slot_block, slot_rows
+from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 BLOCK_K = 64
-
-
-@triton.jit
-def slot_rows(sorted_ptr, start_ptr, slot, offs_m, count):
-    """The batch rows (int64) at positions `offs_m` of a slot's sorted tokens, and their mask
-    (positions past the slot's `count` tokens: row 0, masked)."""
-    mask_m = offs_m < count
-    start = tl.load(start_ptr + slot)
-    rows = tl.load(sorted_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
-    return rows, mask_m
 
 
 @triton.jit
@@ -44,6 +35,7 @@ def _lora_shrink_kernel(
     count_ptr,  # [num_slots] int32
     N,
     K,
+    num_slots,
     k_per_split,  # a multiple of BLOCK_K
     stride_x,
     stride_a_slot,
@@ -54,14 +46,18 @@ def _lora_shrink_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SLOTS_P2: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
+    USE_PDL: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
+    # Reads nothing before the wait: the slot map and x are written by the step's kernels.
+    pdl_launch_dependents(USE_PDL)
+    pdl_wait(USE_PDL)
+    slot, pid_m = slot_block(count_ptr, tl.program_id(0), num_slots, SLOTS_P2, BLOCK_M)
     pid_n = tl.program_id(1)
-    slot = tl.program_id(2) // SPLIT_K
-    k_begin = (tl.program_id(2) % SPLIT_K) * k_per_split
-    count = tl.load(count_ptr + slot)
-    if pid_m * BLOCK_M < count:
+    k_begin = tl.program_id(2) * k_per_split
+    if slot < num_slots:
+        count = tl.load(count_ptr + slot)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rows, mask_m = slot_rows(sorted_ptr, start_ptr, slot, offs_m, count)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,11 +81,11 @@ def _lora_shrink_kernel(
         tile = rows[:, None] * stride_out + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         if SPLIT_K > 1:
-            tl.store(partial_ptr + (tl.program_id(2) % SPLIT_K) * stride_partial + tile, acc, mask)
+            tl.store(partial_ptr + tl.program_id(2) * stride_partial + tile, acc, mask)
             # Every thread's partial is written before the count (one release atomic after the
             # barrier); the last arrival reads the others' partials through L2 after its acquire.
             tl.debug_barrier()
-            counter = counter_ptr + (slot * tl.num_programs(0) + pid_m) * tl.num_programs(1) + pid_n
+            counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + pid_n
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
                 return
             acc = tl.load(partial_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
@@ -128,17 +124,18 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -
     tile_m = block_m(num_tokens)
     splits = split_k(num_tokens, k)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
-    grid = (triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n), num_slots * splits)
+    grid = (max_token_blocks(num_tokens, tile_m, num_slots), triton.cdiv(n, block_n), splits)
     if splits > 1:
         partials = torch.empty(splits, num_tokens, n, dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, grid[0] * grid[1] * num_slots, "LoRA shrink")
+        counters = arrival_counters(x.device, grid[0] * grid[1], "LoRA shrink")
     else:
         partials, counters = out, segments.slot_counts  # unread
     _lora_shrink_kernel[grid](
         x, lora_a, out, partials, counters, segments.sorted_tokens, segments.slot_starts,
-        segments.slot_counts, n, k, k_per_split, x.stride(0), lora_a.stride(0), lora_a.stride(1),
-        out.stride(0), num_tokens * n,
+        segments.slot_counts, n, k, num_slots, k_per_split, x.stride(0), lora_a.stride(0),
+        lora_a.stride(1), out.stride(0), num_tokens * n,
         BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT_K=splits,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        SLOTS_P2=triton.next_power_of_2(num_slots),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl_launch_args(x.device),
     )  # fmt: skip
     return out

@@ -125,3 +125,23 @@ def test_launchers_name_the_bad_argument() -> None:
             segments,
             torch.zeros(2, 9, device=DEVICE),
         )
+
+
+def test_token_blocks_skip_empty_slots_and_cover_long_ones() -> None:
+    """Slots 1 and 2 hold no token, slot 3 three 16-row blocks: the flat token-block grid maps
+    every program to the right (slot, block) whatever the mix."""
+    slots = torch.tensor([3] * 40 + [0] * 3 + [-1] * 5, dtype=torch.int32, device=DEVICE)
+    slots = slots[torch.randperm(48, generator=torch.Generator().manual_seed(0)).to(DEVICE)]
+    x = torch.randn(48, 32, device=DEVICE)
+    lora_a = torch.randn(4, 16, 32, device=DEVICE)
+    lora_b = torch.randn(4, 24, 16, device=DEVICE)
+    segments = LoRASegments.empty(64, 4, DEVICE)
+    segments.fill(slots)
+    used = slots >= 0
+    t = lora_shrink(x, lora_a, segments)
+    expected_t = lora_shrink_ref(x, lora_a, slots)
+    torch.testing.assert_close(t[used], expected_t[used], atol=1e-4, rtol=1e-4)
+    y, expected = torch.zeros(48, 24, device=DEVICE), torch.zeros(48, 24, device=DEVICE)
+    lora_expand(expected_t, lora_b, segments, y)
+    lora_expand_ref(expected_t, lora_b, slots, expected)
+    torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
