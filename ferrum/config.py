@@ -7,6 +7,7 @@ from typing import Any
 
 from ferrum.config_fields import field_error as _fail
 from ferrum.config_fields import field_help as _help
+from ferrum.eagle3_config import Eagle3Config
 from ferrum.lora_config import LoRAConfig, check_lora_fits
 from ferrum.model_arch import ModelArchConfig
 from ferrum.model_folder import read_generation_config, read_hf_config
@@ -369,6 +370,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
     draft_model_config: ModelConfig | None = None  # speculative_config's (built by EngineArgs)
+    eagle3_config: Eagle3Config | None = None  # speculative_config's head (built by EngineArgs)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:

@@ -12,8 +12,8 @@ from ferrum.model_arch import ModelArchConfig
 
 # "replay" is a benchmark proposer, not a product feature: it replays recorded continuations,
 # each token replaced by a wrong one with probability 1 - acceptance_rate, always k of them.
-SPECULATIVE_METHODS = ("ngram", "draft_model", "replay")
-NOT_SUPPORTED_METHODS = ("eagle", "eagle3", "mtp", "medusa")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "replay")
+NOT_SUPPORTED_METHODS = ("eagle", "mtp", "medusa")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -26,7 +26,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # No request speculates in a step once this many requests run (None: never turned off).
     disable_by_batch_size: int | None = 16
-    # method "draft_model": the draft's model folder; "replay": a JSON file
+    # method "draft_model": the draft's model folder; "eagle3": the EAGLE-3 head's folder;
+    # "replay": a JSON file
     # {"<prompt ids joined by ','>": [continuation ids]}.
     model: str | None = None
     acceptance_rate: float = 1.0
@@ -35,7 +36,7 @@ class SpeculativeConfig:
         if self.method in NOT_SUPPORTED_METHODS:
             raise _fail(
                 "speculative_config.method",
-                f"{self.method!r} is not supported yet; supported: {SPECULATIVE_METHODS[:2]}",
+                f"{self.method!r} is not supported yet; supported: {SPECULATIVE_METHODS[:3]}",
             )
         if self.method not in SPECULATIVE_METHODS:
             raise _fail(
@@ -110,10 +111,15 @@ def check_speculation_fits(
 
 def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
     """KV slots a sampling step allocates past its tokens: where a draft model writes the KV of
-    the drafts it decodes."""
-    if config is None or config.method != "draft_model":
+    the k drafts it decodes, an EAGLE-3 head that of its k - 1 steps after the first (which
+    runs on the step's own positions)."""
+    if config is None:
         return 0
-    return config.num_speculative_tokens
+    if config.method == "draft_model":
+        return config.num_speculative_tokens
+    if config.method == "eagle3":
+        return config.num_speculative_tokens - 1
+    return 0
 
 
 def _is_int(value: object) -> bool:

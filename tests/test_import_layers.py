@@ -39,6 +39,7 @@ LAYERS = [
         "lora_config",
         "lora_checkpoint",
         "speculative_config",
+        "eagle3_config",
     },
     {"scheduler"},
     {"distributed", "executor", "model_executor", "lora"},

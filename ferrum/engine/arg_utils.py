@@ -22,7 +22,7 @@ from ferrum.config import (
     StructuredOutputsConfig,
 )
 from ferrum.default_model import resolve_model
-from ferrum.engine.draft_model_config import draft_model_config
+from ferrum.engine.draft_model_config import draft_model_config, eagle3_config
 from ferrum.engine.vllm_args import VLLM_ARG_HELP, resolve_vllm_args
 from ferrum.logger import init_logger
 from ferrum.lora_config import LoRAConfig
@@ -190,6 +190,7 @@ class EngineArgs:
             structured_outputs_config=_structured_outputs_config(self.structured_outputs_config),
             speculative_config=speculative_config,
             draft_model_config=draft_model_config(speculative_config, model_config),
+            eagle3_config=eagle3_config(speculative_config, model_config.arch),
             lora_config=LoRAConfig(**_init_args(LoRAConfig, values)),
         )
 

@@ -1,11 +1,14 @@
 """The draft model of `speculative_config` (method draft_model): its ModelConfig, in the
-target's dtype, context length and load format, checked against the target."""
+target's dtype, context length and load format, checked against the target; the EAGLE-3 head
+(method eagle3): its config (`eagle3_config.py`)."""
 
 from __future__ import annotations
 
 from ferrum.config import ModelConfig
 from ferrum.config_fields import field_error
+from ferrum.eagle3_config import Eagle3Config, read_eagle3_config
 from ferrum.kv.kv_cache_spec import kv_cache_groups
+from ferrum.model_arch import ModelArchConfig
 from ferrum.speculative_config import SpeculativeConfig
 
 
@@ -44,3 +47,11 @@ def draft_model_config(spec: SpeculativeConfig | None, target: ModelConfig) -> M
             name, f"a draft model needs full-attention layers in the target {target.architecture}"
         )
     return draft
+
+
+def eagle3_config(spec: SpeculativeConfig | None, target: ModelArchConfig) -> Eagle3Config | None:
+    """None unless `spec` asks for an EAGLE-3 head; else the head's config, checked."""
+    if spec is None or spec.method != "eagle3":
+        return None
+    assert spec.model is not None
+    return read_eagle3_config(spec.model, target)

@@ -97,6 +97,7 @@ class InputBuffers:
     ) -> None:
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.max_num_tokens = max_num_tokens
         # The longest context a chunk attends over through SDPA: start-up builds cuDNN's plans up
         # to it (`warm_up.py`); None: min(max_num_tokens, max_model_len).
         self.sdpa_max_len = (

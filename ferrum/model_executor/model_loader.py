@@ -23,7 +23,7 @@ _MAX_LISTED = 8
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Parameters are created directly in the target dtype; the previous default is restored."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -51,7 +51,7 @@ def load_model(
     model_class = get_model_class(model_config.architecture)
     kernels = load_kernels(kernel_backend, batch_invariant)
     device = torch.device(device)
-    with _default_dtype(getattr(torch, model_config.dtype)), torch.device(device):
+    with default_dtype(getattr(torch, model_config.dtype)), torch.device(device):
         model = model_class(
             model_config.arch,
             kernels,

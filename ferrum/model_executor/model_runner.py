@@ -131,7 +131,7 @@ class ModelRunner:
         sched = config.scheduler_config
         self.inputs = InputBuffers.for_config(config, len(self.kv_cache_groups), device)
         self.speculative = speculative_decoder(
-            config, self.vocab_size, self.kv_cache_groups, self.kernel_backend, device
+            config, self.model, self.inputs, self.kv_cache_groups, self.kernel_backend, device
         )
         self.sampling_staging = sampling_staging(max_sampled_rows(config), device)
         self.sampler = Sampler(config.device_config.batch_invariant)
@@ -276,7 +276,7 @@ class ModelRunner:
             )
         hidden_states = self._forward(inputs, shape, num_tokens)
         if self.speculative is not None:
-            self.speculative.follow(inputs, shape, num_tokens)
+            self.speculative.follow(inputs, shape, num_tokens, requests, num_scheduled)
         self.recurrent.snapshot(requests, num_scheduled)
         prompt_chunks = step_prompt_logprobs(
             hidden_states, requests, num_scheduled, self.model.compute_logits
@@ -333,6 +333,8 @@ class ModelRunner:
             metadata.grammar_bitmask = bitmask
         sampler_output = self.sampler(pending.logits, metadata, self.generator)
         self._last_sampled = sampler_output.sampled_token_ids
+        if self.speculative is not None:
+            step.head_rows = self.speculative.after_sampling(self._last_sampled)
         # A verify step's rows are per draft: none may be a placeholder's input (the core
         # completes a verify step before it schedules the next).
         self._last_sampled_rows = (
@@ -376,7 +378,7 @@ class ModelRunner:
             # blocks may be another's by now, and a draft model would write into them.
             live = [s for s in step.states if self.requests.get(s.req_id) is s]
             drafts = self.speculative.propose(
-                live, len(self.requests), self.inputs, self.block_size
+                live, len(self.requests), self.inputs, self.block_size, step, output
             )
             output.spec_decode = with_drafts(output.spec_decode, drafts)
         return output

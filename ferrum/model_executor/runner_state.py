@@ -120,6 +120,8 @@ class LaunchedStep:
     # and the generator states of its seeded requests with drafts before they drew (by index).
     drafts: list[list[int]] | None = None
     generator_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # An EAGLE-3 head's (normed, pre-norm) outputs at the step's sampled rows.
+    head_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def awaits_sampling(self) -> bool:

@@ -262,7 +262,7 @@ def test_draft_models_that_cannot_serve_are_refused(tiny_checkpoint, tmp_path: P
 @pytest.mark.parametrize(
     ("overrides", "field"),
     [
-        ({"speculative_config": {"method": "eagle3", "num_speculative_tokens": 3}}, "method"),
+        ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}, "method"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, "num_spec"),
         ({"speculative_config": {"method": "ngram"}}, "num_speculative_tokens"),
         ({"speculative_config": {**NGRAM, "async_scheduling": True}}, "unknown"),

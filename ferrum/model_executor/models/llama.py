@@ -1,8 +1,6 @@
-"""Llama 2/3 (GQA, optional llama3 RoPE scaling, optional attention/MLP biases).
-
-The decoder stack, the causal-LM wrapper and checkpoint-name mapping here are shared with the
-Qwen models, which subclass `LlamaForCausalLM` and override `make_decoder_layer`.
-"""
+"""Llama 2/3 (GQA, optional llama3 RoPE scaling, optional attention/MLP biases). The decoder
+stack, the causal-LM wrapper and checkpoint-name mapping here are shared with the Qwen models,
+which subclass `LlamaForCausalLM` and override `make_decoder_layer`."""
 
 from __future__ import annotations
 
@@ -41,6 +39,7 @@ if TYPE_CHECKING:
     from ferrum.kernels.fp8_quant import Fp8GroupRows
     from ferrum.kernels.paged_attention import SplitKVWorkspace
     from ferrum.model_executor.attention_metadata import AttentionMetadata
+    from ferrum.model_executor.layers.aux_hidden_states import AuxHiddenStates
 
 # (checkpoint fragment, parameter fragment, shard id) for projections fused at load time.
 STACKED_PARAMS = (
@@ -259,6 +258,7 @@ class LlamaModel(nn.Module):
         self.layers = stage_layers(stage, arch.num_hidden_layers, make_layer)
         self.stage_layers = [self.layers[i] for i in stage.layer_ids]
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, kernels) if stage.is_last else None
+        self.aux_hidden_states: AuxHiddenStates | None = None  # an EAGLE-3 head's (whole model)
 
     def forward(
         self,
@@ -269,7 +269,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor | StageActivations:
         hidden, residual = stage_input(self.embed_tokens, input_ids, intermediate)
         cos, sin = self.rotary_emb(positions)
-        for layer in self.stage_layers:
+        for i, layer in enumerate(self.stage_layers):
+            if self.aux_hidden_states is not None:
+                self.aux_hidden_states.capture(i, hidden, residual)
             hidden, residual = layer(hidden, residual, cos, sin, attn_metadata)
         return stage_output(self.norm, hidden, residual)
 

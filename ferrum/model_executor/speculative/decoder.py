@@ -1,30 +1,35 @@
 """The runner's side of speculative decoding: after a step's tokens are known, drafts for each
 request's next step (the scheduler decides how many it verifies), from prompt lookup, a draft
-model or the benchmark's replay. Constrained requests (structured outputs) get no drafts, and
-no request does once `disable_by_batch_size` requests run. A draft model also follows every
-target forward (its KV) and owns a cache beside the target's."""
+model, an EAGLE-3 head or the benchmark's replay. Constrained requests (structured outputs) get
+no drafts, and no request does once `disable_by_batch_size` requests run. A draft model or a
+head also follows every target forward (its KV) and owns a cache beside the target's."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
+from torch import nn
 
 from ferrum.config import EngineConfig
 from ferrum.kv.kv_cache_spec import KVCacheGroupSpec
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
-from ferrum.model_executor.input_batch import InputBuffers, StepInputs
-from ferrum.model_executor.runner_state import CachedRequestState
+from ferrum.model_executor.input_batch import InputBuffers, RequestTokens, StepInputs
+from ferrum.model_executor.runner_state import CachedRequestState, LaunchedStep
 from ferrum.model_executor.speculative.draft_model import DraftModel
+from ferrum.model_executor.speculative.eagle3 import Eagle3Proposer, HeadRows, sampled_rows
 from ferrum.model_executor.speculative.ngram_proposer import NgramProposer
+from ferrum.model_executor.speculative.proposer_model import ProposerModel
 from ferrum.model_executor.speculative.replay_proposer import ReplayProposer
+from ferrum.scheduler.output import ModelRunnerOutput
 
 
 class SpeculativeDecoder:
     def __init__(
         self,
         config: EngineConfig,
-        vocab_size: int,
+        target: nn.Module,
+        inputs: InputBuffers,
         kv_cache_groups: Sequence[KVCacheGroupSpec],
         kernel_backend: str,
         device: torch.device,
@@ -34,38 +39,63 @@ class SpeculativeDecoder:
         self.config = spec
         self.max_model_len = config.model_config.max_model_len
         k = spec.num_speculative_tokens
-        self.ngram = self.replay = self.draft = None
+        self.ngram = self.replay = self.draft = self.eagle3 = None
         if spec.method == "ngram":
             self.ngram = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec.method == "replay":
             assert spec.model is not None
+            vocab_size = config.model_config.vocab_size
             self.replay = ReplayProposer(k, spec.model, spec.acceptance_rate, vocab_size)
         else:
-            assert spec.method == "draft_model" and config.draft_model_config is not None
             # The first group is full attention when the model has any (checked at config).
             assert kv_cache_groups[0].sliding_window is None and not kv_cache_groups[0].recurrent
+        if spec.method == "draft_model":
+            assert config.draft_model_config is not None
             self.draft = DraftModel(config, config.draft_model_config, 0, kernel_backend, device)
+        elif spec.method == "eagle3":
+            assert config.eagle3_config is not None
+            self.eagle3 = Eagle3Proposer(
+                config, config.eagle3_config, target, inputs.max_num_tokens, kernel_backend, device
+            )
+        # The proposer that keeps a KV cache beside the target's, if any.
+        self.model: ProposerModel | None = self.draft or self.eagle3
 
     def draft_kv_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """What the draft model's cache adds to each block of the first layer group."""
-        return 0 if self.draft is None else self.draft.kv_bytes_per_block(block_size, dtype)
+        """What the proposer's cache adds to each block of the first layer group."""
+        return 0 if self.model is None else self.model.kv_bytes_per_block(block_size, dtype)
 
     def bind_kv_cache(self, num_blocks: list[int], block_size: int, dtype: torch.dtype) -> None:
-        if self.draft is not None:
-            self.draft.bind_kv_cache(num_blocks[0], block_size, dtype)
+        if self.model is not None:
+            self.model.bind_kv_cache(num_blocks[0], block_size, dtype)
 
     def release_kv_cache(self) -> None:
-        if self.draft is not None:
-            self.draft.release_kv_cache()
+        if self.model is not None:
+            self.model.release_kv_cache()
 
     def capture_graphs(self, target_graphs: CUDAGraphRunner) -> None:
         if self.draft is not None:
             self.draft.capture_graphs(target_graphs)
+        if self.eagle3 is not None:
+            self.eagle3.capture_graphs(target_graphs)
 
-    def follow(self, inputs: StepInputs, shape: tuple[int, int] | None, num_tokens: int) -> None:
-        """After the target's forward of a step: the draft model's forward of the same inputs."""
+    def follow(
+        self,
+        inputs: StepInputs,
+        shape: tuple[int, int] | None,
+        num_tokens: int,
+        requests: Mapping[str, RequestTokens],
+        num_scheduled: Mapping[str, int],
+    ) -> None:
+        """After the target's forward of a step: the draft model's forward of the same inputs,
+        or the head's pass once the step's tokens are sampled (`after_sampling`)."""
         if self.draft is not None:
             self.draft.follow(inputs, shape, num_tokens)
+        if self.eagle3 is not None:
+            self.eagle3.follow(inputs, shape, num_tokens, requests, num_scheduled)
+
+    def after_sampling(self, sampled: torch.Tensor) -> HeadRows | None:
+        """After a step's sampling is queued: an EAGLE-3 head's pass over the step."""
+        return None if self.eagle3 is None else self.eagle3.after_sampling(sampled)
 
     def propose(
         self,
@@ -73,8 +103,11 @@ class SpeculativeDecoder:
         num_running: int,
         inputs: InputBuffers,
         block_size: int,
+        step: LaunchedStep,
+        output: ModelRunnerOutput,
     ) -> dict[str, list[int]]:
-        """Drafts per request id (requests without any are left out)."""
+        """Drafts per request id (requests without any are left out) after `step` completed
+        with `output`."""
         limit = self.config.disable_by_batch_size
         if limit is not None and num_running >= limit:
             return {}
@@ -95,6 +128,12 @@ class SpeculativeDecoder:
                 limits.append(max_drafts)
         if self.draft is not None:
             return self.draft.propose(inputs, chosen, limits, block_size)
+        if self.eagle3 is not None:
+            if step.head_rows is None:
+                return {}
+            accepted = {} if output.spec_decode is None else output.spec_decode.accepted_token_ids
+            rows = sampled_rows(step.req_ids, step.drafts, accepted)
+            return self.eagle3.propose(inputs, chosen, limits, block_size, step.head_rows, rows)
         proposals = {}
         for state, max_drafts in zip(chosen, limits):
             if self.ngram is not None:
@@ -123,15 +162,17 @@ def drafts_worth_proposing(state: CachedRequestState, k: int) -> int:
 
 def speculative_decoder(
     config: EngineConfig,
-    vocab_size: int,
+    target: nn.Module,
+    inputs: InputBuffers,
     kv_cache_groups: Sequence[KVCacheGroupSpec],
     kernel_backend: str,
     device: torch.device,
 ) -> SpeculativeDecoder | None:
-    """The runner's decoder with a speculative_config, else None."""
+    """The runner's decoder with a speculative_config, else None. `target`: the runner's
+    model (an EAGLE-3 head reads its hidden states); `inputs`: the runner's input buffers."""
     if config.speculative_config is None:
         return None
-    return SpeculativeDecoder(config, vocab_size, kv_cache_groups, kernel_backend, device)
+    return SpeculativeDecoder(config, target, inputs, kv_cache_groups, kernel_backend, device)
 
 
 def max_sampled_rows(config: EngineConfig) -> int:
