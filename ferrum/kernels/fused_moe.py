@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels.device_properties import device_properties
+from ferrum.kernels.device_properties import DeviceProperties, device_properties
 from ferrum.kernels.fp8_quant import Fp8GroupRows, per_token_group_quant_fp8
 from ferrum.kernels.fused_moe_checks import FP8_BLOCK, check_moe_inputs
 from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED, pick
@@ -267,6 +267,30 @@ def _w8a8_moe(
     _combine(out, pair_out, topk_ids, num_experts)
 
 
+def _runs_w8a8(
+    num_tokens: int,
+    device: DeviceProperties | None,
+    fp8: bool,
+    fp8_activations: bool | None,
+    weight_only_path: bool,
+) -> bool:
+    """Whether a batch runs W8A8: `fp8_activations` when given, else the rule; a caller that
+    gives a weight-only path's tiles or limit (config, small_config, small_batch_max_tokens)
+    without fp8_activations runs that path, and may not ask for W8A8 beside it."""
+    if not fp8:
+        if fp8_activations:
+            raise ValueError("fp8_activations: W8A8 needs FP8 experts (w13_scale, w2_scale)")
+        return False
+    if weight_only_path:
+        if fp8_activations:
+            raise ValueError(
+                "fp8_activations: config, small_config and small_batch_max_tokens pick a "
+                "weight-only path; W8A8's tiles are w8a8_config"
+            )
+        return False
+    return uses_fp8_activations(num_tokens, device, fp8_activations)
+
+
 def fused_moe(
     hidden: torch.Tensor,  # [num_tokens, hidden_size]
     w13: torch.Tensor,  # [num_experts, 2 * intermediate_size, hidden_size]
@@ -284,25 +308,24 @@ def fused_moe(
     w8a8_config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """The mixture of `fused_moe_ref` (`fused_moe_fp8_ref` with scales), [num_tokens, hidden_size]
-    in hidden's dtype. FP8 experts run W8A8 (`fused_moe_w8a8_ref`) where `fp8_activations` says,
-    else where fused_moe_rule.uses_fp8_activations does, on `x_fp8` (else quantizing hidden) with
-    `w8a8_config`, else tuned/rule tiles. Otherwise the small-batch path runs up to
-    small_batch_max_tokens (default SMALL_BATCH_MAX_TOKENS; 0 when a grouped `config` is given);
-    tiles from the tuned files, else the device's rule; `small_config` overrides the small path's.
-    A pair whose expert id is outside [0, num_experts) (another rank's) adds zero."""
+    in hidden's dtype. FP8 experts run W8A8 (`fused_moe_w8a8_ref`) as `_runs_w8a8` says, on
+    `x_fp8` (else quantizing hidden) with `w8a8_config`, else tuned/rule tiles. Otherwise the
+    small-batch path runs up to small_batch_max_tokens (default SMALL_BATCH_MAX_TOKENS; 0 when a
+    grouped `config` is given); tiles from the tuned files, else the device's rule;
+    `small_config` overrides the small path's. A pair whose expert id is outside
+    [0, num_experts) (another rank's) adds zero."""
     check_moe_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_tokens, hidden_size = hidden.shape
     num_experts, _, inter = w2.shape
     top_k = topk_ids.shape[1]
     device = device_properties(hidden.device)
     fp8 = w13_scale is not None and w2_scale is not None
-    if not fp8 and (fp8_activations or x_fp8 is not None or w8a8_config is not None):
-        raise ValueError("fp8_activations, x_fp8 and w8a8_config need FP8 experts (the scales)")
-    w8a8 = fp8 and uses_fp8_activations(num_tokens, device, fp8_activations)
-    if x_fp8 is not None and not w8a8:
+    weight_only_path = (config, small_config, small_batch_max_tokens) != (None, None, None)
+    w8a8 = _runs_w8a8(num_tokens, device, fp8, fp8_activations, weight_only_path)
+    if (x_fp8 is not None or w8a8_config is not None) and not w8a8:
         raise ValueError(
-            f"x_fp8: a batch of {num_tokens} tokens runs weight-only FP8 experts here "
-            "(fused_moe_rule.uses_fp8_activations): pass no FP8 rows"
+            f"x_fp8, w8a8_config: a batch of {num_tokens} tokens runs weight-only FP8 experts "
+            "here (fused_moe_rule.uses_fp8_activations, or a weight-only path's tiles given)"
         )
     if num_tokens * top_k == 0 or inter == 0 or hidden_size == 0:
         return torch.zeros_like(hidden)

@@ -15,7 +15,7 @@ from ferrum.kernels.device_properties import A100, H100, KNOWN_DEVICES, L40S
 from ferrum.kernels.fp8_quant import Fp8GroupRows, per_token_group_quant_fp8
 from ferrum.kernels.fp8_quant_ref import per_token_group_quant_fp8_ref
 from ferrum.kernels.fp8_weight import quantize_weight_block
-from ferrum.kernels.fused_moe import fused_moe
+from ferrum.kernels.fused_moe import _runs_w8a8, fused_moe
 from ferrum.kernels.fused_moe_config import (
     DEFAULT_SMALL,
     check_w8a8_config,
@@ -115,14 +115,22 @@ def test_path_choice_by_device_and_token_count() -> None:
     assert not uses_fp8_activations(8192, H100, forced=False)
     with pytest.raises(ValueError, match="no FP8 tensor cores"):
         uses_fp8_activations(64, A100, forced=True)
+    # A weight-only path's tiles or limit given (benchmarks, the tuner, batch-invariant mode)
+    # pin that path; bf16 experts never run W8A8.
+    assert _runs_w8a8(64, H100, True, None, weight_only_path=False)
+    assert not _runs_w8a8(64, H100, True, None, weight_only_path=True)
+    assert not _runs_w8a8(64, H100, False, None, weight_only_path=False)
 
 
 def test_w8a8_arguments_are_checked() -> None:
     """No kernel runs: each call is refused before the launch."""
     x, w13, w2, weights, ids, s13, s2 = _problem(4, 128, 128, 2, 1, torch.float32, "cpu")
     rows = Fp8GroupRows(*per_token_group_quant_fp8_ref(x))
-    with pytest.raises(ValueError, match="need FP8 experts"):
+    with pytest.raises(ValueError, match="needs FP8 experts"):
         fused_moe(x, w13.float(), w2.float(), weights, ids, fp8_activations=True)
+    with pytest.raises(ValueError, match="pick a weight-only path"):
+        fused_moe(x, w13, w2, weights, ids, config=CONFIGS["n128k64"], fp8_activations=True,
+                  w13_scale=s13, w2_scale=s2)  # fmt: skip
     with pytest.raises(ValueError, match="runs weight-only"):  # the CPU rule: weight-only
         fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, x_fp8=rows)
     bad_rows = Fp8GroupRows(rows.q[:2], rows.scales[:2])
