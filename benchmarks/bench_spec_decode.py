@@ -7,7 +7,10 @@
    with probability 1 - alpha, so the acceptance rate is set (dummy weights cannot give a real
    one); the measured acceptance is reported beside it;
 3. with `--draft-model`: `lat` with that draft model, and the draft's own time per proposed
-   token (its greedy decode steps, timed on their own);
+   token (its greedy decode steps, timed on their own); with `--eagle3-head` (a head folder, or
+   `auto`: a head of the target's shapes with a 32k draft vocabulary): `lat` with the head
+   (dummy weights: acceptance ~0, so TPOT is the head's overhead) and its own times: its pass
+   over each step's rows, and per proposed token (pass + decode steps);
 4. `c64` / `nano` with speculation on (`--on-config`, n-gram by default): adaptive speculation
    must not make a loaded engine slower.
 
@@ -64,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--alphas", default="0,0.7,1", help="replay acceptance rates")
     parser.add_argument("--draft-model", default=None, help="a draft model folder (dummy too)")
+    parser.add_argument(
+        "--eagle3-head", default=None, help="an EAGLE-3 head folder (dummy too), or auto"
+    )
     parser.add_argument("--on-config", type=json.loads, default=NGRAM)
     parser.add_argument("--throughput", default="c64,nano", help="'' to skip step 4")
     parser.add_argument("--lat-iters", type=int, default=3)
@@ -141,6 +147,69 @@ def draft_time_per_token(llm: LLM, prompt: list[int]) -> float:
     return spent[0] / max(proposed[0], 1)
 
 
+def eagle3_times(llm: LLM, prompt: list[int]) -> dict[str, float]:
+    """During one 512-token greedy decode, each call timed with a device sync around it: the
+    head's pass over a step's rows, and per proposed token the pass and the decode steps of
+    the steps that proposed (dummy weights: the adaptive proposer soon proposes only every ~20
+    steps, but the pass runs every step)."""
+    runner = llm.llm_engine.client.core.executor.runner  # in-process, one GPU
+    head = runner.speculative.eagle3
+    assert head is not None
+    spent = {"after_sampling": 0.0, "propose": 0.0}
+    calls, proposing, proposed = [0], [0], [0]
+    originals = {name: getattr(head, name) for name in spent}
+
+    def timed(name: str, *a: Any, **kw: Any) -> Any:
+        synchronize(llm)
+        start = time.perf_counter()
+        result = originals[name](*a, **kw)
+        synchronize(llm)
+        if name == "after_sampling":
+            calls[0] += 1
+        elif result:
+            proposing[0] += 1
+            proposed[0] += sum(len(d) for d in result.values())
+        else:
+            return result
+        spent[name] += time.perf_counter() - start
+        return result
+
+    for name in spent:
+        setattr(head, name, partial(timed, name))
+    params = SamplingParams(temperature=0.0, max_tokens=513, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    for name in spent:
+        setattr(head, name, originals[name])
+    pass_s = spent["after_sampling"] / max(calls[0], 1)
+    return {
+        "pass_s_per_step": pass_s,
+        "s_per_proposed_token": (pass_s * proposing[0] + spent["propose"]) / max(proposed[0], 1),
+        "proposed_tokens": proposed[0],
+    }
+
+
+def auto_eagle3_head(model: str) -> str:
+    """A head folder (config.json only: dummy weights) of the target's shapes."""
+    target = json.loads((Path(model) / "config.json").read_text())
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "vocab_size",
+        "max_position_embeddings",
+    )
+    config = {key: target[key] for key in keys if key in target}
+    config |= {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+               "draft_vocab_size": min(32000, target["vocab_size"])}  # fmt: skip
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
 def main() -> None:
     args = parse_args()
     report: dict[str, Any] = {"model": args.model, "k": args.num_speculative_tokens}
@@ -185,6 +254,17 @@ def main() -> None:
 
         report["draft_model"] = with_engine(args, drafted, speculative_config=spec)
         _write(args.out, report)
+    if args.eagle3_head:
+        folder = auto_eagle3_head(args.model) if args.eagle3_head == "auto" else args.eagle3_head
+        spec = {"method": "eagle3", "num_speculative_tokens": k, "model": folder}
+        first_prompt = [int(t) for t in next(iter(recorded)).split(",")]
+
+        def headed(llm: LLM) -> dict[str, Any]:
+            figures = {"lat": lat(llm, vocab_size)} | eagle3_times(llm, first_prompt)
+            return figures | spec_stats(llm)
+
+        report["eagle3"] = with_engine(args, headed, speculative_config=spec)
+        _write(args.out, report)
     if names:
         report["on"] = with_engine(
             args,
@@ -209,6 +289,13 @@ def _summary(report: dict[str, Any]) -> dict[str, Any]:
         run = report["draft_model"]
         summary["draft_model"] = {"tpot_ms": run["lat"]["tpot_ms"],
                                   "draft_ms_per_token": 1e3 * run["draft_s_per_token"]}  # fmt: skip
+    if "eagle3" in report:
+        run = report["eagle3"]
+        summary["eagle3"] = {
+            "tpot_ms": run["lat"]["tpot_ms"],
+            "pass_ms_per_step": 1e3 * run["pass_s_per_step"],
+            "ms_per_proposed_token": 1e3 * run["s_per_proposed_token"],
+        }
     for name in ("c64", "nano", "c16", "long"):
         if name in report["off"] and name in report.get("on", {}):
             summary[name] = {"off": report["off"][name], "on": report["on"][name],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.utils.eagle3_heads import head_config, random_head_tensors, write_head
 from tests.utils.fp8_checkpoints import write_fp8_checkpoint
 from tests.utils.int4_checkpoints import write_int4_checkpoint
 from tests.utils.rank_pool import RankPool
@@ -44,16 +45,20 @@ def test_two_ranks_generate_what_one_does(pool, tiny_checkpoint, case) -> None:
     assert rank0["prefix_cache_hits"] == expected["prefix_cache_hits"]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_two_ranks_speculate_like_one_rank_without_speculation(
-    pool, tiny_checkpoint, method
+    pool, tiny_checkpoint, method, tmp_path
 ) -> None:
-    """Every rank proposes the same drafts (n-gram from the same tokens; the draft model whole
-    on each rank) and accepts the same ones: greedy tokens equal tp=1's without speculation."""
+    """Every rank proposes the same drafts (n-gram from the same tokens; the draft model and
+    the EAGLE-3 head whole on each rank, the head over the target's vocab-split embedding) and
+    accepts the same ones: greedy tokens equal tp=1's without speculation."""
     path = tiny_checkpoint("qwen3")
     spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": None}
     if method == "draft_model":
         spec["model"] = path  # its own draft: every draft is accepted
+    if method == "eagle3":
+        config = head_config(eagle_aux_hidden_state_layer_ids=[1, 0, 1])
+        spec["model"] = write_head(tmp_path, config, random_head_tensors(config, 2))
     expected = generate(path)
     rank0, rank1 = pool.run(generate_on_rank, path, {}, False, spec)
     assert rank0 == rank1

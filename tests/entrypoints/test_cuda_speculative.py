@@ -2,7 +2,7 @@
 speculation through the verify CUDA graphs (batches of 1..15 requests) and eagerly, at several
 acceptance rates; at a real model's shapes (Qwen3-0.6B, random bf16 weights) in batch-invariant
 mode, where the verify rows' numerics equal a decode's, bitwise, with replayed drafts and with
-the model as its own draft model (all accepted)."""
+the model as its own draft model (all accepted); EAGLE-3 heads through the head's graphs."""
 
 from __future__ import annotations
 
@@ -73,3 +73,36 @@ def test_real_shapes_in_batch_invariant_mode_are_bitwise_equal(tmp_path: Path) -
     assert generate(llm, prompts) == expected
     stats = llm.llm_engine.stats()
     assert stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens > 0.95
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_eagle3_heads_through_cuda_graphs(tiny_checkpoint, tmp_path: Path, enforce_eager) -> None:  # noqa: ANN001
+    """A random head: greedy tokens unchanged (the pass and decode graphs, batches of 1..7); a
+    head that proposes the target's continuation (tests/utils/eagle3_heads.py): every first
+    draft accepted, so the graphs read the right rows, tokens and d2t."""
+    from tests.utils.eagle3_heads import (
+        head_config,
+        random_head_tensors,
+        successor_head_tensors,
+        write_head,
+        write_successor_target,
+    )
+
+    kwargs = dict(enforce_eager=enforce_eager, kv_cache_memory_bytes=1 << 30)
+    target = tiny_checkpoint("qwen3", num_hidden_layers=4)
+    config = head_config()
+    head = write_head(tmp_path / "random", config, random_head_tensors(config, 1))
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    expected = generate(cuda_llm(target, **kwargs))
+    llm = cuda_llm(target, speculative_config=spec, **kwargs)
+    assert generate(llm) == expected
+    assert generate(llm, PROMPTS[:1]) == expected[:1]
+    successor = write_successor_target(tiny_checkpoint("qwen3"), tmp_path / "successor")
+    config = head_config(draft_vocab_size=384, eagle_aux_hidden_state_layer_ids=[1, 0, 1])
+    head = write_head(tmp_path / "head", config, successor_head_tensors(successor, config))
+    expected = generate(cuda_llm(successor, **kwargs))
+    llm = cuda_llm(successor, speculative_config={**spec, "model": head}, **kwargs)
+    assert generate(llm) == expected
+    stats = llm.llm_engine.stats()
+    assert stats.spec_num_drafts > 0
+    assert stats.spec_accepted_per_position[0] == stats.spec_num_drafts

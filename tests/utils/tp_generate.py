@@ -21,7 +21,7 @@ from ferrum.config import (
     SchedulerConfig,
 )
 from ferrum.distributed.parallel_state import TensorParallelGroup
-from ferrum.engine.draft_model_config import draft_model_config
+from ferrum.engine.draft_model_config import draft_model_config, eagle3_config
 from ferrum.kv.kv_cache_manager import KVCacheManager
 from ferrum.model_executor.model_runner import ModelRunner
 from ferrum.request import Request
@@ -54,6 +54,7 @@ def engine_config(
     return EngineConfig(
         speculative_config=spec,
         draft_model_config=draft_model_config(spec, model),
+        eagle3_config=eagle3_config(spec, model.arch),
         model_config=model,
         cache_config=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_KV_BLOCKS),
         scheduler_config=SchedulerConfig(
