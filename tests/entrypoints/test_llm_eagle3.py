@@ -1,7 +1,8 @@
 """EAGLE-3 through `LLM` (tiny fp32 checkpoints, heads written by tests/utils/eagle3_heads.py):
 greedy tokens equal those without speculation under chunked prefill, prefix hits, preemption and
 async scheduling; a head crafted to propose the target's continuation gets its first draft
-accepted every time; heads that cannot serve the target are refused by name."""
+accepted every time; the engine's drafts equal a reference head recomputed from scratch; heads
+that cannot serve the target are refused by name."""
 
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from ferrum import LLM, SamplingParams
 from ferrum.errors import FieldError
 from tests.utils.eagle3_heads import (
     head_config,
     random_head_tensors,
+    reference_head,
     successor_head_tensors,
     write_head,
     write_successor_target,
 )
+from tests.utils.tiny_checkpoints import load_hf_model
 from tests.utils.tiny_llm import make_llm, random_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -87,6 +91,67 @@ def test_a_head_that_knows_the_continuation_gets_its_drafts_accepted(
     assert stats.spec_num_drafts > 0
     assert stats.spec_accepted_per_position[0] == stats.spec_num_drafts
     assert stats.spec_num_accepted_tokens == stats.spec_num_drafts
+
+
+def test_drafts_equal_a_reference_recomputed_from_scratch(tiny_checkpoint, tmp_path: Path) -> None:  # noqa: ANN001
+    """Every proposal (prompt chunks of 5, verify steps accepting some drafts) equals the
+    drafts of `reference_head` run on the whole sequence: HF's hidden states of the target, the
+    head's rows over them, then each draft appended as a row of its own. The head is the
+    successor head with attention and MLP on (random o_proj, down_proj): its first drafts are
+    mostly right, and the later ones read the head's KV of every earlier position."""
+    target = write_successor_target(tiny_checkpoint("qwen3"), tmp_path / "target")
+    config = head_config(draft_vocab_size=384, eagle_aux_hidden_state_layer_ids=[1, 0, 1])
+    tensors = successor_head_tensors(target, config)
+    noise = random_head_tensors(config, seed=3)
+    for name in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
+        tensors[name] = noise[name]
+    head = write_head(tmp_path / "head", config, tensors)
+    llm = make_llm(target, speculative_config=eagle3(head), max_num_batched_tokens=5)
+    proposer = llm.llm_engine.client.core.executor.runner.speculative.eagle3
+    propose, proposals = proposer.propose, []
+
+    def recorded(inputs, states, *args):  # noqa: ANN001, ANN002
+        drafts = propose(inputs, states, *args)
+        proposals.extend(
+            (list(s.token_ids), drafts[s.req_id]) for s in states if s.req_id in drafts
+        )
+        return drafts
+
+    proposer.propose = recorded
+    generate(llm)
+    hf, embedding = load_hf_model(target), tensors_of(target)["model.embed_tokens.weight"]
+    several = [p for p in proposals if len(p[1]) > 1]
+    assert len(several) > 10
+    for tokens, drafts in several[:10] + [p for p in proposals if len(p[1]) == 1][:3]:
+        assert drafts == reference_drafts(hf, embedding, tensors, config, tokens, len(drafts))
+
+
+def tensors_of(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(f"{folder}/model.safetensors")
+
+
+@torch.inference_mode()
+def reference_drafts(
+    hf: torch.nn.Module,
+    embedding: torch.Tensor,
+    tensors: dict[str, torch.Tensor],
+    config: dict,
+    tokens: list[int],
+    k: int,
+) -> list[int]:
+    """Row p: the target's states at p (before layers 1, 0, 1) with token p + 1; draft i + 1
+    from the row of the last known token's predecessor, then from each draft's own row."""
+    states = hf(input_ids=torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+    aux = torch.cat([states[i][0] for i in (1, 0, 1)], dim=-1)
+    hidden, ids, drafts = aux @ tensors["fc.weight"].T, list(tokens[1:]), []
+    for _ in range(k):
+        normed, prenorm = reference_head(tensors, config, embedding[ids], hidden)
+        draft = int((normed[-1] @ tensors["lm_head.weight"].T).argmax())
+        drafts.append(draft + int(tensors["d2t"][draft]))
+        hidden, ids = torch.cat([hidden, prenorm[-1:]]), ids + [drafts[-1]]
+    return drafts
 
 
 def test_heads_that_cannot_serve_the_target_are_refused(

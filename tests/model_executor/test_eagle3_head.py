@@ -9,59 +9,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from ferrum.eagle3_config import read_eagle3_config
 from ferrum.model_executor.layers.aux_hidden_states import AuxHiddenStates
-from ferrum.model_executor.speculative.eagle3_loader import load_eagle3_head
-from tests.utils.eagle3_heads import head_config, random_head_tensors, write_head
+from ferrum.model_executor.speculative.eagle3_loader import load_eagle3_head, read_head_tensors
+from tests.utils.eagle3_heads import (
+    head_config,
+    random_head_tensors,
+    reference_head,
+    write_head,
+)
 from tests.utils.model_step import BLOCK_SIZE, NUM_BLOCKS, Seq, build_step, load, prompt
 from tests.utils.tiny_checkpoints import load_hf_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 AUX_LAYERS = [3, 0, 2]
-
-
-def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half RoPE of x [tokens, heads, dim]."""
-    dim = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    angles = positions[:, None].float() * inv_freq[None, :]
-    cos = torch.cat([angles.cos()] * 2, -1)[:, None]
-    sin = torch.cat([angles.sin()] * 2, -1)[:, None]
-    half = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], dim=-1)
-    return x * cos + half * sin
-
-
-def reference_head(
-    t: dict[str, torch.Tensor],
-    config: dict,
-    embeds: torch.Tensor,
-    hidden: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, causal: row i from the next token's embedding and hidden state i ->
-    (normed output, pre-norm output)."""
-    heads, kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
-    n = embeds.shape[0]
-    x = torch.cat([rms(embeds, t["midlayer.input_layernorm.weight"]),
-                   rms(hidden, t["midlayer.hidden_norm.weight"])], dim=-1)  # fmt: skip
-    positions = torch.arange(n)
-    q = rope((x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, heads, d), positions, 1e6)
-    k = rope((x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, kv, d), positions, 1e6)
-    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kv, d)
-    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
-    scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
-    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * d)
-    residual = hidden + attn @ t["midlayer.self_attn.o_proj.weight"].T
-    y = rms(residual, t["midlayer.post_attention_layernorm.weight"])
-    gate, up = y @ t["midlayer.mlp.gate_proj.weight"].T, y @ t["midlayer.mlp.up_proj.weight"].T
-    residual = residual + (F.silu(gate) * up) @ t["midlayer.mlp.down_proj.weight"].T
-    return rms(residual, t["norm.weight"]), residual
 
 
 @torch.inference_mode()
@@ -120,3 +82,13 @@ def check_head(
     all_hidden = torch.cat([fused, prenorm[-1:]])
     ref_normed, _ = reference_head(tensors, config, embedding[all_ids], all_hidden)
     torch.testing.assert_close(step_normed, ref_normed[-1:], atol=1e-5, rtol=1e-5)
+
+
+def test_heads_load_from_pytorch_model_bin(tmp_path: Path) -> None:
+    """Most public heads ship a pytorch_model.bin: read with weights_only, like safetensors."""
+    config = head_config()
+    tensors = random_head_tensors(config, seed=1)
+    torch.save(tensors, tmp_path / "pytorch_model.bin")
+    loaded = read_head_tensors(str(tmp_path))
+    assert sorted(loaded) == sorted(tensors)
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in tensors.items())

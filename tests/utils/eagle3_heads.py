@@ -8,6 +8,8 @@ and `t2d` (no `embed_tokens.weight`: the target's embedding is shared).
     write_head(path, config, tensors) -> str                  # the folder
     write_successor_target(src, dst), successor_head_tensors(target, config): a target whose
         greedy continuation is t + 1 and a head that proposes it (its first draft)
+    reference_head(tensors, config, embeds, hidden) -> (normed, pre-norm): an independent
+        torch implementation of the head over one sequence
 The random heads' draft vocabulary is 256 of the 384 target ids (d2t maps them, in order)."""
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 DRAFT_VOCAB = 256
@@ -130,3 +133,45 @@ def successor_head_tensors(target: str, config: dict[str, Any]) -> dict[str, tor
 def write_tensors(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor]) -> str:
     save_file({name: t.contiguous() for name, t in tensors.items()}, f"{path}/model.safetensors")
     return str(path)
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE of x [tokens, heads, dim]."""
+    dim = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = positions[:, None].float() * inv_freq[None, :]
+    cos = torch.cat([angles.cos()] * 2, -1)[:, None]
+    sin = torch.cat([angles.sin()] * 2, -1)[:, None]
+    half = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], dim=-1)
+    return x * cos + half * sin
+
+
+def reference_head(
+    t: dict[str, torch.Tensor],
+    config: dict,
+    embeds: torch.Tensor,
+    hidden: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence, causal: row i from the next token's embedding and hidden state i ->
+    (normed output, pre-norm output)."""
+    heads, kv, d = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    n = embeds.shape[0]
+    x = torch.cat([rms(embeds, t["midlayer.input_layernorm.weight"]),
+                   rms(hidden, t["midlayer.hidden_norm.weight"])], dim=-1)  # fmt: skip
+    positions = torch.arange(n)
+    q = rope((x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, heads, d), positions, 1e6)
+    k = rope((x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, kv, d), positions, 1e6)
+    v = (x @ t["midlayer.self_attn.v_proj.weight"].T).view(n, kv, d)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5
+    scores = scores.masked_fill(torch.ones(n, n).triu(1).bool(), float("-inf"))
+    attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, heads * d)
+    residual = hidden + attn @ t["midlayer.self_attn.o_proj.weight"].T
+    y = rms(residual, t["midlayer.post_attention_layernorm.weight"])
+    gate, up = y @ t["midlayer.mlp.gate_proj.weight"].T, y @ t["midlayer.mlp.up_proj.weight"].T
+    residual = residual + (F.silu(gate) * up) @ t["midlayer.mlp.down_proj.weight"].T
+    return rms(residual, t["norm.weight"]), residual
