@@ -17,7 +17,7 @@ import triton.language as tl
 from ferrum.kernels.device_properties import DeviceProperties, device_properties
 from ferrum.kernels.fp8_quant import Fp8GroupRows, per_token_group_quant_fp8
 from ferrum.kernels.fused_moe_checks import FP8_BLOCK, check_moe_inputs
-from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED, pick
+from ferrum.kernels.fused_moe_config import DEFAULT_GROUPED, check_w8a8_config, pick
 from ferrum.kernels.fused_moe_rule import moe_configs, uses_fp8_activations, w8a8_configs
 from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS, small_batch_moe
 from ferrum.kernels.fused_moe_w8a8 import check_rows, w8a8_pair_rows
@@ -322,6 +322,8 @@ def fused_moe(
     fp8 = w13_scale is not None and w2_scale is not None
     weight_only_path = (config, small_config, small_batch_max_tokens) != (None, None, None)
     w8a8 = _runs_w8a8(num_tokens, device, fp8, fp8_activations, weight_only_path)
+    if w8a8_config is not None:  # refused before any launch
+        check_w8a8_config(w8a8_config, "w8a8_config")
     if (x_fp8 is not None or w8a8_config is not None) and not w8a8:
         raise ValueError(
             f"x_fp8, w8a8_config: a batch of {num_tokens} tokens runs weight-only FP8 experts "
