@@ -16,11 +16,15 @@ import triton.language as tl
 
 from ferrum.kernels import FLOAT_DTYPES
 from ferrum.kernels.arrival_counters import arrival_counters
+from ferrum.kernels.device_properties import device_properties
 from ferrum.kernels.lora_segments import LoRASegments, block_m
 from ferrum.kernels.lora_tiles import max_token_blocks, slot_block, slot_rows
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 BLOCK_K = 64
+MAX_SPLITS = 32
+SPLIT_MIN_K = 256
+PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -100,10 +104,13 @@ def _lora_shrink_kernel(
         tl.store(out_ptr + tile, acc, mask=mask)
 
 
-def split_k(num_tokens: int, k: int) -> int:
-    """K slices: about 256 of K each (at most 32 slices) for steps of up to 256 tokens, whose
-    few token blocks leave the GPU idle otherwise; one for longer steps (no atomics)."""
-    return 1 if num_tokens > 256 else max(1, min(32, k // 256))
+def split_k(token_blocks: int, col_blocks: int, k: int, num_sms: int) -> int:
+    """K slices: enough that the launch's programs (token blocks x column blocks x slices) fill
+    every SM twice, each slice at least SPLIT_MIN_K of K, at most MAX_SPLITS (a decode step:
+    the most; a long prompt chunk: a few, where one program per block would walk all of K while
+    most SMs idle). A rule of the shapes and the device alone (CUDA-graph safe)."""
+    most = max(1, min(MAX_SPLITS, k // SPLIT_MIN_K))
+    return max(1, min(most, triton.cdiv(PROGRAMS_PER_SM * num_sms, token_blocks * col_blocks)))
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -> torch.Tensor:
@@ -122,8 +129,11 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -
         return out
     block_n = max(16, min(64, triton.next_power_of_2(n)))
     tile_m = block_m(num_tokens)
-    splits = split_k(num_tokens, k)
+    props = device_properties(x.device)  # None off CUDA: one nominal SM
+    splits = split_k(triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n), k,
+                     props.num_sms if props is not None else 1)  # fmt: skip
     k_per_split = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
+    splits = triton.cdiv(k, k_per_split)  # no slice left empty by the rounding
     grid = (max_token_blocks(num_tokens, tile_m, num_slots), triton.cdiv(n, block_n), splits)
     if splits > 1:
         partials = torch.empty(splits, num_tokens, n, dtype=torch.float32, device=x.device)

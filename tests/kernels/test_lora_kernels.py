@@ -14,7 +14,7 @@ from ferrum.kernels.lora_ref import (
     lora_shrink_torch,
 )
 from ferrum.kernels.lora_segments import LoRASegments
-from ferrum.kernels.lora_shrink import lora_shrink
+from ferrum.kernels.lora_shrink import lora_shrink, split_k
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -145,3 +145,13 @@ def test_token_blocks_skip_empty_slots_and_cover_long_ones() -> None:
     lora_expand(expected_t, lora_b, segments, y)
     lora_expand_ref(expected_t, lora_b, slots, expected)
     torch.testing.assert_close(y, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_split_k_fills_the_gpu_without_overdoing_it() -> None:
+    """Qwen3-8B's down_proj shrink on a 132-SM GPU: a decode step takes the most slices, a long
+    chunk (many token blocks) only enough to fill the SMs twice, a short K none."""
+    assert split_k(1, 1, 12288, 132) == 32
+    assert split_k(32, 1, 12288, 132) == 9  # 2048 tokens in 64-row blocks
+    assert split_k(128, 1, 12288, 132) == 3
+    assert split_k(1000, 1, 12288, 132) == 1
+    assert split_k(1, 1, 200, 132) == 1
