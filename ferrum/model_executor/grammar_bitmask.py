@@ -1,8 +1,8 @@
 """The runner's structured-output bitmasks: filled on the host, copied to the device once a step.
 Two pinned host buffers alternate: the one being filled was last read by the step before the
 previous one, which has completed (at most one step is in flight while the next samples). The
-device buffer (max_num_seqs rows) is read by the sampler in stream order, so the next step's copy
-into it waits for nothing on the host."""
+device buffer (a row per sampled row: max_num_seqs x (1 + drafts) rows) is read by the sampler in
+stream order, so the next step's copy into it waits for nothing on the host."""
 
 from __future__ import annotations
 
@@ -32,28 +32,44 @@ class GrammarBitmaskBuffers:
         self._filler = BatchBitmaskFiller()
 
     def fill(
-        self, states: Sequence[CachedRequestState], matchers: Mapping[str, StructuredOutputMatcher]
+        self,
+        states: Sequence[CachedRequestState],
+        matchers: Mapping[str, StructuredOutputMatcher],
+        drafts: Sequence[list[int]] | None = None,
     ) -> torch.Tensor | None:
-        """[len(states), vocab/32] int32 on the device: each constrained row's allowed next
-        tokens, all ones elsewhere; None when no row is constrained. Below min_tokens a row's
-        stop tokens are cleared, unless the grammar allows nothing else (it can only end: the
-        request then stops there, with a valid output)."""
-        rows = []
+        """[rows, vocab/32] int32 on the device, a row per state, or with `drafts` (a verify
+        step) len(drafts[i]) + 1 rows for state i: each constrained row's allowed next tokens
+        (after the drafts before it), all ones elsewhere; None when no row is constrained. Below
+        min_tokens a row's stop tokens are cleared, unless the grammar allows nothing else (it
+        can only end: the request then stops there, with a valid output)."""
+        counts = [1] * len(states) if drafts is None else [len(d) + 1 for d in drafts]
+        firsts = [sum(counts[:i]) for i in range(len(states))]
+        batch, looking_ahead, forbid = [], [], []
         for i, state in enumerate(states):
             matcher = matchers.get(state.req_id)
-            if matcher is not None:
-                num_outputs = len(state.output_token_ids) + state.num_output_placeholders
-                below_min = num_outputs < state.params.min_tokens
-                rows.append((i, matcher, state.params.all_stop_token_ids if below_min else ()))
-        if not rows:
+            if matcher is None:
+                continue
+            if counts[i] == 1:
+                batch.append((firsts[i], matcher))
+            else:
+                assert drafts is not None
+                looking_ahead.append((firsts[i], matcher, drafts[i]))
+            num_outputs = len(state.output_token_ids) + state.num_output_placeholders
+            for j in range(counts[i]):
+                if num_outputs + j < state.params.min_tokens:
+                    forbid.append((firsts[i] + j, state.params.all_stop_token_ids))
+        if not batch and not looking_ahead:
             return None
-        host = self._host[self._num_fills % 2][: len(states)]
+        num_rows = sum(counts)
+        host = self._host[self._num_fills % 2][:num_rows]
         self._num_fills += 1
-        if len(rows) < len(states):
+        if len(batch) + sum(len(d) + 1 for _, _, d in looking_ahead) < num_rows:
             host.fill_(-1)
-        self._filler.fill(host, [(i, matcher) for i, matcher, _ in rows])
-        for i, _, forbidden in rows:
-            forbid_tokens_unless_only_ones(host, i, forbidden)
+        self._filler.fill(host, batch)
+        for first, matcher, row_drafts in looking_ahead:
+            matcher.fill_bitmask_after_drafts(host, first, row_drafts)
+        for row, forbidden in forbid:
+            forbid_tokens_unless_only_ones(host, row, forbidden)
         if self._device is None:
             return host
-        return self._device[: len(states)].copy_(host, non_blocking=True)
+        return self._device[:num_rows].copy_(host, non_blocking=True)

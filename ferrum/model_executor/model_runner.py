@@ -42,7 +42,6 @@ from ferrum.model_executor.sampling_metadata import (
     SamplingMetadata,
     SamplingRow,
     sampling_staging,
-    to_device,
 )
 from ferrum.model_executor.speculative.decoder import (
     max_sampled_rows,
@@ -55,7 +54,6 @@ from ferrum.model_executor.speculative.verification import (
     expand_rows,
     generator_states,
     rewind_generators,
-    row_owners,
 )
 from ferrum.model_executor.warm_up import warm_up_runner
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -128,7 +126,6 @@ class ModelRunner:
         # KV cache layer groups (full attention, each sliding window, linear attention).
         self.kv_cache_groups = kv_cache_group_specs(model_config)
         self.recurrent = RecurrentStateCache(self.kv_cache_groups, self.block_size, device)
-        sched = config.scheduler_config
         self.inputs = InputBuffers.for_config(config, len(self.kv_cache_groups), device)
         self.speculative = speculative_decoder(
             config, self.model, self.inputs, self.kv_cache_groups, self.kernel_backend, device
@@ -142,7 +139,9 @@ class ModelRunner:
         # The latest launched step's sampled tokens (on the device) and each request's row there.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
         self._last_sampled_rows: dict[str, int] = {}
-        self.grammar_bitmasks = GrammarBitmaskBuffers(sched.max_num_seqs, self.vocab_size, device)
+        self.grammar_bitmasks = GrammarBitmaskBuffers(
+            max_sampled_rows(config), self.vocab_size, device
+        )
         self.lora = lora_runner(self.model, config, self.dtype, device)
 
     def determine_num_kv_blocks(self) -> list[int]:
@@ -327,10 +326,9 @@ class ModelRunner:
             step.generator_states = generator_states(states, step.drafts)
         metadata = SamplingMetadata.from_rows(rows, self.vocab_size, self.sampling_staging)
         if pending.matchers:
-            bitmask = self.grammar_bitmasks.fill(states, pending.matchers)
-            if step.drafts is not None:
-                bitmask = bitmask[to_device(row_owners(step.drafts), torch.int64, self.device)]
-            metadata.grammar_bitmask = bitmask
+            metadata.grammar_bitmask = self.grammar_bitmasks.fill(
+                states, pending.matchers, step.drafts
+            )
         sampler_output = self.sampler(pending.logits, metadata, self.generator)
         self._last_sampled = sampler_output.sampled_token_ids
         if self.speculative is not None:

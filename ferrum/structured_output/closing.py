@@ -233,3 +233,14 @@ class BudgetGuard:
     def reset(self) -> None:
         self._plan, self._ending, self._next_check = [], False, 0
         self.truncated = False
+
+    def snapshot(self) -> tuple:
+        """The guard's state, for `restore` after tokens accepted only to look ahead."""
+        return (list(self._plan), self._ending, self._next_check, self._longest,
+                self._retry_after, self.truncated)  # fmt: skip
+
+    def restore(self, state: tuple) -> None:
+        plan, self._ending, self._next_check, self._longest, self._retry_after, self.truncated = (
+            state
+        )
+        self._plan = list(plan)

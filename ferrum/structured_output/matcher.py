@@ -75,6 +75,29 @@ class StructuredOutputMatcher:
         for token_id in self._stop_token_ids if forced < 0 else (forced,):
             bitmask[row, token_id // 32] |= int32_bit(token_id % 32)
 
+    def fill_bitmask_after_drafts(
+        self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]
+    ) -> None:
+        """Rows first_row + j, j = 0..len(drafts), of a host bitmask: the allowed next tokens
+        after the accepted tokens and drafts[:j] (a verify step's rows). The drafts are accepted
+        only to look ahead: the matcher ends as it began. A row after a draft the grammar
+        refuses repeats the row before, whose mask forbids that draft: it is rejected there, so
+        the later rows' draws are never used."""
+        budget = None if self._budget is None else self._budget.snapshot()
+        looked_ahead = 0
+        for j in range(len(drafts) + 1):
+            if j > looked_ahead:
+                bitmask[first_row + j].copy_(bitmask[first_row + j - 1])
+                continue
+            self.fill_bitmask(bitmask, first_row + j)
+            if j < len(drafts) and self.accept_tokens([drafts[j]]):
+                looked_ahead += 1
+        if looked_ahead:
+            self._matcher.rollback(looked_ahead)
+            self.num_accepted_tokens -= looked_ahead
+        if self._budget is not None:
+            self._budget.restore(budget)
+
     def forced_token(self) -> int | None:
         """The only token the next mask allows (-1: only the stop tokens), or None."""
         if self._matcher.is_terminated():

@@ -285,8 +285,9 @@ def test_linear_attention_models_are_refused(tiny_checkpoint) -> None:  # noqa: 
 
 def test_constrained_requests_decode_beside_speculating_ones() -> None:
     """The shipped model (its tokenizer): a JSON-schema request and free requests whose text
-    repeats, in one batch, greedy. The constrained one takes no drafts and stays valid; the free
-    ones speculate; every output equals its output without speculation."""
+    repeats, in one batch, greedy, all speculating (each verify row of the constrained one
+    masked after the drafts before it): the JSON stays valid and every output equals its output
+    without speculation."""
     from ferrum.default_model import DEFAULT_MODEL_DIR
     from ferrum.sampling_params import StructuredOutputsParams
 
@@ -315,6 +316,39 @@ def test_constrained_requests_decode_beside_speculating_ones() -> None:
     got = texts(llm)
     assert got == expected
     assert set(json.loads(got[0])) == {"name", "ok"}
+    assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_a_grammar_masks_each_verify_row_after_the_drafts_before_it() -> None:
+    """A regex the text repeats under (n-gram drafts hit): drafts of the constrained request are
+    accepted, its output equals the output without speculation, and a grammar that refuses
+    the proposed continuation (a choice the prompt never shows) still gives the same output."""
+    from ferrum.default_model import DEFAULT_MODEL_DIR
+    from ferrum.sampling_params import StructuredOutputsParams
+
+    prompts = ["a b a b a b a", "a b a b a b a"]
+    params = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=24,
+            structured_outputs=StructuredOutputsParams(regex="( b a){6}"),
+        ),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            structured_outputs=StructuredOutputsParams(choice=[" b c d", " b a x"]),
+        ),
+    ]
+    kwargs = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256)
+
+    def texts(llm: LLM) -> list[str]:
+        return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    expected = texts(LLM(DEFAULT_MODEL_DIR, **kwargs))
+    llm = LLM(DEFAULT_MODEL_DIR, speculative_config=NGRAM, **kwargs)
+    got = texts(llm)
+    assert got == expected
+    assert got[0] == " b a" * 6 and got[1] in (" b c d", " b a x")
     assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
 
 

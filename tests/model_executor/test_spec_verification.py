@@ -8,7 +8,6 @@ from ferrum.model_executor.speculative.verification import (
     accept,
     drafts_in_tokens,
     expand_rows,
-    row_owners,
 )
 from ferrum.request import Logprobs
 from ferrum.sampling_params import SamplingParams
@@ -24,7 +23,6 @@ def test_each_request_emits_its_accepted_drafts_then_one_draw() -> None:
     assert tokens == [[5, 6, 1], [3], [8, 9, 4]]
     assert logprobs == [entries[0:3], entries[4:5], entries[5:8]]
     assert accept([[5]], [4, 5], None) == ([[4]], None)  # the first draft rejected
-    assert row_owners(drafts) == [0, 0, 0, 0, 1, 2, 2, 2]
 
 
 def test_rows_count_the_drafts_before_them_as_outputs() -> None:

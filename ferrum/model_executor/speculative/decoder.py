@@ -1,8 +1,11 @@
 """The runner's side of speculative decoding: after a step's tokens are known, drafts for each
 request's next step (the scheduler decides how many it verifies), from prompt lookup, a draft
 model, an EAGLE-3 head or the benchmark's replay. Constrained requests (structured outputs) get
-no drafts, and no request does once `disable_by_batch_size` requests run. A draft model or a
-head also follows every target forward (its KV) and owns a cache beside the target's."""
+drafts where this runner holds their grammar matchers (one process: each verify row's mask
+follows the drafts before it); under a multi-process executor, whose workers read rows the core
+filled, they get none. No request gets drafts once `disable_by_batch_size` requests run. A
+draft model or a head also follows every target forward (its KV) and owns a cache beside the
+target's."""
 
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class SpeculativeDecoder:
         assert spec is not None
         self.config = spec
         self.max_model_len = config.model_config.max_model_len
+        self.constrained_drafts = config.parallel_config.distributed_executor_backend == "uni"
         k = spec.num_speculative_tokens
         self.ngram = self.replay = self.draft = self.eagle3 = None
         if spec.method == "ngram":
@@ -114,7 +118,7 @@ class SpeculativeDecoder:
         chosen, limits = [], []
         for state in states:
             params = state.params
-            if params.structured_outputs is not None:
+            if params.structured_outputs is not None and not self.constrained_drafts:
                 continue
             k = self.config.num_speculative_tokens
             max_drafts = min(

@@ -43,11 +43,6 @@ def expand_rows(rows: list[SamplingRow], drafts: Sequence[list[int]]) -> list[Sa
     return expanded
 
 
-def row_owners(drafts: Sequence[list[int]]) -> list[int]:
-    """For each expanded row, the index of the request it belongs to."""
-    return [i for i, row_drafts in enumerate(drafts) for _ in range(len(row_drafts) + 1)]
-
-
 def accept(
     drafts: Sequence[list[int]],
     sampled: list[int],
