@@ -88,6 +88,7 @@ def make_engine(args: argparse.Namespace, lora: bool) -> Any:
             max_lora_rank=args.rank,
             max_cpu_loras=args.num_adapters,
         )
+    kwargs |= json.loads(args.engine_args)
     if args.engine == "vllm":
         from vllm import LLM
 
@@ -174,6 +175,11 @@ def main() -> int:
     parser.add_argument("--device", default=None, help="ferrum only (default: cuda if present)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every count")
+    parser.add_argument(
+        "--engine-args",
+        default="{}",
+        help="JSON of further LLM(...) arguments (e.g. vLLM's compilation_config)",
+    )
     parser.add_argument("--out", default=None, help="write the figures as JSON")
     args = parser.parse_args()
     config = json.loads((Path(args.model) / "config.json").read_text())
