@@ -120,14 +120,16 @@ def parse_buckets(section: object, keys: tuple[str, ...], where: str) -> Buckets
 
 
 def check_w8a8_config(config: dict[str, int], where: str) -> None:
-    """A W8A8 grouped config's own limits: BLOCK_N a multiple of W8A8_BLOCK (the gate/up
-    epilogue quantizes whole 128-column groups), BLOCK_K 32..128 (an e4m3 dot's K is at least
-    32; a K step reads one scale column)."""
-    if config["BLOCK_N"] % W8A8_BLOCK:
+    """A W8A8 grouped config's own limits: BLOCK_N a power-of-two multiple of W8A8_BLOCK (the
+    gate/up epilogue quantizes whole 128-column groups; tl.arange needs a power of two), BLOCK_K
+    32, 64 or 128 (an e4m3 dot's K is at least 32; a K step reads one scale column)."""
+    block_n = config["BLOCK_N"]
+    if block_n % W8A8_BLOCK or block_n & (block_n - 1):
         raise ValueError(
-            f"{where}: W8A8 BLOCK_N must be a multiple of {W8A8_BLOCK}, got {config['BLOCK_N']}"
+            f"{where}: W8A8 BLOCK_N must be a multiple of {W8A8_BLOCK} and a power of two, got "
+            f"{block_n}"
         )
-    if not 32 <= config["BLOCK_K"] <= W8A8_BLOCK:
+    if config["BLOCK_K"] not in (32, 64, W8A8_BLOCK):
         raise ValueError(f"{where}: W8A8 BLOCK_K must be 32, 64 or 128, got {config['BLOCK_K']}")
 
 

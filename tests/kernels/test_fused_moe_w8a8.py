@@ -195,3 +195,14 @@ def test_w8a8_random_bf16_at_model_shapes(num_tokens) -> None:
     weight_only = fused_moe_fp8_ref(x, w13, w2, weights, ids, s13, s2)
     error = (out.float() - weight_only.float()).norm() / weight_only.float().norm()
     assert error < 0.08, error
+
+
+def test_w8a8_tiles_triton_cannot_build_are_refused() -> None:
+    """BLOCK_N 384 (three whole groups) and BLOCK_K 96 (within 32..128) are not powers of two:
+    tl.arange could not build them, so a tuned table holding one is refused when read."""
+    base = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+    check_w8a8_config(base, "ok")
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        check_w8a8_config({**base, "BLOCK_N": 384}, "t")
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        check_w8a8_config({**base, "BLOCK_K": 96}, "t")
