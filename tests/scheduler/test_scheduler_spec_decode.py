@@ -75,3 +75,28 @@ def test_drafts_are_dropped_rather_than_preempting_another_request() -> None:
     step = scheduler.schedule()
     assert step.num_scheduled_tokens == {"a": 1, "b": 1}
     assert not step.scheduled_spec_decode_tokens and scheduler.num_preemptions == 0
+
+
+def test_a_request_aborted_mid_verification_leaks_no_kv() -> None:
+    """r is aborted while its verify step is in flight; the step's output (its accepted drafts
+    included) then arrives and is ignored for r; s goes on. Once s ends every block is free."""
+    from ferrum.request import RequestStatus
+
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", 6, max_tokens=20))
+    scheduler.add_request(make_request("s", 5, max_tokens=3, start=50))
+    step = scheduler.schedule()
+    spec = SpecDecodeOutput({}, {}, {"r": [1, 2, 3], "s": [4, 5]})
+    scheduler.update_from_output(step, ModelRunnerOutput(["r", "s"], [100, 101], spec_decode=spec))
+    verify = scheduler.schedule()
+    # s: one draft left under max_tokens 3 (one output so far, and the step's own token).
+    assert verify.scheduled_spec_decode_tokens == {"r": [1, 2, 3], "s": [4]}
+    scheduler.finish_requests(["r"], RequestStatus.FINISHED_ABORTED)
+    spec = SpecDecodeOutput({"r": [1, 2], "s": [4]}, {}, {"r": [9], "s": []})
+    updates = scheduler.update_from_output(
+        verify, ModelRunnerOutput(["r", "s"], [7, 8], spec_decode=spec)
+    )
+    assert [u.request.req_id for u in updates] == ["s"]
+    assert updates[0].new_token_ids == [4, 8] and updates[0].finished  # 3 outputs: max_tokens
+    manager = scheduler.kv_cache_manager
+    assert not scheduler.requests and manager.num_free_blocks == manager.num_usable_blocks
