@@ -65,8 +65,10 @@ def test_state_slots_are_reused_across_requests(tiny_checkpoint) -> None:
         assert greedy(llm, prompts) == expected
 
 
+# qwen3_5 only: qwen3_5_moe took 26 s under the interpreter, and its kernels run here (the gated
+# delta rule) and in test_engine_greedy's qwen3_moe (the experts); on CUDA the next test runs it.
 @needs_interpreter
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_5"])
 def test_triton_kernels_match_hf(tiny_checkpoint, arch: str) -> None:
     pytest.importorskip("triton")
     path = tiny_checkpoint(arch)
