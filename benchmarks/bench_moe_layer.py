@@ -18,7 +18,6 @@ Usage: python benchmarks/bench_moe_layer.py [--tokens 1,2,4,8] [--path small|gro
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import triton
 
+from benchmarks.gpu_timing import graph_replay_ms
 from ferrum.kernels.device_properties import device_properties
 from ferrum.kernels.fp8_weight import quantize_weight_block
 from ferrum.kernels.fused_moe import fused_moe
@@ -124,29 +124,7 @@ def time_layer_us(
             )
         return outs
 
-    # Compile the kernels and settle the allocator outside the capture, on a side stream.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for _ in range(WARMUP_REPLAYS):
-        graph.replay()
-    torch.cuda.synchronize()
-    times_ms = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times_ms.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times_ms) * 1e3 / len(layers)
+    return graph_replay_ms(run, replays, WARMUP_REPLAYS) * 1e3 / len(layers)
 
 
 GROUPED_MM: dict[str, int] = {}  # marks the torch._grouped_mm path in time_layer_us

@@ -17,7 +17,6 @@ Usage: python benchmarks/bench_moe_w8a8.py [--tokens 1,16,64,256,2048,8192] [--o
 # ruff: noqa: E402
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from benchmarks.gpu_timing import graph_replay_ms
 from ferrum.kernels.device_properties import device_properties
 from ferrum.kernels.fp8_quant import Fp8GroupRows, per_token_group_quant_fp8
 from ferrum.kernels.fp8_weight import quantize_weight_block
@@ -74,28 +74,11 @@ def layer_fn(form: str, hidden: torch.Tensor, top_k: int) -> Callable[[dict], to
 
 def time_us(run: Callable[[dict], torch.Tensor], layers: list[dict], replays: int) -> float:
     """Median per-layer microseconds of a graph replay running every layer in sequence."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and settle the allocator outside the capture
-        for _ in range(2):
-            [run(layer) for layer in layers]
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        [run(layer) for layer in layers]
-    for _ in range(WARMUP_REPLAYS):
-        graph.replay()
-    torch.cuda.synchronize()
-    times_ms = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times_ms.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times_ms) * 1e3 / len(layers)
+    return (
+        graph_replay_ms(lambda: [run(layer) for layer in layers], replays, WARMUP_REPLAYS)
+        * 1e3
+        / len(layers)
+    )
 
 
 def main() -> int:

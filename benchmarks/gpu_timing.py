@@ -1,5 +1,6 @@
 """GPU timers shared by the kernel benchmarks."""
 
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -27,3 +28,31 @@ def launches_ms(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def graph_replay_ms(fn: Callable[[], object], replays: int, warmup_replays: int = 5) -> float:
+    """Median milliseconds of one replay of a CUDA graph of `fn()`: two eager calls on a side
+    stream first (kernel compiles and the allocator settle outside the capture), then
+    `warmup_replays` untimed replays, then `replays` timed one at a time."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(warmup_replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    times_ms = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times_ms.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times_ms)
