@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from ferrum.bench.tune_args import DTYPE_OPS
+from ferrum.bench.tune_args import default_ops
 from ferrum.bench.tune_ops import candidates
 from ferrum.bench.tune_shapes import (
     LinearShape,
@@ -47,9 +47,10 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
-def plan_from_args(args: argparse.Namespace) -> TunePlan:
-    """The ops, shapes and batches the flags ask for (ValueError naming the flag otherwise)."""
-    ops = tuple(args.ops.split(",")) if args.ops else DTYPE_OPS[args.dtype]
+def plan_from_args(args: argparse.Namespace, fp8_tensor_cores: bool = False) -> TunePlan:
+    """The ops, shapes and batches the flags ask for (ValueError naming the flag otherwise);
+    `fp8_tensor_cores`: whether the GPU has them (`default_ops`)."""
+    ops = tuple(args.ops.split(",")) if args.ops else default_ops(args.dtype, fp8_tensor_cores)
     for op in ("fp8_gemm", "moe_w8a8"):
         if args.dtype == "bf16" and op in ops:
             raise ValueError(f"--ops: {op} measures FP8 weights: use --dtype fp8")
@@ -115,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
     from ferrum.bench.tune_gpu import GpuBench
     from ferrum.kernels.device_properties import device_properties
 
-    plan = plan_from_args(args)
+    plan_from_args(args)  # bad flags are named before the GPU is looked for
     if not torch.cuda.is_available():
         raise ValueError(
             "ferrum tune times kernels on a CUDA GPU, and this machine has none visible "
@@ -123,6 +124,7 @@ def main(args: argparse.Namespace) -> int:
         )
     device = device_properties(torch.device("cuda"))
     assert device is not None
+    plan = plan_from_args(args, device.has_fp8_tensor_cores)
     folder = args.tuned_config_dir or envs.tuned_config_dir()
     fp8 = args.dtype == "fp8"
     store = TuneStore(folder, device, fp8, args.scale_format)

@@ -2,7 +2,8 @@
 them where ferrum reads them first (the user's tuned-table folder, kernels/tuned_tables), as
 vLLM's `benchmark_moe.py --tune` does for its MoE. The shapes come from a model folder (under
 --tensor-parallel-size) or --shape; the ops from --dtype (bf16: gemv, moe_grouped, moe_small;
-fp8: fp8_gemm, moe_grouped, moe_small with FP8 experts, and their W8A8 GEMMs moe_w8a8) or --ops;
+fp8: fp8_gemm, moe_small with FP8 experts and their W8A8 GEMMs moe_w8a8, plus the weight-only
+moe_grouped on a GPU without FP8 tensor cores, where it runs those batches) or --ops;
 the batches from --batch-sizes. Each (op, shape, batch) times every candidate of tune_ops' search
 space (tune_gpu: CUDA graphs, CUDA events, median) and keeps the fastest; results are written as
 they come (tune_store), so an interrupted run is resumed by running the same command again."""
@@ -17,6 +18,15 @@ from pathlib import Path
 OPS = ("gemv", "fp8_gemm", "moe_grouped", "moe_small", "moe_w8a8")
 DTYPE_OPS = {"bf16": ("gemv", "moe_grouped", "moe_small"), "fp8": OPS[1:]}
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def default_ops(dtype: str, fp8_tensor_cores: bool) -> tuple[str, ...]:
+    """--ops' default for --dtype on this GPU. With FP8 tensor cores the FP8 experts' batches
+    past the small path run W8A8, so their weight-only grouped GEMMs are not tuned (batch-
+    invariant mode still runs them: `--ops moe_grouped` tunes them)."""
+    if dtype == "fp8" and fp8_tensor_cores:
+        return tuple(op for op in DTYPE_OPS["fp8"] if op != "moe_grouped")
+    return DTYPE_OPS[dtype]
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -75,7 +75,15 @@ def test_plan_reads_the_model_shapes_under_tensor_parallelism() -> None:
     }
     assert full.linear[-1].n > full.linear[-1].k  # the LM head (bf16 only)
     fp8 = tune.plan_from_args(_args(str(DEFAULT_MODEL_DIR), "--dtype", "fp8"))
-    assert fp8.linear == full.linear[:-1] and fp8.ops[0] == "fp8_gemm"
+    assert fp8.linear == full.linear[:-1]
+    assert fp8.ops == ("fp8_gemm", "moe_grouped", "moe_small", "moe_w8a8")
+    # FP8 tensor cores: W8A8 runs the grouped batches, so the weight-only grouped GEMMs are
+    # not tuned unless asked for.
+    hopper = tune.plan_from_args(_args(str(DEFAULT_MODEL_DIR), "--dtype", "fp8"), True)
+    assert hopper.ops == ("fp8_gemm", "moe_small", "moe_w8a8")
+    asked = _args(str(DEFAULT_MODEL_DIR), "--dtype", "fp8", "--ops", "moe_grouped")
+    assert tune.plan_from_args(asked, True).ops == ("moe_grouped",)
+    assert tune.plan_from_args(_args(str(DEFAULT_MODEL_DIR)), True).ops == plan.ops
 
 
 @pytest.mark.parametrize(
