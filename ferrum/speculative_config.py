@@ -124,3 +124,14 @@ def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def max_sampled_rows(max_num_seqs: int, config: SpeculativeConfig | None) -> int:
+    """The most rows a step samples (and bitmask rows it needs): a row per request, and one per
+    draft of the requests that verify some (fewer than disable_by_batch_size: none get drafts
+    once that many run)."""
+    if config is None:
+        return max_num_seqs
+    limit = config.disable_by_batch_size
+    num_verifying = max_num_seqs if limit is None else min(max_num_seqs, limit - 1)
+    return max_num_seqs + num_verifying * config.num_speculative_tokens

@@ -5,7 +5,7 @@ only in how a message reaches the ranks and where a step's bitmask rows travel."
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ferrum.executor.abstract import Executor, WorkerStepError
 from ferrum.executor.messages import (
@@ -32,6 +32,8 @@ logger = init_logger(__name__)
 class LaunchedRankStep:
     # The matchers of a step launched with deferred sampling (filled by `sample`), else None.
     deferred_matchers: dict[str, StructuredOutputMatcher] | None = None
+    # The drafts its requests verify (their rows follow each draft: `draft_rows.py`).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def awaits_sampling(self) -> bool:
@@ -55,9 +57,10 @@ class MultiRankExecutor(Executor):
 
     @abstractmethod
     def _fill_bitmask(
-        self, matchers: dict[str, StructuredOutputMatcher]
+        self, matchers: dict[str, StructuredOutputMatcher], drafts: dict[str, list[int]]
     ) -> GrammarBitmaskRows | InlineBitmaskRows:
-        """The rows of `matchers`' requests, filled now, where the ranks can read them."""
+        """The rows of `matchers`' requests (one after each of its `drafts` too, laid out as
+        `draft_rows.py` says), filled now, where the ranks can read them."""
 
     @abstractmethod
     def _fail(self, error: RuntimeError) -> RuntimeError:
@@ -71,10 +74,11 @@ class MultiRankExecutor(Executor):
     ) -> LaunchedRankStep:
         """A deferred step with constrained requests always `awaits_sampling` here: a rank
         whose runner sampled it already (no constrained row samples) ignores the rows."""
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         if matchers and defer_sampling:
             self._send_launch(LaunchStep(scheduler_output, None, list(matchers)))
-            return LaunchedRankStep(matchers)
-        bitmask = self._fill_bitmask(matchers) if matchers else None
+            return LaunchedRankStep(matchers, drafts)
+        bitmask = self._fill_bitmask(matchers, drafts) if matchers else None
         self._send_launch(LaunchStep(scheduler_output, bitmask))
         return LaunchedRankStep()
 
@@ -82,7 +86,7 @@ class MultiRankExecutor(Executor):
         matchers, launched.deferred_matchers = launched.deferred_matchers, None
         assert matchers is not None, "the step was sampled already"
         try:
-            message = SampleStep(self._fill_bitmask(matchers))
+            message = SampleStep(self._fill_bitmask(matchers, launched.drafts))
         except BaseException as e:
             # The ranks hold the step's forward, waiting for its rows: nothing can end it.
             error = WorkerStepError(f"filling a deferred step's bitmask failed: {e!r}")

@@ -45,7 +45,9 @@ from ferrum.executor.multi_rank import LaunchedRankStep, MultiRankExecutor
 from ferrum.executor.worker import WorkerArgs
 from ferrum.logger import init_logger
 from ferrum.scheduler.output import ModelRunnerOutput
+from ferrum.speculative_config import max_sampled_rows
 from ferrum.structured_output import StructuredOutputMatcher
+from ferrum.structured_output.draft_rows import draft_row_starts
 
 logger = init_logger(__name__)
 
@@ -88,9 +90,8 @@ class MultiprocExecutor(MultiRankExecutor):
         self._finalizer = weakref.finalize(self, _kill, self._processes)
         self._complete_message = pickle.dumps(CompleteStep(), protocol=_PROTOCOL)
         # Sparse until a constrained step touches it.
-        self._bitmask = BitmaskWriter(
-            BitmaskLayout(config.scheduler_config.max_num_seqs, config.model_config.vocab_size)
-        )
+        max_rows = max_sampled_rows(config.scheduler_config.max_num_seqs, config.speculative_config)
+        self._bitmask = BitmaskWriter(BitmaskLayout(max_rows, config.model_config.vocab_size))
         self._bitmask_filler: Any = None
         try:
             for rank in range(world_size):
@@ -205,14 +206,19 @@ class MultiprocExecutor(MultiRankExecutor):
             for conn in ready:
                 self._receive_failure(conns[conn])  # type: ignore[index]
 
-    def _fill_bitmask(self, matchers: dict[str, StructuredOutputMatcher]) -> GrammarBitmaskRows:
+    def _fill_bitmask(
+        self, matchers: dict[str, StructuredOutputMatcher], drafts: dict[str, list[int]]
+    ) -> GrammarBitmaskRows:
         from ferrum.structured_output import BatchBitmaskFiller
 
         if self._bitmask_filler is None:
             self._bitmask_filler = BatchBitmaskFiller()
         req_ids = list(matchers)
-        slot, rows = self._bitmask.begin(len(req_ids))
-        self._bitmask_filler.fill(rows, [(i, matchers[r]) for i, r in enumerate(req_ids)])
+        starts, num_rows = draft_row_starts(req_ids, drafts)
+        slot, rows = self._bitmask.begin(num_rows)
+        self._bitmask_filler.fill_with_drafts(
+            rows, [(i, matchers[r], drafts.get(r, [])) for i, r in zip(starts, req_ids)]
+        )
         self._bitmask.publish(slot)
         return GrammarBitmaskRows(req_ids, slot)
 

@@ -32,6 +32,7 @@ from ferrum.executor.step_profiler import StepProfiler
 from ferrum.model_executor.model_runner import ModelRunner
 from ferrum.model_executor.runner_state import LaunchedStep
 from ferrum.structured_output import FilledBitmaskRow
+from ferrum.structured_output.draft_rows import draft_row_starts
 
 
 def start_rank(
@@ -89,12 +90,14 @@ class RankServer:
         runner = self.runner
         match message:
             case LaunchStep(scheduler_output, bitmask, None):
-                matchers = self._filled_rows(bitmask) if bitmask else None
+                drafts = scheduler_output.scheduled_spec_decode_tokens
+                matchers = self._filled_rows(bitmask, drafts) if bitmask else None
                 self._in_flight.append(runner.launch(scheduler_output, matchers))
             case LaunchStep(scheduler_output, _, deferred_req_ids):
-                self._deferred_rows = [
-                    FilledBitmaskRow(_NO_ROWS, i) for i in range(len(deferred_req_ids))
-                ]
+                starts, _ = draft_row_starts(
+                    deferred_req_ids, scheduler_output.scheduled_spec_decode_tokens
+                )
+                self._deferred_rows = [FilledBitmaskRow(_NO_ROWS, i) for i in starts]
                 matchers = dict(zip(deferred_req_ids, self._deferred_rows))
                 step = runner.launch(scheduler_output, matchers, defer_sampling=True)
                 self._in_flight.append(step)
@@ -133,10 +136,11 @@ class RankServer:
         return self._bitmask_reader.read(bitmask.slot)
 
     def _filled_rows(
-        self, bitmask: GrammarBitmaskRows | InlineBitmaskRows
+        self, bitmask: GrammarBitmaskRows | InlineBitmaskRows, drafts: dict[str, list[int]]
     ) -> dict[str, FilledBitmaskRow]:
         rows = self._rows(bitmask)
-        return {req_id: FilledBitmaskRow(rows, i) for i, req_id in enumerate(bitmask.req_ids)}
+        starts, _ = draft_row_starts(bitmask.req_ids, drafts)
+        return {r: FilledBitmaskRow(rows, i) for i, r in zip(starts, bitmask.req_ids)}
 
 
 # Stands in for the rows of a deferred step until its SampleStep brings them.

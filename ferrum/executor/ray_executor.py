@@ -37,7 +37,9 @@ from ferrum.executor.ray_worker import MONITOR_GROUP, RayWorker
 from ferrum.logger import init_logger
 from ferrum.model_executor.token_bitmask import allocate_token_bitmask
 from ferrum.scheduler.output import ModelRunnerOutput
+from ferrum.speculative_config import max_sampled_rows
 from ferrum.structured_output import StructuredOutputMatcher
+from ferrum.structured_output.draft_rows import draft_row_starts
 
 logger = init_logger(__name__)
 
@@ -183,17 +185,24 @@ class RayExecutor(MultiRankExecutor):
             return reply.output
         raise self._fail(WorkerStepError(f"worker {parallel.output_rank}: unexpected {reply!r}"))
 
-    def _fill_bitmask(self, matchers: dict[str, StructuredOutputMatcher]) -> InlineBitmaskRows:
+    def _fill_bitmask(
+        self, matchers: dict[str, StructuredOutputMatcher], drafts: dict[str, list[int]]
+    ) -> InlineBitmaskRows:
         from ferrum.structured_output import BatchBitmaskFiller
 
+        config = self.config
         if self._bitmask_host is None:
-            model_config = self.config.model_config
-            max_num_seqs = self.config.scheduler_config.max_num_seqs
-            self._bitmask_host = allocate_token_bitmask(max_num_seqs, model_config.vocab_size)
+            max_rows = max_sampled_rows(
+                config.scheduler_config.max_num_seqs, config.speculative_config
+            )
+            self._bitmask_host = allocate_token_bitmask(max_rows, config.model_config.vocab_size)
             self._bitmask_filler = BatchBitmaskFiller()
         req_ids = list(matchers)
-        rows = self._bitmask_host[: len(req_ids)]
-        self._bitmask_filler.fill(rows, [(i, matchers[r]) for i, r in enumerate(req_ids)])
+        starts, num_rows = draft_row_starts(req_ids, drafts)
+        rows = self._bitmask_host[:num_rows]
+        self._bitmask_filler.fill_with_drafts(
+            rows, [(i, matchers[r], drafts.get(r, [])) for i, r in zip(starts, req_ids)]
+        )
         return InlineBitmaskRows(req_ids, rows.clone())
 
     def _submit(self, message: ToWorker) -> None:

@@ -15,7 +15,12 @@ from ferrum.model_executor.token_bitmask import (
     allocate_token_bitmask,
     forbid_tokens_unless_only_ones,
 )
-from ferrum.structured_output import BatchBitmaskFiller, StructuredOutputMatcher
+from ferrum.structured_output import (
+    BatchBitmaskFiller,
+    FilledBitmaskRow,
+    StructuredOutputMatcher,
+)
+from ferrum.structured_output.draft_rows import draft_row_starts
 
 if TYPE_CHECKING:
     from ferrum.model_executor.runner_state import CachedRequestState
@@ -34,7 +39,7 @@ class GrammarBitmaskBuffers:
     def fill(
         self,
         states: Sequence[CachedRequestState],
-        matchers: Mapping[str, StructuredOutputMatcher],
+        matchers: Mapping[str, StructuredOutputMatcher | FilledBitmaskRow],
         drafts: Sequence[list[int]] | None = None,
     ) -> torch.Tensor | None:
         """[rows, vocab/32] int32 on the device, a row per state, or with `drafts` (a verify
@@ -42,32 +47,26 @@ class GrammarBitmaskBuffers:
         (after the drafts before it), all ones elsewhere; None when no row is constrained. Below
         min_tokens a row's stop tokens are cleared, unless the grammar allows nothing else (it
         can only end: the request then stops there, with a valid output)."""
-        counts = [1] * len(states) if drafts is None else [len(d) + 1 for d in drafts]
-        firsts = [sum(counts[:i]) for i in range(len(states))]
-        batch, looking_ahead, forbid = [], [], []
-        for i, state in enumerate(states):
+        by_req = {} if drafts is None else {s.req_id: d for s, d in zip(states, drafts)}
+        firsts, num_rows = draft_row_starts([s.req_id for s in states], by_req)
+        rows, forbid = [], []
+        for state, first in zip(states, firsts):
             matcher = matchers.get(state.req_id)
             if matcher is None:
                 continue
-            if counts[i] == 1:
-                batch.append((firsts[i], matcher))
-            else:
-                assert drafts is not None
-                looking_ahead.append((firsts[i], matcher, drafts[i]))
+            row_drafts = by_req.get(state.req_id, [])
+            rows.append((first, matcher, row_drafts))
             num_outputs = len(state.output_token_ids) + state.num_output_placeholders
-            for j in range(counts[i]):
+            for j in range(len(row_drafts) + 1):
                 if num_outputs + j < state.params.min_tokens:
-                    forbid.append((firsts[i] + j, state.params.all_stop_token_ids))
-        if not batch and not looking_ahead:
+                    forbid.append((first + j, state.params.all_stop_token_ids))
+        if not rows:
             return None
-        num_rows = sum(counts)
         host = self._host[self._num_fills % 2][:num_rows]
         self._num_fills += 1
-        if len(batch) + sum(len(d) + 1 for _, _, d in looking_ahead) < num_rows:
+        if sum(len(d) + 1 for _, _, d in rows) < num_rows:
             host.fill_(-1)
-        self._filler.fill(host, batch)
-        for first, matcher, row_drafts in looking_ahead:
-            matcher.fill_bitmask_after_drafts(host, first, row_drafts)
+        self._filler.fill_with_drafts(host, rows)
         for row, forbidden in forbid:
             forbid_tokens_unless_only_ones(host, row, forbidden)
         if self._device is None:

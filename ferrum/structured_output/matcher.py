@@ -121,6 +121,14 @@ class FilledBitmaskRow:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         bitmask[row].copy_(self.rows[self.index])
 
+    def fill_bitmask_after_drafts(
+        self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]
+    ) -> None:
+        """The matcher's `fill_bitmask_after_drafts`, filled by the core (`draft_rows.py`):
+        its len(drafts) + 1 rows from `index` on."""
+        count = len(drafts) + 1
+        bitmask[first_row : first_row + count].copy_(self.rows[self.index : self.index + count])
+
 
 class BatchBitmaskFiller:
     """Fills the bitmask rows of many matchers in one call, on xgrammar's own threads (the GIL
@@ -150,3 +158,15 @@ class BatchBitmaskFiller:
             self._batch.batch_fill_next_token_bitmask(
                 [m._matcher for _, m in live], bitmask, [i for i, _ in live]
             )
+
+    def fill_with_drafts(
+        self,
+        bitmask: torch.Tensor,
+        rows: Sequence[tuple[int, StructuredOutputMatcher | FilledBitmaskRow, Sequence[int]]],
+    ) -> None:
+        """For each `(first_row, matcher, drafts)`: its rows after each draft (one row without
+        drafts, filled in one batch)."""
+        self.fill(bitmask, [(row, matcher) for row, matcher, drafts in rows if not drafts])
+        for row, matcher, drafts in rows:
+            if drafts:
+                matcher.fill_bitmask_after_drafts(bitmask, row, drafts)

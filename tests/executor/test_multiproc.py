@@ -82,6 +82,42 @@ def test_constrained_requests_with_async_scheduling_match_one_process() -> None:
     assert_valid(texts)
 
 
+def test_constrained_requests_speculate_across_worker_processes() -> None:
+    """n-gram drafts for constrained requests under async scheduling: the core fills each verify
+    row's mask after the drafts before it, the ranks read a request's rows where it put them;
+    the texts equal one process's without speculation, and drafts are accepted."""
+    from ferrum.default_model import DEFAULT_MODEL_DIR
+    from ferrum.sampling_params import StructuredOutputsParams
+
+    prompts = ["a b a b a b a", "The answer is"]
+    regex = StructuredOutputsParams(regex="( b a){6}")
+    json_object = StructuredOutputsParams(json={"type": "object", "required": ["ok"]})
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=regex),
+        SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=json_object),
+    ]
+    kwargs = dict(dtype="float32", device="cpu", max_model_len=256, num_cpu_threads=1)
+
+    def texts(llm: LLM) -> list[str]:
+        try:
+            return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.shutdown()
+
+    expected = texts(LLM(DEFAULT_MODEL_DIR, **kwargs))
+    llm = LLM(
+        DEFAULT_MODEL_DIR,
+        tensor_parallel_size=WORLD_SIZE,
+        distributed_executor_backend="mp",
+        async_scheduling=True,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        **kwargs,
+    )
+    got = texts(llm)
+    assert got == expected and got[0] == " b a" * 6
+    assert llm.llm_engine.stats().spec_num_accepted_tokens > 0
+
+
 def test_killed_worker_fails_the_step_and_no_worker_survives(mp_llm: LLM) -> None:
     # Last in this module: it leaves the shared engine failed.
     engine = mp_llm.llm_engine

@@ -1,11 +1,9 @@
 """The runner's side of speculative decoding: after a step's tokens are known, drafts for each
 request's next step (the scheduler decides how many it verifies), from prompt lookup, a draft
 model, an EAGLE-3 head or the benchmark's replay. Constrained requests (structured outputs) get
-drafts where this runner holds their grammar matchers (one process: each verify row's mask
-follows the drafts before it); under a multi-process executor, whose workers read rows the core
-filled, they get none. No request gets drafts once `disable_by_batch_size` requests run. A
-draft model or a head also follows every target forward (its KV) and owns a cache beside the
-target's."""
+drafts too: each verify row's mask follows the drafts before it (`grammar_bitmask.py`). No
+request gets drafts once `disable_by_batch_size` requests run. A draft model or a head also
+follows every target forward (its KV) and owns a cache beside the target's."""
 
 from __future__ import annotations
 
@@ -25,6 +23,7 @@ from ferrum.model_executor.speculative.ngram_proposer import NgramProposer
 from ferrum.model_executor.speculative.proposer_model import ProposerModel
 from ferrum.model_executor.speculative.replay_proposer import ReplayProposer
 from ferrum.scheduler.output import ModelRunnerOutput
+from ferrum.speculative_config import max_sampled_rows as spec_max_sampled_rows
 
 
 class SpeculativeDecoder:
@@ -41,7 +40,6 @@ class SpeculativeDecoder:
         assert spec is not None
         self.config = spec
         self.max_model_len = config.model_config.max_model_len
-        self.constrained_drafts = config.parallel_config.distributed_executor_backend == "uni"
         k = spec.num_speculative_tokens
         self.ngram = self.replay = self.draft = self.eagle3 = None
         if spec.method == "ngram":
@@ -118,8 +116,6 @@ class SpeculativeDecoder:
         chosen, limits = [], []
         for state in states:
             params = state.params
-            if params.structured_outputs is not None and not self.constrained_drafts:
-                continue
             k = self.config.num_speculative_tokens
             max_drafts = min(
                 # The benchmark's replay always proposes k: its rate is set, not learned.
@@ -180,15 +176,8 @@ def speculative_decoder(
 
 
 def max_sampled_rows(config: EngineConfig) -> int:
-    """The most rows a step samples: a row per request, and one per draft of the requests that
-    verify some (fewer than disable_by_batch_size: none get drafts once that many run)."""
-    max_num_seqs = config.scheduler_config.max_num_seqs
-    spec = config.speculative_config
-    if spec is None:
-        return max_num_seqs
-    limit = spec.disable_by_batch_size
-    num_verifying = max_num_seqs if limit is None else min(max_num_seqs, limit - 1)
-    return max_num_seqs + num_verifying * spec.num_speculative_tokens
+    """`speculative_config.max_sampled_rows` of this engine's max_num_seqs."""
+    return spec_max_sampled_rows(config.scheduler_config.max_num_seqs, config.speculative_config)
 
 
 def verify_graph_sizes(config: EngineConfig) -> dict[str, int]:
