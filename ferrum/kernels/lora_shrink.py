@@ -1,9 +1,9 @@
 """Triton LoRA shrink over a batch mixing adapters: out[i] = x[i] @ A[slot[i]]^T (fp32) for every
 token with an adapter (rows of tokens without one are left unwritten: the expand never reads
 them). Program (b, n, j) multiplies the b-th token block (`lora_tiles.py`: block m of slot s's
-tokens, gathered through `LoRASegments`) by columns block n of A[s] over the j-th of SPLIT_K
+tokens, gathered through `LoRASegments`) by columns block n of A[s] over the j-th of num_splits
 slices of K (a decode step splits K: else one program per slot would walk all of it alone).
-Split programs write fp32 partials; the last of a tile's SPLIT_K to arrive
+Split programs write fp32 partials; the last of a tile's num_splits to arrive
 (`arrival_counters.py`) sums them in split order: deterministic, and nothing is zeroed first.
 A program past the step's last token block does nothing. The grid depends on the token count and
 shapes only, never on which adapters the step holds (CUDA graphs replay any mix)."""
@@ -32,8 +32,8 @@ def _lora_shrink_kernel(
     x_ptr,  # [num_tokens, K]
     a_ptr,  # [num_slots, N, K]
     out_ptr,  # [num_tokens, N] fp32
-    partial_ptr,  # [SPLIT_K, num_tokens, N] fp32, used when SPLIT_K > 1
-    counter_ptr,  # [>= tiles] int32, zero between launches, used when SPLIT_K > 1
+    partial_ptr,  # [num_splits, num_tokens, N] fp32, used when SPLIT
+    counter_ptr,  # [>= tiles] int32, zero between launches, used when SPLIT
     sorted_ptr,  # [num_tokens] int32
     start_ptr,  # [num_slots] int32
     count_ptr,  # [num_slots] int32
@@ -41,6 +41,7 @@ def _lora_shrink_kernel(
     K,
     num_slots,
     k_per_split,  # a multiple of BLOCK_K
+    num_splits,  # K slices: a runtime value (long chunks take any count), SPLIT when > 1
     stride_x,
     stride_a_slot,
     stride_a_n,
@@ -49,7 +50,7 @@ def _lora_shrink_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,
     SLOTS_P2: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
     USE_PDL: tl.constexpr,
@@ -84,16 +85,16 @@ def _lora_shrink_kernel(
             acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
         tile = rows[:, None] * stride_out + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
-        if SPLIT_K > 1:
+        if SPLIT:
             tl.store(partial_ptr + tl.program_id(2) * stride_partial + tile, acc, mask)
             # Every thread's partial is written before the count (one release atomic after the
             # barrier); the last arrival reads the others' partials through L2 after its acquire.
             tl.debug_barrier()
             counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + pid_n
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != num_splits - 1:
                 return
             acc = tl.load(partial_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
+            for s in range(1, num_splits):
                 acc += tl.load(
                     partial_ptr + s * stride_partial + tile,
                     mask=mask,
@@ -142,9 +143,9 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -
         partials, counters = out, segments.slot_counts  # unread
     _lora_shrink_kernel[grid](
         x, lora_a, out, partials, counters, segments.sorted_tokens, segments.slot_starts,
-        segments.slot_counts, n, k, num_slots, k_per_split, x.stride(0), lora_a.stride(0),
+        segments.slot_counts, n, k, num_slots, k_per_split, splits, x.stride(0), lora_a.stride(0),
         lora_a.stride(1), out.stride(0), num_tokens * n,
-        BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT_K=splits,
+        BLOCK_M=tile_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, SPLIT=splits > 1,
         SLOTS_P2=triton.next_power_of_2(num_slots),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **pdl_launch_args(x.device),
     )  # fmt: skip
