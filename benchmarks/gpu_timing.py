@@ -1,6 +1,5 @@
 """GPU timers shared by the kernel benchmarks."""
 
-import statistics
 from collections.abc import Callable
 
 import torch
@@ -46,13 +45,6 @@ def graph_replay_ms(fn: Callable[[], object], replays: int, warmup_replays: int 
     for _ in range(warmup_replays):
         graph.replay()
     torch.cuda.synchronize()
-    times_ms = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times_ms.append(start.elapsed_time(end))
-    del graph
-    return statistics.median(times_ms)
+    from ferrum.bench.tune_gpu import median_replay_ms
+
+    return median_replay_ms(graph, replays)
