@@ -19,6 +19,7 @@ import argparse
 import itertools
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -67,14 +68,22 @@ class Result:
     config: dict[str, int] | None
 
 
-def make_layers(args: argparse.Namespace, max_tokens: int) -> list[Layer]:
+def random_layer_weights(
+    args: argparse.Namespace, max_tokens: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer of `--layers`: bf16 experts w13 and w2 (std 0.02) and router logits for
+    max_tokens rows, from one seeded generator."""
     e, h, i = args.experts, args.hidden, args.intermediate
     gen = torch.Generator(device="cuda").manual_seed(0)
-    layers = []
     for _ in range(args.layers):
         w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DTYPE, generator=gen) * 0.02
         w2 = torch.randn(e, h, i, device="cuda", dtype=DTYPE, generator=gen) * 0.02
-        logits = torch.randn(max_tokens, e, device="cuda", dtype=DTYPE, generator=gen)
+        yield w13, w2, torch.randn(max_tokens, e, device="cuda", dtype=DTYPE, generator=gen)
+
+
+def make_layers(args: argparse.Namespace, max_tokens: int) -> list[Layer]:
+    layers = []
+    for w13, w2, logits in random_layer_weights(args, max_tokens):
         if args.fp8:
             (w13, s13), (w2, s2) = quantize_experts(w13), quantize_experts(w2)
             layers.append(Layer(w13, w2, logits, s13, s2))

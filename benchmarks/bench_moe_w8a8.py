@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from benchmarks.bench_moe_layer import quantize_experts, random_layer_weights
 from benchmarks.gpu_timing import graph_replay_ms
 from ferrum.kernels.device_properties import device_properties
 from ferrum.kernels.fp8_quant import Fp8GroupRows, per_token_group_quant_fp8
-from ferrum.kernels.fp8_weight import quantize_weight_block
 from ferrum.kernels.fused_moe import fused_moe
 from ferrum.kernels.fused_moe_rule import uses_fp8_activations
 from ferrum.kernels.moe_router import moe_router
@@ -38,19 +38,9 @@ FORMS = ("bf16", "weight_only", "w8a8", "w8a8_rows")
 WARMUP_REPLAYS = 5
 
 
-def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = [quantize_weight_block(w[e]) for e in range(w.shape[0])]
-    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])
-
-
 def make_layers(args: argparse.Namespace, max_tokens: int) -> list[dict[str, torch.Tensor]]:
-    e, h, i = args.experts, args.hidden, args.intermediate
-    gen = torch.Generator(device="cuda").manual_seed(0)
     layers = []
-    for _ in range(args.layers):
-        w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=DTYPE, generator=gen) * 0.02
-        w2 = torch.randn(e, h, i, device="cuda", dtype=DTYPE, generator=gen) * 0.02
-        logits = torch.randn(max_tokens, e, device="cuda", dtype=DTYPE, generator=gen)
+    for w13, w2, logits in random_layer_weights(args, max_tokens):
         (q13, s13), (q2, s2) = quantize_experts(w13), quantize_experts(w2)
         layers.append(dict(w13=w13, w2=w2, logits=logits, q13=q13, s13=s13, q2=q2, s2=s2))
     return layers
