@@ -83,6 +83,10 @@ class Attention(nn.Module):
         self.split_kv_workspace = split_kv_workspace
         self.kv_cache_group = kv_cache_group
 
+    def unbind_kv_cache(self) -> None:
+        """Drops the bound cache and its split-KV scratch (an empty `bind_kv_caches`)."""
+        self.kv_cache = self.split_kv_workspace = None
+
     def takes_sdpa_prefill(self) -> bool:
         """Whether long prompt chunks attend through SDPA here: Triton kernels, no sliding
         window, a bound bf16/fp16 cache (an FP8 cache's prefill reads the rounded keys back) on

@@ -372,7 +372,7 @@ class LlamaForCausalLM(nn.Module):
                 group = 0 if kv_cache_groups is None else kv_cache_groups[i]
                 attn.bind_kv_cache(kv_caches[index], split_kv_workspace, group)
             else:
-                attn.kv_cache = attn.split_kv_workspace = None
+                attn.unbind_kv_cache()
 
     def map_checkpoint_name(self, name: str) -> tuple[str, Hashable] | None:
         """HF checkpoint tensor name -> (parameter name, shard id), or None to skip it."""

@@ -125,7 +125,7 @@ class Eagle3Head(nn.Module):
         """`LlamaForCausalLM.bind_kv_caches` for the one layer (an empty list unbinds it)."""
         attn = self.midlayer.self_attn.attn
         if not kv_caches:
-            attn.kv_cache = attn.split_kv_workspace = None
+            attn.unbind_kv_cache()
             return
         group = 0 if kv_cache_groups is None else kv_cache_groups[0]
         attn.bind_kv_cache(kv_caches[0], split_kv_workspace, group)

@@ -234,8 +234,7 @@ class Qwen3_5ForCausalLM(LlamaForCausalLM):
                 if layer.is_linear:
                     layer.linear_attn.unbind_state()
                 else:
-                    attn = layer.self_attn.attn
-                    attn.kv_cache = attn.split_kv_workspace = None
+                    layer.self_attn.attn.unbind_kv_cache()
                 continue
             cache = kv_caches[i]
             if layer.is_linear != isinstance(cache, tuple):
