@@ -14,11 +14,11 @@ from ferrum.logger import init_logger
 from ferrum.model_executor.kv_cache_sizing import cpu_kv_budget, num_blocks_from_budget
 from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow
 from ferrum.model_executor.speculative.decoder import (
-    max_sampled_rows,
     max_verify_graph_tokens,
 )
 from ferrum.parallel_config import kv_heads_per_rank
 from ferrum.sampling_params import SamplingParams
+from ferrum.speculative_config import max_sampled_rows
 
 if TYPE_CHECKING:
     from ferrum.kernels.paged_attention import SplitKVWorkspace
@@ -127,7 +127,12 @@ def profile_gpu_kv_budget(runner: StartUpRunner) -> int:
     logits = None
     if hidden is not None:  # the last stage samples
         # Speculative decoding: verify steps sample a row per draft too.
-        num_sampled = min(max_sampled_rows(runner.config), num_tokens)
+        num_sampled = min(
+            max_sampled_rows(
+                runner.config.scheduler_config.max_num_seqs, runner.config.speculative_config
+            ),
+            num_tokens,
+        )
         logits = runner.model.compute_logits(hidden[:num_sampled])
         params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50).resolve()
         row = SamplingRow(params, [], [], None, set())

@@ -44,7 +44,6 @@ from ferrum.model_executor.sampling_metadata import (
     sampling_staging,
 )
 from ferrum.model_executor.speculative.decoder import (
-    max_sampled_rows,
     speculative_decoder,
     verify_graph_sizes,
 )
@@ -57,6 +56,7 @@ from ferrum.model_executor.speculative.verification import (
 )
 from ferrum.model_executor.warm_up import warm_up_runner
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from ferrum.speculative_config import max_sampled_rows
 from ferrum.structured_output import StructuredOutputMatcher
 
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -130,7 +130,8 @@ class ModelRunner:
         self.speculative = speculative_decoder(
             config, self.model, self.inputs, self.kv_cache_groups, self.kernel_backend, device
         )
-        self.sampling_staging = sampling_staging(max_sampled_rows(config), device)
+        max_rows = max_sampled_rows(config.scheduler_config.max_num_seqs, config.speculative_config)
+        self.sampling_staging = sampling_staging(max_rows, device)
         self.sampler = Sampler(config.device_config.batch_invariant)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(model_config.seed)
@@ -139,9 +140,7 @@ class ModelRunner:
         # The latest launched step's sampled tokens (on the device) and each request's row there.
         self._last_sampled = torch.zeros(0, dtype=torch.int64, device=device)
         self._last_sampled_rows: dict[str, int] = {}
-        self.grammar_bitmasks = GrammarBitmaskBuffers(
-            max_sampled_rows(config), self.vocab_size, device
-        )
+        self.grammar_bitmasks = GrammarBitmaskBuffers(max_rows, self.vocab_size, device)
         self.lora = lora_runner(self.model, config, self.dtype, device)
 
     def determine_num_kv_blocks(self) -> list[int]:

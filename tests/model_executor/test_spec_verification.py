@@ -69,8 +69,11 @@ def test_the_memory_profile_covers_verify_steps_and_graphs(monkeypatch) -> None:
     import torch
 
     from ferrum.model_executor import gpu_memory_profile
-    from ferrum.model_executor.speculative.decoder import max_sampled_rows
     from ferrum.speculative_config import SpeculativeConfig
+    from ferrum.speculative_config import max_sampled_rows as rows_of
+
+    def max_sampled_rows(c: types.SimpleNamespace) -> int:
+        return rows_of(c.scheduler_config.max_num_seqs, c.speculative_config)
 
     def config(spec: SpeculativeConfig | None) -> types.SimpleNamespace:
         sched = types.SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)

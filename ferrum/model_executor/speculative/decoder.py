@@ -23,7 +23,6 @@ from ferrum.model_executor.speculative.ngram_proposer import NgramProposer
 from ferrum.model_executor.speculative.proposer_model import ProposerModel
 from ferrum.model_executor.speculative.replay_proposer import ReplayProposer
 from ferrum.scheduler.output import ModelRunnerOutput
-from ferrum.speculative_config import max_sampled_rows as spec_max_sampled_rows
 
 
 class SpeculativeDecoder:
@@ -173,11 +172,6 @@ def speculative_decoder(
     if config.speculative_config is None:
         return None
     return SpeculativeDecoder(config, target, inputs, kv_cache_groups, kernel_backend, device)
-
-
-def max_sampled_rows(config: EngineConfig) -> int:
-    """`speculative_config.max_sampled_rows` of this engine's max_num_seqs."""
-    return spec_max_sampled_rows(config.scheduler_config.max_num_seqs, config.speculative_config)
 
 
 def verify_graph_sizes(config: EngineConfig) -> dict[str, int]:
