@@ -1,10 +1,10 @@
-"""Triton LoRA expand over a batch mixing adapters, added to the base layer's output in place:
-y[i, cols of shard j] += t[i, j-th K block] @ B[slot[i], cols of shard j]^T for every token with
-an adapter (the adapter's scaling is folded into B). A merged layer's shards (q/k/v, gate/up:
-up to 3, consecutive column ranges starting at `slice_starts`) take one launch: each program
-computes its column block's part of every shard it overlaps. Program (b, n) handles the b-th token
-block (`lora_tiles.py`: block m of slot s's tokens) and output columns block n; tokens without an
-adapter are never touched."""
+"""Triton LoRA expand over a batch mixing adapters, added to the base layer's output in place: y[i,
+cols of shard j] += t[i, j-th K block] @ B[slot[i], cols of shard j]^T for every token with an
+adapter (the adapter's scaling is folded into B). A merged layer's shards (q/k/v, gate/up: up to 3,
+consecutive column ranges starting at `slice_starts`) take one launch: each program computes its
+column block's part of the shards it overlaps (one, unless a shard starts inside the block). Program
+(b, n) handles the b-th token block (`lora_tiles.py`: block m of slot s's tokens) and output columns
+block n; tokens without an adapter are never touched."""
 
 from __future__ import annotations
 
@@ -58,24 +58,26 @@ def _lora_expand_kernel(
         mask_n = offs_n < N
         b_base = b_ptr + slot.to(tl.int64) * stride_b_slot
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        n0 = pid_n * BLOCK_N
         for j in tl.static_range(NUM_SLICES):
             lo = 0 if j == 0 else (slice1 if j == 1 else slice2)
             hi = N if j + 1 == NUM_SLICES else (slice1 if j == 0 else slice2)
-            cols = mask_n & (offs_n >= lo) & (offs_n < hi)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < K
-                tt = tl.load(
-                    t_ptr + rows[:, None] * stride_t + (j * K + offs_k)[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0,
-                ).to(b_ptr.dtype.element_ty)
-                bt = tl.load(
-                    b_base + offs_n[None, :] * stride_b_n + offs_k[:, None],
-                    mask=mask_k[:, None] & cols[None, :],
-                    other=0.0,
-                )
-                acc += tl.dot(tt, bt, input_precision=DOT_PRECISION)
+            if (n0 < hi) & (n0 + BLOCK_N > lo):  # only the shards this column block overlaps
+                cols = mask_n & (offs_n >= lo) & (offs_n < hi)
+                for k0 in range(0, K, BLOCK_K):
+                    offs_k = k0 + tl.arange(0, BLOCK_K)
+                    mask_k = offs_k < K
+                    tt = tl.load(
+                        t_ptr + rows[:, None] * stride_t + (j * K + offs_k)[None, :],
+                        mask=mask_m[:, None] & mask_k[None, :],
+                        other=0.0,
+                    ).to(b_ptr.dtype.element_ty)
+                    bt = tl.load(
+                        b_base + offs_n[None, :] * stride_b_n + offs_k[:, None],
+                        mask=mask_k[:, None] & cols[None, :],
+                        other=0.0,
+                    )
+                    acc += tl.dot(tt, bt, input_precision=DOT_PRECISION)
         y_ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
