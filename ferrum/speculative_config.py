@@ -95,18 +95,12 @@ def check_speculation_fits(
     config: SpeculativeConfig | None, pipeline_parallel_size: int, arch: ModelArchConfig
 ) -> None:
     """Speculative decoding needs each verifying step's accepted tokens before the next step is
-    scheduled, and KV it can roll back: refused with pipeline parallelism and for models with
-    linear-attention (recurrent) layers."""
+    scheduled: refused with pipeline parallelism. A model with linear-attention layers keeps
+    their state after each verified position (`verify_scratch_slots`) to roll them back."""
     if config is None:
         return
     if pipeline_parallel_size > 1:
         raise _fail("speculative_config", "not supported with pipeline_parallel_size > 1")
-    if arch.linear_attention_layers:
-        raise _fail(
-            "speculative_config",
-            "not supported for models with linear-attention layers: their recurrent state "
-            "cannot roll back rejected drafts",
-        )
 
 
 def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
@@ -126,12 +120,29 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def max_verifying_requests(max_num_seqs: int, config: SpeculativeConfig | None) -> int:
+    """The most requests one step verifies drafts of: fewer than disable_by_batch_size (none
+    get drafts once that many run)."""
+    if config is None:
+        return 0
+    limit = config.disable_by_batch_size
+    return max_num_seqs if limit is None else min(max_num_seqs, limit - 1)
+
+
 def max_sampled_rows(max_num_seqs: int, config: SpeculativeConfig | None) -> int:
     """The most rows a step samples (and bitmask rows it needs): a row per request, and one per
-    draft of the requests that verify some (fewer than disable_by_batch_size: none get drafts
-    once that many run)."""
+    draft of the requests that verify some."""
     if config is None:
         return max_num_seqs
-    limit = config.disable_by_batch_size
-    num_verifying = max_num_seqs if limit is None else min(max_num_seqs, limit - 1)
+    num_verifying = max_verifying_requests(max_num_seqs, config)
     return max_num_seqs + num_verifying * config.num_speculative_tokens
+
+
+def verify_scratch_slots(
+    max_num_seqs: int, config: SpeculativeConfig | None, arch: ModelArchConfig
+) -> int:
+    """Linear-attention state slots a runner keeps past the KV manager's (in every such layer's
+    pools): k per verifying request, the states after its token and each draft but the last."""
+    if config is None or not arch.linear_attention_layers:
+        return 0
+    return max_verifying_requests(max_num_seqs, config) * config.num_speculative_tokens

@@ -10,6 +10,20 @@ from ferrum.kernels.sdpa_prefill import AttentionSegment
 
 
 @dataclass(slots=True)
+class VerifyStates:
+    """How linear-attention layers run a step that verifies drafts (or a verify-shaped CUDA
+    graph): the rows with `step_slots[i] >= 0` advance one token at a time (`query_len`
+    positions) in their live slot `step_slots[i]`, and after their token j (j < query_len - 1)
+    the state is copied to slot `save_slots[i, j]` (0, the null slot, discards it). The other
+    rows run as chunks over `prefill_slots` (-1 for the rows above; None when there are none)."""
+
+    query_len: int
+    step_slots: torch.Tensor  # [num_reqs] int32, on the model's device
+    save_slots: torch.Tensor  # [num_reqs, query_len] int64, on the model's device
+    prefill_slots: torch.Tensor | None  # [num_reqs] int32, on the model's device
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """A flattened batch of `num_tokens` query tokens from `num_reqs` requests. Request i's queries
     `query_start_loc[i]:query_start_loc[i + 1]` are the last tokens of its `seq_lens[i]`-token
@@ -33,3 +47,5 @@ class AttentionMetadata:
     # Where a step with long prompt chunks splits between SDPA and the paged kernel
     # (`kernels/sdpa_prefill.py`); empty otherwise, and in every CUDA-graph step.
     prefill_segments: tuple[AttentionSegment, ...] = ()
+    # Set when the step verifies drafts of a model with linear-attention layers.
+    verify_states: VerifyStates | None = None

@@ -11,14 +11,18 @@ import torch
 from ferrum.config import EngineConfig
 from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.logger import init_logger
-from ferrum.model_executor.kv_cache_sizing import cpu_kv_budget, num_blocks_from_budget
+from ferrum.model_executor.kv_cache_sizing import (
+    cpu_kv_budget,
+    group_bytes_per_block,
+    num_blocks_from_budget,
+)
 from ferrum.model_executor.sampling_metadata import SamplingMetadata, SamplingRow
 from ferrum.model_executor.speculative.decoder import (
     max_verify_graph_tokens,
 )
 from ferrum.parallel_config import kv_heads_per_rank
 from ferrum.sampling_params import SamplingParams
-from ferrum.speculative_config import max_sampled_rows
+from ferrum.speculative_config import max_sampled_rows, verify_scratch_slots
 
 if TYPE_CHECKING:
     from ferrum.kernels.paged_attention import SplitKVWorkspace
@@ -76,6 +80,8 @@ def num_kv_blocks(runner: StartUpRunner) -> list[int]:
         budget = cfg.cache_config.kv_cache_memory_bytes
     else:
         budget = profile_gpu_kv_budget(runner)
+    if not on_cpu:
+        budget -= verify_scratch_bytes(runner)
     # On the CPU an unused default budget would only cost memory; a GPU keeps every block it can
     # for the prefix cache.
     counts = num_blocks_from_budget(
@@ -98,6 +104,25 @@ def num_kv_blocks(runner: StartUpRunner) -> list[int]:
             layer_ids=layer_ids,
         )
     return counts
+
+
+def verify_scratch_bytes(runner: StartUpRunner) -> int:
+    """The verify steps' linear-attention scratch slots (`verify_states.py`), in every layer."""
+    cfg = runner.config
+    scratch = verify_scratch_slots(
+        cfg.scheduler_config.max_num_seqs, cfg.speculative_config, cfg.model_config.arch
+    )
+    if not scratch:
+        return 0
+    group = next(g for g in runner.kv_cache_groups if g.recurrent)
+    return scratch * group_bytes_per_block(
+        cfg.model_config,
+        group,
+        runner.block_size,
+        runner.kv_cache_dtype,
+        runner.tp_size,
+        runner.stage.layer_ids,
+    )
 
 
 @torch.inference_mode()

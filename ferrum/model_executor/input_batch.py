@@ -22,6 +22,12 @@ from ferrum.kernels.sdpa_prefill import (
 )
 from ferrum.model_executor.attention_metadata import AttentionMetadata
 from ferrum.model_executor.staging_buffer import StagingBuffer, staging_bytes
+from ferrum.model_executor.verify_states import (
+    VerifyStateLayout,
+    build_verify_states,
+    verify_staging_bytes,
+)
+from ferrum.speculative_config import verify_scratch_slots
 
 
 class RequestTokens(Protocol):
@@ -94,7 +100,10 @@ class InputBuffers:
         device: torch.device,
         num_kv_groups: int = 1,
         sdpa_max_len: int | None = None,
+        verify_query_len: int = 0,
     ) -> None:
+        """`verify_query_len` > 0: room for a verifying step's `VerifyStates` (linear-attention
+        layers with speculative decoding), built once `verify_layout` is set."""
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_tokens = max_num_tokens
@@ -116,7 +125,10 @@ class InputBuffers:
             (max_num_reqs, torch.int64),
             (2 * max_num_reqs, torch.int64),
         )
+        if verify_query_len:
+            num_bytes += verify_staging_bytes(max_num_reqs, verify_query_len)
         self._staging = StagingBuffer(num_bytes, device)
+        self.verify_layout: VerifyStateLayout | None = None
 
     @classmethod
     def for_config(
@@ -125,6 +137,8 @@ class InputBuffers:
         """Buffers for the largest step: a batch, a padded CUDA-graph batch or the memory
         profile."""
         sched, max_model_len = config.scheduler_config, config.model_config.max_model_len
+        spec, arch = config.speculative_config, config.model_config.arch
+        scratch = verify_scratch_slots(sched.max_num_seqs, spec, arch)
         return cls(
             max_num_tokens=max(sched.max_num_batched_tokens, min(sched.max_num_seqs, 512)),
             max_num_reqs=max(sched.max_num_seqs, -(-sched.max_num_batched_tokens // max_model_len)),
@@ -133,6 +147,7 @@ class InputBuffers:
             device=device,
             num_kv_groups=num_kv_groups,
             sdpa_max_len=min(sched.max_num_batched_tokens, max_model_len),
+            verify_query_len=1 + spec.num_speculative_tokens if scratch and spec else 0,
         )
 
     def prepare(
@@ -160,6 +175,17 @@ class InputBuffers:
             (num_padded, num_rows), width = pad_to, self.max_blocks_per_req
         self._staging.begin()
         step = _StepBuffers.take(self._staging, num_padded, num_rows, width, self.num_kv_groups)
+        # Taken before any array of a data-dependent size: a graph's replay reads its capture's.
+        verify_states = None
+        if self.verify_layout is not None:
+            verify_states = build_verify_states(
+                self._staging,
+                self.verify_layout,
+                requests,
+                num_scheduled_tokens,
+                drafts or {},
+                pad_to,
+            )
         rows = _fill_rows(
             step, requests, num_scheduled_tokens, last_sampled_rows, self.block_size, drafts or {}
         )
@@ -193,6 +219,7 @@ class InputBuffers:
             )
             if long_chunks
             else (),
+            verify_states=verify_states,
         )
         return StepInputs(
             input_ids=step.input_ids,

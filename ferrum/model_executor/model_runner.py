@@ -54,6 +54,7 @@ from ferrum.model_executor.speculative.verification import (
     generator_states,
     rewind_generators,
 )
+from ferrum.model_executor.verify_states import verify_state_layout, with_scratch_slots
 from ferrum.model_executor.warm_up import warm_up_runner
 from ferrum.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from ferrum.speculative_config import max_sampled_rows
@@ -148,10 +149,14 @@ class ModelRunner:
         return num_kv_blocks(self)
 
     def initialize_kv_cache(self, num_blocks: int | list[int]) -> None:
-        """Allocates every layer's cache (`num_blocks` per layer group, or one count for all)."""
+        """Allocates every layer's cache (`num_blocks` per layer group, or one count for all;
+        linear-attention pools get the verify steps' scratch slots past those)."""
+        counts = (
+            [num_blocks] * len(self.kv_cache_groups) if isinstance(num_blocks, int) else num_blocks
+        )
         kv_caches = allocate_kv_caches(
             self.config.model_config,
-            num_blocks,
+            with_scratch_slots(self.config, self.kv_cache_groups, counts),
             self.block_size,
             self.kv_cache_dtype,
             self.device,
@@ -161,9 +166,9 @@ class ModelRunner:
         self.model.bind_kv_caches(
             kv_caches, self.split_kv_workspace, layer_group_ids(self.kv_cache_groups)
         )
+        self.inputs.verify_layout = verify_state_layout(self.config, self.kv_cache_groups, counts)
         self.recurrent.bind(kv_caches)
         if self.speculative is not None:
-            counts = [num_blocks] if isinstance(num_blocks, int) else num_blocks
             self.speculative.bind_kv_cache(counts, self.block_size, self.kv_cache_dtype)
 
     def disable_sdpa_after_prefixes(self) -> None:
@@ -173,6 +178,7 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         """Drops every layer's cache (the memory profile's, before the real one is sized)."""
         self.recurrent.bind([])
+        self.inputs.verify_layout = None
         self.model.bind_kv_caches([])
         if self.speculative is not None:
             self.speculative.release_kv_cache()
@@ -275,7 +281,7 @@ class ModelRunner:
         hidden_states = self._forward(inputs, shape, num_tokens)
         if self.speculative is not None:
             self.speculative.follow(inputs, shape, num_tokens, requests, num_scheduled)
-        self.recurrent.snapshot(requests, num_scheduled)
+        self.recurrent.snapshot(requests, num_scheduled, drafts)
         prompt_chunks = step_prompt_logprobs(
             hidden_states, requests, num_scheduled, self.model.compute_logits
         )
@@ -366,6 +372,10 @@ class ModelRunner:
             asked = [s.params.logprobs for s, d in zip(step.states, step.drafts) for _ in [0, *d]]
             sampled, logprobs = step.output.to_host(asked)
             tokens, token_logprobs = accept(step.drafts, sampled, logprobs)
+            layout = self.inputs.verify_layout
+            if layout is not None:
+                live = [self.requests.get(s.req_id) is s for s in step.states]
+                self.recurrent.roll_back(step.states, step.drafts, tokens, live, layout)
             output = append_verified(step, tokens, token_logprobs, prompt_logprobs)
             rewind_generators(
                 step.states, step.generator_states, tokens, self.vocab_size, self.device

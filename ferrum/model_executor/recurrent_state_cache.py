@@ -1,8 +1,9 @@
 """The linear-attention state slots of a runner's KV caches: a request's slot is zeroed when it
 starts from its first token, filled from a snapshot on a prefix hit, and copied into a snapshot
-slot after a chunk that ends on a block holding one. A layer's states are a (conv, recurrent) pair
-of pools indexed by slot; every copy is queued on the device, all reads before any write. Without
-linear-attention layers every method returns."""
+slot after a chunk that ends on a block holding one; after a step that verified drafts, the state
+after each request's last accepted token becomes its live state (`verify_states.py`). A layer's
+states are a (conv, recurrent) pair of pools indexed by slot; every copy is queued on the device,
+all reads before any write. Without linear-attention layers every method returns."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 if TYPE_CHECKING:
     from ferrum.kv.kv_cache_spec import KVCacheGroupSpec
     from ferrum.model_executor.runner_state import CachedRequestState
+    from ferrum.model_executor.verify_states import VerifyStateLayout
     from ferrum.scheduler.output import NewRequestData
 
 
@@ -56,16 +58,23 @@ class RecurrentStateCache:
         self._copy(src, dst)
 
     def snapshot(
-        self, requests: Mapping[str, CachedRequestState], num_scheduled: Mapping[str, int]
+        self,
+        requests: Mapping[str, CachedRequestState],
+        num_scheduled: Mapping[str, int],
+        drafts: Mapping[str, list[int]],
     ) -> None:
         """After the step's forward, before `num_computed_tokens` advance: each chunk that ended
-        on a block whose table entry holds a snapshot slot gets its live state copied there."""
+        on a block whose table entry holds a snapshot slot gets its live state copied there. A
+        chunk with drafts never does: its live state may hold rejected ones (and its end, past
+        the known tokens, never gets a snapshot slot from the scheduler)."""
         if not self.groups:
             return
         block_size = self.block_size
         src: list[int] = []
         dst: list[int] = []
         for req_id, n in num_scheduled.items():
+            if drafts.get(req_id):
+                continue
             state = requests[req_id]
             start = state.num_computed_tokens
             end = start + n
@@ -77,6 +86,34 @@ class RecurrentStateCache:
                 if 1 <= index < len(table) and table[index]:
                     src.append(table[0])
                     dst.append(table[index])
+        self._copy(src, dst)
+
+    def roll_back(
+        self,
+        states: Sequence[CachedRequestState],
+        drafts: Sequence[list[int]],
+        emitted: Sequence[list[int]],
+        live: Sequence[bool],
+        layout: VerifyStateLayout,
+    ) -> None:
+        """After a verify step completed (before the next launches): each live request that
+        emitted fewer than len(drafts[i]) + 1 tokens (a draft rejected) gets the state after
+        its last accepted token, kept in its scratch slot, copied into its live slot. Its row
+        among the step's requests with drafts numbers its scratch slots, as at launch."""
+        if not self.groups:
+            return
+        assert len(self.groups) == 1, "one linear-attention group numbers the scratch slots"
+        src: list[int] = []
+        dst: list[int] = []
+        row = 0
+        for state, row_drafts, tokens, is_live in zip(states, drafts, emitted, live, strict=True):
+            if not row_drafts:
+                continue
+            accepted = len(tokens) - 1
+            if is_live and accepted < len(row_drafts):
+                src.append(layout.scratch_slot(row, accepted))
+                dst.append(state.block_ids[self.groups[0]][0])
+            row += 1
         self._copy(src, dst)
 
     def _copy(self, src_slots: list[int], dst_slots: list[int]) -> None:

@@ -278,11 +278,6 @@ def test_unsupported_set_ups_are_refused_by_name(
         make_llm(tiny_checkpoint("qwen3"), **overrides)
 
 
-def test_linear_attention_models_are_refused(tiny_checkpoint) -> None:  # noqa: ANN001
-    with pytest.raises(ValueError, match="roll back"):
-        make_llm(tiny_checkpoint("qwen3_5"), speculative_config=NGRAM)
-
-
 def test_drafts_are_proposed_for_live_requests_only(tiny_checkpoint) -> None:  # noqa: ANN001
     """Async scheduling with a draft model and a tight pool: a request preempted (or finished)
     after its step launched gets no drafts from that step; the draft model never decodes into

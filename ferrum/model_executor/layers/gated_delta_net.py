@@ -24,7 +24,7 @@ from ferrum.model_executor.layers.linear import (
 )
 
 if TYPE_CHECKING:
-    from ferrum.model_executor.attention_metadata import AttentionMetadata
+    from ferrum.model_executor.attention_metadata import AttentionMetadata, VerifyStates
 
 
 def _load_conv_weight(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> set:
@@ -116,37 +116,113 @@ class GatedDeltaNet(nn.Module):
         self.conv_state = self.recurrent_state = None
 
     def forward(self, hidden: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """[num_tokens, hidden] -> [num_tokens, hidden]; advances each request's state."""
-        conv_pool, state_pool, kernels = self.conv_state, self.recurrent_state, self.kernels
-        if conv_pool is None or state_pool is None:
+        """[num_tokens, hidden] -> [num_tokens, hidden]; advances each request's state (a step
+        that verifies drafts keeps the states after each of them: `verify_states.py`)."""
+        if self.conv_state is None or self.recurrent_state is None:
             raise ValueError("kv_caches: no state bound; call model.bind_kv_caches first")
         num_tokens = hidden.shape[0]
         qkv, z, b, a = self.in_proj(hidden).split(
             [self.conv_dim, self.value_size, self.num_v_heads, self.num_v_heads], dim=-1
         )
-        slot_ids = attn_metadata.block_tables[self.kv_cache_group][:, 0].contiguous()
-        starts, weight = attn_metadata.query_start_loc, self.conv_weight
-        decode = attn_metadata.num_tokens == attn_metadata.num_reqs
-        if decode:
-            qkv = kernels.causal_conv1d_update(qkv.contiguous(), weight, None, conv_pool, slot_ids)
-        else:
-            max_len = attn_metadata.max_query_len
-            qkv = kernels.causal_conv1d_prefill(
-                qkv.contiguous(), weight, None, conv_pool, starts, slot_ids, max_len
-            )
-        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        q = q.view(num_tokens, self.num_k_heads, self.k_dim)
-        k = k.view(num_tokens, self.num_k_heads, self.k_dim)
-        v = v.view(num_tokens, self.num_v_heads, self.v_dim)
         beta = b.sigmoid().contiguous()
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).contiguous()
-        if decode:
-            out = kernels.gated_delta_rule_decode(
-                q, k, v, g, beta, state_pool, slot_ids, use_qk_l2norm=True
-            )
+        qkv = qkv.contiguous()
+        verify = attn_metadata.verify_states
+        if verify is not None:
+            out = mix_verify_step(self, qkv, g, beta, attn_metadata, verify)
+        elif attn_metadata.num_tokens == attn_metadata.num_reqs:
+            out = self.mix_decode(qkv, g, beta, self._live_slots(attn_metadata))
         else:
-            out = kernels.gated_delta_rule_prefill(
-                q, k, v, g, beta, starts, state_pool, slot_ids, use_qk_l2norm=True
-            )
+            out = self.mix_chunks(qkv, g, beta, self._live_slots(attn_metadata), attn_metadata)
         out = self.norm(out, z.reshape(num_tokens, self.num_v_heads, self.v_dim))
         return self.out_proj(out.reshape(num_tokens, self.value_size))
+
+    def _live_slots(self, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return attn_metadata.block_tables[self.kv_cache_group][:, 0].contiguous()
+
+    def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        return (
+            q.view(n, self.num_k_heads, self.k_dim),
+            k.view(n, self.num_k_heads, self.k_dim),
+            v.view(n, self.num_v_heads, self.v_dim),
+        )
+
+    def mix_decode(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slot_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Token i is request i's next: conv and gated delta rule from (and into) slot_ids[i]
+        (< 0: padding, zero output); [num_tokens, num_v_heads, v_dim]."""
+        assert self.conv_state is not None and self.recurrent_state is not None
+        kernels = self.kernels
+        qkv = kernels.causal_conv1d_update(qkv, self.conv_weight, None, self.conv_state, slot_ids)
+        q, k, v = self._split_heads(qkv)
+        return kernels.gated_delta_rule_decode(
+            q, k, v, g, beta, self.recurrent_state, slot_ids, use_qk_l2norm=True
+        )
+
+    def mix_chunks(
+        self,
+        qkv: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        slot_ids: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Request i's chunk (query_start_loc) from and into slot_ids[i] (< 0: skipped)."""
+        assert self.conv_state is not None and self.recurrent_state is not None
+        kernels, starts = self.kernels, attn_metadata.query_start_loc
+        qkv = kernels.causal_conv1d_prefill(
+            qkv,
+            self.conv_weight,
+            None,
+            self.conv_state,
+            starts,
+            slot_ids,
+            attn_metadata.max_query_len,
+        )
+        q, k, v = self._split_heads(qkv)
+        return kernels.gated_delta_rule_prefill(
+            q, k, v, g, beta, starts, self.recurrent_state, slot_ids, use_qk_l2norm=True
+        )
+
+    def save_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copies the conv and recurrent states of slots src_slots[i] into dst_slots[i]."""
+        for pool in (self.conv_state, self.recurrent_state):
+            assert pool is not None
+            pool.index_copy_(0, dst_slots, pool.index_select(0, src_slots))
+
+
+def mix_verify_step(
+    layer: GatedDeltaNet,
+    qkv: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    verify: VerifyStates,
+) -> torch.Tensor:
+    """The token mixing of a verifying step (see `VerifyStates`): chunk rows as usual, then the
+    other rows one position at a time (static shapes: a CUDA graph replays it), saving their
+    states after each position but the last."""
+    num_tokens = qkv.shape[0]
+    shape = (num_tokens + 1, layer.num_v_heads, layer.v_dim)  # row num_tokens: a sink
+    out = torch.zeros(shape, dtype=qkv.dtype, device=qkv.device)
+    if verify.prefill_slots is not None:
+        out[:num_tokens] = layer.mix_chunks(qkv, g, beta, verify.prefill_slots, attn_metadata)
+    starts = attn_metadata.query_start_loc.long()
+    first, ends = starts[:-1], starts[1:]
+    live = verify.step_slots
+    save_src = live.long().clamp(min=0)
+    no_slot = torch.full_like(live, -1)
+    for j in range(verify.query_len):
+        token = first + j
+        valid = (token < ends) & (live >= 0)
+        gather = torch.where(valid, token, 0)
+        mixed = layer.mix_decode(
+            qkv[gather], g[gather], beta[gather], torch.where(valid, live, no_slot)
+        )
+        out.index_copy_(0, torch.where(valid, token, num_tokens), mixed)
+        if j + 1 < verify.query_len:
+            layer.save_states(save_src, verify.save_slots[:, j])
+    return out[:num_tokens]
