@@ -7,6 +7,7 @@ from typing import Any
 
 from ferrum.config_fields import field_error as _fail
 from ferrum.config_fields import field_help as _help
+from ferrum.device_config import KERNEL_BACKENDS, DeviceConfig  # noqa: F401 (re-exported)
 from ferrum.eagle3_config import Eagle3Config
 from ferrum.lora_config import LoRAConfig, check_lora_fits
 from ferrum.model_arch import ModelArchConfig
@@ -35,7 +36,6 @@ _GENERATION_DEFAULTS = (
     "repetition_penalty",
     "max_new_tokens",
 )
-KERNEL_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -314,47 +314,6 @@ class SchedulerConfig:
             raise _fail(
                 "max_num_batched_tokens",
                 f"must be an integer >= 1, got {self.max_num_batched_tokens!r}",
-            )
-
-
-@dataclass(frozen=True)
-class DeviceConfig:
-    device: str = field(default="cpu", metadata=_help("cuda or cpu (default: cuda when available)"))
-    kernel_backend: str = field(
-        default="auto",
-        metadata=_help(
-            "auto (Triton on CUDA, torch elsewhere), torch, or triton", choices=KERNEL_BACKENDS
-        ),
-    )
-    enforce_eager: bool = field(default=False, metadata=_help("never capture CUDA graphs"))
-    batch_invariant: bool = field(
-        default=False,
-        metadata=_help(
-            "a request's tokens and logprobs do not depend on the batch it runs in, its chunking, "
-            "prefix-cache hits or preemption (kernels with one tile per shape; slower)"
-        ),
-    )
-    num_cpu_threads: int | None = field(
-        default=None,
-        metadata=_help(
-            "threads torch computes with on the CPU (default: torch's, one per core); lower it "
-            "when other work shares the cores"
-        ),
-    )
-    tuned_config_dir: str | None = field(
-        default=None, metadata=_help("`ferrum tune`'s tables (~/.cache/ferrum/tuned_configs)")
-    )
-
-    def __post_init__(self) -> None:
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise _fail("device", f"must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.num_cpu_threads is not None and (
-            not isinstance(self.num_cpu_threads, int) or self.num_cpu_threads < 1
-        ):
-            raise _fail("num_cpu_threads", f"must be an integer >= 1, got {self.num_cpu_threads!r}")
-        if self.kernel_backend not in KERNEL_BACKENDS:
-            raise _fail(
-                "kernel_backend", f"must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}"
             )
 
 

@@ -20,6 +20,7 @@ LAYERS = [
         "request",
         "config",
         "config_fields",
+        "device_config",
         "parallel_config",
         "recovery_config",
         "model_arch",

@@ -122,6 +122,7 @@ class EngineArgs:
     batch_invariant: bool = DeviceConfig.batch_invariant
     num_cpu_threads: int | None = DeviceConfig.num_cpu_threads
     tuned_config_dir: str | None = DeviceConfig.tuned_config_dir
+    attention_backend: str = DeviceConfig.attention_backend
     async_scheduling: bool | None = None
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size

@@ -1,6 +1,7 @@
 """The kernel backend a model is built with (a `Kernels`): the torch references or the Triton
-kernels. On the CPU the Triton kernels run in Triton's interpreter (slow, for tests), which must be
-on before triton is first imported: `@triton.jit` reads TRITON_INTERPRET when it decorates."""
+kernels, and the attention backend its layers take for long chunks (`attach_flash_attention`).
+On the CPU the Triton kernels run in Triton's interpreter (slow, for tests), which must be on
+before triton is first imported: `@triton.jit` reads TRITON_INTERPRET when it decorates."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ import sys
 from typing import TYPE_CHECKING
 
 from ferrum import envs
+from ferrum.config_fields import field_error
 from ferrum.kernels.batch_invariant import batch_invariant_kernels
+from ferrum.kernels.flash_attn4 import FA4_MIN_QUERY_LEN
 from ferrum.kernels.interface import Kernels, torch_kernels, triton_kernels
 from ferrum.kernels.tuned_tables import set_user_config_dir
+from ferrum.logger import init_logger
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
-    from ferrum.config import DeviceConfig
+    from ferrum.device_config import DeviceConfig
+
+logger = init_logger(__name__)
 
 
 def resolve_kernel_backend(device_config: DeviceConfig, device: torch.device) -> str:
@@ -58,3 +65,57 @@ def load_kernels(kernel_backend: str, batch_invariant: bool = False) -> Kernels:
     else:
         raise ValueError(f"kernel_backend: must be 'torch' or 'triton', got {kernel_backend!r}")
     return batch_invariant_kernels(kernels) if batch_invariant else kernels
+
+
+def attach_flash_attention(
+    model: nn.Module,
+    device_config: DeviceConfig,
+    device: torch.device,
+    kernel_backend: str,
+    dtype: torch.dtype,
+    kv_cache_dtype: torch.dtype,
+) -> bool:
+    """Gives FlashAttention-4 (`kernels/flash_attn4.py`) to every attention layer it takes under
+    `attention_backend`: "auto" where the package is installed, with the Triton kernels on a GPU
+    and a layer shape it runs (else ferrum's kernels, said once in the log); "FLASH_ATTN" the
+    same, but a reason it cannot run is an error naming the field; "TRITON_ATTN" never.
+    Returns whether any layer took it."""
+    import torch
+
+    from ferrum.kernels.flash_attn4 import FlashAttention4, flash_attn4_rejects, load_flash_attn4
+    from ferrum.model_executor.layers.attention import Attention
+
+    backend = device_config.attention_backend
+    if backend == "TRITON_ATTN":
+        return False
+    required = backend == "FLASH_ATTN"
+    reason = None
+    if device.type != "cuda" or kernel_backend != "triton":
+        reason = "needs a CUDA device with the Triton kernel backend"
+    elif device_config.batch_invariant:
+        reason = "is not batch-invariant (batch_invariant is on)"
+    varlen_func = load_flash_attn4() if reason is None else None
+    if reason is None and varlen_func is None:
+        reason = "needs the flash-attn-4 package (pip install 'ferrum[fa4]')"
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    if reason is None:
+        capability = torch.cuda.get_device_capability(device)
+        rejects = (
+            flash_attn4_rejects(capability, dtype, kv_cache_dtype, m.head_dim) for m in layers
+        )
+        reason = next((r for r in rejects if r is not None), None)
+    if reason is not None:
+        if required:
+            raise field_error("attention_backend", f"'FLASH_ATTN' (FlashAttention-4) {reason}")
+        if backend == "auto" and varlen_func is not None:
+            logger.info("attention: ferrum's kernels; FlashAttention-4 %s", reason)
+        return False
+    assert varlen_func is not None
+    flash_attention = FlashAttention4(varlen_func)
+    for layer in layers:
+        layer.use_flash_attention(flash_attention)
+    logger.info(
+        "attention: FlashAttention-4 for steps with a chunk of at least %d tokens",
+        FA4_MIN_QUERY_LEN,
+    )
+    return True

@@ -22,7 +22,7 @@ from ferrum.model_executor.gpu_memory_profile import (
 )
 from ferrum.model_executor.grammar_bitmask import GrammarBitmaskBuffers
 from ferrum.model_executor.input_batch import InputBuffers, StepInputs, profile_batch
-from ferrum.model_executor.kernel_backend import resolve_kernel_backend
+from ferrum.model_executor.kernel_backend import attach_flash_attention, resolve_kernel_backend
 from ferrum.model_executor.kv_cache_sizing import allocate_kv_caches, kv_cache_group_specs
 from ferrum.model_executor.model_loader import load_model
 from ferrum.model_executor.pipeline_stage import pipeline_stage
@@ -116,6 +116,10 @@ class ModelRunner:
             self.stage,
             config.device_config.batch_invariant,
         )
+        attach_flash_attention(
+            self.model, config.device_config, device, self.kernel_backend, self.dtype,
+            self.kv_cache_dtype,
+        )  # fmt: skip
         self.transport = StageTransport(
             self.pp_group, self.model, arch.hidden_size, self.dtype, device
         )

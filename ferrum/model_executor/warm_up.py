@@ -4,7 +4,8 @@ fused MoE's buckets 16..4096) and by Triton's specialisation of integers (1, mul
 other), so each power-of-two batch runs at an even and an odd token count, split over several
 requests from 256 tokens up. The one-token logits (the LM head's GEMV) run too, and SDPA's prefill
 at each padded length (cuDNN plans a shape once) with the cached-prefix gather and its cuDNN
-probe; CUDA graph capture compiles decode and small prefill shapes after this."""
+probe, and FlashAttention-4's JIT compile where layers take it; CUDA graph capture compiles
+decode and small prefill shapes after this."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ferrum.kernels.flash_attn4 import FA4_MIN_QUERY_LEN
 from ferrum.kernels.sdpa_prefill import (
     cudnn_takes,
     padded_lengths,
@@ -98,12 +100,26 @@ def run_warm_up_batches(runner: StartUpRunner, num_blocks: int | list[int]) -> t
     batches = warm_up_batches(
         max_tokens, runner.block_size, num_blocks - 1, max_requests=sched.max_num_seqs
     )
+    # One chunk long enough for FlashAttention-4, whose kernels compile on first use.
+    if (
+        _takes_flash_attention(runner)
+        and max_tokens >= FA4_MIN_QUERY_LEN
+        and -(-FA4_MIN_QUERY_LEN // runner.block_size) <= num_blocks - 1
+        and all(max(lens) < FA4_MIN_QUERY_LEN for lens in batches)
+    ):
+        batches.append([FA4_MIN_QUERY_LEN])
     for query_lens in batches:
         hidden_states = runner.forward_prompts(query_lens)
         # Logits run outside the CUDA graphs; one row takes the LM head's own GEMV variant.
         if hidden_states is not None and len(hidden_states) == 1:
             runner.model.compute_logits(hidden_states)
     return len(batches), max_tokens
+
+
+def _takes_flash_attention(runner: StartUpRunner) -> bool:
+    return any(
+        isinstance(m, Attention) and m.flash_attention is not None for m in runner.model.modules()
+    )
 
 
 @torch.inference_mode()

@@ -3,7 +3,9 @@ RoPE and the optional q/k norm), then attention reads it. The runner binds the c
 `[2, num_blocks, block_size, num_kv_heads, head_dim]`. With Triton on sm80+, long prompt chunks
 after no or a short cached prefix attend through SDPA (`kernels/sdpa_prefill.py`), unless the
 layer has a sliding window, an FP8 cache (its prefill reads the rounded K/V back) or a head size
-SDPA's fused backends reject (`takes_sdpa_prefill`)."""
+SDPA's fused backends reject (`takes_sdpa_prefill`). A layer given FlashAttention-4
+(`use_flash_attention`) runs it instead on every step with a chunk of at least FA4_MIN_QUERY_LEN
+tokens (`kernels/flash_attn4.py`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 from torch import nn
 
 from ferrum.kernels import FP8_KV_DTYPE
+from ferrum.kernels.flash_attn4 import FA4_MIN_QUERY_LEN
 from ferrum.kernels.interface import Kernels
 from ferrum.kernels.sdpa_prefill import (
     AttentionSegment,
@@ -24,6 +27,7 @@ from ferrum.kernels.sdpa_prefill import (
 from ferrum.model_executor.layers.layernorm import RMSNorm
 
 if TYPE_CHECKING:
+    from ferrum.kernels.flash_attn4 import FlashAttention4
     from ferrum.kernels.fp8_quant import Fp8GroupRows
     from ferrum.kernels.paged_attention import SplitKVWorkspace
     from ferrum.model_executor.attention_metadata import AttentionMetadata
@@ -60,6 +64,8 @@ class Attention(nn.Module):
         # layer (they run one after another); None disables that path.
         self.split_kv_workspace: SplitKVWorkspace | None = None
         self.kernels = kernels
+        # Set by the runner where FlashAttention-4 takes this layer (kernel_backend.py).
+        self.flash_attention: FlashAttention4 | None = None
         self._writes_fp8_rows = False
         if kernels.is_triton:
             from ferrum.kernels.fp8_quant import GROUP_SIZE  # imports triton, as the kernels do
@@ -87,13 +93,20 @@ class Attention(nn.Module):
         """Drops the bound cache and its split-KV scratch (an empty `bind_kv_caches`)."""
         self.kv_cache = self.split_kv_workspace = None
 
+    def use_flash_attention(self, flash_attention: FlashAttention4 | None) -> None:
+        """Steps with a chunk of at least FA4_MIN_QUERY_LEN tokens attend through
+        `flash_attention` (None: through SDPA and the paged kernel)."""
+        self.flash_attention = flash_attention
+
     def takes_sdpa_prefill(self) -> bool:
         """Whether long prompt chunks attend through SDPA here: Triton kernels, no sliding
         window, a bound bf16/fp16 cache (an FP8 cache's prefill reads the rounded keys back) on
-        a GPU SDPA's fused backends take; never with batch-invariant kernels."""
+        a GPU SDPA's fused backends take; never with batch-invariant kernels, nor where
+        FlashAttention-4 takes every chunk SDPA would."""
         cache = self.kv_cache
         return (
-            self.kernels.is_triton
+            self.flash_attention is None
+            and self.kernels.is_triton
             and not self.kernels.batch_invariant
             and self.sliding_window is None
             and cache is not None
@@ -159,6 +172,19 @@ class Attention(nn.Module):
             k_norm_weight=k_norm_weight,
             eps=eps,
         )
+        if self.flash_attention is not None and attn_metadata.max_query_len >= FA4_MIN_QUERY_LEN:
+            out = self.flash_attention(
+                query,
+                kv_cache,
+                attn_metadata.block_tables[group],
+                attn_metadata.query_start_loc,
+                attn_metadata.seq_lens,
+                attn_metadata.max_query_len,
+                self.scale,
+                self.sliding_window,
+            )
+            _quantize_rows_into(out_fp8, out, slice(0, out.shape[0]))
+            return out
         if attn_metadata.prefill_segments and self.takes_sdpa_prefill():
             return self._attend_by_segments(
                 query, key, value, attn_metadata, attn_metadata.prefill_segments, out_fp8

@@ -1,0 +1,84 @@
+"""FlashAttention-4 (the `flash-attn-4` package's CuTe-DSL kernels: `pip install 'ferrum[fa4]'`)
+for steps with a long prompt chunk, on Hopper and Blackwell. One varlen launch covers the whole
+step (chunks after any cached prefix, fresh prompts and the step's decodes) straight from the
+paged cache through the block tables. H200, Qwen3-8B heads, pages of 16
+(benchmarks/bench_chunk_attention.py): 630-640 TFLOP/s after a cached prefix of 2k-16k tokens
+where ferrum's paged Triton kernel runs ~240, and 628 against cuDNN's 570 for a fresh 8k prompt;
+but a 512-token chunk after 3k cached tokens ran 190 against the Triton kernel's 234, so steps
+whose longest chunk is under FA4_MIN_QUERY_LEN keep ferrum's kernels (as do decode-only steps,
+whose split-KV path read 4.3-4.4 TB/s against FlashAttention-4's 3.7-3.8). Such steps are never
+replayed from CUDA graphs (those hold at most 512 tokens), so the kernel compiles (JIT) on the
+first such step of a layer shape, at warm-up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# Shortest chunk with which a step attends through FlashAttention-4 (see the module).
+FA4_MIN_QUERY_LEN = 1024
+# The compute capabilities (major) FlashAttention-4's paged forward runs on: sm90, sm100/sm110.
+_MAJORS = (9, 10, 11)
+
+
+def load_flash_attn4() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """`flash_attn.cute`'s `flash_attn_varlen_func`, or None where the package is not installed
+    (or cannot load: its CUTLASS DSL libraries are missing)."""
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def flash_attn4_rejects(
+    capability: tuple[int, int], dtype: torch.dtype, kv_cache_dtype: torch.dtype, head_dim: int
+) -> str | None:
+    """Why FlashAttention-4 cannot run a layer of this shape here (None: it can)."""
+    if capability[0] not in _MAJORS:
+        return f"needs a Hopper or Blackwell GPU (compute capability 9.x-11.x), got {capability}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"needs a bfloat16 or float16 model, got {dtype}"
+    if kv_cache_dtype != dtype:
+        return f"needs the KV cache in the model's dtype, got {kv_cache_dtype}"
+    # sm90: multiples of 8 up to 256; Blackwell: up to 128, or 256.
+    if head_dim % 8 or head_dim > 256 or (capability[0] > 9 and 128 < head_dim < 256):
+        return f"does not take heads of {head_dim} on compute capability {capability[0]}.x"
+    return None
+
+
+class FlashAttention4:
+    """ferrum's paged-attention contract over `flash_attn_varlen_func` (see the module)."""
+
+    def __init__(self, varlen_func: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.varlen_func = varlen_func
+
+    def __call__(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        block_tables: torch.Tensor,  # [num_reqs, max_blocks] int32
+        query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
+        seq_lens: torch.Tensor,  # [num_reqs] int32
+        max_query_len: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """[num_tokens, num_heads, head_dim]: causal attention of each request's chunk over its
+        context (the chunk is the context's last tokens), with `sliding_window` W over the
+        last W positions only."""
+        window = (None, None) if sliding_window is None else (sliding_window - 1, 0)
+        out, _ = self.varlen_func(
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            cu_seqlens_q=query_start_loc,
+            seqused_k=seq_lens,
+            max_seqlen_q=max_query_len,
+            page_table=block_tables,
+            softmax_scale=scale,
+            causal=True,
+            window_size=window,
+        )
+        return out
