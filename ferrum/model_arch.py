@@ -183,6 +183,8 @@ class ModelArchConfig:
     linear_conv_kernel_dim: int = 0
     # A shared expert beside the routed ones (Qwen3.5-MoE), 0 for none.
     shared_expert_intermediate_size: int = 0
+    # Multi-token-prediction layers of the checkpoint (`mtp.*`, Qwen3.5), 0 for none.
+    mtp_num_hidden_layers: int = 0
 
     @property
     def linear_attention_layers(self) -> tuple[int, ...]:
@@ -264,6 +266,7 @@ class ModelArchConfig:
             linear_value_head_dim=get("linear_value_head_dim", int, linear_default),
             linear_conv_kernel_dim=get("linear_conv_kernel_dim", int, linear_default),
             shared_expert_intermediate_size=get("shared_expert_intermediate_size", int, 0),
+            mtp_num_hidden_layers=get("mtp_num_hidden_layers", int, 0),
         )
 
 

@@ -12,8 +12,11 @@ from ferrum.model_arch import ModelArchConfig
 
 # "replay" is a benchmark proposer, not a product feature: it replays recorded continuations,
 # each token replaced by a wrong one with probability 1 - acceptance_rate, always k of them.
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "replay")
-NOT_SUPPORTED_METHODS = ("eagle", "mtp", "medusa")
+# "mtp": the target checkpoint's own multi-token-prediction layer (`mtp.*`, Qwen3.5).
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle3", "mtp", "replay")
+NOT_SUPPORTED_METHODS = ("eagle", "medusa")
+# The methods that read no speculative_config.model.
+_WITHOUT_MODEL = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -36,7 +39,7 @@ class SpeculativeConfig:
         if self.method in NOT_SUPPORTED_METHODS:
             raise _fail(
                 "speculative_config.method",
-                f"{self.method!r} is not supported yet; supported: {SPECULATIVE_METHODS[:3]}",
+                f"{self.method!r} is not supported yet; supported: {SPECULATIVE_METHODS[:4]}",
             )
         if self.method not in SPECULATIVE_METHODS:
             raise _fail(
@@ -62,10 +65,10 @@ class SpeculativeConfig:
                 "speculative_config.disable_by_batch_size",
                 f"must be an integer >= 1 or None, got {limit!r}",
             )
-        if self.method != "ngram" and not self.model:
+        if self.method not in _WITHOUT_MODEL and not self.model:
             raise _fail("speculative_config.model", f"method {self.method!r} needs it")
-        if self.method == "ngram" and self.model is not None:
-            raise _fail("speculative_config.model", "not used by method 'ngram'")
+        if self.method in _WITHOUT_MODEL and self.model is not None:
+            raise _fail("speculative_config.model", f"not used by method {self.method!r}")
         rate = self.acceptance_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
             raise _fail("speculative_config.acceptance_rate", f"must be in [0, 1], got {rate!r}")
@@ -101,17 +104,29 @@ def check_speculation_fits(
         return
     if pipeline_parallel_size > 1:
         raise _fail("speculative_config", "not supported with pipeline_parallel_size > 1")
+    if config.method == "mtp" and not arch.architecture.startswith("Qwen3_5"):
+        raise _fail(
+            "speculative_config.method",
+            f"'mtp' runs Qwen3.5's multi-token-prediction layer; {arch.architecture} has none",
+        )
+    if config.method == "mtp" and arch.mtp_num_hidden_layers != 1:
+        raise _fail(
+            "speculative_config.method",
+            f"'mtp' needs a checkpoint with one multi-token-prediction layer (config.json "
+            f"mtp_num_hidden_layers = 1 and its mtp.* tensors); {arch.architecture} has "
+            f"mtp_num_hidden_layers = {arch.mtp_num_hidden_layers}",
+        )
 
 
 def num_lookahead_tokens(config: SpeculativeConfig | None) -> int:
     """KV slots a sampling step allocates past its tokens: where a draft model writes the KV of
-    the k drafts it decodes, an EAGLE-3 head that of its k - 1 steps after the first (which
-    runs on the step's own positions)."""
+    the k drafts it decodes, an EAGLE-3 or MTP head that of its k - 1 steps after the first
+    (which runs on the step's own positions)."""
     if config is None:
         return 0
     if config.method == "draft_model":
         return config.num_speculative_tokens
-    if config.method == "eagle3":
+    if config.method in ("eagle3", "mtp"):
         return config.num_speculative_tokens - 1
     return 0
 

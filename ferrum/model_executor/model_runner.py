@@ -284,7 +284,9 @@ class ModelRunner:
             )
         hidden_states = self._forward(inputs, shape, num_tokens)
         if self.speculative is not None:
-            self.speculative.follow(inputs, shape, num_tokens, requests, num_scheduled)
+            self.speculative.follow(
+                inputs, shape, num_tokens, requests, num_scheduled, hidden_states
+            )
         self.recurrent.snapshot(requests, num_scheduled, drafts)
         prompt_chunks = step_prompt_logprobs(
             hidden_states, requests, num_scheduled, self.model.compute_logits

@@ -1,9 +1,9 @@
 """Speculative decoding on a hybrid model (Qwen3.5: gated DeltaNet + full attention): greedy
-tokens equal those without speculation with n-gram drafts on copy-heavy prompts and replayed
-drafts at acceptance 0.5 and 0 (rejections every step, so the linear-attention state must roll
-back to the last accepted token), under chunked prefill, prefix hits on state snapshots,
-preemption and async scheduling; the Triton kernels under the interpreter (CPU only) and the
-verify CUDA graphs (CUDA only); EAGLE-3 is refused for such a model."""
+tokens equal those without speculation with n-gram drafts on copy-heavy prompts, a draft model
+and replayed drafts at acceptance 0.5 and 0 (rejections every step, so the linear-attention
+state must roll back to the last accepted token), under chunked prefill, prefix hits on state
+snapshots, preemption and async scheduling; the Triton kernels under the interpreter (CPU only)
+and the verify CUDA graphs (CUDA only); EAGLE-3 is refused for such a model."""
 
 from __future__ import annotations
 
@@ -60,6 +60,19 @@ def test_ngram_drafts_leave_greedy_tokens_unchanged(checkpoint: str, expected) -
     llm = make_llm(checkpoint, speculative_config=NGRAM)
     assert generate(llm) == expected
     assert llm.llm_engine.stats().spec_num_drafts > 0
+
+
+def test_a_draft_model_leaves_greedy_tokens_unchanged(
+    checkpoint: str,
+    expected,
+    tiny_checkpoint,  # noqa: ANN001
+) -> None:
+    """A tiny Qwen3 of the same vocabulary drafts (mostly rejected: another model)."""
+    spec = {"method": "draft_model", "model": tiny_checkpoint("qwen3"), "num_speculative_tokens": 2,
+            "disable_by_batch_size": None}  # fmt: skip
+    llm = make_llm(checkpoint, speculative_config=spec)
+    assert generate(llm) == expected
+    assert accepted_fraction(llm) < 1.0
 
 
 @pytest.mark.parametrize("rate", [0.5, 0.0])

@@ -1,9 +1,10 @@
 """The runner's side of speculative decoding: after a step's tokens are known, drafts for each
 request's next step (the scheduler decides how many it verifies), from prompt lookup, a draft
-model, an EAGLE-3 head or the benchmark's replay. Constrained requests (structured outputs) get
-drafts too: each verify row's mask follows the drafts before it (`grammar_bitmask.py`). No
-request gets drafts once `disable_by_batch_size` requests run. A draft model or a head also
-follows every target forward (its KV) and owns a cache beside the target's."""
+model, an EAGLE-3 head, Qwen3.5's MTP layer or the benchmark's replay. Constrained requests
+(structured outputs) get drafts too: each verify row's mask follows the drafts before it
+(`grammar_bitmask.py`). No request gets drafts once `disable_by_batch_size` requests run. A
+draft model or a head also follows every target forward (its KV) and owns a cache beside the
+target's."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ferrum.model_executor.input_batch import InputBuffers, RequestTokens, StepI
 from ferrum.model_executor.runner_state import CachedRequestState, LaunchedStep
 from ferrum.model_executor.speculative.draft_model import DraftModel
 from ferrum.model_executor.speculative.eagle3 import Eagle3Proposer, HeadRows, sampled_rows
+from ferrum.model_executor.speculative.mtp import MTPProposer
 from ferrum.model_executor.speculative.ngram_proposer import NgramProposer
 from ferrum.model_executor.speculative.proposer_model import ProposerModel
 from ferrum.model_executor.speculative.replay_proposer import ReplayProposer
@@ -40,7 +42,9 @@ class SpeculativeDecoder:
         self.config = spec
         self.max_model_len = config.model_config.max_model_len
         k = spec.num_speculative_tokens
-        self.ngram = self.replay = self.draft = self.eagle3 = None
+        self.ngram = self.replay = self.draft = None
+        # A head over the target's hidden states: an EAGLE-3 head or the MTP layer.
+        self.eagle3: Eagle3Proposer | None = None
         if spec.method == "ngram":
             self.ngram = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec.method == "replay":
@@ -58,6 +62,8 @@ class SpeculativeDecoder:
             self.eagle3 = Eagle3Proposer(
                 config, config.eagle3_config, target, inputs.max_num_tokens, kernel_backend, device
             )
+        elif spec.method == "mtp":
+            self.eagle3 = MTPProposer(config, target, inputs.max_num_tokens, kernel_backend, device)
         # The proposer that keeps a KV cache beside the target's, if any.
         self.model: ProposerModel | None = self.draft or self.eagle3
 
@@ -86,16 +92,18 @@ class SpeculativeDecoder:
         num_tokens: int,
         requests: Mapping[str, RequestTokens],
         num_scheduled: Mapping[str, int],
+        hidden_states: torch.Tensor | None,
     ) -> None:
-        """After the target's forward of a step: the draft model's forward of the same inputs,
-        or the head's pass once the step's tokens are sampled (`after_sampling`)."""
+        """After the target's forward of a step (`hidden_states`: its output): the draft
+        model's forward of the same inputs, or the head's pass once the step's tokens are
+        sampled (`after_sampling`)."""
         if self.draft is not None:
             self.draft.follow(inputs, shape, num_tokens)
         if self.eagle3 is not None:
-            self.eagle3.follow(inputs, shape, num_tokens, requests, num_scheduled)
+            self.eagle3.follow(inputs, shape, num_tokens, requests, num_scheduled, hidden_states)
 
     def after_sampling(self, sampled: torch.Tensor) -> HeadRows | None:
-        """After a step's sampling is queued: an EAGLE-3 head's pass over the step."""
+        """After a step's sampling is queued: an EAGLE-3 or MTP head's pass over the step."""
         return None if self.eagle3 is None else self.eagle3.after_sampling(sampled)
 
     def propose(

@@ -21,7 +21,6 @@ from ferrum.eagle3_config import Eagle3Config
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
 from ferrum.model_executor.input_batch import InputBuffers, RequestTokens, StepInputs
 from ferrum.model_executor.layers.aux_hidden_states import AuxHiddenStates
-from ferrum.model_executor.models.llama_eagle3 import Eagle3Head
 from ferrum.model_executor.runner_state import CachedRequestState
 from ferrum.model_executor.sampling_metadata import to_device
 from ferrum.model_executor.speculative.eagle3_loader import load_eagle3_head
@@ -69,16 +68,34 @@ class Eagle3Proposer(ProposerModel):
         )
         arch = head_config.arch
         shape = KVShape(1, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim)
-        super().__init__(head, shape, config, 0, kernel_backend, device)
-        self.head = head
         self.aux = AuxHiddenStates(
             head_config.aux_layer_ids, max_num_tokens, head_config.target_hidden_size, dtype, device
         )
         target.model.aux_hidden_states = self.aux
+        self.init_head(
+            config, head, shape, self.aux.buffer, arch.hidden_size, kernel_backend, device
+        )
+
+    def init_head(
+        self,
+        config: EngineConfig,
+        head: nn.Module,
+        shape: KVShape,
+        hidden_buffer: torch.Tensor,
+        hidden_size: int,
+        kernel_backend: str,
+        device: torch.device,
+    ) -> None:
+        """The proposer around a loaded `head` (an `Eagle3Head`'s interface: fuse, forward,
+        draft_token_ids) whose step pass reads row t's hidden input from `hidden_buffer[t]`."""
+        super().__init__(head, shape, config, 0, kernel_backend, device)
+        self.head = head
+        max_num_tokens = hidden_buffer.shape[0]
+        dtype = hidden_buffer.dtype
         self.next_ids = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         max_rows = max(max_num_tokens, config.scheduler_config.max_num_seqs)
-        self.hidden_in = torch.zeros((max_rows, arch.hidden_size), dtype=dtype, device=device)
-        self.step_pass = _StepPass(head, self.next_ids, self.aux.buffer)
+        self.hidden_in = torch.zeros((max_rows, hidden_size), dtype=dtype, device=device)
+        self.step_pass = _StepPass(head, self.next_ids, hidden_buffer)
         self.decode_step = _DecodeStep(head, self.hidden_in)
         self.pass_graphs: CUDAGraphRunner | None = None
         self.decode_graphs: CUDAGraphRunner | None = None
@@ -96,9 +113,11 @@ class Eagle3Proposer(ProposerModel):
         num_tokens: int,
         requests: Mapping[str, RequestTokens],
         num_scheduled: Mapping[str, int],
+        hidden_states: torch.Tensor | None,
     ) -> None:
         """After the target's forward of a step (before its computed counts advance): the
-        head's pass waits for the sampled tokens, or runs now when the step samples none."""
+        head's pass waits for the sampled tokens, or runs now when the step samples none.
+        `hidden_states`: the target's output (unused: the head reads aux hidden states)."""
         sampled = set(inputs.sampled_req_ids)
         rows, tokens, offset = [], [], 0
         for req_id, n in num_scheduled.items():
@@ -189,7 +208,7 @@ class _StepPass(nn.Module):
     """The head over a target step's padded rows: each row's next token from `next_ids`, its
     hidden state fused from the aux buffer (fixed addresses: a graph reads them)."""
 
-    def __init__(self, head: Eagle3Head, next_ids: torch.Tensor, aux: torch.Tensor) -> None:
+    def __init__(self, head: nn.Module, next_ids: torch.Tensor, aux: torch.Tensor) -> None:
         super().__init__()
         self.head = head
         self.next_ids = next_ids
@@ -210,7 +229,7 @@ class _StepPass(nn.Module):
 class _DecodeStep(nn.Module):
     """A head decode step: each row's previous draft and the head's output before it."""
 
-    def __init__(self, head: Eagle3Head, hidden_in: torch.Tensor) -> None:
+    def __init__(self, head: nn.Module, hidden_in: torch.Tensor) -> None:
         super().__init__()
         self.head = head
         self.hidden_in = hidden_in
