@@ -1,25 +1,36 @@
 """FlashAttention-4 (the `flash-attn-4` package's CuTe-DSL kernels: `pip install 'ferrum[fa4]'`)
-for steps with a long prompt chunk, on Hopper and Blackwell. One varlen launch covers the whole
-step (chunks after any cached prefix, fresh prompts and the step's decodes) straight from the
-paged cache through the block tables. H200, Qwen3-8B heads, pages of 16
-(benchmarks/bench_chunk_attention.py): 630-640 TFLOP/s after a cached prefix of 2k-16k tokens
-where ferrum's paged Triton kernel runs ~240, and 628 against cuDNN's 570 for a fresh 8k prompt;
-but a 512-token chunk after 3k cached tokens ran 190 against the Triton kernel's 234, so steps
-whose longest chunk is under FA4_MIN_QUERY_LEN keep ferrum's kernels (as do decode-only steps,
-whose split-KV path read 4.3-4.4 TB/s against FlashAttention-4's 3.7-3.8). Such steps are never
-replayed from CUDA graphs (those hold at most 512 tokens), so the kernel compiles (JIT) on the
-first such step of a layer shape, at warm-up."""
+for steps with much prompt attention, on Hopper and Blackwell. One varlen launch covers the whole
+step (chunks after any cached prefix, fresh prompts, the step's decodes) straight from the paged
+cache through the block tables. H200, Qwen3-8B heads, pages of 16 (TFLOP/s,
+benchmarks/bench_chunk_attention.py; prefix:chunk x conversations): after a cached prefix
+630-640 where ferrum's paged Triton kernel runs ~240 (3k:512 x8, 3k:1k x8, 8k:2k, 16k:4k); fresh
+8k 628 against cuDNN's 570; but 3k:512 x1 190 against 234 and 0:512 x8 107 against 142. So a
+step takes it when its chunks attend over at least FA4_MIN_PAIRS (query, key) pairs (lost at
+1.8M, won from 4.2M), never decode-only steps (split-KV read 4.3-4.5 TB/s at 2k-8k context, 3.5-3.8
+here) nor steps replayed from CUDA graphs (`flash_attention_step`). The kernels compile (JIT) once
+per layer shape, at warm-up."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-# Shortest chunk with which a step attends through FlashAttention-4 (see the module).
-FA4_MIN_QUERY_LEN = 1024
+# The (query, key) pairs of a step's prompt chunks from which it attends through FlashAttention-4.
+FA4_MIN_PAIRS = 3 << 20
 # The compute capabilities (major) FlashAttention-4's paged forward runs on: sm90, sm100/sm110.
 _MAJORS = (9, 10, 11)
+
+
+def flash_attention_step(query_start_loc: Sequence[int], seq_lens: Sequence[int]) -> bool:
+    """Whether a step (not replayed from a CUDA graph) attends through FlashAttention-4: its
+    prompt chunks (requests of more than one query) see at least FA4_MIN_PAIRS keys in all."""
+    pairs = 0
+    for start, end, seq_len in zip(query_start_loc, query_start_loc[1:], seq_lens):
+        chunk = end - start
+        if chunk > 1:
+            pairs += chunk * (seq_len - chunk) + chunk * (chunk + 1) // 2
+    return pairs >= FA4_MIN_PAIRS
 
 
 def load_flash_attn4() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:

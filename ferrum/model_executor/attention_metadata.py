@@ -47,5 +47,8 @@ class AttentionMetadata:
     # Where a step with long prompt chunks splits between SDPA and the paged kernel
     # (`kernels/sdpa_prefill.py`); empty otherwise, and in every CUDA-graph step.
     prefill_segments: tuple[AttentionSegment, ...] = ()
+    # Layers given FlashAttention-4 run it over this step (`kernels/flash_attn4.py`); never in a
+    # CUDA-graph step.
+    flash_attention_step: bool = False
     # Set when the step verifies drafts of a model with linear-attention layers.
     verify_states: VerifyStates | None = None

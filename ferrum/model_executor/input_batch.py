@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ferrum.config import EngineConfig
+from ferrum.kernels.flash_attn4 import flash_attention_step
 from ferrum.kernels.sdpa_prefill import (
     PREFIX_PER_CHUNK,
     long_chunk_in_step,
@@ -202,7 +203,6 @@ class InputBuffers:
         else:  # the bounds a graph is captured for (a verify graph's: tokens / requests)
             max_query_len = num_padded if num_rows == 1 else num_padded // num_rows
             max_seq_len = self.max_model_len
-        long_chunks = pad_to is None and long_chunk_in_step(max_query_len)
         metadata = AttentionMetadata(
             num_reqs=num_rows,
             num_tokens=num_padded,
@@ -214,13 +214,10 @@ class InputBuffers:
             slot_mapping=step.slot_mappings,
             query_start_loc_cpu=rows.query_start_loc,
             seq_lens_cpu=rows.seq_lens,
-            prefill_segments=long_prefill_segments(
-                rows.query_start_loc, rows.seq_lens, self.sdpa_max_len, self.sdpa_prefix_per_chunk
-            )
-            if long_chunks
-            else (),
             verify_states=verify_states,
         )
+        if pad_to is None and max_query_len > 1:  # how an eager step's prompt chunks attend
+            self._mark_prompt_attention(metadata)
         return StepInputs(
             input_ids=step.input_ids,
             positions=step.positions,
@@ -230,6 +227,16 @@ class InputBuffers:
             num_placeholders=len(rows.placeholder_indices),
             placeholder_index=placeholder_index,
         )
+
+    def _mark_prompt_attention(self, metadata: AttentionMetadata) -> None:
+        """The SDPA segments of a step with long chunks, and whether it is FlashAttention-4's
+        (`kernels/sdpa_prefill.py`, `kernels/flash_attn4.py`)."""
+        starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        if long_chunk_in_step(metadata.max_query_len):
+            metadata.prefill_segments = long_prefill_segments(
+                starts, seq_lens, self.sdpa_max_len, self.sdpa_prefix_per_chunk
+            )
+        metadata.flash_attention_step = flash_attention_step(starts, seq_lens)
 
     def _placeholder_index(self, rows: _Rows) -> torch.Tensor | None:
         """[2, n]: each placeholder's input position and its row in the last sampled tokens;

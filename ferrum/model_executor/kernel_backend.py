@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ferrum import envs
 from ferrum.config_fields import field_error
 from ferrum.kernels.batch_invariant import batch_invariant_kernels
-from ferrum.kernels.flash_attn4 import FA4_MIN_QUERY_LEN
+from ferrum.kernels.flash_attn4 import FA4_MIN_PAIRS
 from ferrum.kernels.interface import Kernels, torch_kernels, triton_kernels
 from ferrum.kernels.tuned_tables import set_user_config_dir
 from ferrum.logger import init_logger
@@ -115,7 +115,8 @@ def attach_flash_attention(
     for layer in layers:
         layer.use_flash_attention(flash_attention)
     logger.info(
-        "attention: FlashAttention-4 for steps with a chunk of at least %d tokens",
-        FA4_MIN_QUERY_LEN,
+        "attention: FlashAttention-4 for steps whose prompt chunks attend over at least %d "
+        "(query, key) pairs",
+        FA4_MIN_PAIRS,
     )
     return True

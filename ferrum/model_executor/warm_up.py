@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ferrum.kernels.flash_attn4 import FA4_MIN_QUERY_LEN
 from ferrum.kernels.sdpa_prefill import (
     cudnn_takes,
     padded_lengths,
@@ -34,6 +33,8 @@ logger = init_logger(__name__)
 
 # Single-request prefills up to this many tokens; above it, batches of up to 4 requests.
 _SINGLE_REQUEST_MAX = 128
+# A chunk long enough for FlashAttention-4's larger variant (see `_warm_up_flash_attention`).
+_FLASH_WARM_UP_TOKENS = 1024
 MULTI_REQUESTS = 4
 
 
@@ -76,15 +77,18 @@ def warm_up_runner(runner: StartUpRunner, num_blocks: int | list[int]) -> None:
     start = time.perf_counter()
     num_forwards, max_tokens = run_warm_up_batches(runner, num_blocks)
     sdpa_plans = _warm_up_sdpa_prefill(runner, runner.inputs.sdpa_max_len)
+    flash_shapes = _warm_up_flash_attention(runner)
     _warm_up_sdpa_fp8_rows(runner)
     if runner.stage.is_last:
         _warm_up_grammar_bitmask(runner)
     torch.cuda.synchronize(runner.device)
     logger.info(
-        "kernel warm-up: %d forwards of 1 to %d tokens, %d SDPA prefill lengths in %.2f s",
+        "kernel warm-up: %d forwards of 1 to %d tokens, %d SDPA prefill lengths, %d "
+        "FlashAttention-4 shapes in %.2f s",
         num_forwards,
         max_tokens,
         sdpa_plans,
+        flash_shapes,
         time.perf_counter() - start,
     )
 
@@ -100,14 +104,6 @@ def run_warm_up_batches(runner: StartUpRunner, num_blocks: int | list[int]) -> t
     batches = warm_up_batches(
         max_tokens, runner.block_size, num_blocks - 1, max_requests=sched.max_num_seqs
     )
-    # One chunk long enough for FlashAttention-4, whose kernels compile on first use.
-    if (
-        _takes_flash_attention(runner)
-        and max_tokens >= FA4_MIN_QUERY_LEN
-        and -(-FA4_MIN_QUERY_LEN // runner.block_size) <= num_blocks - 1
-        and all(max(lens) < FA4_MIN_QUERY_LEN for lens in batches)
-    ):
-        batches.append([FA4_MIN_QUERY_LEN])
     for query_lens in batches:
         hidden_states = runner.forward_prompts(query_lens)
         # Logits run outside the CUDA graphs; one row takes the LM head's own GEMV variant.
@@ -116,10 +112,32 @@ def run_warm_up_batches(runner: StartUpRunner, num_blocks: int | list[int]) -> t
     return len(batches), max_tokens
 
 
-def _takes_flash_attention(runner: StartUpRunner) -> bool:
-    return any(
-        isinstance(m, Attention) and m.flash_attention is not None for m in runner.model.modules()
-    )
+@torch.inference_mode()
+def _warm_up_flash_attention(runner: StartUpRunner) -> int:
+    """FlashAttention-4 compiles one kernel per layer shape on first use (on sm90 whatever the
+    lengths; Blackwell has a second variant for chunks of at most 128 / group queries): one call
+    per shape on a fresh chunk over the layer's bound cache, which it only reads. Returns the
+    shapes warmed."""
+    shapes = {}
+    for module in runner.model.modules():
+        if isinstance(module, Attention) and module.flash_attention is not None:
+            assert module.kv_cache is not None
+            key = (module.num_heads, module.num_kv_heads, module.head_dim, module.sliding_window)
+            shapes.setdefault(key, module)
+    for layer in shapes.values():
+        cache = layer.kv_cache
+        assert cache is not None and layer.flash_attention is not None
+        length = min(_FLASH_WARM_UP_TOKENS, (cache.shape[1] - 1) * cache.shape[2])
+        device = cache.device
+        blocks = torch.arange(1, 1 + -(-length // cache.shape[2]), device=device).int()[None]
+        query = torch.zeros(
+            length, layer.num_heads, layer.head_dim, dtype=cache.dtype, device=device
+        )
+        bounds = torch.tensor([0, length], dtype=torch.int32, device=device)
+        layer.flash_attention(
+            query, cache, blocks, bounds, bounds[1:], length, layer.scale, layer.sliding_window
+        )
+    return len(shapes)
 
 
 @torch.inference_mode()

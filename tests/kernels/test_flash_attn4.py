@@ -1,7 +1,7 @@
 """FlashAttention-4's adapter (kernels/flash_attn4.py) on the CPU: the arguments it hands
 `flash_attn_varlen_func`, checked by a torch stand-in with FlashAttention's documented semantics
 (paged K/V through page_table, seqused_k, causal aligned bottom-right, window (left, right))
-against ferrum's reference; the shape rules; and that it never runs in a CUDA-graph step."""
+against ferrum's reference; the shape rules; and which steps take it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from ferrum.kernels.attention_ref import paged_attention_ref
-from ferrum.kernels.flash_attn4 import FA4_MIN_QUERY_LEN, FlashAttention4, flash_attn4_rejects
-from ferrum.model_executor.cuda_graph import PREFILL_SIZES
+from ferrum.kernels.flash_attn4 import (
+    FlashAttention4,
+    flash_attention_step,
+    flash_attn4_rejects,
+)
 
 
 def flash_attn_varlen_stand_in(
@@ -84,7 +87,30 @@ def test_shape_rules() -> None:
     assert "heads of 100" in flash_attn4_rejects((9, 0), bf16, bf16, 100)
 
 
-def test_never_inside_a_cuda_graph() -> None:
-    """Graphs replay prefill steps of at most max(PREFILL_SIZES) tokens (decode and verify steps
-    of fewer): a step long enough for FlashAttention-4 always runs eagerly."""
-    assert max(PREFILL_SIZES) < FA4_MIN_QUERY_LEN
+def step(conversations: int, prefix: int, chunk: int, decodes: int = 0) -> tuple[list, list]:
+    """(query_start_loc, seq_lens) of `conversations` chunks after `prefix` cached tokens and
+    `decodes` decodes at a 8k context."""
+    lens = [chunk] * conversations + [1] * decodes
+    return [sum(lens[:i]) for i in range(len(lens) + 1)], [prefix + chunk] * conversations + [
+        8192
+    ] * decodes
+
+
+@pytest.mark.parametrize(
+    ("shape", "takes"),
+    [
+        # The bench_chunk_attention shapes (H200, Qwen3-8B heads) it won and lost.
+        ((1, 3072, 512), False),
+        ((8, 0, 512), False),
+        ((8, 3072, 512), True),
+        ((8, 0, 1024), True),
+        ((1, 0, 8192), True),
+        ((1, 2048, 2048), True),
+        ((1, 16384, 4096), True),
+        # Decodes add nothing, however long their context.
+        ((1, 3072, 512, 255), False),
+        ((0, 0, 0, 256), False),
+    ],
+)
+def test_which_steps_take_it(shape: tuple[int, ...], takes: bool) -> None:
+    assert flash_attention_step(*step(*shape)) is takes

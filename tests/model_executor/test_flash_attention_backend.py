@@ -14,7 +14,7 @@ from ferrum.device_config import DeviceConfig
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.errors import FieldError
 from ferrum.kernels import flash_attn4
-from ferrum.kernels.flash_attn4 import FA4_MIN_QUERY_LEN, FlashAttention4
+from ferrum.kernels.flash_attn4 import FlashAttention4
 from ferrum.kernels.interface import torch_kernels
 from ferrum.model_executor.attention_metadata import AttentionMetadata
 from ferrum.model_executor.kernel_backend import attach_flash_attention
@@ -123,10 +123,11 @@ def step(chunks: list[int], block: int) -> AttentionMetadata:
     )
 
 
-@pytest.mark.parametrize(("chunks", "calls"), [([FA4_MIN_QUERY_LEN, 3], 1), ([300, 1], 0)])
-def test_layer_sends_long_chunk_steps_through_it(chunks: list[int], calls: int) -> None:
-    """Only a step with a chunk of at least FA4_MIN_QUERY_LEN tokens, and the output equals
-    ferrum's own kernels' (a CPU layer given the stand-in directly)."""
+@pytest.mark.parametrize("marked", [True, False])
+def test_layer_sends_marked_steps_through_it(marked: bool) -> None:
+    """Only the steps metadata marks (`flash_attention_step`), and the output equals ferrum's
+    own kernels' (a CPU layer given the stand-in directly)."""
+    chunks = [70, 3, 1]
     torch.manual_seed(0)
     heads, kv_heads, dim, block = 2, 1, 16, 16
     seen = []
@@ -136,6 +137,7 @@ def test_layer_sends_long_chunk_steps_through_it(chunks: list[int], calls: int) 
         return flash_attn_varlen_stand_in(*args, **kwargs)
 
     metadata = step(chunks, block)
+    metadata.flash_attention_step = marked
     outputs = []
     for flash in (FlashAttention4(counting), None):
         layer = Attention(heads, dim, kv_heads, dim**-0.5, torch_kernels())
@@ -146,5 +148,5 @@ def test_layer_sends_long_chunk_steps_through_it(chunks: list[int], calls: int) 
         q, k, v = (torch.randn(metadata.num_tokens, h, dim, generator=gen) for h in (2, 1, 1))
         cos = torch.ones(metadata.num_tokens, dim // 2)
         outputs.append(layer(q, k, v, cos, torch.zeros_like(cos), metadata))
-    assert len(seen) == calls
+    assert seen == ([70] if marked else [])
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)

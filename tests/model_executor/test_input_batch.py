@@ -165,3 +165,25 @@ def test_a_step_with_long_chunks_carries_its_sdpa_segments(monkeypatch) -> None:
         ]
     monkeypatch.setattr(sdpa_module, "SDPA_PREFILL_MIN_TOKENS", 11)
     assert make_buffers().prepare(requests, scheduled, 19, {}).attn_metadata.prefill_segments == ()
+
+
+def test_flash_attention_steps_are_eager_with_much_prompt_attention(monkeypatch) -> None:
+    """The fresh prompt sees 55 (query, key) pairs and the chunk after 4 cached tokens 68, the
+    decode none: marked from 123 pairs, never when padded for a CUDA graph nor decode-only."""
+    import ferrum.kernels.flash_attn4 as flash_module
+
+    requests = {
+        "decode": Req(list(range(200, 206)), [5, 6], num_computed_tokens=5),
+        "fresh": Req(list(range(100, 110)), [7, 3, 9]),
+        "chunk": Req(list(range(300, 312)), [1, 2, 4], num_computed_tokens=4),
+    }
+    scheduled = {"decode": 1, "fresh": 10, "chunk": 8}
+    for limit, marked in ((123, True), (124, False)):
+        monkeypatch.setattr(flash_module, "FA4_MIN_PAIRS", limit)
+        meta = make_buffers().prepare(requests, scheduled, 19, {}).attn_metadata
+        assert meta.flash_attention_step is marked
+    monkeypatch.setattr(flash_module, "FA4_MIN_PAIRS", 1)
+    padded = make_buffers().prepare(requests, scheduled, 19, {}, pad_to=(32, 4)).attn_metadata
+    assert not padded.flash_attention_step
+    decodes = make_buffers().prepare(requests, {"decode": 1}, 1, {}).attn_metadata
+    assert not decodes.flash_attention_step

@@ -4,8 +4,8 @@ RoPE and the optional q/k norm), then attention reads it. The runner binds the c
 after no or a short cached prefix attend through SDPA (`kernels/sdpa_prefill.py`), unless the
 layer has a sliding window, an FP8 cache (its prefill reads the rounded K/V back) or a head size
 SDPA's fused backends reject (`takes_sdpa_prefill`). A layer given FlashAttention-4
-(`use_flash_attention`) runs it instead on every step with a chunk of at least FA4_MIN_QUERY_LEN
-tokens (`kernels/flash_attn4.py`)."""
+(`use_flash_attention`) runs it instead on the steps that metadata marks
+(`flash_attention_step`: much prompt attention, no CUDA graph; `kernels/flash_attn4.py`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ferrum.kernels import FP8_KV_DTYPE
-from ferrum.kernels.flash_attn4 import FA4_MIN_QUERY_LEN
 from ferrum.kernels.interface import Kernels
 from ferrum.kernels.sdpa_prefill import (
     AttentionSegment,
@@ -94,8 +93,8 @@ class Attention(nn.Module):
         self.kv_cache = self.split_kv_workspace = None
 
     def use_flash_attention(self, flash_attention: FlashAttention4 | None) -> None:
-        """Steps with a chunk of at least FA4_MIN_QUERY_LEN tokens attend through
-        `flash_attention` (None: through SDPA and the paged kernel)."""
+        """The steps metadata marks (`flash_attention_step`) attend through `flash_attention`
+        (None: through SDPA and the paged kernel)."""
         self.flash_attention = flash_attention
 
     def takes_sdpa_prefill(self) -> bool:
@@ -172,7 +171,7 @@ class Attention(nn.Module):
             k_norm_weight=k_norm_weight,
             eps=eps,
         )
-        if self.flash_attention is not None and attn_metadata.max_query_len >= FA4_MIN_QUERY_LEN:
+        if self.flash_attention is not None and attn_metadata.flash_attention_step:
             out = self.flash_attention(
                 query,
                 kv_cache,
