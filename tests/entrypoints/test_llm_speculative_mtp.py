@@ -47,6 +47,18 @@ def test_mtp_drafts_leave_greedy_tokens_unchanged(checkpoint: str, expected) -> 
     assert llm.llm_engine.core.kv_cache_manager.usage == 0.0
 
 
+def test_a_moe_checkpoints_layer_leaves_greedy_tokens_unchanged(
+    tiny_checkpoint,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    """Qwen3.5-MoE: the MTP layer's MLP is routed experts plus a shared expert."""
+    path = with_mtp(tiny_checkpoint("qwen3_5_moe"), tmp_path / "moe")
+    expected = generate(make_llm(path))
+    llm = make_llm(path, speculative_config=MTP)
+    assert generate(llm) == expected
+    assert llm.llm_engine.stats().spec_num_draft_tokens > 0
+
+
 def test_chunks_prefix_hits_preemption_and_async_keep_greedy_tokens(
     checkpoint: str,
     expected,  # noqa: ANN001

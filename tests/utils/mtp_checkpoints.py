@@ -18,14 +18,11 @@ from safetensors.torch import load_file, save_file
 INIT_STD = 0.15
 
 
-def mtp_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Each mtp.* tensor's shape for a dense Qwen3.5 text config."""
-    h, heads, kv = (
-        config["hidden_size"],
-        config["num_attention_heads"],
-        config["num_key_value_heads"],
-    )
-    d, inter = config["head_dim"], config["intermediate_size"]
+def mtp_shapes(config: dict, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Each mtp.* tensor's shape for a Qwen3.5 text config; the MLP's (dense or MoE) are those
+    of the target's layer 0 in `tensors`."""
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    kv, d = config["num_key_value_heads"], config["head_dim"]
     layer = "mtp.layers.0."
     shapes = {
         "mtp.fc.weight": (h, 2 * h),
@@ -35,10 +32,10 @@ def mtp_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         layer + "self_attn.o_proj.weight": (h, heads * d),
         layer + "self_attn.q_norm.weight": (d,),
         layer + "self_attn.k_norm.weight": (d,),
-        layer + "mlp.gate_proj.weight": (inter, h),
-        layer + "mlp.up_proj.weight": (inter, h),
-        layer + "mlp.down_proj.weight": (h, inter),
     }
+    for name, tensor in tensors.items():
+        if ".layers.0.mlp." in name:
+            shapes[layer + "mlp." + name.split(".layers.0.mlp.", 1)[1]] = tuple(tensor.shape)
     for norm in ("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.norm"):
         shapes[f"{norm}.weight"] = (h,)
     for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -57,7 +54,7 @@ def with_mtp(src: str, dst: str | os.PathLike[str], seed: int = 0) -> str:
     path = os.path.join(dst, "model.safetensors")
     tensors = load_file(path)
     generator = torch.Generator().manual_seed(seed)
-    for name, shape in mtp_shapes(config).items():
+    for name, shape in mtp_shapes(config, tensors).items():
         noise = torch.randn(shape, generator=generator)
         tensors[name] = 0.1 * noise if len(shape) == 1 else INIT_STD * noise  # norms: 1 + w
     save_file(tensors, path, metadata={"format": "pt"})
