@@ -62,8 +62,10 @@ def gated_delta_rule_decode_ref(
     slot_ids: torch.Tensor,  # [num_reqs] int; < 0: padding (zero output, no state)
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    dst_slot_ids: torch.Tensor | None = None,  # [num_reqs] int; None: slot_ids
 ) -> torch.Tensor:
-    """One recurrent step per request (token i is request i's only token), batched."""
+    """One recurrent step per request (token i is request i's only token), batched; the new
+    state goes to dst_slot_ids[i] when given, else back to slot_ids[i]."""
     out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     live = (slot_ids >= 0).nonzero().flatten()
     if live.numel() == 0:
@@ -80,7 +82,8 @@ def gated_delta_rule_decode_ref(
     delta = (v[live].float() - kv_mem) * beta[live].float()[:, :, None]
     state = state + kf[:, :, :, None] * delta[:, :, None, :]
     out[live] = torch.einsum("nhkv,nhk->nhv", state, qf).to(v.dtype)
-    state_pool[slots] = state.to(state_pool.dtype)
+    dst = slots if dst_slot_ids is None else dst_slot_ids[live].long()
+    state_pool[dst] = state.to(state_pool.dtype)
     return out
 
 

@@ -12,14 +12,15 @@ from ferrum.kernels.sdpa_prefill import AttentionSegment
 @dataclass(slots=True)
 class VerifyStates:
     """How linear-attention layers run a step that verifies drafts (or a verify-shaped CUDA
-    graph): the rows with `step_slots[i] >= 0` advance one token at a time (`query_len`
-    positions) in their live slot `step_slots[i]`, and after their token j (j < query_len - 1)
-    the state is copied to slot `save_slots[i, j]` (0, the null slot, discards it). The other
-    rows run as chunks over `prefill_slots` (-1 for the rows above; None when there are none)."""
+    graph): the rows with `step_slots[i] >= 0` (their live slot) advance one token at a time
+    (`query_len` positions); token j reads the recurrent state of slot `state_slots[i, j]` and
+    writes the new one to `state_slots[i, j + 1]` (the live slot from the row's last token on),
+    the conv state advances in the live slot and is copied there too. The other rows run as
+    chunks over `prefill_slots` (-1 for the rows above; None when there are none)."""
 
     query_len: int
     step_slots: torch.Tensor  # [num_reqs] int32, on the model's device
-    save_slots: torch.Tensor  # [num_reqs, query_len] int64, on the model's device
+    state_slots: torch.Tensor  # [num_reqs, query_len + 1] int32, on the model's device
     prefill_slots: torch.Tensor | None  # [num_reqs] int32, on the model's device
 
 

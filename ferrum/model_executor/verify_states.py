@@ -1,8 +1,8 @@
 """The linear-attention state slots of a step that verifies drafts (`VerifyStates`). A runner of a
 model with linear-attention layers keeps `verify_scratch_slots` slots past the KV manager's in
 every such layer's pools, k per verifying request: the r-th request with drafts in a step (in
-scheduling order) saves the state after its token j (its next token, then each draft but the
-last) in slot `scratch_base + r * k + j`, while its live slot ends after its last draft. Once the
+scheduling order) keeps the state after its token j (its next token, then each draft but the
+last) in slot `scratch_base + r * k + j`, and its live slot ends after its last draft. Once the
 step's acceptance is known, the state after its last accepted token becomes the live one
 (`RecurrentStateCache.roll_back`), so no state that saw a rejected draft survives the step."""
 
@@ -46,7 +46,7 @@ def verify_staging_bytes(max_num_reqs: int, query_len: int) -> int:
     """What `build_verify_states` takes of a step's staging buffer at most."""
     return staging_bytes(
         (max_num_reqs, torch.int32),
-        (max_num_reqs * query_len, torch.int64),
+        (max_num_reqs * (query_len + 1), torch.int32),
         (max_num_reqs, torch.int32),
     )
 
@@ -61,7 +61,7 @@ def build_verify_states(
 ) -> VerifyStates | None:
     """The step's `VerifyStates` (None when it verifies no drafts and is no verify graph). In a
     verify graph every row, padding included, advances one token at a time (a row without
-    drafts saves nothing); an eager step does so for its rows with drafts only."""
+    drafts in its live slot only); an eager step does so for its rows with drafts only."""
     graph = layout.is_verify_shape(pad_to)
     draft_counts = [len(drafts.get(req_id, ())) for req_id in num_scheduled_tokens]
     if not graph and not any(draft_counts):
@@ -72,10 +72,10 @@ def build_verify_states(
     else:
         num_rows, query_len = len(draft_counts), 1 + max(draft_counts)
     step_np, step_slots = staging.take(num_rows, torch.int32)
-    save_np, save_slots = staging.take(num_rows * query_len, torch.int64)
-    save_np = save_np.reshape(num_rows, query_len)
+    chain_np, state_slots = staging.take(num_rows * (query_len + 1), torch.int32)
+    chain_np = chain_np.reshape(num_rows, query_len + 1)
     step_np[:] = 0  # padding rows: the null slot
-    save_np[:] = 0
+    chain_np[:] = 0
     prefill_np, prefill_slots = None, None
     if not graph and not all(draft_counts):
         prefill_np, prefill_slots = staging.take(num_rows, torch.int32)
@@ -86,10 +86,13 @@ def build_verify_states(
         step_np[i] = live if per_position else -1
         if prefill_np is not None:
             prefill_np[i] = -1 if per_position else live
-        if n:
-            save_np[i, :n] = [layout.scratch_slot(row, j) for j in range(n)]
-            row += 1
-    return VerifyStates(query_len, step_slots, save_slots.view(num_rows, query_len), prefill_slots)
+        if per_position:  # live -> scratch (row, 0) .. (row, n - 1) -> live, then live
+            chain_np[i] = live
+            chain_np[i, 1 : n + 1] = [layout.scratch_slot(row, j) for j in range(n)]
+            row += 1 if n else 0
+    return VerifyStates(
+        query_len, step_slots, state_slots.view(num_rows, query_len + 1), prefill_slots
+    )
 
 
 def verify_state_layout(

@@ -114,6 +114,29 @@ def test_decode_matches_reference(
         torch.testing.assert_close(pool[untouched], expected_pool[untouched], atol=0, rtol=0)
 
 
+def test_decode_writes_the_new_state_to_its_destination_slot(
+    dtype: torch.dtype, device: torch.device
+) -> None:
+    """With dst_slot_ids, request i's state goes to dst_slot_ids[i] (a verify step's scratch
+    slot) and its slot keeps the old one; outputs are those of the in-place step."""
+    x = make_inputs(4, 2, 4, 16, 16, dtype, device, seed=9)
+    pool = random_pool(9, (4, 16, 16), device, seed=10)
+    slots = torch.tensor([1, 2, -1, 3], dtype=torch.int32, device=device)
+    dst = torch.tensor([5, 2, 7, 8], dtype=torch.int32, device=device)
+    in_place = pool.clone()
+    expected = gated_delta_rule_decode_ref(
+        x.q, x.k, x.v, x.g, x.beta, in_place, slots, use_qk_l2norm=True
+    )
+    for fn in (gated_delta_rule_decode_ref, gated_delta_rule_decode):
+        got_pool = pool.clone()
+        out = fn(x.q, x.k, x.v, x.g, x.beta, got_pool, slots, use_qk_l2norm=True, dst_slot_ids=dst)
+        torch.testing.assert_close(out, expected, **TOL[dtype])
+        for src, to in ((1, 5), (2, 2), (3, 8)):
+            torch.testing.assert_close(got_pool[to], in_place[src], **TOL[torch.float32])
+        for kept in (0, 1, 3, 4, 6, 7):  # sources keep their state; padding writes nothing
+            torch.testing.assert_close(got_pool[kept], pool[kept], atol=0, rtol=0)
+
+
 def test_decode_step_continues_a_sequence(device: torch.device) -> None:
     # Decoding token by token from a zero slot gives the whole-sequence recurrence.
     x = make_inputs(4, 1, 2, 16, 16, torch.float32, device, seed=4)

@@ -41,12 +41,13 @@ def test_an_eager_step_runs_its_rows_with_drafts_one_position_at_a_time() -> Non
     assert states is not None and states.query_len == 4
     assert states.step_slots.tolist() == [-1, 6, -1, 9]
     assert states.prefill_slots is not None and states.prefill_slots.tolist() == [5, -1, 7, -1]
-    # "two" is verifying row 0 (slots 10, 11), "three" row 1 (13, 14, 15).
-    assert states.save_slots.tolist() == [
-        [0, 0, 0, 0],
-        [10, 11, 0, 0],
-        [0, 0, 0, 0],
-        [13, 14, 15, 0],
+    # "two" is verifying row 0 (slots 10, 11), "three" row 1 (13, 14, 15): token j reads the
+    # state of entry j and writes entry j + 1.
+    assert states.state_slots.tolist() == [
+        [0, 0, 0, 0, 0],
+        [6, 10, 11, 6, 6],
+        [0, 0, 0, 0, 0],
+        [9, 13, 14, 15, 9],
     ]
 
 
@@ -59,4 +60,4 @@ def test_a_step_without_drafts_has_none_unless_it_runs_a_verify_graph() -> None:
     states = build_verify_states(staging(), LAYOUT, requests, scheduled, {"b": [9, 9]}, (16, 4))
     assert states is not None and states.query_len == 4 and states.prefill_slots is None
     assert states.step_slots.tolist() == [5, 6, 0, 0]
-    assert states.save_slots.tolist() == [[0] * 4, [10, 11, 0, 0], [0] * 4, [0] * 4]
+    assert states.state_slots.tolist() == [[5] * 5, [6, 10, 11, 6, 6], [0] * 5, [0] * 5]

@@ -187,11 +187,11 @@ class GatedDeltaNet(nn.Module):
             q, k, v, g, beta, starts, self.recurrent_state, slot_ids, use_qk_l2norm=True
         )
 
-    def save_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
-        """Copies the conv and recurrent states of slots src_slots[i] into dst_slots[i]."""
-        for pool in (self.conv_state, self.recurrent_state):
-            assert pool is not None
-            pool.index_copy_(0, dst_slots, pool.index_select(0, src_slots))
+    def copy_conv_states(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copies the conv states of slots src_slots[i] into dst_slots[i]."""
+        pool = self.conv_state
+        assert pool is not None
+        pool.index_copy_(0, dst_slots, pool.index_select(0, src_slots))
 
 
 def mix_verify_step(
@@ -203,8 +203,8 @@ def mix_verify_step(
     verify: VerifyStates,
 ) -> torch.Tensor:
     """The token mixing of a verifying step (see `VerifyStates`): chunk rows as usual, then the
-    other rows one position at a time (static shapes: a CUDA graph replays it), saving their
-    states after each position but the last."""
+    other rows one position at a time (static shapes: a CUDA graph replays it), the recurrent
+    state along each row's chain of slots, the conv state in the live slot and copied along."""
     num_tokens = qkv.shape[0]
     shape = (num_tokens + 1, layer.num_v_heads, layer.v_dim)  # row num_tokens: a sink
     out = torch.zeros(shape, dtype=qkv.dtype, device=qkv.device)
@@ -212,17 +212,30 @@ def mix_verify_step(
         out[:num_tokens] = layer.mix_chunks(qkv, g, beta, verify.prefill_slots, attn_metadata)
     starts = attn_metadata.query_start_loc.long()
     first, ends = starts[:-1], starts[1:]
-    live = verify.step_slots
-    save_src = live.long().clamp(min=0)
+    live, chain = verify.step_slots, verify.state_slots
+    live_index = live.long().clamp(min=0)
     no_slot = torch.full_like(live, -1)
     for j in range(verify.query_len):
         token = first + j
         valid = (token < ends) & (live >= 0)
         gather = torch.where(valid, token, 0)
-        mixed = layer.mix_decode(
-            qkv[gather], g[gather], beta[gather], torch.where(valid, live, no_slot)
+        conv_slots = torch.where(valid, live, no_slot)
+        qkv_j = layer.kernels.causal_conv1d_update(
+            qkv[gather], layer.conv_weight, None, layer.conv_state, conv_slots
+        )
+        q, k, v = layer._split_heads(qkv_j)
+        mixed = layer.kernels.gated_delta_rule_decode(
+            q,
+            k,
+            v,
+            g[gather],
+            beta[gather],
+            layer.recurrent_state,
+            torch.where(valid, chain[:, j], no_slot),
+            use_qk_l2norm=True,
+            dst_slot_ids=chain[:, j + 1].contiguous(),
         )
         out.index_copy_(0, torch.where(valid, token, num_tokens), mixed)
-        if j + 1 < verify.query_len:
-            layer.save_states(save_src, verify.save_slots[:, j])
+        if j + 1 < verify.query_len:  # the conv state after token j beside the recurrent one
+            layer.copy_conv_states(live_index, chain[:, j + 1].long())
     return out[:num_tokens]
