@@ -108,8 +108,24 @@ def tuned_config_dir() -> Path:
     override = _get("FERRUM_TUNED_CONFIG_DIR", "")
     if override:
         return Path(override).expanduser()
+    return _cache_root() / "tuned_configs"
+
+
+def _cache_root() -> Path:
+    """$XDG_CACHE_HOME/ferrum, else ~/.cache/ferrum."""
     cache = _get("XDG_CACHE_HOME", "")
-    return (Path(cache) if cache else Path.home() / ".cache") / "ferrum" / "tuned_configs"
+    return (Path(cache) if cache else Path.home() / ".cache") / "ferrum"
+
+
+def persist_flash_attn4_kernels() -> None:
+    """Unless the environment says otherwise, FlashAttention-4 keeps the kernels it compiles on
+    disk (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1, in <cache>/ferrum/flash_attn4), so a later
+    start-up loads them instead of compiling (H200: 0.01 s against 3.6 s a layer shape).
+    flash_attn.cute reads both when it first loads: call before importing it."""
+    if "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED" not in os.environ:
+        os.environ["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] = "1"
+        folder = str(_cache_root() / "flash_attn4")
+        os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", folder)
 
 
 def ray_address() -> str | None:

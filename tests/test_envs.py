@@ -46,3 +46,21 @@ def test_tuned_config_dir_is_the_debug_override_else_the_xdg_cache(monkeypatch, 
     assert envs.tuned_config_dir() == Path.home() / ".cache" / "ferrum" / "tuned_configs"
     monkeypatch.setenv("FERRUM_TUNED_CONFIG_DIR", str(tmp_path / "mine"))
     assert envs.tuned_config_dir() == tmp_path / "mine"
+
+
+def test_flash_attn4_kernels_persist_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:  # noqa: ANN001
+    from ferrum import envs
+
+    enabled, folder = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
+    monkeypatch.delenv(enabled, raising=False)
+    monkeypatch.delenv(folder, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    envs.persist_flash_attn4_kernels()
+    assert os.environ[enabled] == "1"
+    assert os.environ[folder] == str(tmp_path / "ferrum" / "flash_attn4")
+    monkeypatch.setenv(enabled, "0")
+    monkeypatch.delenv(folder)
+    envs.persist_flash_attn4_kernels()
+    assert os.environ[enabled] == "0" and folder not in os.environ

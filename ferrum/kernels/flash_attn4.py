@@ -8,13 +8,15 @@ benchmarks/bench_chunk_attention.py; prefix:chunk x conversations): after a cach
 step takes it when its chunks attend over at least FA4_MIN_PAIRS (query, key) pairs (lost at
 1.8M, won from 4.2M), never decode-only steps (split-KV read 4.3-4.5 TB/s at 2k-8k context, 3.5-3.8
 here) nor steps replayed from CUDA graphs (`flash_attention_step`). The kernels compile (JIT) once
-per layer shape, at warm-up."""
+per layer shape, at warm-up, or load from disk (`load_flash_attn4`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 import torch
+
+from ferrum import envs
 
 # The (query, key) pairs of a step's prompt chunks from which it attends through FlashAttention-4.
 FA4_MIN_PAIRS = 3 << 20
@@ -35,7 +37,9 @@ def flash_attention_step(query_start_loc: Sequence[int], seq_lens: Sequence[int]
 
 def load_flash_attn4() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
     """`flash_attn.cute`'s `flash_attn_varlen_func`, or None where the package is not installed
-    (or cannot load: its CUTLASS DSL libraries are missing)."""
+    (or cannot load: its CUTLASS DSL libraries are missing). Its compiled kernels persist on
+    disk (`envs.persist_flash_attn4_kernels`). The import takes ~7 s (H200 box)."""
+    envs.persist_flash_attn4_kernels()
     try:
         from flash_attn.cute.interface import flash_attn_varlen_func
     except ImportError:
