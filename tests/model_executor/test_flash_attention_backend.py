@@ -47,8 +47,25 @@ def test_every_layer_takes_it_where_it_runs(backend: str) -> None:
     model = layers()
     assert attach(model, backend)
     assert all(isinstance(layer.flash_attention, FlashAttention4) for layer in model)
-    # SDPA never runs where FlashAttention-4 takes every chunk it would.
-    assert not any(layer.takes_sdpa_prefill() for layer in model)
+
+
+def test_sdpa_keeps_the_long_chunks_of_steps_it_does_not_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fresh chunk of SDPA's shortest length is short of FA4_MIN_PAIRS: a layer given
+    FlashAttention-4 still sends such a step's long chunks through SDPA (the device check
+    passed: this may run without a GPU)."""
+    from ferrum.kernels.interface import triton_kernels
+    from ferrum.kernels.sdpa_prefill import SDPA_PREFILL_MIN_TOKENS
+    from ferrum.model_executor.layers import attention as attention_module
+
+    n = SDPA_PREFILL_MIN_TOKENS
+    assert not flash_attn4.flash_attention_step([0, n], [n])
+    monkeypatch.setattr(attention_module, "sdpa_takes", lambda device, dtype, head_dim: True)
+    layer = Attention(4, 16, 2, 0.25, triton_kernels())
+    layer.bind_kv_cache(torch.zeros(2, 3, 16, 2, 16, dtype=BF16))
+    layer.use_flash_attention(FlashAttention4(flash_attn_varlen_stand_in))
+    assert layer.takes_sdpa_prefill()
 
 
 @pytest.mark.usefixtures("fake_hopper")

@@ -100,12 +100,12 @@ class Attention(nn.Module):
     def takes_sdpa_prefill(self) -> bool:
         """Whether long prompt chunks attend through SDPA here: Triton kernels, no sliding
         window, a bound bf16/fp16 cache (an FP8 cache's prefill reads the rounded keys back) on
-        a GPU SDPA's fused backends take; never with batch-invariant kernels, nor where
-        FlashAttention-4 takes every chunk SDPA would."""
+        a GPU SDPA's fused backends take; never with batch-invariant kernels. With
+        FlashAttention-4 too, on the steps it does not take (a fresh chunk of 2,048 tokens
+        is short of FA4_MIN_PAIRS)."""
         cache = self.kv_cache
         return (
-            self.flash_attention is None
-            and self.kernels.is_triton
+            self.kernels.is_triton
             and not self.kernels.batch_invariant
             and self.sliding_window is None
             and cache is not None
