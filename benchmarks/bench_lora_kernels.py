@@ -1,8 +1,7 @@
 """The LoRA kernels beside the base GEMM of each Qwen3-8B LoRA layer (GPU): per token count,
-microseconds of the base F.linear, of the layer with LoRA as the engine runs it (steps of at most
-LORA_DECODE_MAX_TOKENS tokens: one fused launch; longer: shrink + expand), and of the shrink and
-expand alone (`--slots` adapters of rank `--rank` in the pool, the tokens spread over `--used` of
-them), timed in CUDA graphs. The ratio column is what an adapter adds to the layer.
+microseconds of the base F.linear and of LoRA's shrink + expands (`--slots` adapters of rank
+`--rank` in the pool, the tokens spread over `--used` of them), timed in CUDA graphs as the
+engine runs them. The ratio column is what an adapter adds to the layer.
 
     python benchmarks/bench_lora_kernels.py                        # H100/H200, bf16
     TRITON_INTERPRET=1 python benchmarks/bench_lora_kernels.py --smoke   # CPU: the script runs
@@ -20,9 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ferrum.kernels.lora_decode import lora_decode  # noqa: E402
 from ferrum.kernels.lora_expand import lora_expand  # noqa: E402
-from ferrum.kernels.lora_segments import LORA_DECODE_MAX_TOKENS, LoRASegments  # noqa: E402
+from ferrum.kernels.lora_segments import LoRASegments  # noqa: E402
 from ferrum.kernels.lora_shrink import lora_shrink  # noqa: E402
 
 # Qwen3-8B: (layer, input features, output features of each shard).
@@ -35,15 +33,11 @@ LAYERS = {
 SMOKE_LAYERS = {"qkv": (64, (64, 16, 16)), "down": (96, (64,))}
 
 
-def run_layer(x, weight, lora_a, lora_b, segments, slots, shards) -> None:  # noqa: ANN001
-    """The layer as the engine runs it (`LoRABatch.add`): the base GEMM, then the fused kernel,
-    or the shrink and one expand over every shard."""
+def run_layer(x, weight, lora_a, lora_b, segments, shards, rank) -> None:  # noqa: ANN001
+    """The layer as the engine runs it: the base GEMM, the shrink, one expand over every shard."""
     y = torch.nn.functional.linear(x, weight)
-    starts = tuple(sum(shards[:i]) for i in range(len(shards)))
-    if x.shape[0] <= LORA_DECODE_MAX_TOKENS:
-        lora_decode(x, lora_a, lora_b, slots, y, starts)
-        return
     t = lora_shrink(x, lora_a, segments)
+    starts = tuple(sum(shards[:i]) for i in range(len(shards)))
     lora_expand(t, lora_b, segments, y, starts)
 
 
@@ -88,7 +82,7 @@ def main() -> int:
             segments.fill(slots)
             iters = 2 if args.smoke else args.iters
             base = timed_us(partial(torch.nn.functional.linear, x, weight), device, iters)
-            lora = partial(run_layer, x, weight, lora_a, lora_b, segments, slots, shards)
+            lora = partial(run_layer, x, weight, lora_a, lora_b, segments, shards, args.rank)
             with_lora = timed_us(lora, device, iters)
             shrink = timed_us(partial(lora_shrink, x, lora_a, segments), device, iters)
             t = lora_shrink(x, lora_a, segments)

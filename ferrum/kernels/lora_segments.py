@@ -9,10 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-# The most tokens of a step whose LoRA runs as one fused launch (`lora_decode.py`); here so
-# that the layers read it without importing triton.
-LORA_DECODE_MAX_TOKENS = 4
-
 
 def block_m(num_tokens: int) -> int:
     """Token tile: 16 rows for decode-sized batches, 64 for prompt chunks (fewer idle

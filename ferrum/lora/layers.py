@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ferrum.kernels.lora_ref import lora_expand_torch, lora_shrink_torch
-from ferrum.kernels.lora_segments import LORA_DECODE_MAX_TOKENS, LoRASegments
+from ferrum.kernels.lora_segments import LoRASegments
 from ferrum.model_executor.layers.linear import Linear, MergedLinear
 from ferrum.model_executor.layers.parallel_linear import RowParallelLinear
 
@@ -42,24 +42,6 @@ class LoRABatch:
         """Refreshes the grouping after `token_slots` changed (Triton only)."""
         if self.segments is not None:
             self.segments.fill(self.token_slots)
-
-    def add(
-        self,
-        x: torch.Tensor,
-        lora_a: torch.Tensor,
-        lora_b: torch.Tensor,
-        y: torch.Tensor,
-        slice_starts: tuple[int, ...],
-    ) -> None:
-        """y += each token's adapter product (shards of B starting at `slice_starts`): one fused
-        Triton launch for a step of at most LORA_DECODE_MAX_TOKENS tokens, else the shrink and
-        one expand over the shards."""
-        if self.segments is not None and x.shape[0] <= LORA_DECODE_MAX_TOKENS:
-            from ferrum.kernels.lora_decode import lora_decode
-
-            lora_decode(x, lora_a, lora_b, self.token_slots, y, slice_starts)
-            return
-        self.expand(self.shrink(x, lora_a), lora_b, y, slice_starts)
 
     def shrink(self, x: torch.Tensor, lora_a: torch.Tensor) -> torch.Tensor:
         if self.segments is not None:
@@ -143,8 +125,8 @@ class LoRALinear(nn.Module):
     def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> None:
         if not self.batch.runs(x):
             return
-        starts = tuple(offset for _, offset, _, _ in self.slices)
-        self.batch.add(x, self.lora_a, self.lora_b, y, starts)
+        t = self.batch.shrink(x, self.lora_a)
+        self.batch.expand(t, self.lora_b, y, tuple(offset for _, offset, _, _ in self.slices))
 
     def forward(self, x: torch.Tensor, x_fp8: object = None) -> torch.Tensor:
         if x_fp8 is not None:
