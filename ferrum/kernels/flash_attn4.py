@@ -20,6 +20,7 @@ from ferrum import envs
 
 # The (query, key) pairs of a step's prompt chunks from which it attends through FlashAttention-4.
 FA4_MIN_PAIRS = 3 << 20
+NOT_INSTALLED = "needs the flash-attn-4 package (pip install 'ferrum[fa4]')"
 # The compute capabilities (major) FlashAttention-4's paged forward runs on: sm90, sm100/sm110.
 _MAJORS = (9, 10, 11)
 
@@ -35,16 +36,18 @@ def flash_attention_step(query_start_loc: Sequence[int], seq_lens: Sequence[int]
     return pairs >= FA4_MIN_PAIRS
 
 
-def load_flash_attn4() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """`flash_attn.cute`'s `flash_attn_varlen_func`, or None where the package is not installed
-    (or cannot load: its CUTLASS DSL libraries are missing). Its compiled kernels persist on
-    disk (`envs.persist_flash_attn4_kernels`). The import takes ~7 s (H200 box)."""
+def load_flash_attn4() -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]] | None, str]:
+    """(`flash_attn.cute`'s `flash_attn_varlen_func`, "") or (None, why it cannot be had: not
+    installed, or installed with native libraries that do not load). Its compiled kernels
+    persist on disk (`envs.persist_flash_attn4_kernels`). The import takes ~7 s (H200 box)."""
     envs.persist_flash_attn4_kernels()
     try:
         from flash_attn.cute.interface import flash_attn_varlen_func
     except ImportError:
-        return None
-    return flash_attn_varlen_func
+        return None, NOT_INSTALLED
+    except (OSError, RuntimeError) as e:
+        return None, f"is installed but does not load: {e}"
+    return flash_attn_varlen_func, ""
 
 
 def flash_attn4_rejects(

@@ -82,7 +82,12 @@ def attach_flash_attention(
     Returns whether any layer took it."""
     import torch
 
-    from ferrum.kernels.flash_attn4 import FlashAttention4, flash_attn4_rejects, load_flash_attn4
+    from ferrum.kernels.flash_attn4 import (
+        NOT_INSTALLED,
+        FlashAttention4,
+        flash_attn4_rejects,
+        load_flash_attn4,
+    )
     from ferrum.model_executor.layers.attention import Attention
 
     backend = device_config.attention_backend
@@ -94,9 +99,10 @@ def attach_flash_attention(
         reason = "needs a CUDA device with the Triton kernel backend"
     elif device_config.batch_invariant:
         reason = "is not batch-invariant (batch_invariant is on)"
-    varlen_func = load_flash_attn4() if reason is None else None
-    if reason is None and varlen_func is None:
-        reason = "needs the flash-attn-4 package (pip install 'ferrum[fa4]')"
+    varlen_func, tried = None, reason is None
+    if tried:
+        varlen_func, why_not = load_flash_attn4()
+        reason = why_not or None
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     if reason is None:
         capability = torch.cuda.get_device_capability(device)
@@ -107,8 +113,8 @@ def attach_flash_attention(
     if reason is not None:
         if required:
             raise field_error("attention_backend", f"'FLASH_ATTN' (FlashAttention-4) {reason}")
-        if backend == "auto" and varlen_func is not None:
-            logger.info("attention: ferrum's kernels; FlashAttention-4 %s", reason)
+        if backend == "auto" and tried and reason != NOT_INSTALLED:
+            logger.warning("attention: ferrum's kernels; FlashAttention-4 %s", reason)
         return False
     assert varlen_func is not None
     flash_attention = FlashAttention4(varlen_func)

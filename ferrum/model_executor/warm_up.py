@@ -115,9 +115,9 @@ def run_warm_up_batches(runner: StartUpRunner, num_blocks: int | list[int]) -> t
 @torch.inference_mode()
 def _warm_up_flash_attention(runner: StartUpRunner) -> int:
     """FlashAttention-4 compiles one kernel per layer shape on first use (on sm90 whatever the
-    lengths; Blackwell has a second variant for chunks of at most 128 / group queries): one call
-    per shape on a fresh chunk over the layer's bound cache, which it only reads. Returns the
-    shapes warmed."""
+    lengths; Blackwell has a second variant for chunks of at most 128 / group queries): calls per
+    shape on a fresh chunk of 1,024 tokens and of one over the layer's bound cache, which it only
+    reads. Returns the shapes warmed."""
     shapes = {}
     for module in runner.model.modules():
         if isinstance(module, Attention) and module.flash_attention is not None:
@@ -127,16 +127,15 @@ def _warm_up_flash_attention(runner: StartUpRunner) -> int:
     for layer in shapes.values():
         cache = layer.kv_cache
         assert cache is not None and layer.flash_attention is not None
-        length = min(_FLASH_WARM_UP_TOKENS, (cache.shape[1] - 1) * cache.shape[2])
-        device = cache.device
-        blocks = torch.arange(1, 1 + -(-length // cache.shape[2]), device=device).int()[None]
-        query = torch.zeros(
-            length, layer.num_heads, layer.head_dim, dtype=cache.dtype, device=device
-        )
-        bounds = torch.tensor([0, length], dtype=torch.int32, device=device)
-        layer.flash_attention(
-            query, cache, blocks, bounds, bounds[1:], length, layer.scale, layer.sliding_window
-        )
+        longest = min(_FLASH_WARM_UP_TOKENS, (cache.shape[1] - 1) * cache.shape[2])
+        for length in (longest, 1):  # Blackwell's two variants (sm90: the second is cached)
+            on = {"device": cache.device}
+            blocks = torch.arange(1, 1 + -(-length // cache.shape[2]), **on).int()[None]
+            query = torch.zeros(length, layer.num_heads, layer.head_dim, dtype=cache.dtype, **on)
+            bounds = torch.tensor([0, length], dtype=torch.int32, **on)
+            layer.flash_attention(
+                query, cache, blocks, bounds, bounds[1:], length, layer.scale, layer.sliding_window
+            )
     return len(shapes)
 
 

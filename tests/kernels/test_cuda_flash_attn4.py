@@ -13,7 +13,7 @@ from tests.utils.tiny_llm import cuda_llm, greedy, random_prompts, teacher_force
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available()
-    or load_flash_attn4() is None
+    or load_flash_attn4()[0] is None
     or flash_attn4_rejects(torch.cuda.get_device_capability(), torch.bfloat16, torch.bfloat16, 128)
     is not None,
     reason="needs CUDA, flash-attn-4 and a GPU it runs on",
@@ -41,7 +41,7 @@ def test_adapter_matches_the_paged_kernel(sliding_window: int | None) -> None:
         int(starts[-1]), heads, dim, device="cuda", dtype=torch.bfloat16, generator=gen
     )
     args = (query, kv_cache, tables, starts.cuda(), torch.tensor(contexts).int().cuda())
-    ours = FlashAttention4(load_flash_attn4())(*args, max(chunks), dim**-0.5, sliding_window)
+    ours = FlashAttention4(load_flash_attn4()[0])(*args, max(chunks), dim**-0.5, sliding_window)
     expected = paged_attention_unified(
         *args, max(chunks), dim**-0.5, torch.empty_like(query), sliding_window=sliding_window
     )
@@ -50,18 +50,25 @@ def test_adapter_matches_the_paged_kernel(sliding_window: int | None) -> None:
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_engine_agrees_with_ferrum_kernels(tiny_checkpoint, arch: str) -> None:  # noqa: ANN001
-    """Prompts of 1,100-2,500 tokens (chunks of 1,024 and more, some after a cached prefix of
-    another prompt); bf16, so the two kernels round differently: teacher-forced agreement."""
+    """Prompts of 1,100-3,000 tokens, one after a cached prefix of another; the steps with enough
+    prompt attention (a fresh 3,000-token prompt alone is 4.5M pairs) go through FlashAttention-4
+    (counted); bf16, so the two kernels round differently: teacher-forced agreement."""
     path = tiny_checkpoint(arch, max_position_embeddings=4096)
     shared = random_prompts([2000], seed=3)[0]
-    prompts = random_prompts([1100, 2500], seed=4) + [shared, shared + random_prompts([1200], 5)[0]]
+    prompts = random_prompts([1100, 3000], seed=4) + [shared, shared + random_prompts([1200], 5)[0]]
     kwargs = dict(
         dtype="bfloat16", max_model_len=4096, max_num_batched_tokens=4096,
         kv_cache_memory_bytes=1 << 30,
     )  # fmt: skip
     flash = cuda_llm(path, attention_backend="FLASH_ATTN", **kwargs)
-    assert any(m.flash_attention is not None for m in _layers(flash))
+    kernel = _layers(flash)[0].flash_attention
+    assert kernel is not None and all(m.flash_attention is kernel for m in _layers(flash))
+    calls, inner = [], kernel.varlen_func
+    kernel.varlen_func = lambda *args, **kw: (calls.append(kw["max_seqlen_q"]), inner(*args, **kw))[
+        1
+    ]
     outputs = greedy(flash, prompts)
+    assert calls
     reference = cuda_llm(path, attention_backend="TRITON_ATTN", **kwargs)
     assert all(m.flash_attention is None for m in _layers(reference))
     assert teacher_forced_agreement(reference, prompts, outputs) >= 0.95

@@ -33,7 +33,7 @@ def layers(head_dim: int = 128, count: int = 2) -> nn.Module:
 def fake_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """An sm90 GPU with flash-attn-4 installed (the stand-in as its varlen function)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(flash_attn4, "load_flash_attn4", lambda: flash_attn_varlen_stand_in)
+    monkeypatch.setattr(flash_attn4, "load_flash_attn4", lambda: (flash_attn_varlen_stand_in, ""))
 
 
 def attach(model: nn.Module, backend: str, device=CUDA, kv_dtype=BF16, **config) -> bool:  # noqa: ANN001
@@ -91,9 +91,14 @@ def test_auto_falls_back_and_flash_attn_says_why(case: dict, reason: str) -> Non
 
 def test_without_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(flash_attn4, "load_flash_attn4", lambda: None)
+    monkeypatch.setattr(flash_attn4, "load_flash_attn4", lambda: (None, flash_attn4.NOT_INSTALLED))
     assert not attach(layers(), "auto")
     with pytest.raises(FieldError, match=r"pip install 'ferrum\[fa4\]'"):
+        attach(layers(), "FLASH_ATTN")
+    broken = (None, "is installed but does not load: libcute_dsl_runtime.so")
+    monkeypatch.setattr(flash_attn4, "load_flash_attn4", lambda: broken)
+    assert not attach(layers(), "auto")
+    with pytest.raises(FieldError, match="does not load: libcute"):
         attach(layers(), "FLASH_ATTN")
 
 
