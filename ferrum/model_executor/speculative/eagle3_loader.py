@@ -7,6 +7,8 @@ its config's shapes (benchmarks)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -23,6 +25,7 @@ from ferrum.model_executor.weight_loader import (
 )
 
 _FIELD = "speculative_config.model"
+HeadT = TypeVar("HeadT", bound=nn.Module)
 BIN_FILE = "pytorch_model.bin"
 
 
@@ -54,14 +57,22 @@ def load_eagle3_head(
     if tensors is None:
         initialize_dummy_weights(head, dummy_seed or 0)
         return head.eval()
+    return load_head_weights(head, tensors.items(), _FIELD, repr(config.model))
+
+
+def load_head_weights(
+    head: HeadT, tensors: Iterable[tuple[str, torch.Tensor]], field: str, source: str
+) -> HeadT:
+    """`head` (in eval mode) with `tensors` loaded through its `load_weights`; a tensor it
+    cannot take or a parameter left unloaded is refused naming `field` and `source`."""
     with torch.no_grad():
         try:
-            loaded = head.load_weights(tensors.items())
+            loaded = head.load_weights(tensors)
         except (ValueError, RuntimeError) as e:
-            raise field_error(_FIELD, f"{config.model!r}: {e}") from e
+            raise field_error(field, f"{source}: {e}") from e
     missing = sorted(name for name, _ in head.named_parameters() if name not in loaded)
     if missing:
-        raise field_error(_FIELD, f"{config.model!r} does not provide {missing}")
+        raise field_error(field, f"{source} does not provide {missing}")
     return head.eval()
 
 

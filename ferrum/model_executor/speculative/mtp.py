@@ -18,6 +18,7 @@ from ferrum.model_executor.kernel_backend import load_kernels
 from ferrum.model_executor.model_loader import default_dtype, initialize_dummy_weights
 from ferrum.model_executor.models.qwen3_5_mtp import MTP_PREFIX, Qwen3_5MTPHead
 from ferrum.model_executor.speculative.eagle3 import Eagle3Proposer
+from ferrum.model_executor.speculative.eagle3_loader import load_head_weights
 from ferrum.model_executor.speculative.proposer_model import KVShape
 from ferrum.model_executor.weight_loader import (
     SafetensorsCheckpoint,
@@ -99,18 +100,10 @@ def load_mtp_head(
             for name, t in SafetensorsCheckpoint(folder)
             if name.startswith(MTP_PREFIX)
         ]
-    except (WeightFileError, OSError) as e:
+    except (WeightFileError, OSError, RuntimeError) as e:
         raise field_error(_FIELD, f"'mtp' cannot read {folder!r}'s mtp.* tensors: {e}") from e
     if not tensors:
         raise field_error(
             _FIELD, f"'mtp' needs the checkpoint's mtp.* tensors; {folder!r} has none"
         )
-    with torch.no_grad():
-        try:
-            loaded = head.load_weights(tensors)
-        except (ValueError, RuntimeError) as e:
-            raise field_error(_FIELD, f"'mtp' cannot load {folder!r}'s mtp.* tensors: {e}") from e
-    missing = sorted(name for name, _ in head.named_parameters() if name not in loaded)
-    if missing:
-        raise field_error(_FIELD, f"'mtp': {folder!r} lacks the MTP tensors of {missing}")
-    return head.eval()
+    return load_head_weights(head, tensors, _FIELD, f"'mtp': {folder!r}'s mtp.* tensors")
