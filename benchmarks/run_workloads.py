@@ -1,7 +1,7 @@
 """Runs the `lat`, `c16`, `c64` and `nano` workloads of BENCHMARKS.md (and, when named: `prefix`,
 the prefix-cache TTFT; `long`, 32 prompts of 4,000 tokens with 128 out each, the long-prompt row;
-`decode8k`, the decode rate of 32 requests at 8,000 tokens of context, FP8 KV's row) on one model
-config.
+`decode8k`, the decode rate of 32 requests at 8,000 tokens of context, FP8 KV's row; `turn16`
+and `turn64`, the next turn of many conversations after their cached history) on one model config.
 
 Random ("dummy") weights of the config's shapes, token-id prompts, `ignore_eos`, one engine in
 this process. Writes one JSON with every figure and the environment; the file is rewritten after
@@ -32,18 +32,20 @@ import torch
 
 import ferrum
 from benchmarks.workload_runs import (
+    TURNS,
     run_decode_at_context,
     run_lat,
     run_prefix,
     run_repeated,
     run_throughput,
+    run_turn,
     synchronize,
     throughput_warmup,
 )
 from ferrum.engine.arg_utils import EngineArgs
 from ferrum.entrypoints.llm import LLM
 
-WORKLOADS = ("lat", "c16", "c64", "nano", "prefix", "long", "decode8k")
+WORKLOADS = ("lat", "c16", "c64", "nano", "prefix", "long", "decode8k", "turn16", "turn64")
 # The BENCHMARKS.md runs; the others run when named.
 DEFAULT_WORKLOADS = WORKLOADS[:4]
 
@@ -120,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
             figures = run_prefix(llm, vocab_size, args.scale, args.lat_warmup, args.lat_iters)
         elif name == "decode8k":
             figures = run_decode_at_context(llm, vocab_size, args.scale)
+        elif name in TURNS:
+            figures = run_repeated(
+                lambda repeat, name=name: run_turn(llm, name, vocab_size, args.scale, repeat),
+                args.repeats,
+            )
         else:
             figures = run_repeated(
                 lambda repeat, name=name: run_throughput(

@@ -1,6 +1,6 @@
 """The workloads run_workloads.py runs (BENCHMARKS.md's `lat`, `c16`, `c64`, `nano`, and
-`prefix`, `long`, `decode8k`), each on a started `LLM`, returning its figures; seeds and sizes
-of every prompt set, so that no two workloads share a prompt prefix unless stated.
+`prefix`, `long`, `decode8k`, `turn16`, `turn64`), each on a started `LLM`, returning its figures;
+seeds and sizes of every prompt set, so that no two workloads share a prompt prefix unless stated.
 """
 
 from __future__ import annotations
@@ -38,6 +38,10 @@ WARMUP_SEED = 424242
 # another workload's or repeat's prompts (repeat 0 keeps the BENCHMARKS.md seeds below).
 REPEAT_SEED_BASE = 500_000
 THROUGHPUT_SEEDS = {"c16": 0, "c64": 0, "nano": 0, "long": 7}
+# The next turn of many conversations: (conversations, cached tokens each, new tokens, output
+# tokens). turn16: long chat turns; turn64: an agent loop's next step (a tool result).
+TURNS = {"turn16": (16, 6000, 1500, 64), "turn64": (64, 3000, 300, 32)}
+TURN_SEED_BASE = 700_000
 WARMUP_OUTPUT_LEN = 8
 C_TEMPERATURE = 1.0
 NANO_TEMPERATURE = 0.6
@@ -135,6 +139,22 @@ def run_throughput(
     if name == "long":
         return run_long(llm, vocab_size, scale, seed)
     return run_concurrent(llm, vocab_size, scale, scaled(int(name[1:]), scale), seed)
+
+
+def run_turn(llm: LLM, name: str, vocab_size: int, scale: float, repeat: int) -> dict[str, Any]:
+    """`turn16` / `turn64`: each conversation's history submitted once, untimed (max_tokens 1:
+    its KV stays in the prefix cache), then every history plus its new tokens at once, timed;
+    prompts of repeat `repeat` share nothing with another repeat's."""
+    conversations, cached, new, out = TURNS[name]
+    conversations, cached, new = (scaled(n, scale) for n in (conversations, cached, new))
+    seed = TURN_SEED_BASE + 1000 * list(TURNS).index(name) + 10 * repeat
+    history, _ = workloads.batch(conversations, cached, 1, seed=seed)
+    turn, _ = workloads.batch(conversations, new, 1, seed=seed + 1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    timed_generate(llm, workloads.fold_to_vocab(history, vocab_size), params)
+    prompts = [h + t for h, t in zip(history, turn)]
+    figures = _measure(llm, vocab_size, prompts, [scaled(out, scale)] * conversations, 0.0)
+    return {"num_prompts": conversations, "cached_len": cached, "new_len": new, **figures}
 
 
 def run_repeated(run: Callable[[int], dict[str, Any]], repeats: int) -> dict[str, Any]:

@@ -255,12 +255,13 @@ def test_run_workloads_writes_every_figure(tiny_model: str, tmp_path: Path) -> N
 
 
 def test_run_workloads_long_context_rows(tiny_model: str, tmp_path: Path) -> None:
-    """`long` (32 x 4,000-token prompts, 128 out) and `decode8k` (decode rate at 8k context),
-    scaled down: every output token is counted, and the decode rate is that of the timed steps
-    once every prompt is prefilled."""
+    """`long` (32 x 4,000-token prompts, 128 out), `decode8k` (decode rate at 8k context) and
+    the next turns (`turn16`, `turn64`), scaled down: every output token is counted, the decode
+    rate is that of the timed steps once every prompt is prefilled, and a turn's timed prompts
+    find their history in the prefix cache."""
     out = tmp_path / "long.json"
     command = [sys.executable, str(RUN_WORKLOADS), "--model", tiny_model, *ENGINE_FLAGS]
-    command += ["--scale", "0.01", "--workloads", "long,decode8k", "--out", str(out)]
+    command += ["--scale", "0.01", "--workloads", "long,decode8k,turn16,turn64", "--out", str(out)]
     command += ["--repeats", "3"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -274,6 +275,13 @@ def test_run_workloads_long_context_rows(tiny_model: str, tmp_path: Path) -> Non
     assert "repeats_output_tokens_per_second" not in decode
     assert (decode["num_prompts"], decode["context_len"], decode["decode_steps"]) == (1, 80, 1)
     assert decode["decode_tokens_per_second"] == pytest.approx(1e3 / decode["decode_step_ms"])
+    report = json.loads(out.read_text())["workloads"]
+    for name, (cached, new) in {"turn16": (60, 15), "turn64": (30, 3)}.items():
+        turn = report[name]
+        assert (turn["num_prompts"], turn["cached_len"], turn["new_len"]) == (1, cached, new)
+        assert turn["num_prompt_tokens"] == cached + new and turn["num_output_tokens"] == 1
+        # Whole 16-token blocks of the history come from the cache.
+        assert turn["num_cached_prompt_tokens"] == cached // 16 * 16
 
 
 def test_run_workloads_rejects_unknown_workload(tiny_model: str, tmp_path: Path) -> None:
