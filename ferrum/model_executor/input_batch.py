@@ -116,6 +116,9 @@ class InputBuffers:
         # The longest cached prefix, in chunks, before a chunk that SDPA takes; start-up sets 0
         # where cuDNN does not take a layer's shape (`sdpa_prefill.cudnn_takes`).
         self.sdpa_prefix_per_chunk = PREFIX_PER_CHUNK
+        # Whether steps are marked for FlashAttention-4 (`flash_attention_step`): set by the
+        # runner where a layer took it; off, an eager step skips the per-request count.
+        self.marks_flash_attention = False
         self.max_blocks_per_req = -(-max_model_len // block_size)
         self.num_kv_groups = num_kv_groups
         num_bytes = staging_bytes(
@@ -236,7 +239,8 @@ class InputBuffers:
             metadata.prefill_segments = long_prefill_segments(
                 starts, seq_lens, self.sdpa_max_len, self.sdpa_prefix_per_chunk
             )
-        metadata.flash_attention_step = flash_attention_step(starts, seq_lens)
+        if self.marks_flash_attention:
+            metadata.flash_attention_step = flash_attention_step(starts, seq_lens)
 
     def _placeholder_index(self, rows: _Rows) -> torch.Tensor | None:
         """[2, n]: each placeholder's input position and its row in the last sampled tokens;

@@ -116,7 +116,7 @@ class ModelRunner:
             self.stage,
             config.device_config.batch_invariant,
         )
-        attach_flash_attention(
+        flash_attention = attach_flash_attention(
             self.model, config.device_config, device, self.kernel_backend, self.dtype,
             self.kv_cache_dtype,
         )  # fmt: skip
@@ -132,6 +132,7 @@ class ModelRunner:
         self.kv_cache_groups = kv_cache_group_specs(model_config)
         self.recurrent = RecurrentStateCache(self.kv_cache_groups, self.block_size, device)
         self.inputs = InputBuffers.for_config(config, len(self.kv_cache_groups), device)
+        self.inputs.marks_flash_attention = flash_attention
         self.speculative = speculative_decoder(
             config, self.model, self.inputs, self.kv_cache_groups, self.kernel_backend, device
         )

@@ -169,7 +169,8 @@ def test_a_step_with_long_chunks_carries_its_sdpa_segments(monkeypatch) -> None:
 
 def test_flash_attention_steps_are_eager_with_much_prompt_attention(monkeypatch) -> None:
     """The fresh prompt sees 55 (query, key) pairs and the chunk after 4 cached tokens 68, the
-    decode none: marked from 123 pairs, never when padded for a CUDA graph nor decode-only."""
+    decode none: marked from 123 pairs, never when padded for a CUDA graph nor decode-only, nor
+    where no layer took FlashAttention-4."""
     import ferrum.kernels.flash_attn4 as flash_module
 
     requests = {
@@ -178,12 +179,22 @@ def test_flash_attention_steps_are_eager_with_much_prompt_attention(monkeypatch)
         "chunk": Req(list(range(300, 312)), [1, 2, 4], num_computed_tokens=4),
     }
     scheduled = {"decode": 1, "fresh": 10, "chunk": 8}
+
+    def buffers(marks: bool = True) -> InputBuffers:
+        made = make_buffers()
+        made.marks_flash_attention = marks
+        return made
+
     for limit, marked in ((123, True), (124, False)):
         monkeypatch.setattr(flash_module, "FA4_MIN_PAIRS", limit)
-        meta = make_buffers().prepare(requests, scheduled, 19, {}).attn_metadata
+        meta = buffers().prepare(requests, scheduled, 19, {}).attn_metadata
         assert meta.flash_attention_step is marked
     monkeypatch.setattr(flash_module, "FA4_MIN_PAIRS", 1)
-    padded = make_buffers().prepare(requests, scheduled, 19, {}, pad_to=(32, 4)).attn_metadata
+    padded = buffers().prepare(requests, scheduled, 19, {}, pad_to=(32, 4)).attn_metadata
     assert not padded.flash_attention_step
-    decodes = make_buffers().prepare(requests, {"decode": 1}, 1, {}).attn_metadata
+    decodes = buffers().prepare(requests, {"decode": 1}, 1, {}).attn_metadata
     assert not decodes.flash_attention_step
+    # No layer took FlashAttention-4: no step is marked (nor counted).
+    assert (
+        not buffers(False).prepare(requests, scheduled, 19, {}).attn_metadata.flash_attention_step
+    )
