@@ -269,6 +269,21 @@ class Attention(nn.Module):
         return out
 
 
+def bind_single_cache(
+    attn: Attention,
+    kv_caches: Sequence[torch.Tensor],
+    split_kv_workspace: SplitKVWorkspace | None = None,
+    kv_cache_groups: Sequence[int] | None = None,
+) -> None:
+    """A one-layer model's `bind_kv_caches` (a speculative head's): `attn` takes the one cache
+    and its group (default 0); an empty list unbinds it."""
+    if not kv_caches:
+        attn.unbind_kv_cache()
+        return
+    group = 0 if kv_cache_groups is None else kv_cache_groups[0]
+    attn.bind_kv_cache(kv_caches[0], split_kv_workspace, group)
+
+
 def _quantize_rows_into(out_fp8: Fp8GroupRows | None, out: torch.Tensor, rows: slice) -> None:
     """out_fp8's `rows` := out's [rows] ([T, heads, head_dim]) quantized per token-group of 128,
     the codes and scales the paged kernels would write (the same per-group pass). The pass

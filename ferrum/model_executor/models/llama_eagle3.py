@@ -15,6 +15,7 @@ from torch import nn
 
 from ferrum.eagle3_config import Eagle3Config
 from ferrum.kernels.interface import Kernels
+from ferrum.model_executor.layers.attention import bind_single_cache
 from ferrum.model_executor.layers.embed_head import LMHead, VocabEmbedding
 from ferrum.model_executor.layers.layernorm import RMSNorm
 from ferrum.model_executor.layers.linear import Linear
@@ -123,12 +124,9 @@ class Eagle3Head(nn.Module):
         kv_cache_groups: Sequence[int] | None = None,
     ) -> None:
         """`LlamaForCausalLM.bind_kv_caches` for the one layer (an empty list unbinds it)."""
-        attn = self.midlayer.self_attn.attn
-        if not kv_caches:
-            attn.unbind_kv_cache()
-            return
-        group = 0 if kv_cache_groups is None else kv_cache_groups[0]
-        attn.bind_kv_cache(kv_caches[0], split_kv_workspace, group)
+        bind_single_cache(
+            self.midlayer.self_attn.attn, kv_caches, split_kv_workspace, kv_cache_groups
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads the head's tensors (`d2t` into its buffer, `t2d` unused); returns the names of

@@ -18,6 +18,7 @@ from torch import nn
 
 from ferrum.kernels.interface import Kernels
 from ferrum.model_arch import FULL_ATTENTION, ModelArchConfig
+from ferrum.model_executor.layers.attention import bind_single_cache
 from ferrum.model_executor.layers.layernorm import GemmaRMSNorm
 from ferrum.model_executor.layers.linear import Linear
 from ferrum.model_executor.layers.rotary import RotaryEmbedding
@@ -95,12 +96,9 @@ class Qwen3_5MTPHead(nn.Module):
         kv_cache_groups: Sequence[int] | None = None,
     ) -> None:
         """The layer's KV cache (an empty list unbinds it)."""
-        attn = self.layers[0].self_attn.attn
-        if not kv_caches:
-            attn.unbind_kv_cache()
-            return
-        group = 0 if kv_cache_groups is None else kv_cache_groups[0]
-        attn.bind_kv_cache(kv_caches[0], split_kv_workspace, group)
+        bind_single_cache(
+            self.layers[0].self_attn.attn, kv_caches, split_kv_workspace, kv_cache_groups
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads the checkpoint's `mtp.*` tensors (others are skipped); returns the names of
