@@ -18,6 +18,7 @@ from torch import nn
 
 from ferrum.config import EngineConfig
 from ferrum.eagle3_config import Eagle3Config
+from ferrum.model_arch import ModelArchConfig
 from ferrum.model_executor.cuda_graph import CUDAGraphRunner
 from ferrum.model_executor.input_batch import InputBuffers, RequestTokens, StepInputs
 from ferrum.model_executor.layers.aux_hidden_states import AuxHiddenStates
@@ -54,40 +55,30 @@ class Eagle3Proposer(ProposerModel):
     ) -> None:
         """Loads the head and has `target` (a LlamaForCausalLM) write its aux hidden states
         for up to `max_num_tokens` tokens a forward."""
-        model_config = config.model_config
-        dtype = getattr(torch, model_config.dtype)
-        dummy_seed = model_config.seed if model_config.load_format == "dummy" else None
+        dtype, batch_invariant, dummy_seed = head_load_options(config)
         head = load_eagle3_head(
-            head_config,
-            target,
-            dtype,
-            device,
-            kernel_backend,
-            config.device_config.batch_invariant,
-            dummy_seed,
+            head_config, target, dtype, device, kernel_backend, batch_invariant, dummy_seed
         )
-        arch = head_config.arch
-        shape = KVShape(1, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim)
         self.aux = AuxHiddenStates(
             head_config.aux_layer_ids, max_num_tokens, head_config.target_hidden_size, dtype, device
         )
         target.model.aux_hidden_states = self.aux
-        self.init_head(
-            config, head, shape, self.aux.buffer, arch.hidden_size, kernel_backend, device
-        )
+        self.init_head(config, head, head_config.arch, self.aux.buffer, kernel_backend, device)
 
     def init_head(
         self,
         config: EngineConfig,
         head: nn.Module,
-        shape: KVShape,
+        arch: ModelArchConfig,
         hidden_buffer: torch.Tensor,
-        hidden_size: int,
         kernel_backend: str,
         device: torch.device,
     ) -> None:
         """The proposer around a loaded `head` (an `Eagle3Head`'s interface: fuse, forward,
-        draft_token_ids) whose step pass reads row t's hidden input from `hidden_buffer[t]`."""
+        draft_token_ids) of one attention layer of `arch`'s shapes, whose step pass reads row
+        t's hidden input from `hidden_buffer[t]`."""
+        shape = KVShape(1, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim)
+        hidden_size = arch.hidden_size
         super().__init__(head, shape, config, 0, kernel_backend, device)
         self.head = head
         max_num_tokens = hidden_buffer.shape[0]
@@ -242,6 +233,15 @@ class _DecodeStep(nn.Module):
         intermediate: object = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.head(input_ids, positions, attn_metadata, self.hidden_in[: input_ids.shape[0]])
+
+
+def head_load_options(config: EngineConfig) -> tuple[torch.dtype, bool, int | None]:
+    """(dtype, batch_invariant, dummy seed: the model's seed under load_format "dummy", else
+    None) that a speculative head loads with."""
+    model_config = config.model_config
+    dummy_seed = model_config.seed if model_config.load_format == "dummy" else None
+    dtype = getattr(torch, model_config.dtype)
+    return dtype, config.device_config.batch_invariant, dummy_seed
 
 
 def sampled_rows(

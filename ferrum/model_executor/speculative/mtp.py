@@ -17,9 +17,8 @@ from ferrum.model_executor.input_batch import RequestTokens, StepInputs
 from ferrum.model_executor.kernel_backend import load_kernels
 from ferrum.model_executor.model_loader import default_dtype, initialize_dummy_weights
 from ferrum.model_executor.models.qwen3_5_mtp import MTP_PREFIX, Qwen3_5MTPHead
-from ferrum.model_executor.speculative.eagle3 import Eagle3Proposer
+from ferrum.model_executor.speculative.eagle3 import Eagle3Proposer, head_load_options
 from ferrum.model_executor.speculative.eagle3_loader import load_head_weights
-from ferrum.model_executor.speculative.proposer_model import KVShape
 from ferrum.model_executor.weight_loader import (
     SafetensorsCheckpoint,
     WeightFileError,
@@ -41,25 +40,15 @@ class MTPProposer(Eagle3Proposer):
         """Loads the head beside `target` (a Qwen3_5ForCausalLM) for steps of up to
         `max_num_tokens` tokens."""
         model_config = config.model_config
-        dtype = getattr(torch, model_config.dtype)
-        dummy_seed = model_config.seed if model_config.load_format == "dummy" else None
+        dtype, batch_invariant, dummy_seed = head_load_options(config)
         head = load_mtp_head(
-            model_config,
-            target,
-            dtype,
-            device,
-            kernel_backend,
-            config.device_config.batch_invariant,
-            dummy_seed,
+            model_config, target, dtype, device, kernel_backend, batch_invariant, dummy_seed
         )
         arch = model_config.arch
-        shape = KVShape(1, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim)
         self.target_hidden = torch.zeros(
             (max_num_tokens, arch.hidden_size), dtype=dtype, device=device
         )
-        self.init_head(
-            config, head, shape, self.target_hidden, arch.hidden_size, kernel_backend, device
-        )
+        self.init_head(config, head, arch, self.target_hidden, kernel_backend, device)
 
     def follow(
         self,
