@@ -22,6 +22,7 @@ from tests.utils.eagle3_heads import (
     write_head,
     write_successor_target,
 )
+from tests.utils.speculation import record_proposals
 from tests.utils.tiny_checkpoints import load_hf_model
 from tests.utils.tiny_llm import make_llm, random_prompts
 
@@ -107,17 +108,7 @@ def test_drafts_equal_a_reference_recomputed_from_scratch(tiny_checkpoint, tmp_p
         tensors[name] = noise[name]
     head = write_head(tmp_path / "head", config, tensors)
     llm = make_llm(target, speculative_config=eagle3(head), max_num_batched_tokens=5)
-    proposer = llm.llm_engine.client.core.executor.runner.speculative.eagle3
-    propose, proposals = proposer.propose, []
-
-    def recorded(inputs, states, *args):  # noqa: ANN001, ANN002
-        drafts = propose(inputs, states, *args)
-        proposals.extend(
-            (list(s.token_ids), drafts[s.req_id]) for s in states if s.req_id in drafts
-        )
-        return drafts
-
-    proposer.propose = recorded
+    proposals = record_proposals(llm)
     generate(llm)
     hf, embedding = load_hf_model(target), tensors_of(target)["model.embed_tokens.weight"]
     several = [p for p in proposals if len(p[1]) > 1]

@@ -5,7 +5,6 @@ sampled outputs keep the target's distribution (chi-square); unsupported set-ups
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -13,28 +12,13 @@ import pytest
 
 from ferrum import LLM, SamplingParams
 from ferrum.errors import FieldError
+from tests.utils.speculation import GREEDY, NGRAM, PROMPTS, replay_config
+from tests.utils.speculation import generate as generate_over
 from tests.utils.tiny_llm import make_llm, random_prompts
-
-# Prompts that repeat themselves: the n-gram proposer finds drafts in them.
-PROMPTS = [p + p[:7] for p in random_prompts([9, 17, 26, 13, 5], seed=21)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
 
 
 def generate(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def replay_config(path: Path, expected: list[list[int]], rate: float) -> dict:
-    path.write_text(json.dumps({",".join(map(str, p)): o for p, o in zip(PROMPTS, expected)}))
-    return {
-        "method": "replay",
-        "num_speculative_tokens": 4,
-        "model": str(path),
-        "acceptance_rate": rate,
-        "disable_by_batch_size": None,
-    }
+    return generate_over(llm, PROMPTS, params)
 
 
 @pytest.fixture(scope="module", params=["qwen3", "mistral_sw", "qwen3_moe"])

@@ -7,7 +7,6 @@ and the verify CUDA graphs (CUDA only); EAGLE-3 is refused for such a model."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,28 +15,8 @@ import torch
 from ferrum import LLM, SamplingParams
 from ferrum.errors import FieldError
 from tests.utils.eagle3_heads import head_config, random_head_tensors, write_head
-from tests.utils.tiny_llm import cuda_llm, make_llm, random_prompts
-
-# Prompts that repeat themselves: the n-gram proposer finds drafts in them.
-PROMPTS = [p + p[:7] for p in random_prompts([9, 17, 26, 13, 5], seed=21)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
-
-
-def generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def replay_config(path: Path, expected: list[list[int]], rate: float) -> dict:
-    path.write_text(json.dumps({",".join(map(str, p)): o for p, o in zip(PROMPTS, expected)}))
-    return {
-        "method": "replay",
-        "num_speculative_tokens": 4,
-        "model": str(path),
-        "acceptance_rate": rate,
-        "disable_by_batch_size": None,
-    }
+from tests.utils.speculation import NGRAM, PROMPTS, generate, replay_config
+from tests.utils.tiny_llm import cuda_llm, make_llm
 
 
 @pytest.fixture(scope="module")

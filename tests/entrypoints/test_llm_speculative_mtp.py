@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from ferrum import LLM, SamplingParams
 from ferrum.errors import FieldError
 from tests.utils.mtp_checkpoints import reference_mtp_drafts, with_mtp
+from tests.utils.speculation import record_proposals
 from tests.utils.tiny_checkpoints import load_hf_model
 from tests.utils.tiny_llm import cuda_llm, make_llm, random_prompts
 
@@ -82,17 +83,7 @@ def test_drafts_equal_a_reference_recomputed_from_scratch(checkpoint: str) -> No
     """Prompt chunks of 5 and verify steps: every proposal equals the head run over the whole
     sequence (transformers' final hidden states of the target, then a row per draft)."""
     llm = make_llm(checkpoint, speculative_config=MTP, max_num_batched_tokens=5)
-    proposer = llm.llm_engine.client.core.executor.runner.speculative.eagle3
-    propose, proposals = proposer.propose, []
-
-    def recorded(inputs, states, *args):  # noqa: ANN001, ANN002
-        drafts = propose(inputs, states, *args)
-        proposals.extend(
-            (list(s.token_ids), drafts[s.req_id]) for s in states if s.req_id in drafts
-        )
-        return drafts
-
-    proposer.propose = recorded
+    proposals = record_proposals(llm)
     generate(llm)
     hf, tensors = load_hf_model(checkpoint), load_file(f"{checkpoint}/model.safetensors")
     several = [p for p in proposals if len(p[1]) > 1]

@@ -10,8 +10,8 @@ import json
 from ferrum import LLM, SamplingParams
 from ferrum.default_model import DEFAULT_MODEL_DIR
 from ferrum.sampling_params import StructuredOutputsParams
+from tests.utils.speculation import NGRAM
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": None}
 ENGINE = dict(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256)
 
 
