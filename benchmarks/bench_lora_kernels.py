@@ -19,6 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ferrum.kernels.dense_linear import dense_linear, gemv_tile_for  # noqa: E402
+from ferrum.kernels.gemv_lora import gemv_lora  # noqa: E402
 from ferrum.kernels.lora_expand import lora_expand  # noqa: E402
 from ferrum.kernels.lora_segments import LoRASegments  # noqa: E402
 from ferrum.kernels.lora_shrink import lora_shrink  # noqa: E402
@@ -39,6 +41,18 @@ def run_layer(x, weight, lora_a, lora_b, segments, shards, rank) -> None:  # noq
     t = lora_shrink(x, lora_a, segments)
     starts = tuple(sum(shards[:i]) for i in range(len(shards)))
     lora_expand(t, lora_b, segments, y, starts)
+
+
+def one_row_gemv(x, weight, lora_a, lora_b, slots, starts, device, iters) -> None:  # noqa: ANN001
+    """What the engine runs at one row: the GEMV alone, then with the adapter in one launch."""
+    tile = gemv_tile_for(x, weight)
+    if tile is None:
+        return  # off CUDA, or the table sends this shape to F.linear
+    gemv = timed_us(partial(dense_linear, x, weight), device, iters)
+    fused = timed_us(
+        partial(gemv_lora, x, weight, lora_a, lora_b, slots, starts, tile), device, iters
+    )
+    print(f"{'':8s} {'':6s} one-row GEMV {gemv:.1f} us, with its adapter in one launch {fused:.1f}")
 
 
 def timed_us(fn, device: torch.device, iters: int) -> float:  # noqa: ANN001
@@ -93,6 +107,8 @@ def main() -> int:
                 f"{name:8s} {num_tokens:6d} {base:8.1f} {with_lora:8.1f} {with_lora / base:9.2f} "
                 f"{shrink:10.1f} {expand:10.1f}"
             )
+            if num_tokens == 1:
+                one_row_gemv(x, weight, lora_a, lora_b, slots, starts, device, iters)
     return 0
 
 

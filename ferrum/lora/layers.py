@@ -15,6 +15,7 @@ from ferrum.kernels.lora_ref import lora_expand_torch, lora_shrink_torch
 from ferrum.kernels.lora_segments import LoRASegments
 from ferrum.model_executor.layers.linear import Linear, MergedLinear
 from ferrum.model_executor.layers.parallel_linear import RowParallelLinear
+from ferrum.model_executor.layers.quantization.dense import DenseLinearMethod
 
 # The modules of a decoder layer that take adapters (`lora_checkpoint.MODULES`' targets).
 LORA_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -25,10 +26,18 @@ class LoRABatch:
     it in place), and its grouping by slot for the Triton kernels."""
 
     def __init__(
-        self, max_tokens: int, max_loras: int, device: torch.device, is_triton: bool
+        self,
+        max_tokens: int,
+        max_loras: int,
+        device: torch.device,
+        is_triton: bool,
+        fuses_gemv: bool = False,
     ) -> None:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.segments = LoRASegments.empty(max_tokens, max_loras, device) if is_triton else None
+        # Whether a one-row step of a model-dtype layer takes the GEMV with its adapter in one
+        # launch (Triton kernels, not batch-invariant: that mode keeps its own linear).
+        self.fuses_gemv = fuses_gemv and is_triton
         # False for an eager step without adapters: the layers skip their LoRA work. True until
         # the first step, so start-up (profile, warm-up, CUDA-graph capture) runs and compiles
         # it; a captured graph always runs it (with the step's slot map).
@@ -49,6 +58,27 @@ class LoRABatch:
 
             return lora_shrink(x, lora_a, self.segments)
         return lora_shrink_torch(x, lora_a, self.token_slots[: x.shape[0]])
+
+    def fused_gemv(
+        self, x: torch.Tensor, base: Linear, lora_a: torch.Tensor, lora_b: torch.Tensor,
+        slice_starts: tuple[int, ...],
+    ) -> torch.Tensor | None:  # fmt: skip
+        """The layer's output with its adapter from one launch (gemv_lora.py) where x is one
+        row the base layer would run through the GEMV; else None."""
+        if not self.fuses_gemv or not isinstance(base.quant_method, DenseLinearMethod):
+            return None
+        from ferrum.kernels.dense_linear import gemv_tile_for
+
+        tile = gemv_tile_for(x, base.weight)
+        if tile is None:
+            return None
+        from ferrum.kernels.gemv_lora import gemv_lora
+
+        out = gemv_lora(
+            x.reshape(1, -1), base.weight, lora_a, lora_b, self.token_slots, slice_starts, tile,
+            base.bias,
+        )  # fmt: skip
+        return out.view(*x.shape[:-1], base.weight.shape[0])
 
     def expand(
         self, t: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, slice_starts: tuple[int, ...]
@@ -133,6 +163,11 @@ class LoRALinear(nn.Module):
             raise ValueError("x_fp8: a LoRA layer takes no FP8 rows")
         base = self.base_layer
         if not (self.row_parallel and self.tp_size > 1):
+            if self.batch.runs(x):
+                starts = tuple(offset for _, offset, _, _ in self.slices)
+                fused = self.batch.fused_gemv(x, base, self.lora_a, self.lora_b, starts)
+                if fused is not None:
+                    return fused
             y = base(x)
             self._add_lora(y, x)
             return y

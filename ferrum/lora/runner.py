@@ -29,7 +29,10 @@ class LoRARunner:
         device: torch.device,
     ) -> None:
         self.max_loras = config.max_loras
-        self.batch = LoRABatch(max_tokens, config.max_loras, device, model.kernels.is_triton)
+        kernels = model.kernels
+        self.batch = LoRABatch(
+            max_tokens, config.max_loras, device, kernels.is_triton, not kernels.batch_invariant
+        )
         self.layers: dict[tuple[int, str], LoRALinear] = install_lora_layers(
             model, self.batch, config.max_loras, config.max_lora_rank, dtype
         )

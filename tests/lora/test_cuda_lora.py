@@ -34,3 +34,37 @@ def test_cuda_graphs_with_adapters_match_peft(tiny_checkpoint, peft_adapter, arc
             for p, lora in zip(prompts, loras)
         ]
         assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_one_row_takes_the_gemv_with_its_adapter_in_one_launch(monkeypatch) -> None:
+    from ferrum.kernels import gemv_lora
+    from ferrum.kernels.interface import triton_kernels
+    from ferrum.lora.layers import LoRABatch, LoRALinear
+    from ferrum.model_executor.layers.linear import MergedLinear
+    from ferrum.model_executor.layers.quantization.dense import DenseLinearMethod
+
+    device, dtype, gen = torch.device("cuda"), torch.bfloat16, torch.Generator().manual_seed(3)
+    method = DenseLinearMethod(triton_kernels())
+    base = MergedLinear(256, {"q": 256, "k": 64, "v": 64}, quant_method=method)
+    base.weight.data = (torch.randn(384, 256, generator=gen) * 0.05).to(device, dtype)
+    batch = LoRABatch(8, 2, device, is_triton=True, fuses_gemv=True)
+    layer = LoRALinear(base, batch, max_loras=2, max_rank=8, dtype=dtype)
+    a_q, a_v = torch.randn(2, 4, 256, generator=gen).to(device, dtype) * 0.1
+    b_q = torch.randn(256, 4, generator=gen).to(device, dtype)
+    b_v = torch.randn(64, 4, generator=gen).to(device, dtype)
+    layer.set_slot(1, {"q": (a_q, b_q), "v": (a_v, b_v)})
+    batch.token_slots[:2] = torch.tensor([1, -1], dtype=torch.int32)
+    batch.regroup()
+    launches = []
+    fused = gemv_lora.gemv_lora
+    counted = lambda *args, **kw: launches.append(1) or fused(*args, **kw)  # noqa: E731
+    monkeypatch.setattr(gemv_lora, "gemv_lora", counted)
+    x = torch.randn(2, 256, generator=gen).to(device, dtype)
+    one_row = layer(x[:1])
+    assert launches == [1]
+    two_rows = layer(x)  # shrink + expand
+    assert launches == [1]
+    torch.testing.assert_close(one_row[0].float(), two_rows[0].float(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(two_rows[1], base(x[1:])[0])
+    delta = (one_row[0] - base(x[:1])[0]).float()
+    assert delta[256:320].abs().max() == 0 and delta[:256].abs().max() > 0.1  # k has no adapter
