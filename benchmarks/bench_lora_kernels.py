@@ -66,6 +66,10 @@ def timed_us(fn, device: torch.device, iters: int) -> float:  # noqa: ANN001
     return graph_us(lambda _: fn(), 1, iters)
 
 
+def _tiles(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(v) for v in tile.split("x")) for tile in text.split(",") if tile]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,8,32,128,512,2048,8192")
@@ -74,6 +78,9 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device")
+    parser.add_argument(
+        "--expand-tiles", default="", type=_tiles, help="e.g. 128x4,256x8: expand tiles to time"
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -107,6 +114,10 @@ def main() -> int:
                 f"{name:8s} {num_tokens:6d} {base:8.1f} {with_lora:8.1f} {with_lora / base:9.2f} "
                 f"{shrink:10.1f} {expand:10.1f}"
             )
+            for block_n, warps in args.expand_tiles:
+                tiled = partial(lora_expand, t, lora_b, segments, y, starts, block_n, warps)
+                print(f"{'':15s} expand BLOCK_N {block_n}, {warps} warps: "
+                      f"{timed_us(tiled, device, iters):.1f} us")  # fmt: skip
             if num_tokens == 1:
                 one_row_gemv(x, weight, lora_a, lora_b, slots, starts, device, iters)
     return 0

@@ -3,9 +3,10 @@
 1. `lat` (BENCHMARKS.md: batch 1, 128-token prompt, TPOT over 512 tokens) and `c64` / `nano`
    without speculation;
 2. `lat` with the replay proposer at each acceptance rate of `--alphas`: it proposes the
-   target's own greedy continuation (recorded in step 1), each draft replaced by a wrong token
-   with probability 1 - alpha, so the acceptance rate is set (dummy weights cannot give a real
-   one); the measured acceptance is reported beside it;
+   target's own greedy continuation (recorded in step 1, then re-recorded through the verify
+   step until it reproduces itself), each draft replaced by a wrong token with probability
+   1 - alpha, so the acceptance rate is set (dummy weights cannot give a real one); the
+   measured acceptance is reported beside it;
 3. with `--draft-model`: `lat` with that draft model, and the draft's own time per proposed
    token (its greedy decode steps, timed on their own); with `--eagle3-head` (a head folder, or
    `auto`: a head of the target's shapes with a 32k draft vocabulary): `lat` with the head
@@ -70,6 +71,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--eagle3-head", default=None, help="an EAGLE-3 head folder (dummy too), or auto"
     )
+    parser.add_argument(
+        "--record-rounds", type=int, default=3, help="re-recordings through the verify step"
+    )
     parser.add_argument("--on-config", type=json.loads, default=NGRAM)
     parser.add_argument("--throughput", default="c64,nano", help="'' to skip step 4")
     parser.add_argument("--lat-iters", type=int, default=3)
@@ -82,6 +86,44 @@ def lat_prompts(vocab_size: int, args: argparse.Namespace) -> list[list[int]]:
     seeds = [WARMUP_SEED_BASE + i for i in range(args.lat_warmup)] + list(range(args.lat_iters))
     prompts = [workloads.lat_prompt(seed=LAT_SEED_BASE + s, n_in=128) for s in seeds]
     return workloads.fold_to_vocab(prompts, vocab_size)
+
+
+def greedy_continuations(llm: LLM, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Each prompt's 513 greedy tokens, keyed as the replay proposer reads them; one prompt at
+    a time, like lat (a batch's other numerics could change a near-tied token)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=513, ignore_eos=True)
+    recorded = {}
+    for p in prompts:
+        (output,) = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)
+        recorded[",".join(map(str, p))] = output.outputs[0].token_ids
+    return recorded
+
+
+def record_through_verify(
+    args: argparse.Namespace, path: Path, recorded: dict[str, list[int]]
+) -> list[float]:
+    """Re-records the continuations (in `path`) through the verify step: replayed at acceptance
+    1, each round's greedy tokens become the next round's proposals, until a round accepts
+    every draft (at most --record-rounds). Decode rows (GEMV, split-KV) and verify rows (GEMM,
+    the unified kernel) round differently, and a dummy model's near-tied logits turn that into
+    different tokens, so a continuation recorded without speculation is not what the verify
+    step produces. Returns each round's acceptance rate."""
+    spec = {"method": "replay", "num_speculative_tokens": args.num_speculative_tokens,
+            "model": str(path), "acceptance_rate": 1.0}  # fmt: skip
+    prompts = [[int(t) for t in key.split(",")] for key in recorded]
+    rates: list[float] = []
+    for _ in range(args.record_rounds):
+
+        def rerecord(llm: LLM) -> tuple[dict[str, list[int]], float]:
+            tokens = greedy_continuations(llm, prompts)
+            return tokens, spec_stats(llm)["acceptance_rate"]
+
+        recorded, rate = with_engine(args, rerecord, speculative_config=spec)
+        path.write_text(json.dumps(recorded))
+        rates.append(rate)
+        if rate == 1.0:
+            break
+    return rates
 
 
 def with_engine(args: argparse.Namespace, run: Callable[[LLM], Any], **overrides: Any) -> Any:
@@ -220,13 +262,7 @@ def main() -> None:
         config = llm.llm_engine.config.model_config
         figures = {"lat": lat(llm, config.vocab_size)}
         figures |= throughput(llm, names, config.vocab_size, config.seed)
-        prompts = lat_prompts(config.vocab_size, args)
-        greedy = SamplingParams(temperature=0.0, max_tokens=513, ignore_eos=True)
-        # One at a time, like lat: a batch's other numerics could change a near-tied token.
-        recorded = {}
-        for p in prompts:
-            (output,) = llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)
-            recorded[",".join(map(str, p))] = output.outputs[0].token_ids
+        recorded = greedy_continuations(llm, lat_prompts(config.vocab_size, args))
         return figures | {"vocab_size": config.vocab_size, "seed": config.seed}, recorded
 
     report["off"], recorded = with_engine(args, off)
@@ -234,6 +270,7 @@ def main() -> None:
     path = Path(tempfile.mkdtemp()) / "continuations.json"
     path.write_text(json.dumps(recorded))
     k = args.num_speculative_tokens
+    report["recording_acceptance"] = record_through_verify(args, path, recorded)
     report["replay"] = {}
     for alpha in [float(a) for a in args.alphas.split(",")]:
         spec = {"method": "replay", "num_speculative_tokens": k, "model": str(path),
@@ -280,7 +317,10 @@ def main() -> None:
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
     off_tpot = report["off"]["lat"]["tpot_ms"]
-    summary: dict[str, Any] = {"off_tpot_ms": off_tpot}
+    summary: dict[str, Any] = {
+        "off_tpot_ms": off_tpot,
+        "recording_acceptance": report.get("recording_acceptance"),
+    }
     for alpha, run in report.get("replay", {}).items():
         tpot = run["lat"]["tpot_ms"]
         summary[f"alpha={alpha}"] = {"tpot_ms": tpot, "ratio": tpot / off_tpot,

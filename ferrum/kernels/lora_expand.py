@@ -90,10 +90,13 @@ def lora_expand(
     segments: LoRASegments,
     y: torch.Tensor,
     slice_starts: tuple[int, ...] = (0,),
+    block_n: int = 64,
+    num_warps: int = 4,
 ) -> None:
     """y [T, N] += t [T, S * K] @ lora_b[slot] [N, K]^T per token with an adapter and shard (S
     shards, starting at columns `slice_starts`), in place; t in fp32, as the shrink writes it,
-    is rounded to B's dtype for the product."""
+    is rounded to B's dtype for the product. `block_n` output columns a program, a power of
+    two >= 16."""
     num_slices = len(slice_starts)
     if t.dim() != 2 or lora_b.dim() != 3 or t.shape[1] != num_slices * lora_b.shape[2]:
         raise ValueError(
@@ -120,7 +123,6 @@ def lora_expand(
     if num_tokens == 0:
         return
     starts = (*slice_starts[1:], 0, 0)
-    block_n = 64
     tile_m = block_m(num_tokens)
     num_slots = lora_b.shape[0]
     grid = (max_token_blocks(num_tokens, tile_m, num_slots), triton.cdiv(n, block_n))
@@ -131,6 +133,6 @@ def lora_expand(
         NUM_SLICES=num_slices, BLOCK_M=tile_m, BLOCK_N=block_n,
         SLOTS_P2=triton.next_power_of_2(num_slots),
         BLOCK_K=max(16, min(64, triton.next_power_of_2(k))),
-        DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if lora_b.dtype == torch.float32 else "tf32", num_warps=num_warps,
         **pdl_launch_args(t.device),
     )  # fmt: skip
