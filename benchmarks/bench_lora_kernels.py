@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferrum.kernels.dense_linear import dense_linear, gemv_tile_for  # noqa: E402
 from ferrum.kernels.gemv_lora import gemv_lora  # noqa: E402
+from ferrum.kernels.gemv_lora_sync import new_sync_words  # noqa: E402
 from ferrum.kernels.lora_expand import lora_expand  # noqa: E402
 from ferrum.kernels.lora_segments import LoRASegments  # noqa: E402
 from ferrum.kernels.lora_shrink import lora_shrink  # noqa: E402
@@ -44,15 +45,24 @@ def run_layer(x, weight, lora_a, lora_b, segments, shards, rank) -> None:  # noq
 
 
 def one_row_gemv(x, weight, lora_a, lora_b, slots, starts, device, iters) -> None:  # noqa: ANN001
-    """What the engine runs at one row: the GEMV alone, then with the adapter in one launch."""
+    """What the engine runs at one row: the GEMV alone, then with the adapter in one launch.
+    Both follow a raise of the forward's number (the engine raises it once per forward), so
+    each fused launch waits for its own t."""
     tile = gemv_tile_for(x, weight)
     if tile is None:
         return  # off CUDA, or the table sends this shape to F.linear
-    gemv = timed_us(partial(dense_linear, x, weight), device, iters)
-    fused = timed_us(
-        partial(gemv_lora, x, weight, lora_a, lora_b, slots, starts, tile), device, iters
-    )
-    print(f"{'':8s} {'':6s} one-row GEMV {gemv:.1f} us, with its adapter in one launch {fused:.1f}")
+    sync, seq = new_sync_words(device), torch.zeros(1, dtype=torch.int32, device=device)
+
+    def gemv() -> None:
+        seq.add_(1)
+        dense_linear(x, weight)
+
+    def fused() -> None:
+        seq.add_(1)
+        gemv_lora(x, weight, lora_a, lora_b, slots, starts, tile, sync, seq)
+
+    base_us, fused_us = timed_us(gemv, device, iters), timed_us(fused, device, iters)
+    print(f"{'':15s} one-row GEMV {base_us:.1f} us, with its adapter in one launch {fused_us:.1f}")
 
 
 def timed_us(fn, device: torch.device, iters: int) -> float:  # noqa: ANN001

@@ -4,11 +4,12 @@ round(x A_s^T) B_s^T, s = slot_ptr[0] (-1: none), A [L, S * R, K] and B [L, N, R
 t rounded to B's dtype as the separate expand rounds it. At one row the shrink and expand
 launches cost more than their bytes (bench_lora_kernels.py); here they cost a few programs.
 
-Programs 0 .. T-1 (T = cdiv(S * R, BLOCK_N)) store t's row blocks (fp32 scratch) and count on
-sync[0]; the rest compute column blocks like gemv.py, wait for sync[0] == T, add their adapter
-product and count on sync[1]; the last resets both (zero between launches). The t programs have
-the lowest ids, so they are dispatched first; a column program that polls MAX_SPINS times anyway
-computes t itself (same code and tile: same bits), so no launch can deadlock."""
+Programs 0 .. T-1 store t's row blocks (fp32 scratch) and count on the layer's `sync` words; the
+last of them publishes the forward's number (`seq_ptr`, raised once per forward before any
+launch) in READY_COPIES flags. The rest compute column blocks like gemv.py, wait for their flag
+copy (pid % READY_COPIES: no word is polled by every program) to hold the number, and add their
+adapter product. The t programs have the lowest ids, so run first; a column program that polls
+MAX_SPINS times anyway computes t itself (same code and tile: same bits): nothing deadlocks."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels.arrival_counters import arrival_counters
 from ferrum.kernels.gemv import WEIGHT_DTYPES, load_along_k
 from ferrum.kernels.gemv_config import GemvTile
+from ferrum.kernels.gemv_lora_sync import READY_COPIES, SPREAD, SYNC_WORDS
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_SHARDS = 3
@@ -46,33 +47,34 @@ def _shrink_block(
 
 
 @triton.jit
+def _publish_t(sync_ptr, seq, t_blocks, READY_COPIES: tl.constexpr, SPREAD: tl.constexpr):
+    """Counts a t program done (its rows stored); the last resets the count and sets every ready
+    flag to this forward's number."""
+    # Every thread's rows are stored before the count (one acq_rel atomic after the barrier).
+    tl.debug_barrier()
+    if tl.atomic_add(sync_ptr, 1, sem="acq_rel", scope="gpu") == t_blocks - 1:
+        tl.store(sync_ptr, 0)
+        flags = sync_ptr + (1 + tl.arange(0, READY_COPIES)) * SPREAD
+        tl.atomic_xchg(flags, tl.full((READY_COPIES,), seq, tl.int32), sem="release", scope="gpu")
+
+
+@triton.jit
 def _wait_for_t(
-    sync_ptr, a_slot, x_ptr, t_ptr, t_blocks, t_rows, K, stride_a_row,
+    flag_ptr, seq, a_slot, x_ptr, t_ptr, t_blocks, t_rows, K, stride_a_row,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, MAX_SPINS: tl.constexpr,
 ):  # fmt: skip
-    """Returns once t is stored: counted by its programs, or after MAX_SPINS polls computed here."""
-    done = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    """Returns once t is stored: published for this forward, or after MAX_SPINS polls computed
+    here."""
+    ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
     spins = 0
-    while (done < t_blocks) & (spins < MAX_SPINS):
-        done = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+    while (ready != seq) & (spins < MAX_SPINS):
+        ready = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
-    if done < t_blocks:
+    if ready != seq:
         for block in range(0, t_blocks):
             _shrink_block(a_slot, x_ptr, t_ptr, block, t_rows, K, stride_a_row,
                           BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
         tl.debug_barrier()
-
-
-@triton.jit
-def _count_column_read(sync_ptr, t_blocks, columns):
-    """Counts a column program done with t; the last resets both counters once every t program
-    has counted too (late ones: the fallback's case)."""
-    if tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel", scope="gpu") == columns - 1:
-        counted = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-        while counted < t_blocks:
-            counted = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-        tl.store(sync_ptr, 0)
-        tl.store(sync_ptr + 1, 0)
 
 
 @triton.jit
@@ -108,7 +110,8 @@ def _gemv_lora_kernel(
     b_ptr,  # [L, N, RANK]
     slot_ptr,  # [>= 1] int32: the row's adapter slot, -1 for none
     t_ptr,  # [S * RANK] fp32 scratch
-    sync_ptr,  # [2] int32, zero between launches
+    sync_ptr,  # [SYNC_WORDS] int32: this layer's t count (zero between launches), ready flags
+    seq_ptr,  # [1] int32: this forward's number
     N,
     K,
     RANK,
@@ -126,6 +129,8 @@ def _gemv_lora_kernel(
     RANK_P2: tl.constexpr,
     NUM_SHARDS: tl.constexpr,
     MAX_SPINS: tl.constexpr,
+    READY_COPIES: tl.constexpr,
+    SPREAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_launch_dependents(USE_PDL)
@@ -139,9 +144,7 @@ def _gemv_lora_kernel(
             a_slot = a_ptr + slot.to(tl.int64) * stride_a_slot
             _shrink_block(a_slot, x_ptr, t_ptr, pid, t_rows, K, stride_a_row,
                           BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
-            # Every thread's rows are stored before the count (one release atomic after it).
-            tl.debug_barrier()
-            tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+            _publish_t(sync_ptr, tl.load(seq_ptr), t_blocks, READY_COPIES, SPREAD)
         return
     offs_n = (pid - t_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -167,12 +170,12 @@ def _gemv_lora_kernel(
     slot = tl.load(slot_ptr)
     if slot >= 0:
         a_slot = a_ptr + slot.to(tl.int64) * stride_a_slot
-        _wait_for_t(sync_ptr, a_slot, x_ptr, t_ptr, t_blocks, t_rows, K, stride_a_row,
-                    BLOCK_N, BLOCK_K, EVEN_K, MAX_SPINS)  # fmt: skip
+        flag = sync_ptr + (1 + pid % READY_COPIES) * SPREAD
+        _wait_for_t(flag, tl.load(seq_ptr), a_slot, x_ptr, t_ptr, t_blocks, t_rows, K,
+                    stride_a_row, BLOCK_N, BLOCK_K, EVEN_K, MAX_SPINS)  # fmt: skip
         b_slot = b_ptr + slot.to(tl.int64) * stride_b_slot
         out += _adapter_columns(t_ptr, b_slot, offs_n, safe_n, RANK, slice1, slice2, stride_b_n,
                                 RANK_P2, NUM_SHARDS)  # fmt: skip
-        _count_column_read(sync_ptr, t_blocks, tl.num_programs(0) - t_blocks)
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -184,9 +187,12 @@ def gemv_lora(
     slots: torch.Tensor,  # int32, slots[0] the row's adapter slot (-1: none)
     slice_starts: tuple[int, ...],  # first column of each of the S shards
     tile: GemvTile,
+    sync: torch.Tensor,  # [SYNC_WORDS] int32 of this layer alone (new_sync_words)
+    forward_seq: torch.Tensor,  # [1] int32, raised before each forward's first launch
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[1, N] in x's dtype: x @ weight^T + bias + the row's adapter product."""
+    """[1, N] in x's dtype: x @ weight^T + bias + the row's adapter product. Each layer passes
+    its own `sync` and is launched at most once per value of `forward_seq`."""
     if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES or weight.stride(1) != 1:
         raise ValueError(f"weight: [N, K] fp16/bf16, last dim contiguous, got {weight.dtype}")
     n, k = weight.shape
@@ -212,16 +218,19 @@ def gemv_lora(
         raise ValueError(f"bias: [{n}], got {tuple(bias.shape)}")
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     t = torch.empty(shards * rank, dtype=torch.float32, device=x.device)
-    sync = arrival_counters(x.device, 2, "LoRA GEMV")
+    if sync.shape != (SYNC_WORDS,) or torch.int32 != sync.dtype or torch.int32 != forward_seq.dtype:
+        raise ValueError(f"sync: [{SYNC_WORDS}] int32 (new_sync_words), forward_seq: int32")
     t_blocks = triton.cdiv(shards * rank, tile.BLOCK_N)
     starts = (*slice_starts[1:], 0, 0)
     _gemv_lora_kernel[(t_blocks + triton.cdiv(n, tile.BLOCK_N),)](
         out, x, weight, weight if bias is None else bias, lora_a, lora_b, slots, t, sync,
+        forward_seq,
         n, k, rank, starts[0], starts[1], weight.stride(0), lora_a.stride(0), lora_a.stride(1),
         lora_b.stride(0), lora_b.stride(1),
         HAS_BIAS=bias is not None, EVEN_K=k % tile.BLOCK_K == 0, BLOCK_N=tile.BLOCK_N,
         BLOCK_K=tile.BLOCK_K, RANK_P2=triton.next_power_of_2(rank), NUM_SHARDS=shards,
-        MAX_SPINS=MAX_SPINS, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        MAX_SPINS=MAX_SPINS, READY_COPIES=READY_COPIES, SPREAD=SPREAD, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
         **pdl_launch_args(x.device),
     )  # fmt: skip
     return out

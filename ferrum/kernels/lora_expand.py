@@ -90,7 +90,7 @@ def lora_expand(
     segments: LoRASegments,
     y: torch.Tensor,
     slice_starts: tuple[int, ...] = (0,),
-    block_n: int = 64,
+    block_n: int = 128,
     num_warps: int = 4,
 ) -> None:
     """y [T, N] += t [T, S * K] @ lora_b[slot] [N, K]^T per token with an adapter and shard (S

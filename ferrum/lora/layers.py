@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ferrum.kernels.gemv_lora_sync import new_sync_words
 from ferrum.kernels.lora_ref import lora_expand_torch, lora_shrink_torch
 from ferrum.kernels.lora_segments import LoRASegments
 from ferrum.model_executor.layers.linear import Linear, MergedLinear
@@ -38,6 +39,9 @@ class LoRABatch:
         # Whether a one-row step of a model-dtype layer takes the GEMV with its adapter in one
         # launch (Triton kernels, not batch-invariant: that mode keeps its own linear).
         self.fuses_gemv = fuses_gemv and is_triton
+        # The forward's number, raised by the first LoRA layer of each forward that adds adapters
+        # (captured in CUDA graphs too): the fused GEMV tells its own t from an older one by it.
+        self.forward_seq = torch.zeros(1, dtype=torch.int32, device=device)
         # False for an eager step without adapters: the layers skip their LoRA work. True until
         # the first step, so start-up (profile, warm-up, CUDA-graph capture) runs and compiles
         # it; a captured graph always runs it (with the step's slot map).
@@ -61,7 +65,7 @@ class LoRABatch:
 
     def fused_gemv(
         self, x: torch.Tensor, base: Linear, lora_a: torch.Tensor, lora_b: torch.Tensor,
-        slice_starts: tuple[int, ...],
+        slice_starts: tuple[int, ...], sync: torch.Tensor,
     ) -> torch.Tensor | None:  # fmt: skip
         """The layer's output with its adapter from one launch (gemv_lora.py) where x is one
         row the base layer would run through the GEMV; else None."""
@@ -76,7 +80,7 @@ class LoRABatch:
 
         out = gemv_lora(
             x.reshape(1, -1), base.weight, lora_a, lora_b, self.token_slots, slice_starts, tile,
-            base.bias,
+            sync, self.forward_seq, base.bias,
         )  # fmt: skip
         return out.view(*x.shape[:-1], base.weight.shape[0])
 
@@ -125,6 +129,10 @@ class LoRALinear(nn.Module):
             max_loras, num_slices * max_rank, base.input_size, dtype=dtype, device=device
         )
         self.lora_b = torch.zeros(max_loras, base.output_size, max_rank, dtype=dtype, device=device)
+        # The fused one-row GEMV's counter and flags (this layer's own), and whether this layer
+        # is the forward's first LoRA layer (it raises the batch's forward number).
+        self.gemv_sync = new_sync_words(device) if batch.fuses_gemv else None
+        self.starts_forward = False
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         """Never: the adapter's product reads x in the model dtype."""
@@ -162,10 +170,14 @@ class LoRALinear(nn.Module):
         if x_fp8 is not None:
             raise ValueError("x_fp8: a LoRA layer takes no FP8 rows")
         base = self.base_layer
-        if not (self.row_parallel and self.tp_size > 1):
+        if self.starts_forward and self.gemv_sync is not None and self.batch.runs(x):
+            self.batch.forward_seq.add_(1)
+        if not (self.row_parallel and self.tp_size > 1) and self.gemv_sync is not None:
             if self.batch.runs(x):
                 starts = tuple(offset for _, offset, _, _ in self.slices)
-                fused = self.batch.fused_gemv(x, base, self.lora_a, self.lora_b, starts)
+                fused = self.batch.fused_gemv(
+                    x, base, self.lora_a, self.lora_b, starts, self.gemv_sync
+                )
                 if fused is not None:
                     return fused
             y = base(x)
@@ -200,6 +212,7 @@ def install_lora_layers(
             if not isinstance(base, Linear):
                 continue  # e.g. MoE experts: the adapter loader refuses their targets
             wrapped = LoRALinear(base, batch, max_loras, max_rank, dtype)
+            wrapped.starts_forward = not layers  # the first one the forward calls
             setattr(parent, attr, wrapped)
             layers[(layer_idx, name)] = wrapped
     return layers
