@@ -20,8 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferrum.kernels.dense_linear import dense_linear, gemv_tile_for  # noqa: E402
-from ferrum.kernels.gemv_lora import gemv_lora  # noqa: E402
-from ferrum.kernels.gemv_lora_sync import new_sync_words  # noqa: E402
+from ferrum.kernels.gemv_lora import gemv_lora, new_t_scratch  # noqa: E402
 from ferrum.kernels.lora_expand import lora_expand  # noqa: E402
 from ferrum.kernels.lora_segments import LoRASegments  # noqa: E402
 from ferrum.kernels.lora_shrink import lora_shrink  # noqa: E402
@@ -51,7 +50,8 @@ def one_row_gemv(x, weight, lora_a, lora_b, slots, starts, device, iters) -> Non
     tile = gemv_tile_for(x, weight)
     if tile is None:
         return  # off CUDA, or the table sends this shape to F.linear
-    sync, seq = new_sync_words(device), torch.zeros(1, dtype=torch.int32, device=device)
+    scratch = new_t_scratch(weight, tile, len(starts), lora_b.shape[2])
+    seq = torch.zeros(1, dtype=torch.int32, device=device)
 
     def gemv() -> None:
         seq.add_(1)
@@ -59,7 +59,7 @@ def one_row_gemv(x, weight, lora_a, lora_b, slots, starts, device, iters) -> Non
 
     def fused() -> None:
         seq.add_(1)
-        gemv_lora(x, weight, lora_a, lora_b, slots, starts, tile, sync, seq)
+        gemv_lora(x, weight, lora_a, lora_b, slots, starts, tile, scratch, seq)
 
     base_us, fused_us = timed_us(gemv, device, iters), timed_us(fused, device, iters)
     print(f"{'':15s} one-row GEMV {base_us:.1f} us, with its adapter in one launch {fused_us:.1f}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ferrum.kernels.gemv_lora_sync import new_sync_words
 from ferrum.kernels.lora_ref import lora_expand_torch, lora_shrink_torch
 from ferrum.kernels.lora_segments import LoRASegments
 from ferrum.model_executor.layers.linear import Linear, MergedLinear
@@ -65,7 +64,7 @@ class LoRABatch:
 
     def fused_gemv(
         self, x: torch.Tensor, base: Linear, lora_a: torch.Tensor, lora_b: torch.Tensor,
-        slice_starts: tuple[int, ...], sync: torch.Tensor,
+        slice_starts: tuple[int, ...], owner: LoRALinear,
     ) -> torch.Tensor | None:  # fmt: skip
         """The layer's output with its adapter from one launch (gemv_lora.py) where x is one
         row the base layer would run through the GEMV; else None."""
@@ -76,11 +75,15 @@ class LoRABatch:
         tile = gemv_tile_for(x, base.weight)
         if tile is None:
             return None
-        from ferrum.kernels.gemv_lora import gemv_lora
+        from ferrum.kernels.gemv_lora import gemv_lora, new_t_scratch
 
+        if owner.t_scratch is None:
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("LoRA GEMV: run one-row steps once before CUDA graph capture")
+            owner.t_scratch = new_t_scratch(base.weight, tile, len(slice_starts), owner.max_rank)
         out = gemv_lora(
             x.reshape(1, -1), base.weight, lora_a, lora_b, self.token_slots, slice_starts, tile,
-            sync, self.forward_seq, base.bias,
+            owner.t_scratch, self.forward_seq, base.bias,
         )  # fmt: skip
         return out.view(*x.shape[:-1], base.weight.shape[0])
 
@@ -129,9 +132,10 @@ class LoRALinear(nn.Module):
             max_loras, num_slices * max_rank, base.input_size, dtype=dtype, device=device
         )
         self.lora_b = torch.zeros(max_loras, base.output_size, max_rank, dtype=dtype, device=device)
-        # The fused one-row GEMV's counter and flags (this layer's own), and whether this layer
-        # is the forward's first LoRA layer (it raises the batch's forward number).
-        self.gemv_sync = new_sync_words(device) if batch.fuses_gemv else None
+        # The fused one-row GEMV's tagged partials of t (this layer's own, made by its first
+        # launch), and whether this layer is the forward's first LoRA layer (it raises the
+        # batch's forward number).
+        self.t_scratch: torch.Tensor | None = None
         self.starts_forward = False
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
@@ -170,16 +174,14 @@ class LoRALinear(nn.Module):
         if x_fp8 is not None:
             raise ValueError("x_fp8: a LoRA layer takes no FP8 rows")
         base = self.base_layer
-        if self.starts_forward and self.gemv_sync is not None and self.batch.runs(x):
+        fuses = self.batch.fuses_gemv and self.batch.runs(x)
+        if fuses and self.starts_forward:
             self.batch.forward_seq.add_(1)
-        if not (self.row_parallel and self.tp_size > 1) and self.gemv_sync is not None:
-            if self.batch.runs(x):
-                starts = tuple(offset for _, offset, _, _ in self.slices)
-                fused = self.batch.fused_gemv(
-                    x, base, self.lora_a, self.lora_b, starts, self.gemv_sync
-                )
-                if fused is not None:
-                    return fused
+        if fuses and not (self.row_parallel and self.tp_size > 1):
+            starts = tuple(offset for _, offset, _, _ in self.slices)
+            fused = self.batch.fused_gemv(x, base, self.lora_a, self.lora_b, starts, self)
+            if fused is not None:
+                return fused
             y = base(x)
             self._add_lora(y, x)
             return y

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from ferrum.kernels.gemv_config import GemvTile
-from ferrum.kernels.gemv_lora import gemv_lora
-from ferrum.kernels.gemv_lora_sync import SPREAD, new_sync_words
+from ferrum.kernels.gemv_lora import gemv_lora, new_t_scratch
 from ferrum.kernels.lora_ref import lora_expand_torch, lora_shrink_torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -48,16 +47,17 @@ def test_matches_base_plus_shrink_expand(k, shards, block_n, block_k, slot, dtyp
     lora_a[:, rank - 3 : rank] = 0  # shard 0's adapter has rank 5: the pool pads with zeros
     lora_b = (torch.randn(num_slots, n, rank, generator=gen) * 0.1).to(DEVICE, dtype)
     slots = torch.tensor([slot, 2], dtype=torch.int32, device=DEVICE)  # the first row's slot
-    tile, sync = GemvTile(block_n, block_k), new_sync_words(DEVICE)
-    seq = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    tile = GemvTile(block_n, block_k)
+    sync, seq = new_t_scratch(weight, tile, len(shards), rank), torch.ones(1, dtype=torch.int32)
+    seq = seq.to(DEVICE)
     got = gemv_lora(x, weight, lora_a, lora_b, slots, starts, tile, sync, seq, bias)
     expected = _reference(x, weight, bias, lora_a, lora_b, slot, starts)
     assert got.dtype == dtype and got.shape == (1, n)
     tol = 2e-2 if dtype == torch.float16 else 5e-2
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
-    # The count is back to zero and every ready flag holds the forward's number (with an adapter).
-    assert sync[0] == 0 and set(sync[SPREAD::SPREAD].tolist()) == {1 if slot >= 0 else -1}
-    seq += 1  # the next forward: another input, this layer's flags must not pass its t as ready
+    # Every partial of t is tagged with the forward's number (with an adapter; untouched without).
+    assert set((sync >> 32).flatten().tolist()) == {1 if slot >= 0 else -1}
+    seq += 1  # the next forward: another input, whose t the old tags must not pass for current
     other = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
     got = gemv_lora(other, weight, lora_a, lora_b, slots, starts, tile, sync, seq, bias)
     expected = _reference(other, weight, bias, lora_a, lora_b, slot, starts)
@@ -68,7 +68,8 @@ def test_rejects_mismatched_operands() -> None:
     x, w = torch.zeros(1, 16), torch.zeros(8, 16)
     a, b = torch.zeros(2, 4, 16), torch.zeros(2, 8, 4)
     slots, tile = torch.zeros(1, dtype=torch.int32), GemvTile(8, 16)
-    sync, seq, half = new_sync_words(DEVICE), torch.ones(1, dtype=torch.int32), torch.float16
+    seq, half = torch.ones(1, dtype=torch.int32), torch.float16
+    sync = new_t_scratch(w.half(), tile, 1, 4)
     with pytest.raises(ValueError, match="weight"):
         gemv_lora(x, w, a, b, slots, (0,), tile, sync, seq)
     x, w, a, b = x.to(half), w.to(half), a.to(half), b.to(half)
@@ -80,5 +81,5 @@ def test_rejects_mismatched_operands() -> None:
         gemv_lora(x, w, a, b, slots, (0, 4), tile, sync, seq)
     with pytest.raises(ValueError, match="dtype"):
         gemv_lora(x, w, a.float(), b, slots, (0,), tile, sync, seq)
-    with pytest.raises(ValueError, match="sync"):
-        gemv_lora(x, w, a, b, slots, (0,), tile, sync[:8], seq)
+    with pytest.raises(ValueError, match="t_scratch"):
+        gemv_lora(x, w, a, b, slots, (0,), tile, sync[:, :2], seq)
