@@ -23,7 +23,7 @@ from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_SHARDS = 3
 MAX_SPINS = 4096
-_LOW = 0xFFFFFFFF
+_LOW = tl.constexpr(0xFFFFFFFF)  # the low 32 bits of a tagged partial
 
 
 @triton.jit
@@ -49,7 +49,8 @@ def _shrink_tile(
 @triton.jit
 def _load_tagged_t(
     t_ptr, offs_n, RANK, slice1, slice2, T_ROWS,
-    K_TILES: tl.constexpr, RANK_P2: tl.constexpr, NUM_SHARDS: tl.constexpr,
+    K_TILES: tl.constexpr, K_TILES_P2: tl.constexpr, RANK_P2: tl.constexpr,
+    NUM_SHARDS: tl.constexpr,
 ):  # fmt: skip
     """[K_TILES_P2, BLOCK_N, RANK_P2] int64: each column's shard block of t, one K tile's
     tagged partials a plane (0 past the K tiles and the rank)."""
@@ -59,7 +60,7 @@ def _load_tagged_t(
     if NUM_SHARDS == 3:
         shard += (offs_n >= slice2).to(tl.int32)
     offs_r = tl.arange(0, RANK_P2)
-    offs_t = tl.arange(0, triton.next_power_of_2(K_TILES))
+    offs_t = tl.arange(0, K_TILES_P2)
     idx = offs_t[:, None, None] * T_ROWS + (shard[:, None] * RANK + offs_r[None, :])[None, :, :]
     mask = (offs_t[:, None, None] < K_TILES) & (offs_r[None, None, :] < RANK)
     # L2, not L1: this launch's t programs store them.
@@ -67,9 +68,11 @@ def _load_tagged_t(
 
 
 @triton.jit
-def _stale(tagged, seq, RANK, K_TILES: tl.constexpr, RANK_P2: tl.constexpr):
+def _stale(
+    tagged, seq, RANK, K_TILES: tl.constexpr, K_TILES_P2: tl.constexpr, RANK_P2: tl.constexpr
+):
     """1 where a partial of `tagged` does not carry this forward's number, else 0."""
-    offs_t = tl.arange(0, triton.next_power_of_2(K_TILES))
+    offs_t = tl.arange(0, K_TILES_P2)
     offs_r = tl.arange(0, RANK_P2)
     valid = (offs_t[:, None, None] < K_TILES) & (offs_r[None, None, :] < RANK)
     stale = valid & ((tagged >> 32).to(tl.int32) != seq)
@@ -80,25 +83,34 @@ def _stale(tagged, seq, RANK, K_TILES: tl.constexpr, RANK_P2: tl.constexpr):
 def _current_t(
     tagged, a_slot, x_ptr, t_ptr, seq, offs_n, row_blocks, K, RANK, slice1, slice2, stride_a_row,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, K_TILES: tl.constexpr,
-    RANK_P2: tl.constexpr, NUM_SHARDS: tl.constexpr, MAX_SPINS: tl.constexpr,
+    K_TILES_P2: tl.constexpr, RANK_P2: tl.constexpr, NUM_SHARDS: tl.constexpr,
+    MAX_SPINS: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, RANK_P2] fp32: the columns' t, its K tiles' partials summed in order, once every
     one is this forward's (reloaded until then; after MAX_SPINS reloads computed here)."""
     t_rows = NUM_SHARDS * RANK
     spins = 0
-    while (_stale(tagged, seq, RANK, K_TILES, RANK_P2) > 0) & (spins < MAX_SPINS):
-        tagged = _load_tagged_t(t_ptr, offs_n, RANK, slice1, slice2, t_rows, K_TILES, RANK_P2,
-                                NUM_SHARDS)  # fmt: skip
+    while (_stale(tagged, seq, RANK, K_TILES, K_TILES_P2, RANK_P2) > 0) & (spins < MAX_SPINS):
+        tagged = _load_tagged_t(t_ptr, offs_n, RANK, slice1, slice2, t_rows, K_TILES,
+                                K_TILES_P2, RANK_P2, NUM_SHARDS)  # fmt: skip
         spins += 1
-    if _stale(tagged, seq, RANK, K_TILES, RANK_P2) > 0:
+    if _stale(tagged, seq, RANK, K_TILES, K_TILES_P2, RANK_P2) > 0:
         # The t programs have not run (never seen): compute their tiles here, same bits.
         for tile in range(0, row_blocks * K_TILES):
             _shrink_tile(a_slot, x_ptr, t_ptr, tile, row_blocks, seq, t_rows, K, stride_a_row,
                          BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
         tl.debug_barrier()
-        tagged = _load_tagged_t(t_ptr, offs_n, RANK, slice1, slice2, t_rows, K_TILES, RANK_P2,
-                                NUM_SHARDS)  # fmt: skip
+        tagged = _load_tagged_t(t_ptr, offs_n, RANK, slice1, slice2, t_rows, K_TILES,
+                                K_TILES_P2, RANK_P2, NUM_SHARDS)  # fmt: skip
     return tl.sum((tagged & _LOW).to(tl.int32).to(tl.float32, bitcast=True), 0)
+
+
+@triton.jit
+def _b_rows(b_ptr, slot, safe_n, stride_b_slot, stride_b_n, RANK, RANK_P2: tl.constexpr):
+    """[BLOCK_N, RANK_P2]: the columns' rows of the slot's B (zeros without an adapter)."""
+    offs_r = tl.arange(0, RANK_P2)
+    b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_b_slot + safe_n[:, None] * stride_b_n
+    return tl.load(b_rows + offs_r[None, :], mask=(offs_r[None, :] < RANK) & (slot >= 0), other=0.0)
 
 
 @triton.jit
@@ -127,6 +139,7 @@ def _gemv_lora_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     K_TILES: tl.constexpr,
+    K_TILES_P2: tl.constexpr,
     RANK_P2: tl.constexpr,
     NUM_SHARDS: tl.constexpr,
     MAX_SPINS: tl.constexpr,
@@ -159,11 +172,9 @@ def _gemv_lora_kernel(
     seq = tl.load(seq_ptr)
     # Issued now, used after the K loop: B's rows, and t as far as it is stored yet (programs
     # that start after the t programs ended find it all, and never wait).
-    offs_r = tl.arange(0, RANK_P2)
-    b_rows = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_b_slot + safe_n[:, None] * stride_b_n
-    b = tl.load(b_rows + offs_r[None, :], mask=(offs_r[None, :] < RANK) & (slot >= 0), other=0.0)
-    tagged = _load_tagged_t(t_ptr, offs_n, RANK, slice1, slice2, t_rows, K_TILES, RANK_P2,
-                            NUM_SHARDS)  # fmt: skip
+    b = _b_rows(b_ptr, slot, safe_n, stride_b_slot, stride_b_n, RANK, RANK_P2)
+    tagged = _load_tagged_t(t_ptr, offs_n, RANK, slice1, slice2, t_rows, K_TILES,
+                            K_TILES_P2, RANK_P2, NUM_SHARDS)  # fmt: skip
     x = load_along_k(x_ptrs, offs_k, K, EVEN_K)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -179,7 +190,7 @@ def _gemv_lora_kernel(
         a_slot = a_ptr + slot.to(tl.int64) * stride_a_slot
         t = _current_t(tagged, a_slot, x_ptr, t_ptr, seq, offs_n, row_blocks, K,
                        RANK, slice1, slice2, stride_a_row, BLOCK_N, BLOCK_K, EVEN_K, K_TILES,
-                       RANK_P2, NUM_SHARDS, MAX_SPINS)  # fmt: skip
+                       K_TILES_P2, RANK_P2, NUM_SHARDS, MAX_SPINS)  # fmt: skip
         t = t.to(b_ptr.dtype.element_ty).to(tl.float32)
         out += tl.sum(t * b.to(tl.float32), 1)
     tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
@@ -243,7 +254,8 @@ def gemv_lora(
         n, k, rank, starts[0], starts[1], weight.stride(0), lora_a.stride(0), lora_a.stride(1),
         lora_b.stride(0), lora_b.stride(1),
         HAS_BIAS=bias is not None, EVEN_K=k % tile.BLOCK_K == 0, BLOCK_N=tile.BLOCK_N,
-        BLOCK_K=tile.BLOCK_K, K_TILES=k_tiles, RANK_P2=triton.next_power_of_2(rank),
+        BLOCK_K=tile.BLOCK_K, K_TILES=k_tiles,
+        K_TILES_P2=triton.next_power_of_2(k_tiles), RANK_P2=triton.next_power_of_2(rank),
         NUM_SHARDS=shards, MAX_SPINS=MAX_SPINS, num_warps=tile.num_warps,
         num_stages=tile.num_stages,
         **pdl_launch_args(x.device),
