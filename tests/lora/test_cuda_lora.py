@@ -69,3 +69,31 @@ def test_one_row_takes_the_gemv_with_its_adapter_in_one_launch(monkeypatch) -> N
     torch.testing.assert_close(two_rows[1], base(x[1:])[0])
     delta = (one_row[0] - base(x[:1])[0]).float()
     assert delta[256:320].abs().max() == 0 and delta[:256].abs().max() > 0.1  # k has no adapter
+
+
+def test_one_row_decode_in_bf16_follows_peft(tiny_checkpoint, peft_adapter) -> None:
+    """One request at a time in bf16 (CUDA graphs): every decode step runs the fused one-row
+    GEMV. Its greedy tokens are PEFT's (fp32) most likely next token after the same prefix
+    (teacher forcing) at nearly every step; an adapter product read from an older forward's t
+    would not be."""
+    from peft import PeftModel
+
+    from tests.utils.tiny_checkpoints import hf_logits, load_hf_model
+
+    base = tiny_checkpoint("qwen3")
+    path = peft_adapter("qwen3", rank=8, seed=5)
+    llm = cuda_llm(base, dtype="bfloat16", enable_lora=True, max_loras=1, max_lora_rank=8,
+                   num_kv_blocks=64)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    reference = PeftModel.from_pretrained(load_hf_model(base), path).eval()
+    agree = total = 0
+    for prompt in random_prompts([7, 23, 12], seed=4):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False,
+                              lora_request=LoRARequest("a", 1, path))  # fmt: skip
+        tokens = list(out.outputs[0].token_ids)
+        for i, token in enumerate(tokens):
+            agree += int(hf_logits(reference, prompt + tokens[:i])[-1].argmax()) == token
+            total += 1
+    runner = llm.llm_engine.core.executor.runner
+    assert any(layer.t_scratch is not None for layer in runner.lora.layers.values())
+    assert agree >= 0.9 * total, (agree, total)
