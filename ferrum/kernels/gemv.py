@@ -26,6 +26,21 @@ def load_along_k(ptrs, offs_k, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def rows_dot_x(w, w_ptrs, x_ptrs, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """[BLOCK_N] fp32: a block of W's rows dotted with x along K, fp32 per lane, summed once;
+    `w` is the first tile (at w_ptrs), loaded by the caller (before its PDL wait)."""
+    x = load_along_k(x_ptrs, offs_k, K, EVEN_K)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        x = load_along_k(x_ptrs, offs_k, K - k0, EVEN_K)
+        w = load_along_k(w_ptrs, offs_k, K - k0, EVEN_K)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.jit
 def _gemv_kernel(
     out_ptr,  # [M, N]
     x_ptr,  # [M, K]
@@ -56,15 +71,7 @@ def _gemv_kernel(
     # The first weight tile is read before the wait (weights are never written while serving).
     w = load_along_k(w_ptrs, offs_k, K, EVEN_K)
     pdl_wait(USE_PDL)
-    x = load_along_k(x_ptrs, offs_k, K, EVEN_K)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        x = load_along_k(x_ptrs, offs_k, K - k0, EVEN_K)
-        w = load_along_k(w_ptrs, offs_k, K - k0, EVEN_K)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    out = tl.sum(acc, 1)
+    out = rows_dot_x(w, w_ptrs, x_ptrs, offs_k, K, BLOCK_K, EVEN_K)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)

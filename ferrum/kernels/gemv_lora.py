@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferrum.kernels.gemv import WEIGHT_DTYPES, load_along_k
+from ferrum.kernels.gemv import WEIGHT_DTYPES, load_along_k, rows_dot_x
 from ferrum.kernels.gemv_config import GemvTile
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
@@ -175,15 +175,7 @@ def _gemv_lora_kernel(
     b = _b_rows(b_ptr, slot, safe_n, stride_b_slot, stride_b_n, RANK, RANK_P2)
     tagged = _load_tagged_t(t_ptr, offs_n, RANK, slice1, slice2, t_rows, K_TILES,
                             K_TILES_P2, RANK_P2, NUM_SHARDS)  # fmt: skip
-    x = load_along_k(x_ptrs, offs_k, K, EVEN_K)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        x = load_along_k(x_ptrs, offs_k, K - k0, EVEN_K)
-        w = load_along_k(w_ptrs, offs_k, K - k0, EVEN_K)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-    out = tl.sum(acc, 1)
+    out = rows_dot_x(w, w_ptrs, x_ptrs, offs_k, K, BLOCK_K, EVEN_K)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     if slot >= 0:
