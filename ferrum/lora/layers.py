@@ -8,6 +8,8 @@ partial output before its all-reduce. The step's token -> slot map lives in `LoR
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -38,8 +40,8 @@ class LoRABatch:
         # Whether a one-row step of a model-dtype layer takes the GEMV with its adapter in one
         # launch (Triton kernels, not batch-invariant: that mode keeps its own linear).
         self.fuses_gemv = fuses_gemv and is_triton
-        # The forward's number, raised by the first LoRA layer of each forward that adds adapters
-        # (captured in CUDA graphs too): the fused GEMV tells its own t from an older one by it.
+        # The forward's number, raised as every forward of the model begins (a pre-hook, so
+        # captured in CUDA graphs too): the fused GEMV tells its own t from an older one by it.
         self.forward_seq = torch.zeros(1, dtype=torch.int32, device=device)
         # False for an eager step without adapters: the layers skip their LoRA work. True until
         # the first step, so start-up (profile, warm-up, CUDA-graph capture) runs and compiles
@@ -49,6 +51,16 @@ class LoRABatch:
     def runs(self, x: torch.Tensor) -> bool:
         """Whether the layers add adapters to this forward."""
         return self.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+    def raise_forward_number(self) -> None:
+        if self.fuses_gemv:
+            self.forward_seq.add_(1)
+
+    def reset_forward_numbers(self, layers: Iterable[LoRALinear]) -> None:
+        """Number 0 again and every layer's t untagged (stream-ordered: between steps)."""
+        self.forward_seq.zero_()
+        for layer in layers:
+            layer.untag_t()
 
     def regroup(self) -> None:
         """Refreshes the grouping after `token_slots` changed (Triton only)."""
@@ -61,31 +73,6 @@ class LoRABatch:
 
             return lora_shrink(x, lora_a, self.segments)
         return lora_shrink_torch(x, lora_a, self.token_slots[: x.shape[0]])
-
-    def fused_gemv(
-        self, x: torch.Tensor, base: Linear, lora_a: torch.Tensor, lora_b: torch.Tensor,
-        slice_starts: tuple[int, ...], owner: LoRALinear,
-    ) -> torch.Tensor | None:  # fmt: skip
-        """The layer's output with its adapter from one launch (gemv_lora.py) where x is one
-        row the base layer would run through the GEMV; else None."""
-        if not self.fuses_gemv or not isinstance(base.quant_method, DenseLinearMethod):
-            return None
-        from ferrum.kernels.dense_linear import gemv_tile_for
-
-        tile = gemv_tile_for(x, base.weight)
-        if tile is None:
-            return None
-        from ferrum.kernels.gemv_lora import gemv_lora, new_t_scratch
-
-        if owner.t_scratch is None:
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("LoRA GEMV: run one-row steps once before CUDA graph capture")
-            owner.t_scratch = new_t_scratch(base.weight, tile, len(slice_starts), owner.max_rank)
-        out = gemv_lora(
-            x.reshape(1, -1), base.weight, lora_a, lora_b, self.token_slots, slice_starts, tile,
-            owner.t_scratch, self.forward_seq, base.bias,
-        )  # fmt: skip
-        return out.view(*x.shape[:-1], base.weight.shape[0])
 
     def expand(
         self, t: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, slice_starts: tuple[int, ...]
@@ -127,16 +114,22 @@ class LoRALinear(nn.Module):
             ]
         else:
             self.slices = [(None, 0, base.output_size, 0)]
+        self.slice_starts = tuple(offset for _, offset, _, _ in self.slices)
         num_slices, device = len(self.slices), base_device(base)
         self.lora_a = torch.zeros(
             max_loras, num_slices * max_rank, base.input_size, dtype=dtype, device=device
         )
         self.lora_b = torch.zeros(max_loras, base.output_size, max_rank, dtype=dtype, device=device)
-        # The fused one-row GEMV's tagged partials of t (this layer's own, made by its first
-        # launch), and whether this layer is the forward's first LoRA layer (it raises the
-        # batch's forward number).
+        # The fused one-row GEMV's tagged partials of t: this layer's own, made by its first
+        # launch and kept from one forward to the next.
         self.t_scratch: torch.Tensor | None = None
-        self.starts_forward = False
+
+    def untag_t(self) -> None:
+        """No forward's number on this layer's t any more (nothing passes for current)."""
+        if self.t_scratch is not None:
+            from ferrum.kernels.gemv_lora import UNTAGGED
+
+            self.t_scratch.fill_(UNTAGGED)
 
     def takes_fp8_rows(self, x: torch.Tensor) -> bool:
         """Never: the adapter's product reads x in the model dtype."""
@@ -168,18 +161,39 @@ class LoRALinear(nn.Module):
         if not self.batch.runs(x):
             return
         t = self.batch.shrink(x, self.lora_a)
-        self.batch.expand(t, self.lora_b, y, tuple(offset for _, offset, _, _ in self.slices))
+        self.batch.expand(t, self.lora_b, y, self.slice_starts)
+
+    def _fused_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The layer's output with its adapter from one launch (gemv_lora.py) where adapters
+        run, x is one row and the base layer would take the model-dtype GEMV; else None."""
+        batch, base = self.batch, self.base_layer
+        if not batch.fuses_gemv or not batch.runs(x):
+            return None
+        if not isinstance(base.quant_method, DenseLinearMethod):
+            return None
+        from ferrum.kernels.dense_linear import gemv_tile_for
+
+        tile = gemv_tile_for(x, base.weight)
+        if tile is None:
+            return None
+        from ferrum.kernels.gemv_lora import gemv_lora, new_t_scratch
+
+        if self.t_scratch is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("LoRA GEMV: run one-row steps once before CUDA graph capture")
+            self.t_scratch = new_t_scratch(base.weight, tile, len(self.slices), self.max_rank)
+        out = gemv_lora(
+            x.reshape(1, -1), base.weight, self.lora_a, self.lora_b, batch.token_slots,
+            self.slice_starts, tile, self.t_scratch, batch.forward_seq, base.bias,
+        )  # fmt: skip
+        return out.view(*x.shape[:-1], base.weight.shape[0])
 
     def forward(self, x: torch.Tensor, x_fp8: object = None) -> torch.Tensor:
         if x_fp8 is not None:
             raise ValueError("x_fp8: a LoRA layer takes no FP8 rows")
         base = self.base_layer
-        fuses = self.batch.fuses_gemv and self.batch.runs(x)
-        if fuses and self.starts_forward:
-            self.batch.forward_seq.add_(1)
-        if fuses and not (self.row_parallel and self.tp_size > 1):
-            starts = tuple(offset for _, offset, _, _ in self.slices)
-            fused = self.batch.fused_gemv(x, base, self.lora_a, self.lora_b, starts, self)
+        if not (self.row_parallel and self.tp_size > 1):
+            fused = self._fused_gemv(x)
             if fused is not None:
                 return fused
             y = base(x)
@@ -203,7 +217,8 @@ def install_lora_layers(
     model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype
 ) -> dict[tuple[int, str], LoRALinear]:
     """Wraps every LoRA-capable linear layer of the model's decoder layers (this pipeline
-    stage's) in place; returns them by (layer index, module name)."""
+    stage's) in place, and has every forward of the model raise the batch's forward number
+    first; returns the layers by (layer index, module name)."""
     layers: dict[tuple[int, str], LoRALinear] = {}
     decoder = model.model.layers
     for layer_idx in model.stage.layer_ids:
@@ -214,7 +229,7 @@ def install_lora_layers(
             if not isinstance(base, Linear):
                 continue  # e.g. MoE experts: the adapter loader refuses their targets
             wrapped = LoRALinear(base, batch, max_loras, max_rank, dtype)
-            wrapped.starts_forward = not layers  # the first one the forward calls
             setattr(parent, attr, wrapped)
             layers[(layer_idx, name)] = wrapped
+    model.register_forward_pre_hook(lambda module, args: batch.raise_forward_number())
     return layers

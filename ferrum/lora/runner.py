@@ -18,6 +18,11 @@ from ferrum.lora_config import LoRAConfig
 from ferrum.model_executor.staging_buffer import StagingBuffer, staging_bytes
 from ferrum.scheduler.output import SchedulerOutput
 
+# Steps between resets of the forward number: the fused GEMV compares it 32 bits wide, so it is
+# reset (every layer's t untagged) long before it could come round to a number a layer's t
+# still carries (a step runs one forward).
+FORWARD_NUMBER_RESET = 1 << 30
+
 
 class LoRARunner:
     def __init__(
@@ -47,6 +52,7 @@ class LoRARunner:
         self._pin = device.type == "cuda"
         # Whether the previous step had a token with an adapter (else the map is all -1 already).
         self._marked = False
+        self._steps = 0
 
     def apply(self, scheduler_output: SchedulerOutput) -> None:
         """Takes the step's adapter updates (new weights, or None: dropped from the host cache
@@ -69,6 +75,10 @@ class LoRARunner:
     def prepare(self, num_scheduled_tokens: dict[str, int]) -> None:
         """Puts the step's adapters in slots and writes the token -> slot map (tokens in
         scheduling order; every other entry -1)."""
+        self._steps += 1
+        if self._steps >= FORWARD_NUMBER_RESET:
+            self._steps = 0
+            self.batch.reset_forward_numbers(self.layers.values())
         lora_ids = self.req_lora_ids
         wanted = {lora_ids[r] for r in num_scheduled_tokens if r in lora_ids}
         self.batch.active = bool(wanted)

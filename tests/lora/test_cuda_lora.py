@@ -49,7 +49,6 @@ def test_one_row_takes_the_gemv_with_its_adapter_in_one_launch(monkeypatch) -> N
     base.weight.data = (torch.randn(384, 256, generator=gen) * 0.05).to(device, dtype)
     batch = LoRABatch(8, 2, device, is_triton=True, fuses_gemv=True)
     layer = LoRALinear(base, batch, max_loras=2, max_rank=8, dtype=dtype)
-    layer.starts_forward = True  # the model's first LoRA layer raises the forward's number
     a_q, a_v = torch.randn(2, 4, 256, generator=gen).to(device, dtype) * 0.1
     b_q = torch.randn(256, 4, generator=gen).to(device, dtype)
     b_v = torch.randn(64, 4, generator=gen).to(device, dtype)
@@ -61,8 +60,10 @@ def test_one_row_takes_the_gemv_with_its_adapter_in_one_launch(monkeypatch) -> N
     counted = lambda *args, **kw: launches.append(1) or fused(*args, **kw)  # noqa: E731
     monkeypatch.setattr(gemv_lora, "gemv_lora", counted)
     x = torch.randn(2, 256, generator=gen).to(device, dtype)
+    batch.raise_forward_number()  # what the model's pre-hook does as each forward begins
     one_row = layer(x[:1])
     assert launches == [1] and batch.forward_seq.item() == 1
+    batch.raise_forward_number()
     two_rows = layer(x)  # shrink + expand
     assert launches == [1]
     torch.testing.assert_close(one_row[0].float(), two_rows[0].float(), atol=3e-2, rtol=2e-2)

@@ -156,8 +156,11 @@ def test_triton_kernels_match_peft(tiny_checkpoint, peft_adapter):
         num_kv_blocks=64,
         max_num_batched_tokens=9,
     )
-    assert llm.llm_engine.core.executor.runner.lora.batch.segments is not None
+    batch = llm.llm_engine.core.executor.runner.lora.batch
+    assert batch.segments is not None and batch.fuses_gemv
+    raised = batch.forward_seq.item()
     assert _greedy(llm, prompts, loras) == _expected(base, prompts, loras)
+    assert batch.forward_seq.item() > raised  # each forward raised the number first
 
 
 def test_speculative_decoding_verifies_drafts_with_each_adapter(tiny_checkpoint, adapters):

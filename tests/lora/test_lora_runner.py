@@ -4,6 +4,7 @@ and host-cache evictions that spare adapters in use."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ferrum import LoRARequest
@@ -83,3 +84,21 @@ def test_host_cache_evicts_only_adapters_no_request_uses(tiny_checkpoint, peft_a
         pass
     loads.step_data(_step({}), requests)
     assert 3 not in loads._loads
+
+
+def test_forward_number_is_reset_with_every_layers_t(tiny_checkpoint, monkeypatch) -> None:
+    """Every FORWARD_NUMBER_RESET steps the number is 0 again and no layer's t carries one."""
+    pytest.importorskip("triton")
+    from ferrum.kernels.gemv_lora import UNTAGGED
+    from ferrum.lora import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "FORWARD_NUMBER_RESET", 3)
+    llm = make_llm(tiny_checkpoint("llama"), enable_lora=True, max_loras=1, num_kv_blocks=16)
+    lora = llm.llm_engine.core.executor.runner.lora
+    qkv = lora.layers[(0, "self_attn.qkv_proj")]
+    qkv.t_scratch = torch.zeros(2, 24, dtype=torch.int64)  # as if a fused launch had written it
+    lora.batch.forward_seq.fill_(7)
+    for _ in range(3):
+        assert lora.batch.forward_seq.item() == 7 and not qkv.t_scratch.any()
+        lora.prepare({"a": 1})
+    assert lora.batch.forward_seq.item() == 0 and (qkv.t_scratch == UNTAGGED).all()
