@@ -5,11 +5,11 @@ t rounded to B's dtype as the separate expand rounds it. At one row the shrink a
 launches cost more than their bytes (bench_lora_kernels.py); here they cost a few programs.
 
 Programs 0 .. T-1 each store one (row block, K tile) of t's partial sums into the layer's
-scratch, each value tagged with the forward's number (raised once per forward before any
-launch) in one 64-bit word, so a reader knows a current value from an old one without flags or
-counters. The rest compute column blocks like gemv.py, load their t words before the K loop
-and, if any is not yet current, again after it. The t programs have the lowest ids, so run
-first; a column program that reloads MAX_SPINS times computes the t tiles itself (same bits)."""
+scratch, each value and the forward's number (raised as each forward begins) in one 64-bit word:
+a reader tells this forward's value from an older one by the word alone. The rest compute
+column blocks like gemv.py, load their t words before the K loop and, if any is not yet this
+forward's, again after it. The t programs have the lowest ids, so they usually run first; a
+column program that reloads MAX_SPINS times computes the t tiles itself (same code and tile)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 MAX_SHARDS = 3
 MAX_SPINS = 4096
 _LOW = tl.constexpr(0xFFFFFFFF)  # the low 32 bits of a tagged partial
+# A tagged partial no forward's number matches (-1 is never raised to: it is reset first).
+UNTAGGED = -1 << 32
 
 
 @triton.jit
@@ -43,7 +45,8 @@ def _shrink_tile(
     part = tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], 1)
     bits = part.to(tl.int32, bitcast=True).to(tl.int64) & _LOW
     packed = (seq.to(tl.int64) << 32) | bits
-    tl.store(t_ptr + k_tile * T_ROWS + rows, packed, mask=rows < T_ROWS)
+    # One 64-bit atomic a word (relaxed): a reader sees the old word or the new one, whole.
+    tl.atomic_xchg(t_ptr + k_tile * T_ROWS + rows, packed, mask=rows < T_ROWS, sem="relaxed")
 
 
 @triton.jit
@@ -63,8 +66,9 @@ def _load_tagged_t(
     offs_t = tl.arange(0, K_TILES_P2)
     idx = offs_t[:, None, None] * T_ROWS + (shard[:, None] * RANK + offs_r[None, :])[None, :, :]
     mask = (offs_t[:, None, None] < K_TILES) & (offs_r[None, None, :] < RANK)
-    # L2, not L1: this launch's t programs store them.
-    return tl.load(t_ptr + idx, mask=mask, other=0, cache_modifier=".cg")
+    # Volatile (not served from L1, not merged with another load): this launch's t programs
+    # are storing them.
+    return tl.load(t_ptr + idx, mask=mask, other=0, volatile=True)
 
 
 @triton.jit
@@ -95,7 +99,7 @@ def _current_t(
                                 K_TILES_P2, RANK_P2, NUM_SHARDS)  # fmt: skip
         spins += 1
     if _stale(tagged, seq, RANK, K_TILES, K_TILES_P2, RANK_P2) > 0:
-        # The t programs have not run (never seen): compute their tiles here, same bits.
+        # The t programs have not stored them yet (not started, or slow): compute them here.
         for tile in range(0, row_blocks * K_TILES):
             _shrink_tile(a_slot, x_ptr, t_ptr, tile, row_blocks, seq, t_rows, K, stride_a_row,
                          BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
@@ -192,7 +196,7 @@ def new_t_scratch(weight: torch.Tensor, tile: GemvTile, shards: int, rank: int) 
     """A layer's tagged partials of t for `gemv_lora` (tags -1: no forward's number), kept by the
     layer from one forward to the next."""
     k_tiles = triton.cdiv(weight.shape[1], tile.BLOCK_K)
-    return torch.full((k_tiles, shards * rank), -1 << 32, dtype=torch.int64, device=weight.device)
+    return torch.full((k_tiles, shards * rank), UNTAGGED, dtype=torch.int64, device=weight.device)
 
 
 def gemv_lora(

@@ -113,6 +113,8 @@ def lora_expand(
         or slice_starts[-1] >= n
     ):
         raise ValueError(f"slice_starts: 0 then increasing columns < {n}, at most {MAX_SLICES}")
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n: a power of two >= 16, got {block_n}")
     if lora_b.dtype not in FLOAT_DTYPES or y.dtype != lora_b.dtype:
         raise ValueError(f"lora_b, y: one float dtype, got {lora_b.dtype}, {y.dtype}")
     if t.dtype not in (lora_b.dtype, torch.float32):

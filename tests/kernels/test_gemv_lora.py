@@ -1,6 +1,7 @@
 """The one-row GEMV with its LoRA adapter in one launch against the base product plus the
 separate shrink/expand reference, for merged layers of 1-3 shards, a row without an adapter,
-ranks below the pool's, ragged N and K; and its counters are zero again after each launch."""
+ranks below the pool's, ragged N and K; its t carries the forward's number, and a later forward's
+launch with another input is not given the older t."""
 
 from __future__ import annotations
 
@@ -48,18 +49,18 @@ def test_matches_base_plus_shrink_expand(k, shards, block_n, block_k, slot, dtyp
     lora_b = (torch.randn(num_slots, n, rank, generator=gen) * 0.1).to(DEVICE, dtype)
     slots = torch.tensor([slot, 2], dtype=torch.int32, device=DEVICE)  # the first row's slot
     tile = GemvTile(block_n, block_k)
-    sync, seq = new_t_scratch(weight, tile, len(shards), rank), torch.ones(1, dtype=torch.int32)
+    scratch, seq = new_t_scratch(weight, tile, len(shards), rank), torch.ones(1, dtype=torch.int32)
     seq = seq.to(DEVICE)
-    got = gemv_lora(x, weight, lora_a, lora_b, slots, starts, tile, sync, seq, bias)
+    got = gemv_lora(x, weight, lora_a, lora_b, slots, starts, tile, scratch, seq, bias)
     expected = _reference(x, weight, bias, lora_a, lora_b, slot, starts)
     assert got.dtype == dtype and got.shape == (1, n)
     tol = 2e-2 if dtype == torch.float16 else 5e-2
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
     # Every partial of t is tagged with the forward's number (with an adapter; untouched without).
-    assert set((sync >> 32).flatten().tolist()) == {1 if slot >= 0 else -1}
+    assert set((scratch >> 32).flatten().tolist()) == {1 if slot >= 0 else -1}
     seq += 1  # the next forward: another input, whose t the old tags must not pass for current
     other = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
-    got = gemv_lora(other, weight, lora_a, lora_b, slots, starts, tile, sync, seq, bias)
+    got = gemv_lora(other, weight, lora_a, lora_b, slots, starts, tile, scratch, seq, bias)
     expected = _reference(other, weight, bias, lora_a, lora_b, slot, starts)
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
 
@@ -69,17 +70,17 @@ def test_rejects_mismatched_operands() -> None:
     a, b = torch.zeros(2, 4, 16), torch.zeros(2, 8, 4)
     slots, tile = torch.zeros(1, dtype=torch.int32), GemvTile(8, 16)
     seq, half = torch.ones(1, dtype=torch.int32), torch.float16
-    sync = new_t_scratch(w.half(), tile, 1, 4)
+    scratch = new_t_scratch(w.half(), tile, 1, 4)
     with pytest.raises(ValueError, match="weight"):
-        gemv_lora(x, w, a, b, slots, (0,), tile, sync, seq)
+        gemv_lora(x, w, a, b, slots, (0,), tile, scratch, seq)
     x, w, a, b = x.to(half), w.to(half), a.to(half), b.to(half)
     with pytest.raises(ValueError, match="x: "):
-        gemv_lora(torch.zeros(2, 16, dtype=half), w, a, b, slots, (0,), tile, sync, seq)
+        gemv_lora(torch.zeros(2, 16, dtype=half), w, a, b, slots, (0,), tile, scratch, seq)
     with pytest.raises(ValueError, match="slice_starts"):
-        gemv_lora(x, w, a, b, slots, (0, 0), tile, sync, seq)
+        gemv_lora(x, w, a, b, slots, (0, 0), tile, scratch, seq)
     with pytest.raises(ValueError, match="lora_a: "):
-        gemv_lora(x, w, a, b, slots, (0, 4), tile, sync, seq)
+        gemv_lora(x, w, a, b, slots, (0, 4), tile, scratch, seq)
     with pytest.raises(ValueError, match="dtype"):
-        gemv_lora(x, w, a.float(), b, slots, (0,), tile, sync, seq)
+        gemv_lora(x, w, a.float(), b, slots, (0,), tile, scratch, seq)
     with pytest.raises(ValueError, match="t_scratch"):
-        gemv_lora(x, w, a, b, slots, (0,), tile, sync[:, :2], seq)
+        gemv_lora(x, w, a, b, slots, (0,), tile, scratch[:, :2], seq)
