@@ -32,6 +32,8 @@ LAYERS = {
     "gate_up": (4096, (12288, 12288)),
     "down": (12288, (4096,)),
 }
+# Copies of a layer the one-row timings cycle over (4 x the largest layer's 192 MB > any L2).
+WEIGHT_COPIES = 4
 SMOKE_LAYERS = {"qkv": (64, (64, 16, 16)), "down": (96, (64,))}
 
 
@@ -44,24 +46,31 @@ def run_layer(x, weight, lora_a, lora_b, segments, shards, rank) -> None:  # noq
 
 
 def one_row_gemv(x, weight, lora_a, lora_b, slots, starts, device, iters) -> None:  # noqa: ANN001
-    """What the engine runs at one row: the GEMV alone, then with the adapter in one launch.
-    Both follow a raise of the forward's number (the engine raises it once per forward), so
-    each fused launch waits for its own t."""
+    """What the engine runs at one row: the GEMV alone, then with the adapter in one launch,
+    each cycling over WEIGHT_COPIES copies of the layer (so its weights stream from HBM, not
+    L2) and after a raise of the forward's number (a one-element add, in both timings: the
+    engine raises it once per forward)."""
     tile = gemv_tile_for(x, weight)
     if tile is None:
         return  # off CUDA, or the table sends this shape to F.linear
-    scratch = new_t_scratch(weight, tile, len(starts), lora_b.shape[2])
+    layers = [(weight, lora_a, lora_b)] + [
+        (weight.clone(), lora_a.clone(), lora_b.clone()) for _ in range(WEIGHT_COPIES - 1)
+    ]
+    scratches = [new_t_scratch(weight, tile, len(starts), lora_b.shape[2]) for _ in layers]
     seq = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def gemv() -> None:
+    def gemv(i: int) -> None:
         seq.add_(1)
-        dense_linear(x, weight)
+        dense_linear(x, layers[i][0])
 
-    def fused() -> None:
+    def fused(i: int) -> None:
         seq.add_(1)
-        gemv_lora(x, weight, lora_a, lora_b, slots, starts, tile, scratch, seq)
+        gemv_lora(x, *layers[i], slots, starts, tile, scratches[i], seq)
 
-    base_us, fused_us = timed_us(gemv, device, iters), timed_us(fused, device, iters)
+    from benchmarks.gpu_timing import graph_us
+
+    base_us = graph_us(gemv, WEIGHT_COPIES, iters)
+    fused_us = graph_us(fused, WEIGHT_COPIES, iters)
     print(f"{'':15s} one-row GEMV {base_us:.1f} us, with its adapter in one launch {fused_us:.1f}")
 
 

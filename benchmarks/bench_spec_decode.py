@@ -107,7 +107,8 @@ def record_through_verify(
     every draft (at most --record-rounds). Decode rows (GEMV, split-KV) and verify rows (GEMM,
     the unified kernel) round differently, and a dummy model's near-tied logits turn that into
     different tokens, so a continuation recorded without speculation is not what the verify
-    step produces. Returns each round's acceptance rate."""
+    step produces. Returns each round's acceptance of the previous recording: only a last 1.0
+    means the recording the alpha runs replay reproduces itself."""
     spec = {"method": "replay", "num_speculative_tokens": args.num_speculative_tokens,
             "model": str(path), "acceptance_rate": 1.0}  # fmt: skip
     prompts = [[int(t) for t in key.split(",")] for key in recorded]
@@ -317,9 +318,12 @@ def main() -> None:
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
     off_tpot = report["off"]["lat"]["tpot_ms"]
+    rounds = report.get("recording_acceptance") or []
     summary: dict[str, Any] = {
         "off_tpot_ms": off_tpot,
-        "recording_acceptance": report.get("recording_acceptance"),
+        "recording_acceptance": rounds,
+        # False: the replayed continuation was re-recorded once more than it was checked.
+        "recording_converged": bool(rounds) and rounds[-1] == 1.0,
     }
     for alpha, run in report.get("replay", {}).items():
         tpot = run["lat"]["tpot_ms"]
