@@ -154,15 +154,9 @@ def _gemv_lora_kernel(
     t_rows = NUM_SHARDS * RANK
     row_blocks = tl.cdiv(t_rows, BLOCK_N)
     t_tiles = row_blocks * K_TILES
-    if pid < t_tiles:
-        pdl_wait(USE_PDL)
-        slot = tl.load(slot_ptr)
-        if slot >= 0:
-            a_slot = a_ptr + slot.to(tl.int64) * stride_a_slot
-            _shrink_tile(a_slot, x_ptr, t_ptr, pid, row_blocks, tl.load(seq_ptr), t_rows, K,
-                         stride_a_row, BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
-        return
-    offs_n = (pid - t_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # A t program's column block is 0: it reads that tile too, unused (every program loads the
+    # same before the wait, then waits at this level).
+    offs_n = tl.maximum(pid - t_tiles, 0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # Rows past N read row N - 1 again (stores are masked), so full tiles need no load mask.
     safe_n = tl.minimum(offs_n, N - 1)
@@ -174,6 +168,12 @@ def _gemv_lora_kernel(
     pdl_wait(USE_PDL)
     slot = tl.load(slot_ptr)
     seq = tl.load(seq_ptr)
+    if pid < t_tiles:
+        if slot >= 0:
+            a_slot = a_ptr + slot.to(tl.int64) * stride_a_slot
+            _shrink_tile(a_slot, x_ptr, t_ptr, pid, row_blocks, seq, t_rows, K, stride_a_row,
+                         BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
+        return
     # Issued now, used after the K loop: B's rows, and t as far as it is stored yet (programs
     # that start after the t programs ended find it all, and never wait).
     b = _b_rows(b_ptr, slot, safe_n, stride_b_slot, stride_b_n, RANK, RANK_P2)
