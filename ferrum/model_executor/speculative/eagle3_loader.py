@@ -7,7 +7,7 @@ its config's shapes (benchmarks)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 
 from ferrum.config_fields import field_error
 from ferrum.eagle3_config import Eagle3Config
+from ferrum.kernels.interface import Kernels
 from ferrum.model_executor.kernel_backend import load_kernels
 from ferrum.model_executor.model_loader import default_dtype, initialize_dummy_weights
 from ferrum.model_executor.models.llama_eagle3 import Eagle3Head
@@ -51,13 +52,33 @@ def load_eagle3_head(
         )
     if tensors is not None:
         check_head_tensors(config, {name: tuple(t.shape) for name, t in tensors.items()})
+    embedding = None if own_embedding else target.model.embed_tokens
+    head = build_head(
+        lambda kernels: Eagle3Head(config, kernels, embedding), dtype, device, kernel_backend,
+        batch_invariant, dummy_seed,
+    )  # fmt: skip
+    if tensors is None:
+        return head
+    return load_head_weights(head, tensors.items(), _FIELD, repr(config.model))
+
+
+def build_head(
+    make: Callable[[Kernels], HeadT],
+    dtype: torch.dtype,
+    device: torch.device,
+    kernel_backend: str,
+    batch_invariant: bool,
+    dummy_seed: int | None,
+) -> HeadT:
+    """`make(kernels)` on `device` in `dtype`: with `dummy_seed`, random weights from it (in
+    eval mode), else parameters still to load (`load_head_weights`)."""
     kernels = load_kernels(kernel_backend, batch_invariant)
     with default_dtype(dtype), torch.device(device):
-        head = Eagle3Head(config, kernels, None if own_embedding else target.model.embed_tokens)
-    if tensors is None:
-        initialize_dummy_weights(head, dummy_seed or 0)
-        return head.eval()
-    return load_head_weights(head, tensors.items(), _FIELD, repr(config.model))
+        head = make(kernels)
+    if dummy_seed is not None:
+        initialize_dummy_weights(head, dummy_seed)
+        head.eval()
+    return head
 
 
 def load_head_weights(

@@ -14,11 +14,9 @@ from torch import nn
 from ferrum.config import EngineConfig, ModelConfig
 from ferrum.config_fields import field_error
 from ferrum.model_executor.input_batch import RequestTokens, StepInputs
-from ferrum.model_executor.kernel_backend import load_kernels
-from ferrum.model_executor.model_loader import default_dtype, initialize_dummy_weights
 from ferrum.model_executor.models.qwen3_5_mtp import MTP_PREFIX, Qwen3_5MTPHead
 from ferrum.model_executor.speculative.eagle3 import Eagle3Proposer, head_load_options
-from ferrum.model_executor.speculative.eagle3_loader import load_head_weights
+from ferrum.model_executor.speculative.eagle3_loader import build_head, load_head_weights
 from ferrum.model_executor.weight_loader import (
     SafetensorsCheckpoint,
     WeightFileError,
@@ -76,12 +74,12 @@ def load_mtp_head(
 ) -> Qwen3_5MTPHead:
     """The head on `device` in `dtype`, from the checkpoint's `mtp.*` tensors (random weights
     from `dummy_seed` instead, when given); a checkpoint without them all is refused."""
-    kernels = load_kernels(kernel_backend, batch_invariant)
-    with default_dtype(dtype), torch.device(device):
-        head = Qwen3_5MTPHead(model_config.arch, kernels, target)  # type: ignore[arg-type]
+    head = build_head(
+        lambda kernels: Qwen3_5MTPHead(model_config.arch, kernels, target),  # type: ignore[arg-type]
+        dtype, device, kernel_backend, batch_invariant, dummy_seed,
+    )  # fmt: skip
     if dummy_seed is not None:
-        initialize_dummy_weights(head, dummy_seed)
-        return head.eval()
+        return head
     folder = model_config.model
     try:
         tensors = [
