@@ -12,10 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from ferrum import LLM, SamplingParams
+from ferrum import SamplingParams
 from ferrum.errors import FieldError
 from tests.utils.eagle3_heads import head_config, random_head_tensors, write_head
-from tests.utils.speculation import NGRAM, PROMPTS, generate, replay_config
+from tests.utils.speculation import (
+    NGRAM,
+    PROMPTS,
+    accepted_fraction,
+    check_chunks_prefix_hits_and_preemption,
+    generate,
+    replay_config,
+)
 from tests.utils.tiny_llm import cuda_llm, make_llm
 
 
@@ -27,12 +34,6 @@ def checkpoint(tiny_checkpoint) -> str:  # noqa: ANN001
 @pytest.fixture(scope="module")
 def expected(checkpoint: str) -> list[list[int]]:
     return generate(make_llm(checkpoint))
-
-
-def accepted_fraction(llm: LLM) -> float:
-    stats = llm.llm_engine.stats()
-    assert stats.spec_num_draft_tokens > 0
-    return stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
 
 
 def test_ngram_drafts_leave_greedy_tokens_unchanged(checkpoint: str, expected) -> None:  # noqa: ANN001
@@ -75,21 +76,9 @@ def test_chunks_prefix_hits_and_preemption_keep_greedy_tokens(
     expected,
     tmp_path: Path,  # noqa: ANN001
 ) -> None:
-    """Chunks of at most 6 tokens, snapshots every 2 blocks: the second run hits them; a pool of
-    17 blocks preempts (the state is recomputed from the prompt and the accepted tokens)."""
+    """Chunks, prefix hits on state snapshots and preemption, drafts accepted half the time."""
     spec = replay_config(tmp_path / "c.json", expected, 0.5)
-    chunked = make_llm(
-        checkpoint,
-        speculative_config=spec,
-        max_num_batched_tokens=6,
-        recurrent_snapshot_interval=8,
-    )
-    assert generate(chunked) == expected
-    assert generate(chunked) == expected  # every prompt now hits a snapshot
-    assert chunked.llm_engine.stats().prefix_cache_hits > 0
-    tight = make_llm(checkpoint, speculative_config=spec, num_kv_blocks=17)
-    assert generate(tight) == expected
-    assert tight.llm_engine.stats().num_preemptions > 0
+    check_chunks_prefix_hits_and_preemption(checkpoint, spec, expected)
 
 
 def test_async_scheduling_keeps_greedy_tokens(

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from ferrum import LLM, SamplingParams
 from ferrum.errors import FieldError
 from tests.utils.mtp_checkpoints import reference_mtp_drafts, with_mtp
-from tests.utils.speculation import record_proposals
+from tests.utils.speculation import check_chunks_prefix_hits_and_preemption, record_proposals
 from tests.utils.tiny_checkpoints import load_hf_model
 from tests.utils.tiny_llm import cuda_llm, make_llm, random_prompts
 
@@ -64,15 +64,7 @@ def test_chunks_prefix_hits_preemption_and_async_keep_greedy_tokens(
     checkpoint: str,
     expected,  # noqa: ANN001
 ) -> None:
-    chunked = make_llm(
-        checkpoint, speculative_config=MTP, max_num_batched_tokens=6, recurrent_snapshot_interval=8
-    )
-    assert generate(chunked) == expected
-    assert generate(chunked) == expected  # every prompt now hits a snapshot
-    assert chunked.llm_engine.stats().prefix_cache_hits > 0
-    tight = make_llm(checkpoint, speculative_config=MTP, num_kv_blocks=17)
-    assert generate(tight) == expected
-    assert tight.llm_engine.stats().num_preemptions > 0
+    check_chunks_prefix_hits_and_preemption(checkpoint, MTP, expected, generate)
     spec = {**MTP, "disable_by_batch_size": 3}
     assert generate(make_llm(checkpoint, speculative_config=spec, async_scheduling=True)) == (
         expected

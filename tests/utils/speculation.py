@@ -1,14 +1,16 @@
 """Shared by the speculative-decoding tests through `LLM`: prompts that repeat themselves (the
 n-gram proposer finds drafts in them), greedy generation over them, the n-gram config, a replay
-proposer's file of recorded continuations, and a recorder of a head proposer's drafts."""
+proposer's file of recorded continuations, the accepted fraction of drafts, the chunked /
+prefix-hit / preemption check of a hybrid model, and a recorder of a head proposer's drafts."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from ferrum import LLM, SamplingParams
-from tests.utils.tiny_llm import random_prompts
+from tests.utils.tiny_llm import make_llm, random_prompts
 
 PROMPTS = [p + p[:7] for p in random_prompts([9, 17, 26, 13, 5], seed=21)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -34,6 +36,32 @@ def replay_config(
         "acceptance_rate": rate,
         "disable_by_batch_size": None,
     }
+
+
+def accepted_fraction(llm: LLM) -> float:
+    stats = llm.llm_engine.stats()
+    assert stats.spec_num_draft_tokens > 0
+    return stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+
+
+def check_chunks_prefix_hits_and_preemption(
+    checkpoint: str,
+    spec: dict,
+    expected: list[list[int]],
+    run: Callable[[LLM], list[list[int]]] = generate,
+) -> None:
+    """`run`'s greedy tokens with `spec` stay `expected` over chunks of at most 6 tokens with state
+    snapshots every 2 blocks (a second run hits them), and in a pool of 17 blocks that preempts
+    (the state is recomputed from the prompt and the accepted tokens)."""
+    chunked = make_llm(
+        checkpoint, speculative_config=spec, max_num_batched_tokens=6, recurrent_snapshot_interval=8
+    )
+    assert run(chunked) == expected
+    assert run(chunked) == expected  # every prompt now hits a snapshot
+    assert chunked.llm_engine.stats().prefix_cache_hits > 0
+    tight = make_llm(checkpoint, speculative_config=spec, num_kv_blocks=17)
+    assert run(tight) == expected
+    assert tight.llm_engine.stats().num_preemptions > 0
 
 
 def record_proposals(llm: LLM) -> list[tuple[list[int], list[int]]]:
