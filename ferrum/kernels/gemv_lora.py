@@ -51,12 +51,13 @@ def _shrink_tile(
 
 @triton.jit
 def _load_tagged_t(
-    t_ptr, offs_n, RANK, slice1, slice2, T_ROWS,
+    t_ptr, slot, offs_n, RANK, slice1, slice2, T_ROWS,
     K_TILES: tl.constexpr, K_TILES_P2: tl.constexpr, RANK_P2: tl.constexpr,
     NUM_SHARDS: tl.constexpr,
 ):  # fmt: skip
     """[K_TILES_P2, BLOCK_N, RANK_P2] int64: each column's shard block of t, one K tile's
-    tagged partials a plane (0 past the K tiles and the rank)."""
+    tagged partials a plane (0 past the K tiles and the rank, and all 0 without an adapter: no
+    load)."""
     shard = tl.zeros(offs_n.shape, dtype=tl.int32)
     if NUM_SHARDS >= 2:
         shard += (offs_n >= slice1).to(tl.int32)
@@ -65,7 +66,7 @@ def _load_tagged_t(
     offs_r = tl.arange(0, RANK_P2)
     offs_t = tl.arange(0, K_TILES_P2)
     idx = offs_t[:, None, None] * T_ROWS + (shard[:, None] * RANK + offs_r[None, :])[None, :, :]
-    mask = (offs_t[:, None, None] < K_TILES) & (offs_r[None, None, :] < RANK)
+    mask = (offs_t[:, None, None] < K_TILES) & (offs_r[None, None, :] < RANK) & (slot >= 0)
     # Volatile (not served from L1, not merged with another load): this launch's t programs
     # are storing them.
     return tl.load(t_ptr + idx, mask=mask, other=0, volatile=True)
@@ -91,11 +92,12 @@ def _current_t(
     MAX_SPINS: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, RANK_P2] fp32: the columns' t, its K tiles' partials summed in order, once every
-    one is this forward's (reloaded until then; after MAX_SPINS reloads computed here)."""
+    one is this forward's (reloaded until then; after MAX_SPINS reloads computed here). Only
+    for a row with an adapter (its loads pass slot 0: any slot >= 0)."""
     t_rows = NUM_SHARDS * RANK
     spins = 0
     while (_stale(tagged, seq, RANK, K_TILES, K_TILES_P2, RANK_P2) > 0) & (spins < MAX_SPINS):
-        tagged = _load_tagged_t(t_ptr, offs_n, RANK, slice1, slice2, t_rows, K_TILES,
+        tagged = _load_tagged_t(t_ptr, 0, offs_n, RANK, slice1, slice2, t_rows, K_TILES,
                                 K_TILES_P2, RANK_P2, NUM_SHARDS)  # fmt: skip
         spins += 1
     if _stale(tagged, seq, RANK, K_TILES, K_TILES_P2, RANK_P2) > 0:
@@ -104,7 +106,7 @@ def _current_t(
             _shrink_tile(a_slot, x_ptr, t_ptr, tile, row_blocks, seq, t_rows, K, stride_a_row,
                          BLOCK_N, BLOCK_K, EVEN_K)  # fmt: skip
         tl.debug_barrier()
-        tagged = _load_tagged_t(t_ptr, offs_n, RANK, slice1, slice2, t_rows, K_TILES,
+        tagged = _load_tagged_t(t_ptr, 0, offs_n, RANK, slice1, slice2, t_rows, K_TILES,
                                 K_TILES_P2, RANK_P2, NUM_SHARDS)  # fmt: skip
     return tl.sum((tagged & _LOW).to(tl.int32).to(tl.float32, bitcast=True), 0)
 
@@ -177,7 +179,7 @@ def _gemv_lora_kernel(
     # Issued now, used after the K loop: B's rows, and t as far as it is stored yet (programs
     # that start after the t programs ended find it all, and never wait).
     b = _b_rows(b_ptr, slot, safe_n, stride_b_slot, stride_b_n, RANK, RANK_P2)
-    tagged = _load_tagged_t(t_ptr, offs_n, RANK, slice1, slice2, t_rows, K_TILES,
+    tagged = _load_tagged_t(t_ptr, slot, offs_n, RANK, slice1, slice2, t_rows, K_TILES,
                             K_TILES_P2, RANK_P2, NUM_SHARDS)  # fmt: skip
     out = rows_dot_x(w, w_ptrs, x_ptrs, offs_k, K, BLOCK_K, EVEN_K)
     if HAS_BIAS:
