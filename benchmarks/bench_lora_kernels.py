@@ -1,7 +1,9 @@
 """The LoRA kernels beside the base GEMM of each Qwen3-8B LoRA layer (GPU): per token count,
-microseconds of the base F.linear and of LoRA's shrink + expands (`--slots` adapters of rank
-`--rank` in the pool, the tokens spread over `--used` of them), timed in CUDA graphs as the
-engine runs them. The ratio column is what an adapter adds to the layer.
+microseconds of the base F.linear, of the base GEMM + shrink + expand (`lora_us`, the path of
+weights kept apart, e.g. FP8 bases), and of what a model-dtype layer runs: the extended weight's
+GEMM (`ext_gemm_us`, every slot's A below W) then `lora_expand_extended` (`ext_us` both).
+`--slots` adapters of rank `--rank` in the pool, the tokens spread over `--used` of them, timed
+in CUDA graphs as the engine runs them. The ratio columns are what an adapter adds to the layer.
 
     python benchmarks/bench_lora_kernels.py                        # H100/H200, bf16
     TRITON_INTERPRET=1 python benchmarks/bench_lora_kernels.py --smoke   # CPU: the script runs
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ferrum.kernels.dense_linear import dense_linear, gemv_tile_for  # noqa: E402
 from ferrum.kernels.gemv_lora import gemv_lora, new_t_scratch  # noqa: E402
 from ferrum.kernels.lora_expand import lora_expand  # noqa: E402
+from ferrum.kernels.lora_extended import lora_expand_extended  # noqa: E402
 from ferrum.kernels.lora_segments import LoRASegments  # noqa: E402
 from ferrum.kernels.lora_shrink import lora_shrink  # noqa: E402
 
@@ -43,6 +46,18 @@ def run_layer(x, weight, lora_a, lora_b, segments, shards, rank) -> None:  # noq
     t = lora_shrink(x, lora_a, segments)
     starts = tuple(sum(shards[:i]) for i in range(len(shards)))
     lora_expand(t, lora_b, segments, y, starts)
+
+
+def extended_layer(x, weight, lora_a, lora_b, slots, starts, device, iters):  # noqa: ANN001, ANN201
+    """(microseconds of the extended GEMM alone, of the GEMM then the expand)."""
+    n, k = weight.shape
+    extended = torch.cat([weight, lora_a.reshape(-1, k)])
+    gemm = partial(torch.nn.functional.linear, x, extended)
+
+    def both() -> None:
+        lora_expand_extended(torch.nn.functional.linear(x, extended), n, lora_b, slots, starts)
+
+    return timed_us(gemm, device, iters), timed_us(both, device, iters)
 
 
 def one_row_gemv(x, weight, lora_a, lora_b, slots, starts, device, iters) -> None:  # noqa: ANN001
@@ -109,7 +124,8 @@ def main() -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     layers = SMOKE_LAYERS if args.smoke else LAYERS
     tokens = [1, 8] if args.smoke else [int(t) for t in args.tokens.split(",")]
-    print("layer    tokens  base_us  lora_us  lora/base  shrink_us  expand_us")
+    print("layer    tokens  base_us  lora_us  lora/base  shrink_us  expand_us  ext_gemm_us  "
+          "ext_us  ext/base")  # fmt: skip
     for name, (k, shards) in layers.items():
         n = sum(shards)
         weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
@@ -129,9 +145,10 @@ def main() -> int:
             y = torch.nn.functional.linear(x, weight)
             starts = tuple(sum(shards[:i]) for i in range(len(shards)))
             expand = timed_us(partial(lora_expand, t, lora_b, segments, y, starts), device, iters)
+            ext_gemm, ext = extended_layer(x, weight, lora_a, lora_b, slots, starts, device, iters)
             print(
                 f"{name:8s} {num_tokens:6d} {base:8.1f} {with_lora:8.1f} {with_lora / base:9.2f} "
-                f"{shrink:10.1f} {expand:10.1f}"
+                f"{shrink:10.1f} {expand:10.1f} {ext_gemm:12.1f} {ext:7.1f} {ext / base:9.2f}"
             )
             for block_n, warps in args.expand_tiles:
                 tiled = partial(lora_expand, t, lora_b, segments, y, starts, block_n, warps)

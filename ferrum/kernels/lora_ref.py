@@ -3,7 +3,8 @@ token, -1: none). shrink: t[i] = x[i] @ A[slot[i]]^T; expand: y[i] += t[i] @ B[s
 adapter's scaling is folded into B when it is loaded). `*_ref` loops over tokens on the host (the
 obvious definition, for tests); the `lora_*_torch` forms are the CPU path: one GEMM over every
 slot's A then a gather, and each token's B gathered (small steps) or one masked GEMM per slot,
-with no host sync (CUDA-graph safe)."""
+with no host sync (CUDA-graph safe). `lora_expand_extended_torch` is the torch form of
+`lora_extended.py` (t of every slot already beside the base output)."""
 
 from __future__ import annotations
 
@@ -39,10 +40,52 @@ def lora_shrink_torch(
     """`lora_shrink_ref` as one GEMM over every slot's A, then each token's slot gathered."""
     num_slots, n, k = lora_a.shape
     num_tokens = x.shape[0]
-    every = (x @ lora_a.reshape(num_slots * n, k).t()).view(num_tokens, num_slots, n)
+    every = x @ lora_a.reshape(num_slots * n, k).t()
+    return pick_slot_columns(every, num_slots, token_slots[:num_tokens])
+
+
+def pick_slot_columns(
+    every: torch.Tensor, num_slots: int, token_slots: torch.Tensor
+) -> torch.Tensor:
+    """every [T, L * N] (every slot's N columns side by side) -> [T, N]: each token's slot's
+    columns (zero for a token without an adapter)."""
+    num_tokens = every.shape[0]
+    n = every.shape[1] // num_slots
+    every = every.reshape(num_tokens, num_slots, n)
     index = token_slots.clamp(min=0).long().view(num_tokens, 1, 1).expand(num_tokens, 1, n)
     picked = every.gather(1, index).squeeze(1)
     return picked * (token_slots >= 0).to(picked.dtype).unsqueeze(1)
+
+
+def lora_expand_extended_torch(
+    y_ext: torch.Tensor,
+    n: int,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    slice_starts: tuple[int, ...] = (0,),
+) -> torch.Tensor:
+    """`lora_extended.lora_expand_extended` in torch: y_ext [T, N + L*S*R] -> y [T, N]."""
+    num_tokens, num_slots = y_ext.shape[0], lora_b.shape[0]
+    slots = token_slots[:num_tokens]
+    t = pick_slot_columns(y_ext[:, n:], num_slots, slots)  # [T, S * R]
+    y = y_ext[:, :n].contiguous()
+    lora_expand_slices_torch(t, lora_b, slots, y, slice_starts)
+    return y
+
+
+def lora_expand_slices_torch(
+    t: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    y: torch.Tensor,
+    slice_starts: tuple[int, ...],
+) -> None:
+    """`lora_expand_torch` per shard of a merged layer: y's columns from slice_starts[j] on take
+    t's j-th rank-wide block."""
+    rank, bounds = lora_b.shape[2], (*slice_starts, y.shape[1])
+    for j in range(len(slice_starts)):
+        cols = slice(bounds[j], bounds[j + 1])
+        lora_expand_torch(t[:, j * rank : (j + 1) * rank], lora_b[:, cols], token_slots, y[:, cols])
 
 
 def lora_expand_torch(

@@ -1,19 +1,25 @@
 """LoRA around the decoder layers' linear layers: `LoRALinear` wraps a column-parallel merged
 layer (qkv, gate_up: one slice per shard) or a row-parallel one (o, down) and adds, per token,
 its adapter's product to the base output: y += (x A_s^T) B_s^T, A and B read from a pool of
-`max_loras` device slots (a slot never used, or cleared, is all zeros). Tensor parallelism
+`max_loras` device slots (a slot never used, or cleared, is all zeros). A model-dtype layer
+keeps every slot's A as extra rows below its weight (`lora_extended.py`): one GEMM gives the base
+output and every slot's t, one kernel adds each token's B product. Tensor parallelism
 splits A and B like the base weight: column-parallel layers hold their rows of each shard's B,
 row-parallel ones their input columns of A, and the partial product joins the base layer's
 partial output before its all-reduce. The step's token -> slot map lives in `LoRABatch`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
-from ferrum.kernels.lora_ref import lora_expand_torch, lora_shrink_torch
+from ferrum.kernels.lora_ref import (
+    lora_expand_extended_torch,
+    lora_expand_slices_torch,
+    lora_shrink_torch,
+)
 from ferrum.kernels.lora_segments import LoRASegments
 from ferrum.model_executor.layers.linear import Linear, MergedLinear
 from ferrum.model_executor.layers.parallel_linear import RowParallelLinear
@@ -34,7 +40,10 @@ class LoRABatch:
         device: torch.device,
         is_triton: bool,
         fuses_gemv: bool = False,
+        linear: Callable[..., torch.Tensor] = torch.nn.functional.linear,
     ) -> None:
+        # The kernels' model-dtype linear (`Kernels.dense_linear`), for extended weights.
+        self.linear = linear
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.segments = LoRASegments.empty(max_tokens, max_loras, device) if is_triton else None
         # Whether a one-row step of a model-dtype layer takes the GEMV with its adapter in one
@@ -84,11 +93,17 @@ class LoRABatch:
 
             lora_expand(t, lora_b, self.segments, y, slice_starts)
             return
-        rank, slots = lora_b.shape[2], self.token_slots[: t.shape[0]]
-        bounds = (*slice_starts, y.shape[1])
-        for j in range(len(slice_starts)):
-            cols = slice(bounds[j], bounds[j + 1])
-            lora_expand_torch(t[:, j * rank : (j + 1) * rank], lora_b[:, cols], slots, y[:, cols])
+        lora_expand_slices_torch(t, lora_b, self.token_slots[: t.shape[0]], y, slice_starts)
+
+    def expand_extended(
+        self, y_ext: torch.Tensor, n: int, lora_b: torch.Tensor, slice_starts: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The layer's output [T, n] from an extended weight's GEMM output (`lora_extended.py`)."""
+        if self.segments is not None:
+            from ferrum.kernels.lora_extended import lora_expand_extended
+
+            return lora_expand_extended(y_ext, n, lora_b, self.token_slots, slice_starts)
+        return lora_expand_extended_torch(y_ext, n, lora_b, self.token_slots, slice_starts)
 
 
 class LoRALinear(nn.Module):
@@ -116,9 +131,17 @@ class LoRALinear(nn.Module):
             self.slices = [(None, 0, base.output_size, 0)]
         self.slice_starts = tuple(offset for _, offset, _, _ in self.slices)
         num_slices, device = len(self.slices), base_device(base)
-        self.lora_a = torch.zeros(
-            max_loras, num_slices * max_rank, base.input_size, dtype=dtype, device=device
-        )
+        a_rows = max_loras * num_slices * max_rank
+        # A model-dtype weight gains every slot's A below its rows; `base.weight` and `lora_a`
+        # are views of that one tensor. Other formats keep A apart (shrink, then expand).
+        self.weight_ext, self.bias_ext = extend_weight(base, a_rows, dtype)
+        if self.weight_ext is not None:
+            a = self.weight_ext[base.weight.shape[0] :]
+            self.lora_a = a.view(max_loras, num_slices * max_rank, base.input_size)
+        else:
+            self.lora_a = torch.zeros(
+                max_loras, num_slices * max_rank, base.input_size, dtype=dtype, device=device
+            )
         self.lora_b = torch.zeros(max_loras, base.output_size, max_rank, dtype=dtype, device=device)
         # The fused one-row GEMV's tagged partials of t: this layer's own, made by its first
         # launch and kept from one forward to the next.
@@ -163,6 +186,13 @@ class LoRALinear(nn.Module):
         t = self.batch.shrink(x, self.lora_a)
         self.batch.expand(t, self.lora_b, y, self.slice_starts)
 
+    def _extended(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Base output plus adapters: the extended weight's GEMM, then each token's B product."""
+        weight = self.base_layer.weight
+        y_ext = self.batch.linear(x.reshape(-1, x.shape[-1]), self.weight_ext, bias)
+        y = self.batch.expand_extended(y_ext, weight.shape[0], self.lora_b, self.slice_starts)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
     def _fused_gemv(self, x: torch.Tensor) -> torch.Tensor | None:
         """The layer's output with its adapter from one launch (gemv_lora.py) where adapters
         run, x is one row and the base layer would take the model-dtype GEMV; else None."""
@@ -196,21 +226,47 @@ class LoRALinear(nn.Module):
             fused = self._fused_gemv(x)
             if fused is not None:
                 return fused
+            if self.weight_ext is not None and self.batch.runs(x):
+                return self._extended(x, self.bias_ext)
             y = base(x)
             self._add_lora(y, x)
             return y
         # Row parallel: this rank's partial product, its adapter part, then the all-reduce.
-        if base.quant_method is not None:
-            partial = base.quant_method.apply(base, x, None, None)
+        if self.weight_ext is not None and self.batch.runs(x):
+            partial = self._extended(x, None)
         else:
-            partial = torch.nn.functional.linear(x, base.weight)
-        self._add_lora(partial, x)
+            if base.quant_method is not None:
+                partial = base.quant_method.apply(base, x, None, None)
+            else:
+                partial = torch.nn.functional.linear(x, base.weight)
+            self._add_lora(partial, x)
         out = base.tp_group.all_reduce(partial)
         return out if base.bias is None else out + base.bias
 
 
 def base_device(layer: nn.Module) -> torch.device:
     return next(layer.parameters()).device
+
+
+def extend_weight(
+    base: Linear, a_rows: int, dtype: torch.dtype
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A model-dtype layer's weight moved into [W; zeros(a_rows, K)] (returned; `base.weight`
+    becomes a view of its first rows) and its bias padded to match (None without one); (None,
+    None) for any other weight format."""
+    if not isinstance(base.quant_method, DenseLinearMethod) or base.weight.dtype != dtype:
+        return None, None
+    weight = base.weight
+    n, k = weight.shape
+    extended = torch.zeros(n + a_rows, k, dtype=dtype, device=weight.device)
+    extended[:n].copy_(weight.detach())
+    view = nn.Parameter(extended[:n], requires_grad=weight.requires_grad)
+    view.__dict__.update(weight.__dict__)  # the loader's attributes, if any
+    base.weight = view
+    bias = base.bias
+    if bias is None:
+        return extended, None
+    return extended, torch.cat([bias.detach(), bias.new_zeros(a_rows)])
 
 
 def install_lora_layers(
@@ -232,4 +288,6 @@ def install_lora_layers(
             setattr(parent, attr, wrapped)
             layers[(layer_idx, name)] = wrapped
     model.register_forward_pre_hook(lambda module, args: batch.raise_forward_number())
+    if batch.token_slots.is_cuda:
+        torch.cuda.empty_cache()  # the weights' old storage, replaced by extended copies
     return layers

@@ -36,7 +36,12 @@ class LoRARunner:
         self.max_loras = config.max_loras
         kernels = model.kernels
         self.batch = LoRABatch(
-            max_tokens, config.max_loras, device, kernels.is_triton, not kernels.batch_invariant
+            max_tokens,
+            config.max_loras,
+            device,
+            kernels.is_triton,
+            not kernels.batch_invariant,
+            kernels.dense_linear,
         )
         self.layers: dict[tuple[int, str], LoRALinear] = install_lora_layers(
             model, self.batch, config.max_loras, config.max_lora_rank, dtype

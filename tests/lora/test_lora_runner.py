@@ -44,6 +44,10 @@ def test_slots_are_replaced_least_recently_used_first(tiny_checkpoint, peft_adap
     assert dict(lora.slots) == {1: 0, 2: 1}
     a_q = weights[1].modules[(0, "self_attn.qkv_proj")]["q"][0]
     assert torch.equal(qkv.lora_a[0, :4], a_q) and not qkv.lora_a[0, 4:8].any()
+    # The model-dtype weight and every slot's A are one extended tensor, A below W's rows.
+    weight, n = qkv.base_layer.weight, qkv.base_layer.weight.shape[0]
+    assert weight.data_ptr() == qkv.weight_ext.data_ptr()
+    assert torch.equal(qkv.weight_ext[n : n + 4], a_q)
     # Adapter 3 for a new request beside c (adapter 2): adapter 1, least recently used, leaves.
     lora.apply(_step({"d": 3}, {3: weights[3]}))
     lora.prepare({"c": 1, "d": 2})
