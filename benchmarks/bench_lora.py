@@ -9,7 +9,8 @@ Dummy weights of the config's shapes, token-id prompts, `ignore_eos`. The adapte
 in PEFT's folder layout (adapter_config.json + adapter_model.safetensors, PEFT's tensor names)
 from config.json alone: PEFT itself would need the base model's weights in memory. Workloads:
 `c64` (64 prompts of 256 tokens, 256 out), `nano` (the nano-vllm recipe), `lat` (one request:
-TPOT = (t(1 + 256 tokens) - t(1 token)) / 256, medians of 3). Each mode gets its own engine:
+TPOT = (t(1 + 256 tokens) - t(1 token)) / 256, medians of 3), `prefill` (32 prompts of 2,048
+tokens, 1 out: prompt tokens a second, the long-chunk shapes). Each mode gets its own engine:
 `base` (LoRA off), `lora` (LoRA on, requests spread over the adapters), `lora-idle` (LoRA on,
 every request on the base model: what LoRA costs traffic without adapters). Prints one line per
 (mode, workload) and the ratios the issue's bar reads: lora / base throughput and TPOT.
@@ -147,6 +148,9 @@ def run_workload(name: str, llm: Any, args: argparse.Namespace, folders: list[st
     if name == "c64":
         prompts, lens = workloads.batch(scaled(64), scaled(256), scaled(256), seed=0)
         temperature = 1.0
+    elif name == "prefill":
+        prompts, lens = workloads.batch(scaled(32), scaled(2048), 1, seed=0)
+        temperature = 1.0
     else:
         prompts, lens = workloads.nano(
             seed=0, num_seqs=scaled(256), max_in=max(100, scaled(1024)),
@@ -158,6 +162,8 @@ def run_workload(name: str, llm: Any, args: argparse.Namespace, folders: list[st
     k = min(8, len(prompts))  # warm-up: compiles the prefill and decode paths untimed
     timed(llm, args, prompts[:k], [8] * k, temperature, None if loras is None else loras[:k])
     seconds = timed(llm, args, prompts, lens, temperature, loras)
+    if name == "prefill":
+        return {"prompt_tokens_per_second": sum(map(len, prompts)) / seconds, "seconds": seconds}
     return {"output_tokens_per_second": sum(lens) / seconds, "seconds": seconds}
 
 
@@ -199,7 +205,7 @@ def main() -> int:
     for name in args.workloads.split(","):
         base, lora = results.get(f"base/{name}"), results.get(f"lora/{name}")
         if base and lora:
-            key = "tpot_ms" if name == "lat" else "output_tokens_per_second"
+            key = next(k for k in lora if k != "seconds" and k != "decode_tokens")
             print(f"{name}: lora / base {key} = {lora[key] / base[key]:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
