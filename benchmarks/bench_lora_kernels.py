@@ -115,6 +115,9 @@ def main() -> int:
     parser.add_argument(
         "--expand-tiles", default="", type=_tiles, help="e.g. 128x4,256x8: expand tiles to time"
     )
+    parser.add_argument(
+        "--ext-tiles", default="", type=_tiles, help="e.g. 16x128x4: extended expand MxNxwarps"
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
@@ -153,6 +156,12 @@ def main() -> int:
             for block_n, warps in args.expand_tiles:
                 tiled = partial(lora_expand, t, lora_b, segments, y, starts, block_n, warps)
                 print(f"{'':15s} expand BLOCK_N {block_n}, {warps} warps: "
+                      f"{timed_us(tiled, device, iters):.1f} us")  # fmt: skip
+            y_ext = torch.nn.functional.linear(x, torch.cat([weight, lora_a.reshape(-1, k)]))
+            for tile_m, block_n, warps in args.ext_tiles:
+                tiled = partial(lora_expand_extended, y_ext, n, lora_b, slots, starts, block_n,
+                                warps, tile_m)  # fmt: skip
+                print(f"{'':15s} extended expand {tile_m}x{block_n}, {warps} warps: "
                       f"{timed_us(tiled, device, iters):.1f} us")  # fmt: skip
             if num_tokens == 1:
                 one_row_gemv(x, weight, lora_a, lora_b, slots, starts, device, iters)

@@ -4,8 +4,9 @@ S shards (q/k/v, gate/up) of rank R. One GEMM then gives y_ext = x @ W_ext^T: th
 columns [0, N) and, from column N + (s*S + j)*R, every slot s's shard-j t = x A_s,j^T, reduced in
 the GEMM's fp32 accumulator and rounded once to the model dtype. This kernel writes the layer's
 output y [T, N] = y_ext[:, :N] + t[slot] @ B[slot]^T per shard, in token order: program (m, n)
-copies its rows' column block and adds, for each adapter slot its rows hold, that slot's product
-(rows of other slots and without an adapter masked out). No grouping, no partials, no counters;
+copies its rows' column block and adds every row's product in one dot over groups of slots
+(K = slot x rank; each row's t masked to its own slot's columns, B loaded only for the slots the
+rows hold). No grouping, no partials, no counters;
 the grid follows the token count and N alone (CUDA graphs replay any mix)."""
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from ferrum.kernels.lora_segments import block_m
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
 MAX_SLICES = 3
+# K of one dot: the slots of a group times the padded rank (8 slots of rank 16: one dot).
+DOT_K = 128
 
 
 @triton.jit
@@ -41,6 +44,7 @@ def _lora_expand_extended_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    SLOT_GROUP: tl.constexpr,  # slots one dot covers (SLOT_GROUP * BLOCK_R of K)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding)
     USE_PDL: tl.constexpr,
 ):
@@ -57,30 +61,30 @@ def _lora_expand_extended_kernel(
     mask = mask_m[:, None] & mask_n[None, :]
     acc = tl.load(y_ext_ptr + rows[:, None] * stride_ext + offs_n[None, :], mask=mask, other=0.0)
     acc = acc.to(tl.float32)
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
+    # One dot covers SLOT_GROUP slots: K column (g, r) is slot g0 + g's rank r; a row's t is
+    # masked to its own slot's columns, B loaded only for the slots these rows hold.
+    offs_k = tl.arange(0, SLOT_GROUP * BLOCK_R)
+    k_group, k_r = offs_k // BLOCK_R, offs_k % BLOCK_R
     t_rows = y_ext_ptr + rows[:, None] * stride_ext + N
     for j in tl.static_range(NUM_SLICES):
         lo = 0 if j == 0 else (slice1 if j == 1 else slice2)
         hi = N if j + 1 == NUM_SLICES else (slice1 if j == 0 else slice2)
         if (n0 < hi) & (n0 + BLOCK_N > lo):  # only the shards this column block overlaps
             cols = mask_n & (offs_n >= lo) & (offs_n < hi)
-            b_slot = b_ptr  # slot s's B (pointer steps: 64-bit offsets)
-            for s in range(num_slots):
-                mine = slots == s
-                if tl.max(mine.to(tl.int32), 0) > 0:  # only the slots these rows hold
-                    tt = tl.load(
-                        t_rows + ((s * NUM_SLICES + j) * R + offs_r)[None, :],
-                        mask=mine[:, None] & mask_r[None, :],
-                        other=0.0,
-                    )
+            for g0 in range(0, num_slots, SLOT_GROUP):
+                k_slot = g0 + k_group
+                mine = (slots[:, None] == k_slot[None, :]) & (k_r < R)[None, :]
+                held = tl.max(mine.to(tl.int32), 0) > 0  # [K]: a slot these rows hold
+                if tl.max(held.to(tl.int32), 0) > 0:
+                    tt = tl.load(t_rows + ((k_slot * NUM_SLICES + j) * R + k_r)[None, :],
+                                 mask=mine, other=0.0)  # fmt: skip
+                    b_cols = k_slot.to(tl.int64) * stride_b_slot + k_r
                     bt = tl.load(
-                        b_slot + offs_n[None, :] * stride_b_n + offs_r[:, None],
-                        mask=mask_r[:, None] & cols[None, :],
+                        b_ptr + b_cols[:, None] + offs_n[None, :] * stride_b_n,
+                        mask=held[:, None] & cols[None, :],
                         other=0.0,
                     )
                     acc += tl.dot(tt, bt, input_precision=DOT_PRECISION)
-                b_slot += stride_b_slot
     y_ptrs = y_ptr + rows[:, None] * stride_y + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -116,6 +120,7 @@ def lora_expand_extended(
     slice_starts: tuple[int, ...] = (0,),
     block_n: int = 128,
     num_warps: int = 4,
+    tile_m: int | None = None,
 ) -> torch.Tensor:
     """y [T, N] (new, contiguous) from an extended GEMM's y_ext [T, N + L*S*R] (module
     docstring), lora_b [L, N, R] (scaling folded in) and token_slots [>= T] (-1: none)."""
@@ -132,13 +137,15 @@ def lora_expand_extended(
         return y
     num_slots, _, rank = lora_b.shape
     starts = (*slice_starts[1:], 0, 0)
-    tile_m = block_m(num_tokens)
+    tile_m = block_m(num_tokens) if tile_m is None else tile_m
+    block_r = max(16, triton.next_power_of_2(rank))
+    slot_group = min(triton.next_power_of_2(num_slots), max(1, DOT_K // block_r))
     grid = (triton.cdiv(num_tokens, tile_m), triton.cdiv(n, block_n))
     _lora_expand_extended_kernel[grid](
         y_ext, lora_b, token_slots, y, num_tokens, n, rank, num_slots, starts[0], starts[1],
         y_ext.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
         NUM_SLICES=len(slice_starts), BLOCK_M=tile_m, BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_R=block_r, SLOT_GROUP=slot_group,
         DOT_PRECISION="ieee" if y_ext.dtype == torch.float32 else "tf32", num_warps=num_warps,
         **pdl_launch_args(y_ext.device),
     )  # fmt: skip
