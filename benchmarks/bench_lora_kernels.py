@@ -23,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferrum.kernels.dense_linear import dense_linear, gemv_tile_for  # noqa: E402
 from ferrum.kernels.gemv_lora import gemv_lora, new_t_scratch  # noqa: E402
-from ferrum.kernels.lora_expand import lora_expand  # noqa: E402
-from ferrum.kernels.lora_extended import lora_expand_extended  # noqa: E402
+from ferrum.kernels.lora_expand import lora_expand, lora_expand_extended  # noqa: E402
 from ferrum.kernels.lora_segments import LoRASegments  # noqa: E402
 from ferrum.kernels.lora_shrink import lora_shrink  # noqa: E402
 
@@ -48,14 +47,14 @@ def run_layer(x, weight, lora_a, lora_b, segments, shards, rank) -> None:  # noq
     lora_expand(t, lora_b, segments, y, starts)
 
 
-def extended_layer(x, weight, lora_a, lora_b, slots, starts, device, iters):  # noqa: ANN001, ANN201
+def extended_layer(x, weight, lora_a, lora_b, segments, starts, device, iters):  # noqa: ANN001, ANN201
     """(microseconds of the extended GEMM alone, of the GEMM then the expand)."""
     n, k = weight.shape
     extended = torch.cat([weight, lora_a.reshape(-1, k)])
     gemm = partial(torch.nn.functional.linear, x, extended)
 
     def both() -> None:
-        lora_expand_extended(torch.nn.functional.linear(x, extended), n, lora_b, slots, starts)
+        lora_expand_extended(torch.nn.functional.linear(x, extended), n, lora_b, segments, starts)
 
     return timed_us(gemm, device, iters), timed_us(both, device, iters)
 
@@ -116,7 +115,7 @@ def main() -> int:
         "--expand-tiles", default="", type=_tiles, help="e.g. 128x4,256x8: expand tiles to time"
     )
     parser.add_argument(
-        "--ext-tiles", default="", type=_tiles, help="e.g. 16x128x4: extended expand MxNxwarps"
+        "--ext-tiles", default="", type=_tiles, help="e.g. 128x4: extended expand tiles to time"
     )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -148,7 +147,9 @@ def main() -> int:
             y = torch.nn.functional.linear(x, weight)
             starts = tuple(sum(shards[:i]) for i in range(len(shards)))
             expand = timed_us(partial(lora_expand, t, lora_b, segments, y, starts), device, iters)
-            ext_gemm, ext = extended_layer(x, weight, lora_a, lora_b, slots, starts, device, iters)
+            ext_gemm, ext = extended_layer(
+                x, weight, lora_a, lora_b, segments, starts, device, iters
+            )
             print(
                 f"{name:8s} {num_tokens:6d} {base:8.1f} {with_lora:8.1f} {with_lora / base:9.2f} "
                 f"{shrink:10.1f} {expand:10.1f} {ext_gemm:12.1f} {ext:7.1f} {ext / base:9.2f}"
@@ -158,10 +159,10 @@ def main() -> int:
                 print(f"{'':15s} expand BLOCK_N {block_n}, {warps} warps: "
                       f"{timed_us(tiled, device, iters):.1f} us")  # fmt: skip
             y_ext = torch.nn.functional.linear(x, torch.cat([weight, lora_a.reshape(-1, k)]))
-            for tile_m, block_n, warps in args.ext_tiles:
-                tiled = partial(lora_expand_extended, y_ext, n, lora_b, slots, starts, block_n,
-                                warps, tile_m)  # fmt: skip
-                print(f"{'':15s} extended expand {tile_m}x{block_n}, {warps} warps: "
+            for block_n, warps in args.ext_tiles:
+                tiled = partial(lora_expand_extended, y_ext, n, lora_b, segments, starts, block_n,
+                                warps)  # fmt: skip
+                print(f"{'':15s} extended expand BLOCK_N {block_n}, {warps} warps: "
                       f"{timed_us(tiled, device, iters):.1f} us")  # fmt: skip
             if num_tokens == 1:
                 one_row_gemv(x, weight, lora_a, lora_b, slots, starts, device, iters)

@@ -4,7 +4,7 @@ adapter's scaling is folded into B when it is loaded). `*_ref` loops over tokens
 obvious definition, for tests); the `lora_*_torch` forms are the CPU path: one GEMM over every
 slot's A then a gather, and each token's B gathered (small steps) or one masked GEMM per slot,
 with no host sync (CUDA-graph safe). `lora_expand_extended_torch` is the torch form of
-`lora_extended.py` (t of every slot already beside the base output)."""
+`lora_expand.lora_expand_extended` (every slot's t already beside the base output)."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def lora_expand_extended_torch(
     token_slots: torch.Tensor,
     slice_starts: tuple[int, ...] = (0,),
 ) -> torch.Tensor:
-    """`lora_extended.lora_expand_extended` in torch: y_ext [T, N + L*S*R] -> y [T, N]."""
+    """`lora_expand.lora_expand_extended` in torch: y_ext [T, N + L*S*R] -> y [T, N]."""
     num_tokens, num_slots = y_ext.shape[0], lora_b.shape[0]
     slots = token_slots[:num_tokens]
     t = pick_slot_columns(y_ext[:, n:], num_slots, slots)  # [T, S * R]

@@ -2,8 +2,9 @@
 layer (qkv, gate_up: one slice per shard) or a row-parallel one (o, down) and adds, per token,
 its adapter's product to the base output: y += (x A_s^T) B_s^T, A and B read from a pool of
 `max_loras` device slots (a slot never used, or cleared, is all zeros). A model-dtype layer
-keeps every slot's A as extra rows below its weight (`lora_extended.py`): one GEMM gives the base
-output and every slot's t, one kernel adds each token's B product. Tensor parallelism
+keeps every slot's A as extra rows below its weight: one GEMM gives the base output and every
+slot's t, one kernel adds each token's B product (`lora_expand.lora_expand_extended`); other
+formats keep A apart (shrink, then expand in place). Tensor parallelism
 splits A and B like the base weight: column-parallel layers hold their rows of each shard's B,
 row-parallel ones their input columns of A, and the partial product joins the base layer's
 partial output before its all-reduce. The step's token -> slot map lives in `LoRABatch`."""
@@ -98,11 +99,12 @@ class LoRABatch:
     def expand_extended(
         self, y_ext: torch.Tensor, n: int, lora_b: torch.Tensor, slice_starts: tuple[int, ...]
     ) -> torch.Tensor:
-        """The layer's output [T, n] from an extended weight's GEMM output (`lora_extended.py`)."""
+        """The layer's output [T, n] from an extended weight's GEMM output (every slot's t
+        beside the base output: `lora_expand.lora_expand_extended`)."""
         if self.segments is not None:
-            from ferrum.kernels.lora_extended import lora_expand_extended
+            from ferrum.kernels.lora_expand import lora_expand_extended
 
-            return lora_expand_extended(y_ext, n, lora_b, self.token_slots, slice_starts)
+            return lora_expand_extended(y_ext, n, lora_b, self.segments, slice_starts)
         return lora_expand_extended_torch(y_ext, n, lora_b, self.token_slots, slice_starts)
 
 

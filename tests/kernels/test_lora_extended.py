@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrum.kernels.lora_extended import lora_expand_extended
+from ferrum.kernels.lora_expand import lora_expand_extended
 from ferrum.kernels.lora_ref import lora_expand_extended_torch, lora_expand_ref, lora_shrink_ref
+from ferrum.kernels.lora_segments import LoRASegments
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -58,7 +59,9 @@ def test_extended_gemm_then_expand_matches_shrink_and_expand(
     extended = torch.cat([weight, lora_a.reshape(-1, k)])
     y_ext = x @ extended.t()
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    got = lora_expand_extended(y_ext, n, lora_b, slots, slice_starts)
+    segments = LoRASegments.empty(512, num_slots, DEVICE)
+    segments.fill(slots[:num_tokens])
+    got = lora_expand_extended(y_ext, n, lora_b, segments, slice_starts)
     assert got.shape == (num_tokens, n) and got.is_contiguous() and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
     by_torch = lora_expand_extended_torch(y_ext, n, lora_b, slots, slice_starts)
@@ -69,12 +72,10 @@ def test_extended_gemm_then_expand_matches_shrink_and_expand(
 
 def test_launcher_names_the_bad_argument() -> None:
     lora_b = torch.zeros(2, 8, 4, device=DEVICE)
-    slots = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    slots = LoRASegments.empty(4, 2, DEVICE)
     with pytest.raises(ValueError, match="y_ext"):
         lora_expand_extended(torch.zeros(3, 8 + 7, device=DEVICE), 8, lora_b, slots)
     with pytest.raises(ValueError, match="lora_b"):
         lora_expand_extended(torch.zeros(3, 16, device=DEVICE), 9, lora_b, slots)
     with pytest.raises(ValueError, match="slice_starts"):
         lora_expand_extended(torch.zeros(3, 8 + 16, device=DEVICE), 8, lora_b, slots, (0, 9))
-    with pytest.raises(ValueError, match="token_slots"):
-        lora_expand_extended(torch.zeros(5, 8 + 8, device=DEVICE), 8, lora_b, slots)
