@@ -24,10 +24,14 @@ class LoRASegments:
 
     @classmethod
     def empty(cls, max_tokens: int, num_slots: int, device: torch.device) -> LoRASegments:
+        """The grouping of a batch without adapters (every token in order, no slot counts):
+        what a captured graph reads before the first step with an adapter regroups."""
+
         def zeros(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=device)
 
-        return cls(zeros(max_tokens), zeros(num_slots), zeros(num_slots))
+        in_order = torch.arange(max_tokens, dtype=torch.int32, device=device)
+        return cls(in_order, zeros(num_slots), zeros(num_slots))
 
     def fill(self, token_slots: torch.Tensor) -> None:
         """Groups `token_slots` [T] (T <= max_tokens; -1 or a slot < num_slots)."""

@@ -79,3 +79,15 @@ def test_launcher_names_the_bad_argument() -> None:
         lora_expand_extended(torch.zeros(3, 16, device=DEVICE), 9, lora_b, slots)
     with pytest.raises(ValueError, match="slice_starts"):
         lora_expand_extended(torch.zeros(3, 8 + 16, device=DEVICE), 8, lora_b, slots, (0, 9))
+
+
+def test_fresh_segments_copy_every_row() -> None:
+    """Before any step with an adapter regroups, a captured graph replays with the segments as
+    made: they must read as a batch without adapters, so every row of the output is written (an
+    unwritten row would be whatever memory the output took)."""
+    num_tokens, n, rank = 20, 24, 4
+    segments = LoRASegments.empty(32, 2, DEVICE)
+    y_ext = torch.randn(num_tokens, n + 2 * rank, device=DEVICE)
+    lora_b = torch.randn(2, n, rank, device=DEVICE)
+    got = lora_expand_extended(y_ext, n, lora_b, segments)
+    assert torch.equal(got, y_ext[:, :n])
