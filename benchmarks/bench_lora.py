@@ -19,6 +19,7 @@ every request on the base model: what LoRA costs traffic without adapters). Prin
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import statistics
 import sys
@@ -187,7 +188,16 @@ def main() -> int:
         help="JSON of further LLM(...) arguments (e.g. vLLM's compilation_config)",
     )
     parser.add_argument("--out", default=None, help="write the figures as JSON")
+    parser.add_argument(
+        "--stack-dump-after",
+        type=float,
+        default=0.0,
+        help="seconds: then print every thread's stack and exit (where a start-up hangs; run "
+        "vLLM with VLLM_ENABLE_V1_MULTIPROCESSING=0 so its engine core is in this process)",
+    )
     args = parser.parse_args()
+    if args.stack_dump_after > 0:
+        faulthandler.dump_traceback_later(args.stack_dump_after, exit=True)
     config = json.loads((Path(args.model) / "config.json").read_text())
     args.vocab_size = config.get("text_config", config)["vocab_size"]
     results: dict[str, dict[str, Any]] = {}
