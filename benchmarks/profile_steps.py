@@ -3,12 +3,17 @@
 Admits a batch of dummy-weight requests, steps until every prompt is prefilled, then times and
 profiles `--steps` decode steps: wall time per step, the engine's host phases, and the top CUDA
 kernels. `--wall-only` times the steps and nothing else, so any executor runs (mp, ray: their
-runners live in other processes). Usage: python benchmarks/profile_steps.py --model
-benchmarks/models/qwen3-0.6b --num-prompts 64 --input-len 256 [--wall-only] [engine flags]
+runners live in other processes). `--replay-drafts K`: every step is a verify step of K drafts
+per request that are all rejected (the benchmark's replay proposer at acceptance 0), so the
+step's cost beside a plain decode step's is the verify overhead. Usage: python
+benchmarks/profile_steps.py --model benchmarks/models/qwen3-0.6b --num-prompts 64 --input-len 256
+[--wall-only] [--replay-drafts 3] [engine flags]
 """
 
 # ruff: noqa: E402
+import json
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -19,6 +24,7 @@ import torch
 
 from benchmarks.dummy_engine import engine_parser, make_llm, start_decoding
 from ferrum.bench import workloads
+from ferrum.model_folder import read_hf_config
 
 
 def timed(phases: dict[str, float], name: str, fn):
@@ -36,15 +42,30 @@ def main() -> int:
     parser = engine_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--wall-only", action="store_true", help="no phase timers, no profile")
+    parser.add_argument("--replay-drafts", type=int, default=0, help="K rejected drafts a step")
     args = parser.parse_args()
+    config = read_hf_config(args.model)
+    vocab = config.get("text_config", config)["vocab_size"]
+    prompts, _ = workloads.batch(args.num_prompts, args.input_len, 1, seed=7)
+    prompts = workloads.fold_to_vocab(prompts, vocab)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.replay_drafts:
+            drafts = Path(tmp) / "drafts.json"
+            drafts.write_text(
+                json.dumps({",".join(map(str, p)): [0] * args.max_model_len for p in prompts})
+            )
+            args.speculative_config = {
+                "method": "replay", "num_speculative_tokens": args.replay_drafts,
+                "model": str(drafts), "acceptance_rate": 0.0, "disable_by_batch_size": None,
+            }  # fmt: skip
+        return profile(args, prompts)
+
+
+def profile(args, prompts: list[list[int]]) -> int:  # noqa: ANN001
     llm = make_llm(args)
     engine = llm.llm_engine
-    vocab = engine.config.model_config.vocab_size
-    prompts, _ = workloads.batch(args.num_prompts, args.input_len, 1, seed=7)
     max_tokens = engine.config.model_config.max_model_len - args.input_len - 8
-    req_ids = start_decoding(
-        engine, workloads.fold_to_vocab(prompts, vocab), max_tokens, args.temperature
-    )
+    req_ids = start_decoding(engine, prompts, max_tokens, args.temperature)
     core = engine.core
 
     if args.wall_only:
