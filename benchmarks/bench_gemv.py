@@ -6,6 +6,9 @@ CUDA graph of --iters calls over enough weight copies to exceed the L2 cache (th
 in graphs); prints microseconds and the weight bytes read per second. --sweep times a grid of
 GEMV tiles per shape and prints the best; --save writes ferrum/kernels/gemv_configs/<device>.json
 with the shapes where that tile beat F.linear by more than --min-gain (only those take the GEMV).
+--rows M times M activation rows (a verify step's, a small batch's): F.linear, the GEMV with one
+row a program, and with the M rows sharing each program's reads of W (`gemv_shared_us`, which
+--sweep then tunes; the engine takes the GEMV only at one row, so --save needs --rows 1).
 
     python benchmarks/bench_gemv.py \
         --models benchmarks/models/qwen3-8b,benchmarks/models/qwen3-0.6b \
@@ -59,9 +62,14 @@ def model_shapes(config_path: Path) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def gemv_fn(x: torch.Tensor, weights: list[torch.Tensor], tile: GemvTile):
+def gemv_fn(x: torch.Tensor, weights: list[torch.Tensor], tile: GemvTile, rows: int = 1):
     tiles = (tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages)
-    return lambda i: gemv(x, weights[i], *tiles)
+    return lambda i: gemv(x, weights[i], *tiles, rows_per_program=rows)
+
+
+def shared_rows(m: int) -> int:
+    """Rows a program takes when the M rows share its reads of W."""
+    return min(16, 1 << (m - 1).bit_length())
 
 
 def sweep(x: torch.Tensor, weights: list[torch.Tensor], iters: int, grid: dict) -> dict:
@@ -69,7 +77,8 @@ def sweep(x: torch.Tensor, weights: list[torch.Tensor], iters: int, grid: dict) 
     for values in itertools.product(*grid.values()):
         tile = GemvTile(**dict(zip(grid, values)))
         try:
-            us = graph_us(gemv_fn(x, weights, tile), len(weights), iters)
+            fn = gemv_fn(x, weights, tile, shared_rows(x.shape[0]))
+            us = graph_us(fn, len(weights), iters)
         except Exception as exc:  # a tile the compiler rejects
             print(f"    skip {tile}: {type(exc).__name__}")
             continue
@@ -82,13 +91,15 @@ def tb_per_s(n: int, k: int, us: float) -> float:
     return 2 * n * k / us / 1e6
 
 
-def measure_shape(n: int, k: int, tile: GemvTile, grid: dict | None, iters: int) -> dict:
-    """F.linear and the GEMV (`tile`, and the sweep's best) at one row of a bf16 [n, k] weight."""
+def measure_shape(
+    n: int, k: int, tile: GemvTile, grid: dict | None, iters: int, m: int = 1
+) -> dict:
+    """F.linear and the GEMV (`tile`, and the sweep's best) at m rows of a bf16 [n, k] weight."""
     copies = max(1, min(MAX_COPIES, -(-L2_FLUSH_BYTES // (2 * n * k))))
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
     weights = [w.clone() for _ in range(copies)]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     expected = F.linear(x.float(), w.float())
     got = gemv(x, w, *dataclasses.astuple(tile)).float()
     row: dict = {
@@ -99,12 +110,16 @@ def measure_shape(n: int, k: int, tile: GemvTile, grid: dict | None, iters: int)
         "gemv_max_abs_err": (got - expected).abs().max().item(),
         "gemv_us": graph_us(gemv_fn(x, weights, tile), copies, iters),
         "gemv_tile": dataclasses.asdict(tile),
+        "rows": m,
     }
+    if m > 1:
+        shared = gemv_fn(x, weights, tile, shared_rows(m))
+        row["gemv_shared_us"] = graph_us(shared, copies, iters)
     if grid is not None:
         row["sweep"] = sweep(x, weights, iters, grid)
         if row["sweep"]:
             best = GemvTile(**row["sweep"]["tile"])
-            got = gemv(x, w, *dataclasses.astuple(best)).float()
+            got = gemv(x, w, *dataclasses.astuple(best), rows_per_program=shared_rows(m)).float()
             row["sweep"]["max_abs_err"] = (got - expected).abs().max().item()
     return row
 
@@ -133,10 +148,13 @@ def main() -> int:
     parser.add_argument(
         "--min-gain", type=float, default=0.03, help="--save: the GEMV must be this much faster"
     )
+    parser.add_argument("--rows", type=int, default=1, help="activation rows (1: batch-1 decode)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.save and not args.sweep:
         parser.error("--save needs --sweep")
+    if args.save and args.rows != 1:
+        parser.error("--save needs --rows 1 (the table is the one-row GEMV's)")
     grid = {name: getattr(args, name) for name in SWEEP}
     if grid != SWEEP and not args.sweep:
         parser.error("the tile grid flags (--block-n, ...) need --sweep")
@@ -153,7 +171,7 @@ def main() -> int:
     results, winners = [], {}
     for (n, k), names in shapes.items():
         tile = tuned.get((n, k), GemvTile(8, 512))
-        row = measure_shape(n, k, tile, grid if args.sweep else None, args.iters)
+        row = measure_shape(n, k, tile, grid if args.sweep else None, args.iters, args.rows)
         row["shapes"] = names
         best = row.get("sweep", {})
         if best and best["us"] * (1 + args.min_gain) < row["f_linear_us"]:
@@ -163,6 +181,7 @@ def main() -> int:
             f"{','.join(names):40s} N={n:6d} K={k:6d} F.linear {row['f_linear_us']:7.1f} us "
             f"({tb_per_s(n, k, row['f_linear_us']):.2f} TB/s)  gemv {row['gemv_us']:7.1f} us  "
             f"best {best_us:7.1f} us ({tb_per_s(n, k, best_us):.2f} TB/s) {best.get('tile', '')}"
+            f"  shared rows {row.get('gemv_shared_us', float('nan')):7.1f} us"
             f"  err {row['gemv_max_abs_err']:.1e}",
             flush=True,
         )

@@ -1,7 +1,10 @@
 """Triton GEMV for fp16/bf16 weights at one activation row: out = x @ W^T (+ bias), where cuBLAS
-reads W below HBM speed at some decode shapes (`bench_gemv.py`). Program p computes
-out[p % M, n0:n0 + BLOCK_N], n0 = (p // M) * BLOCK_N (programs sharing a W tile share it in L2),
-fp32 per lane, summed once. Rows past the first re-read W: only one-row batches take it.
+reads W below HBM speed at some decode shapes (`bench_gemv.py`). With ROWS rows a program, program
+p computes rows [b * ROWS, (b + 1) * ROWS) of out[:, n0:n0 + BLOCK_N], b = p % cdiv(M, ROWS), n0 =
+(p // cdiv(M, ROWS)) * BLOCK_N (programs sharing a W tile share it in L2). One row a program
+(ROWS = 1, what the engine runs): fp32 per lane, summed once. Several (a verify step's or a small
+batch's rows, `bench_gemv.py --rows`): each W tile is read once for all of them and reduced per
+tile. Only one-row batches take the GEMV in the engine.
 """
 
 from __future__ import annotations
@@ -56,25 +59,56 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_launch_dependents(USE_PDL)
     pid = tl.program_id(0)
-    row = (pid % M).to(tl.int64)
-    offs_n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_blocks = tl.cdiv(M, ROWS)
+    offs_n = (pid // row_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # Rows past N read row N - 1 again (stores are masked), so full tiles need no load mask.
     safe_n = tl.minimum(offs_n, N - 1)
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + row * stride_xm + offs_k
     w_ptrs = w_ptr + safe_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     # The first weight tile is read before the wait (weights are never written while serving).
     w = load_along_k(w_ptrs, offs_k, K, EVEN_K)
     pdl_wait(USE_PDL)
-    out = rows_dot_x(w, w_ptrs, x_ptrs, offs_k, K, BLOCK_K, EVEN_K)
-    if HAS_BIAS:
-        out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    if ROWS == 1:
+        row = (pid % row_blocks).to(tl.int64)
+        out = rows_dot_x(w, w_ptrs, row * stride_xm + x_ptr + offs_k, offs_k, K, BLOCK_K, EVEN_K)
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        out_ptrs = out_ptr + row * stride_om + offs_n
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        rows = (pid % row_blocks) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < M
+        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        outs = tile_rows_dot_xs(w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K, EVEN_K)
+        if HAS_BIAS:
+            outs += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        mask = row_mask[:, None] & n_mask[None, :]
+        tl.store(out_ptrs, outs.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def tile_rows_dot_xs(
+    w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
+):
+    """[ROWS, BLOCK_N] fp32: a block of W's rows dotted with each of x's rows (x_ptrs [ROWS,
+    BLOCK_K]; rows off row_mask read as zeros), each W tile read once and reduced per tile; `w`
+    is the first tile (at w_ptrs), loaded by the caller."""
+    x = tl.load(x_ptrs, mask=row_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    acc = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], 2)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        w = load_along_k(w_ptrs, offs_k, K - k0, EVEN_K)
+        acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], 2)
+    return acc
 
 
 def gemv(
@@ -85,8 +119,10 @@ def gemv(
     num_warps: int = 4,
     num_stages: int = 2,
     bias: torch.Tensor | None = None,  # [N]
+    rows_per_program: int = 1,
 ) -> torch.Tensor:
-    """[M, N] in x's dtype: x @ weight^T + bias, fp32 sums."""
+    """[M, N] in x's dtype: x @ weight^T + bias, fp32 sums; `rows_per_program` (a power of two
+    <= 16) rows of x share each program's reads of W."""
     if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES or weight.stride(1) != 1:
         raise ValueError(
             f"weight must be [N, K] fp16/bf16 with stride(1) == 1, got "
@@ -100,11 +136,14 @@ def gemv(
     if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype):
         raise ValueError(f"bias must be [{n}] {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     check_gemv_tiles(False, block_n, block_k)
+    if not 1 <= rows_per_program <= 16 or rows_per_program & (rows_per_program - 1):
+        raise ValueError(f"rows_per_program: a power of two <= 16, got {rows_per_program}")
     m = x.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    _gemv_kernel[(m * triton.cdiv(n, block_n),)](
+    row_blocks = triton.cdiv(m, rows_per_program)
+    _gemv_kernel[(row_blocks * triton.cdiv(n, block_n),)](
         out,
         x,
         weight,
@@ -119,6 +158,7 @@ def gemv(
         EVEN_K=k % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        ROWS=rows_per_program,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_args(x.device),

@@ -1,4 +1,5 @@
-"""The fp16/bf16 one-row GEMV against F.linear in fp32, and its tile table's validation."""
+"""The fp16/bf16 GEMV (one row a program, or several) against F.linear in fp32, and its tile
+table's validation."""
 
 from __future__ import annotations
 
@@ -23,14 +24,15 @@ SHAPES = [(1, 37, 100), (1, 64, 256), (3, 50, 96), (2, 1, 33)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=CUDA_ONLY)])
-@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("m, n, k", SHAPES + [(5, 37, 100)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_f_linear(device, dtype, m, n, k, bias) -> None:
+@pytest.mark.parametrize("rows_per_program", [1, 4])
+def test_matches_f_linear(device, dtype, m, n, k, bias, rows_per_program) -> None:
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     w = (torch.randn(n, k, generator=gen) * 0.1).to(device, dtype)
     b = torch.randn(n, generator=gen).to(device, dtype) if bias else None
-    got = gemv(x, w, block_n=8, block_k=32, bias=b)
+    got = gemv(x, w, block_n=8, block_k=32, bias=b, rows_per_program=rows_per_program)
     expected = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
     assert got.dtype == dtype and got.shape == (m, n)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
@@ -48,6 +50,8 @@ def test_rejects_mismatched_operands() -> None:
         gemv(torch.zeros(1, 16, dtype=torch.float16), w, 8, 16, bias=torch.zeros(4))
     with pytest.raises(ValueError, match="BLOCK_K must be a power of two"):
         gemv(torch.zeros(1, 16, dtype=torch.float16), w, 8, 24)
+    with pytest.raises(ValueError, match="rows_per_program"):
+        gemv(torch.zeros(1, 16, dtype=torch.float16), w, 8, 16, rows_per_program=3)
 
 
 def test_tile_file_round_trip_keeps_other_shapes_and_marks_losers_null(tmp_path) -> None:
