@@ -45,15 +45,16 @@ def main() -> int:
     parser.add_argument("--replay-drafts", type=int, default=0, help="K rejected drafts a step")
     args = parser.parse_args()
     config = read_hf_config(args.model)
-    vocab = config.get("text_config", config)["vocab_size"]
+    config = config.get("text_config", config)
+    vocab = config["vocab_size"]
     prompts, _ = workloads.batch(args.num_prompts, args.input_len, 1, seed=7)
     prompts = workloads.fold_to_vocab(prompts, vocab)
     with tempfile.TemporaryDirectory() as tmp:
         if args.replay_drafts:
+            # Drafts for every position the engine could reach (its default: the config's).
+            max_len = args.max_model_len or config.get("max_position_embeddings", 1 << 15)
             drafts = Path(tmp) / "drafts.json"
-            drafts.write_text(
-                json.dumps({",".join(map(str, p)): [0] * args.max_model_len for p in prompts})
-            )
+            drafts.write_text(json.dumps({",".join(map(str, p)): [0] * max_len for p in prompts}))
             args.speculative_config = {
                 "method": "replay", "num_speculative_tokens": args.replay_drafts,
                 "model": str(drafts), "acceptance_rate": 0.0, "disable_by_batch_size": None,

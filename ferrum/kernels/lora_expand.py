@@ -181,6 +181,11 @@ def lora_expand_extended(
     check_slices(slice_starts, n, block_n)
     if lora_b.dtype not in FLOAT_DTYPES or y_ext.dtype != lora_b.dtype:
         raise ValueError(f"y_ext, lora_b: one float dtype, got {y_ext.dtype}, {lora_b.dtype}")
+    if y_ext.shape[0] > segments.sorted_tokens.numel():
+        raise ValueError(
+            f"y_ext: {y_ext.shape[0]} tokens, more than the segments' "
+            f"{segments.sorted_tokens.numel()}"
+        )
     y = torch.empty(y_ext.shape[0], n, dtype=y_ext.dtype, device=y_ext.device)
     t = y_ext[:, n:]
     _launch(t, num_slices * lora_b.shape[2], lora_b, segments, y_ext, y, slice_starts, block_n,
@@ -200,7 +205,7 @@ def _launch(
     num_warps: int,
 ) -> None:
     if t.stride(1) != 1 or lora_b.stride(2) != 1 or y.stride(1) != 1 or src.stride(1) != 1:
-        raise ValueError("t, lora_b and y: the last dimension must be contiguous")
+        raise ValueError("t, lora_b, y and y_ext: the last dimension must be contiguous")
     num_tokens, k = t.shape[0], lora_b.shape[2]
     if num_tokens == 0:
         return

@@ -190,8 +190,14 @@ class LoRALinear(nn.Module):
 
     def _extended(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Base output plus adapters: the extended weight's GEMM, then each token's B product."""
-        weight = self.base_layer.weight
-        y_ext = self.batch.linear(x.reshape(-1, x.shape[-1]), self.weight_ext, bias)
+        weight, rows = self.base_layer.weight, x.reshape(-1, x.shape[-1])
+        linear = self.batch.linear
+        if rows.shape[0] == 1 and self.batch.segments is not None:
+            from ferrum.kernels.dense_linear import gemv_tile_for
+
+            if gemv_tile_for(rows, weight) is None:  # the base shape's table entry decides
+                linear = torch.nn.functional.linear
+        y_ext = linear(rows, self.weight_ext, bias)
         y = self.batch.expand_extended(y_ext, weight.shape[0], self.lora_b, self.slice_starts)
         return y.view(*x.shape[:-1], weight.shape[0])
 

@@ -77,6 +77,8 @@ def test_launcher_names_the_bad_argument() -> None:
         lora_expand_extended(torch.zeros(3, 8 + 7, device=DEVICE), 8, lora_b, slots)
     with pytest.raises(ValueError, match="lora_b"):
         lora_expand_extended(torch.zeros(3, 16, device=DEVICE), 9, lora_b, slots)
+    with pytest.raises(ValueError, match="more than the segments"):
+        lora_expand_extended(torch.zeros(5, 8 + 8, device=DEVICE), 8, lora_b, slots)
     with pytest.raises(ValueError, match="slice_starts"):
         lora_expand_extended(torch.zeros(3, 8 + 16, device=DEVICE), 8, lora_b, slots, (0, 9))
 
