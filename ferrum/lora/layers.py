@@ -11,7 +11,8 @@ partial output before its all-reduce. The step's token -> slot map lives in `LoR
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -53,14 +54,29 @@ class LoRABatch:
         # The forward's number, raised as every forward of the model begins (a pre-hook, so
         # captured in CUDA graphs too): the fused GEMV tells its own t from an older one by it.
         self.forward_seq = torch.zeros(1, dtype=torch.int32, device=device)
-        # False for an eager step without adapters: the layers skip their LoRA work. True until
-        # the first step, so start-up (profile, warm-up, CUDA-graph capture) runs and compiles
-        # it; a captured graph always runs it (with the step's slot map).
+        # False for a step without adapters: the layers skip their LoRA work (eager), and the
+        # graph runner replays its graph without them. True until the first step, so start-up
+        # (profile, warm-up, CUDA-graph capture) runs and compiles it.
         self.active = True
+        # Whether a graph captured now runs the adapters' kernels (with the step's slot map at
+        # each replay): True but while the graph runner captures its graphs without them.
+        self.capture_adapters = True
 
     def runs(self, x: torch.Tensor) -> bool:
         """Whether the layers add adapters to this forward."""
-        return self.active or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.capture_adapters
+        return self.active
+
+    @contextlib.contextmanager
+    def without_adapters(self) -> Iterator[None]:
+        """Forwards run (and graphs capture) the base layers alone while inside."""
+        active, capture = self.active, self.capture_adapters
+        self.active = self.capture_adapters = False
+        try:
+            yield
+        finally:
+            self.active, self.capture_adapters = active, capture
 
     def raise_forward_number(self) -> None:
         if self.fuses_gemv:

@@ -6,17 +6,22 @@ num_speculative_tokens tokens each run as the smallest captured B' >= B with B' 
 A graph reads the runner's `InputBuffers` where a batch padded to its shape (`padded_shape`)
 lies. A pipeline stage's graphs cover its layers: after the first stage they read the previous
 one's activations from `stage_input(tokens)`; before the last they return (hidden, residual)
-of every padded token."""
+of every padded token. With LoRA adapters the graphs run the adapters' kernels (any mix of
+slots); decode batches also get a graph without them, replayed for a step that has none."""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ferrum.logger import init_logger
 from ferrum.model_executor.input_batch import InputBuffers
+
+if TYPE_CHECKING:
+    from ferrum.lora.layers import LoRABatch
 
 logger = init_logger(__name__)
 
@@ -46,10 +51,12 @@ class CUDAGraphRunner:
         stage_input_dtype: torch.dtype | None = None,
         verify_query_len: int = 1,
         max_verify_batch_size: int = 0,
+        lora_batch: LoRABatch | None = None,
     ) -> None:
         """`stage_input_size`: the hidden size of the activations a pipeline stage after the
         first receives (None on the first stage). `verify_query_len` > 1: verify graphs for
-        batches of 1 to `max_verify_batch_size` requests."""
+        batches of 1 to `max_verify_batch_size` requests. `lora_batch`: the model's LoRA layers'
+        step state (decode graphs without adapters too)."""
         self.model = model
         self.inputs = inputs
         self.device = device
@@ -64,6 +71,12 @@ class CUDAGraphRunner:
         # Keyed by padded shape: (tokens, requests).
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+        # Decode graphs without the LoRA layers' adapter kernels (LoRA only), by shape.
+        self.lora_batch = lora_batch
+        self.base_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.base_outputs: dict[
+            tuple[int, int], torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+        ] = {}
         # The received (hidden, residual) of up to the largest graph's tokens, flat so that
         # every token count's [2, tokens, hidden] view is contiguous.
         self._hidden_size = stage_input_size
@@ -116,45 +129,62 @@ class CUDAGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         shapes = [(s, 1) for s in reversed(self.prefill_sizes)]
-        shapes += [(s, s) for s in reversed(self.decode_sizes)]
+        decode_shapes = [(s, s) for s in reversed(self.decode_sizes)]
+        shapes += decode_shapes
         shapes += [(s * self.verify_query_len, s) for s in reversed(self.verify_sizes)]
         for shape in shapes:
-            # Padding only: one-token requests (a one-token chunk for the prefill graphs).
-            inputs = self.inputs.prepare({}, {}, 0, {}, pad_to=shape)
-            intermediate = None
-            if self._stage_input is not None:
-                received = self.stage_input(shape[0])
-                intermediate = (received[0], received[1])
-            args = (inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate)
-            # The side stream must see the inputs (and KV cache) that the current stream filled.
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # compiles the kernels and settles the allocator
-                    self.model(*args)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[shape] = self.model(*args)
-            self.graphs[shape] = graph
+            self.graphs[shape], self.outputs[shape] = self._capture_one(shape, pool, stream)
+        if self.lora_batch is not None:
+            with self.lora_batch.without_adapters():
+                for shape in decode_shapes:
+                    graph, output = self._capture_one(shape, pool, stream)
+                    self.base_graphs[shape], self.base_outputs[shape] = graph, output
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured %d CUDA graphs (decode batch sizes 1..%d, single-request prefill chunks of "
-            "up to %d tokens, verify batches of up to %d requests) in %.2f s",
-            len(self.graphs),
+            "up to %d tokens, verify batches of up to %d requests; %d decode graphs without "
+            "LoRA adapters) in %.2f s",
+            len(self.graphs) + len(self.base_graphs),
             self.max_batch_size,
             self.prefill_sizes[-1] if self.prefill_sizes else 0,
             self.verify_sizes[-1] if self.verify_sizes else 0,
+            len(self.base_graphs),
             time.perf_counter() - start,
         )
+
+    def _capture_one(
+        self, shape: tuple[int, int], pool: tuple[int, int], stream: torch.cuda.Stream
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+        # Padding only: one-token requests (a one-token chunk for the prefill graphs).
+        inputs = self.inputs.prepare({}, {}, 0, {}, pad_to=shape)
+        intermediate = None
+        if self._stage_input is not None:
+            received = self.stage_input(shape[0])
+            intermediate = (received[0], received[1])
+        args = (inputs.input_ids, inputs.positions, inputs.attn_metadata, intermediate)
+        # The side stream must see the inputs (and KV cache) that the current stream filled.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the kernels and settles the allocator
+                self.model(*args)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            output = self.model(*args)
+        return graph, output
 
     def replay(
         self, shape: tuple[int, int], num_tokens: int
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Runs the graph of `shape` on inputs prepared with `pad_to=shape`; returns the hidden
         states of the first `num_tokens` (the real) tokens, or on a pipeline stage before the
-        last its (hidden, residual) of every padded token."""
-        self.graphs[shape].replay()
-        output = self.outputs[shape]
+        last its (hidden, residual) of every padded token. A decode step without LoRA adapters
+        replays its graph without them."""
+        graphs, outputs = self.graphs, self.outputs
+        if self.lora_batch is not None and not self.lora_batch.active and shape in self.base_graphs:
+            graphs, outputs = self.base_graphs, self.base_outputs  # a step without adapters
+        graphs[shape].replay()
+        output = outputs[shape]
         if isinstance(output, tuple):
             return output
         return output[:num_tokens]

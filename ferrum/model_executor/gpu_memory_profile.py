@@ -11,6 +11,7 @@ import torch
 from ferrum.config import EngineConfig
 from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.logger import init_logger
+from ferrum.model_executor.cuda_graph import capture_sizes
 from ferrum.model_executor.kv_cache_sizing import (
     cpu_kv_budget,
     group_bytes_per_block,
@@ -106,6 +107,17 @@ def num_kv_blocks(runner: StartUpRunner) -> list[int]:
     return counts
 
 
+def base_graph_output_bytes(runner: StartUpRunner) -> int:
+    """With LoRA, the outputs the decode graphs without adapters keep (`cuda_graph.py`): one
+    [batch, hidden] tensor per captured decode size, (hidden, residual) before the last stage."""
+    cfg = runner.config
+    if not cfg.lora_config.enable_lora:
+        return 0
+    sizes = capture_sizes(min(cfg.scheduler_config.max_num_seqs, 512))
+    per_token = cfg.model_config.arch.hidden_size * getattr(torch, cfg.model_config.dtype).itemsize
+    return sum(sizes) * per_token * (1 if runner.stage.is_last else 2)
+
+
 def verify_scratch_bytes(runner: StartUpRunner) -> int:
     """The verify steps' linear-attention scratch slots (`verify_states.py`), in every layer."""
     cfg = runner.config
@@ -175,7 +187,9 @@ def profile_gpu_kv_budget(runner: StartUpRunner) -> int:
     # The largest graph: a decode batch of max_num_seqs or a verify batch of q tokens each.
     graph_tokens = max(sched.max_num_seqs, max_verify_graph_tokens(runner.config))
     graph_pool = (
-        int(activations * min(1.0, graph_tokens / num_tokens)) if runner.uses_cuda_graphs() else 0
+        int(activations * min(1.0, graph_tokens / num_tokens)) + base_graph_output_bytes(runner)
+        if runner.uses_cuda_graphs()
+        else 0
     )
     util = runner.config.cache_config.gpu_memory_utilization
     budget = int(total * util) - weights - activations - graph_pool - non_torch

@@ -225,6 +225,7 @@ class ModelRunner:
                 stage_input_size=None if self.stage.is_first else self.transport.hidden_size,
                 stage_input_dtype=self.dtype,
                 **verify_graph_sizes(self.config),
+                lora_batch=None if self.lora is None else self.lora.batch,
             )
             self.cuda_graphs.capture()
             if self.speculative is not None:

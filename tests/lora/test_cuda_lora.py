@@ -36,6 +36,33 @@ def test_cuda_graphs_with_adapters_match_peft(tiny_checkpoint, peft_adapter, arc
         assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
+def test_base_model_steps_replay_the_graphs_without_adapters(tiny_checkpoint, peft_adapter):
+    """A LoRA engine's decode graphs come twice, with and without the adapters' kernels; steps
+    without an adapter (before any adapter request, and after) give the base model's tokens, and
+    a step mixing both gives each its own."""
+    base = tiny_checkpoint("qwen3")
+    a = LoRARequest("a", 1, peft_adapter("qwen3", rank=4, seed=1))
+    prompts = random_prompts([5, 9, 3], seed=4)
+    llm = cuda_llm(base, enable_lora=True, max_loras=1, max_lora_rank=8, num_kv_blocks=64)
+    graphs = llm.llm_engine.core.executor.runner.cuda_graphs
+    assert graphs is not None and graphs.base_graphs
+    assert set(graphs.base_graphs) <= set(graphs.graphs)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def greedy(loras):  # noqa: ANN001, ANN202
+        inputs = [{"prompt_token_ids": p} for p in prompts]
+        outputs = llm.generate(inputs, params, use_tqdm=False, lora_request=loras)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    plain = [peft_greedy(base, None, [p], MAX_TOKENS)[0] for p in prompts]
+    assert greedy(None) == plain
+    mixed = greedy([a, None, a])
+    assert mixed[1] == plain[1]
+    assert [mixed[0], mixed[2]] == peft_greedy(base, a.lora_path, prompts[::2], MAX_TOKENS)
+    assert [mixed[0], mixed[2]] != [plain[0], plain[2]]  # the adapter changes the tokens
+    assert greedy(None) == plain
+
+
 def test_one_row_takes_the_gemv_with_its_adapter_in_one_launch(monkeypatch) -> None:
     from ferrum.kernels import gemv_lora
     from ferrum.kernels.interface import triton_kernels

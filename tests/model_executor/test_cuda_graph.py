@@ -195,3 +195,50 @@ def test_replay_returns_the_hidden_states_of_the_real_tokens(runner: CUDAGraphRu
     hidden = runner.replay((4, 4), 3)
     assert graph.num_replays == 1
     assert hidden.tolist() == torch.arange(9).view(3, HIDDEN).tolist()
+
+
+def test_a_decode_step_without_adapters_replays_the_graph_without_lora(
+    runner: CUDAGraphRunner,
+) -> None:
+    """With LoRA, a decode shape has a graph with the adapters' kernels and one without: a step
+    whose batch holds no adapter replays the latter; prefill and verify shapes have only the
+    former, which serves any step."""
+    from ferrum.lora.layers import LoRABatch
+
+    batch = LoRABatch(8, 2, torch.device("cpu"), is_triton=False)
+    runner.lora_batch = batch
+    with_lora, without = FakeGraph(), FakeGraph()
+    runner.graphs[(4, 4)], runner.base_graphs[(4, 4)] = with_lora, without  # type: ignore[assignment]
+    runner.outputs[(4, 4)] = runner.base_outputs[(4, 4)] = torch.zeros(4, HIDDEN)
+    chunk = FakeGraph()
+    runner.graphs[(16, 1)], runner.outputs[(16, 1)] = chunk, torch.zeros(16, HIDDEN)  # type: ignore[assignment]
+    batch.active = True
+    runner.replay((4, 4), 4)
+    batch.active = False
+    runner.replay((4, 4), 4)
+    runner.replay((16, 1), 3)
+    assert (with_lora.num_replays, without.num_replays, chunk.num_replays) == (1, 1, 1)
+    with batch.without_adapters():  # what the runner captures the latter under
+        assert not batch.active and not batch.capture_adapters
+    assert not batch.active and batch.capture_adapters
+
+
+def test_lora_adds_the_outputs_of_the_graphs_without_adapters_to_the_memory_estimate() -> None:
+    import types
+
+    from ferrum.model_executor.gpu_memory_profile import base_graph_output_bytes
+
+    def runner_with(enable_lora: bool, is_last: bool) -> types.SimpleNamespace:
+        config = types.SimpleNamespace(
+            lora_config=types.SimpleNamespace(enable_lora=enable_lora),
+            scheduler_config=types.SimpleNamespace(max_num_seqs=8),
+            model_config=types.SimpleNamespace(
+                dtype="bfloat16", arch=types.SimpleNamespace(hidden_size=16)
+            ),
+        )
+        return types.SimpleNamespace(config=config, stage=types.SimpleNamespace(is_last=is_last))
+
+    assert base_graph_output_bytes(runner_with(False, True)) == 0  # type: ignore[arg-type]
+    # Decode sizes 1, 2, 4, 8: 15 rows of 16 bf16 values; (hidden, residual) before the last.
+    assert base_graph_output_bytes(runner_with(True, True)) == 15 * 16 * 2  # type: ignore[arg-type]
+    assert base_graph_output_bytes(runner_with(True, False)) == 2 * 15 * 16 * 2  # type: ignore[arg-type]

@@ -79,7 +79,10 @@ def test_the_memory_profile_covers_verify_steps_and_graphs(monkeypatch) -> None:
         sched = types.SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
         cache = types.SimpleNamespace(gpu_memory_utilization=0.9)
         return types.SimpleNamespace(
-            scheduler_config=sched, cache_config=cache, speculative_config=spec
+            scheduler_config=sched,
+            cache_config=cache,
+            speculative_config=spec,
+            lora_config=types.SimpleNamespace(enable_lora=False),
         )
 
     ngram = dict(method="ngram", num_speculative_tokens=3)
