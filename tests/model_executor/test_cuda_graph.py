@@ -209,13 +209,14 @@ def test_a_decode_step_without_adapters_replays_the_graph_without_lora(
     runner.lora_batch = batch
     with_lora, without = FakeGraph(), FakeGraph()
     runner.graphs[(4, 4)], runner.base_graphs[(4, 4)] = with_lora, without  # type: ignore[assignment]
-    runner.outputs[(4, 4)] = runner.base_outputs[(4, 4)] = torch.zeros(4, HIDDEN)
+    runner.outputs[(4, 4)] = torch.zeros(4, HIDDEN)
+    runner.base_outputs[(4, 4)] = torch.ones(4, HIDDEN)
     chunk = FakeGraph()
     runner.graphs[(16, 1)], runner.outputs[(16, 1)] = chunk, torch.zeros(16, HIDDEN)  # type: ignore[assignment]
     batch.active = True
-    runner.replay((4, 4), 4)
+    assert not runner.replay((4, 4), 4).any()  # the output of the graph it replayed
     batch.active = False
-    runner.replay((4, 4), 4)
+    assert runner.replay((4, 4), 4).all()
     runner.replay((16, 1), 3)
     assert (with_lora.num_replays, without.num_replays, chunk.num_replays) == (1, 1, 1)
     with batch.without_adapters():  # what the runner captures the latter under
