@@ -19,9 +19,9 @@ import triton.language as tl
 
 from ferrum.kernels.gemv import WEIGHT_DTYPES, load_along_k, rows_dot_x
 from ferrum.kernels.gemv_config import GemvTile
+from ferrum.kernels.lora_expand import check_slices
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
 
-MAX_SHARDS = 3
 MAX_SPINS = 4096
 _LOW = tl.constexpr(0xFFFFFFFF)  # the low 32 bits of a tagged partial
 # A tagged partial no forward's number matches (-1 is never raised to: it is reset first).
@@ -220,13 +220,8 @@ def gemv_lora(
     n, k = weight.shape
     if x.shape != (1, k) or x.dtype != weight.dtype or x.stride(1) != 1:
         raise ValueError(f"x: [1, {k}] {weight.dtype}, got {tuple(x.shape)} {x.dtype}")
+    check_slices(slice_starts, n)
     shards = len(slice_starts)
-    if (
-        not 1 <= shards <= MAX_SHARDS
-        or slice_starts[0] != 0
-        or list(slice_starts) != sorted(set(slice_starts))
-    ):
-        raise ValueError(f"slice_starts: 0 then increasing columns, at most {MAX_SHARDS}")
     if lora_a.dim() != 3 or lora_b.dim() != 3 or lora_a.shape[2] != k or lora_b.shape[1] != n:
         raise ValueError(f"lora_a [L, S*R, {k}] and lora_b [L, {n}, R] expected")
     rank = lora_b.shape[2]

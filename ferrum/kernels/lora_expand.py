@@ -119,7 +119,9 @@ def _lora_expand_kernel(
         tl.store(y_ptrs, (src.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def check_slices(slice_starts: tuple[int, ...], n: int, block_n: int) -> None:
+def check_slices(slice_starts: tuple[int, ...], n: int) -> None:
+    """Raises a ValueError unless a merged layer's shards start at 0, then at increasing
+    columns below n, at most MAX_SLICES of them."""
     if (
         not 1 <= len(slice_starts) <= MAX_SLICES
         or slice_starts[0] != 0
@@ -127,8 +129,6 @@ def check_slices(slice_starts: tuple[int, ...], n: int, block_n: int) -> None:
         or slice_starts[-1] >= n
     ):
         raise ValueError(f"slice_starts: 0 then increasing columns < {n}, at most {MAX_SLICES}")
-    if block_n < 16 or block_n & (block_n - 1):
-        raise ValueError(f"block_n: a power of two >= 16, got {block_n}")
 
 
 def lora_expand(
@@ -152,7 +152,7 @@ def lora_expand(
         )
     if y.shape != (t.shape[0], lora_b.shape[1]):
         raise ValueError(f"y: expected shape {(t.shape[0], lora_b.shape[1])}, got {tuple(y.shape)}")
-    check_slices(slice_starts, lora_b.shape[1], block_n)
+    check_slices(slice_starts, lora_b.shape[1])
     if lora_b.dtype not in FLOAT_DTYPES or y.dtype != lora_b.dtype:
         raise ValueError(f"lora_b, y: one float dtype, got {lora_b.dtype}, {y.dtype}")
     if t.dtype not in (lora_b.dtype, torch.float32):
@@ -178,7 +178,7 @@ def lora_expand_extended(
     width = n + num_slots * num_slices * lora_b.shape[2]
     if y_ext.dim() != 2 or y_ext.shape[1] != width:
         raise ValueError(f"y_ext {tuple(y_ext.shape)}: [T, N + L*S*R] = [T, {width}]")
-    check_slices(slice_starts, n, block_n)
+    check_slices(slice_starts, n)
     if lora_b.dtype not in FLOAT_DTYPES or y_ext.dtype != lora_b.dtype:
         raise ValueError(f"y_ext, lora_b: one float dtype, got {y_ext.dtype}, {lora_b.dtype}")
     if y_ext.shape[0] > segments.sorted_tokens.numel():
@@ -204,6 +204,8 @@ def _launch(
     block_n: int,
     num_warps: int,
 ) -> None:
+    if block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"block_n: a power of two >= 16, got {block_n}")
     if t.stride(1) != 1 or lora_b.stride(2) != 1 or y.stride(1) != 1 or src.stride(1) != 1:
         raise ValueError("t, lora_b, y and y_ext: the last dimension must be contiguous")
     num_tokens, k = t.shape[0], lora_b.shape[2]
