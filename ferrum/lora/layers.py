@@ -54,29 +54,20 @@ class LoRABatch:
         # The forward's number, raised as every forward of the model begins (a pre-hook, so
         # captured in CUDA graphs too): the fused GEMV tells its own t from an older one by it.
         self.forward_seq = torch.zeros(1, dtype=torch.int32, device=device)
-        # False for a step without adapters: the layers skip their LoRA work (eager), and the
-        # graph runner replays its graph without them. True until the first step, so start-up
-        # (profile, warm-up, CUDA-graph capture) runs and compiles it.
+        # Whether the layers run their LoRA work: False for a step without adapters (eager, and
+        # the graph runner replays its graph without them). A graph captures whatever it is
+        # then (`adapters`). True until the first step, so the profile and warm-up run it.
         self.active = True
-        # Whether a graph captured now runs the adapters' kernels (with the step's slot map at
-        # each replay): True but while the graph runner captures its graphs without them.
-        self.capture_adapters = True
-
-    def runs(self, x: torch.Tensor) -> bool:
-        """Whether the layers add adapters to this forward."""
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self.capture_adapters
-        return self.active
 
     @contextlib.contextmanager
-    def without_adapters(self) -> Iterator[None]:
-        """Forwards run (and graphs capture) the base layers alone while inside."""
-        active, capture = self.active, self.capture_adapters
-        self.active = self.capture_adapters = False
+    def adapters(self, active: bool) -> Iterator[None]:
+        """Forwards run (and graphs capture) the layers with their LoRA work or without it
+        while inside."""
+        before, self.active = self.active, active
         try:
             yield
         finally:
-            self.active, self.capture_adapters = active, capture
+            self.active = before
 
     def raise_forward_number(self) -> None:
         if self.fuses_gemv:
@@ -199,21 +190,15 @@ class LoRALinear(nn.Module):
             self.lora_b[slot, offset : offset + size, :rank].copy_(b, non_blocking=True)
 
     def _add_lora(self, y: torch.Tensor, x: torch.Tensor) -> None:
-        if not self.batch.runs(x):
+        if not self.batch.active:
             return
         t = self.batch.shrink(x, self.lora_a)
         self.batch.expand(t, self.lora_b, y, self.slice_starts)
 
     def _extended(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Base output plus adapters: the extended weight's GEMM, then each token's B product."""
-        weight, rows = self.base_layer.weight, x.reshape(-1, x.shape[-1])
-        linear = self.batch.linear
-        if rows.shape[0] == 1 and self.batch.segments is not None:
-            from ferrum.kernels.dense_linear import gemv_tile_for
-
-            if gemv_tile_for(rows, weight) is None:  # the base shape's table entry decides
-                linear = torch.nn.functional.linear
-        y_ext = linear(rows, self.weight_ext, bias)
+        weight = self.base_layer.weight
+        y_ext = self.batch.linear(x.reshape(-1, x.shape[-1]), self.weight_ext, bias)
         y = self.batch.expand_extended(y_ext, weight.shape[0], self.lora_b, self.slice_starts)
         return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -221,7 +206,7 @@ class LoRALinear(nn.Module):
         """The layer's output with its adapter from one launch (gemv_lora.py) where adapters
         run, x is one row and the base layer would take the model-dtype GEMV; else None."""
         batch, base = self.batch, self.base_layer
-        if not batch.fuses_gemv or not batch.runs(x):
+        if not batch.fuses_gemv or not batch.active:
             return None
         if not isinstance(base.quant_method, DenseLinearMethod):
             return None
@@ -250,13 +235,13 @@ class LoRALinear(nn.Module):
             fused = self._fused_gemv(x)
             if fused is not None:
                 return fused
-            if self.weight_ext is not None and self.batch.runs(x):
+            if self.weight_ext is not None and self.batch.active:
                 return self._extended(x, self.bias_ext)
             y = base(x)
             self._add_lora(y, x)
             return y
         # Row parallel: this rank's partial product, its adapter part, then the all-reduce.
-        if self.weight_ext is not None and self.batch.runs(x):
+        if self.weight_ext is not None and self.batch.active:
             partial = self._extended(x, None)
         else:
             if base.quant_method is not None:

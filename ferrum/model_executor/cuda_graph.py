@@ -11,6 +11,7 @@ slots); decode batches also get a graph without them, replayed for a step that h
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING
 
@@ -132,10 +133,12 @@ class CUDAGraphRunner:
         decode_shapes = [(s, s) for s in reversed(self.decode_sizes)]
         shapes += decode_shapes
         shapes += [(s * self.verify_query_len, s) for s in reversed(self.verify_sizes)]
-        for shape in shapes:
-            self.graphs[shape], self.outputs[shape] = self._capture_one(shape, pool, stream)
-        if self.lora_batch is not None:
-            with self.lora_batch.without_adapters():
+        lora = self.lora_batch
+        with contextlib.nullcontext() if lora is None else lora.adapters(True):
+            for shape in shapes:
+                self.graphs[shape], self.outputs[shape] = self._capture_one(shape, pool, stream)
+        if lora is not None:
+            with lora.adapters(False):
                 for shape in decode_shapes:
                     graph, output = self._capture_one(shape, pool, stream)
                     self.base_graphs[shape], self.base_outputs[shape] = graph, output

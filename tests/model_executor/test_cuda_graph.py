@@ -219,9 +219,11 @@ def test_a_decode_step_without_adapters_replays_the_graph_without_lora(
     assert runner.replay((4, 4), 4).all()
     runner.replay((16, 1), 3)
     assert (with_lora.num_replays, without.num_replays, chunk.num_replays) == (1, 1, 1)
-    with batch.without_adapters():  # what the runner captures the latter under
-        assert not batch.active and not batch.capture_adapters
-    assert not batch.active and batch.capture_adapters
+    with batch.adapters(False):  # what the runner captures the latter under
+        assert not batch.active
+        with batch.adapters(True):  # and the former
+            assert batch.active
+    assert not batch.active
 
 
 def test_lora_adds_the_outputs_of_the_graphs_without_adapters_to_the_memory_estimate() -> None:
