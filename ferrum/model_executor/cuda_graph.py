@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 PREFILL_SIZES = (16, 32, 64, 128, 256, 512)
+# The largest decode batch a graph is captured for (larger batches run eagerly).
+MAX_GRAPH_BATCH_SIZE = 512
+
+
+def max_graph_batch_size(max_num_seqs: int) -> int:
+    return min(max_num_seqs, MAX_GRAPH_BATCH_SIZE)
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:

@@ -11,7 +11,7 @@ import torch
 from ferrum.config import EngineConfig
 from ferrum.kernels import FP8_KV_DTYPE
 from ferrum.logger import init_logger
-from ferrum.model_executor.cuda_graph import capture_sizes
+from ferrum.model_executor.cuda_graph import capture_sizes, max_graph_batch_size
 from ferrum.model_executor.kv_cache_sizing import (
     cpu_kv_budget,
     group_bytes_per_block,
@@ -113,7 +113,7 @@ def base_graph_output_bytes(runner: StartUpRunner) -> int:
     cfg = runner.config
     if not cfg.lora_config.enable_lora:
         return 0
-    sizes = capture_sizes(min(cfg.scheduler_config.max_num_seqs, 512))
+    sizes = capture_sizes(max_graph_batch_size(cfg.scheduler_config.max_num_seqs))
     per_token = cfg.model_config.arch.hidden_size * getattr(torch, cfg.model_config.dtype).itemsize
     return sum(sizes) * per_token * (1 if runner.stage.is_last else 2)
 

@@ -14,7 +14,7 @@ from ferrum.distributed.pipeline_group import PipelineGroup
 from ferrum.kv.kv_cache_spec import layer_group_ids
 from ferrum.lora.runner import lora_runner
 from ferrum.model_executor.compile_watch import start_up_compiles, watch_serving_compiles
-from ferrum.model_executor.cuda_graph import CUDAGraphRunner
+from ferrum.model_executor.cuda_graph import CUDAGraphRunner, max_graph_batch_size
 from ferrum.model_executor.gpu_memory_profile import (
     kv_cache_torch_dtype,
     num_kv_blocks,
@@ -218,7 +218,7 @@ class ModelRunner:
             self.cuda_graphs = CUDAGraphRunner(
                 self.model,
                 self.inputs,
-                max_batch_size=min(sched.max_num_seqs, 512),
+                max_batch_size=max_graph_batch_size(sched.max_num_seqs),
                 max_prefill_tokens=min(sched.max_num_batched_tokens, self.inputs.max_model_len),
                 device=self.device,
                 # A stage after the first reads the previous one's activations.
