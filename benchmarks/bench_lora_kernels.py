@@ -39,18 +39,16 @@ WEIGHT_COPIES = 4
 SMOKE_LAYERS = {"qkv": (64, (64, 16, 16)), "down": (96, (64,))}
 
 
-def run_layer(x, weight, lora_a, lora_b, segments, shards, rank) -> None:  # noqa: ANN001
-    """The layer as the engine runs it: the base GEMM, the shrink, one expand over every shard."""
+def run_layer(x, weight, lora_a, lora_b, segments, starts) -> None:  # noqa: ANN001
+    """A quantized base's path: the base GEMM, the shrink, one expand over every shard."""
     y = torch.nn.functional.linear(x, weight)
     t = lora_shrink(x, lora_a, segments)
-    starts = tuple(sum(shards[:i]) for i in range(len(shards)))
     lora_expand(t, lora_b, segments, y, starts)
 
 
-def extended_layer(x, weight, lora_a, lora_b, segments, starts, device, iters):  # noqa: ANN001, ANN201
+def extended_layer(x, extended, lora_b, segments, starts, device, iters):  # noqa: ANN001, ANN201
     """(microseconds of the extended GEMM alone, of the GEMM then the expand)."""
-    n, k = weight.shape
-    extended = torch.cat([weight, lora_a.reshape(-1, k)])
+    n = lora_b.shape[1]
     gemm = partial(torch.nn.functional.linear, x, extended)
 
     def both() -> None:
@@ -133,6 +131,8 @@ def main() -> int:
         weight = torch.randn(n, k, device=device, dtype=dtype) * 0.02
         lora_a = torch.randn(args.slots, len(shards) * args.rank, k, device=device, dtype=dtype)
         lora_b = torch.randn(args.slots, n, args.rank, device=device, dtype=dtype) * 0.01
+        extended = torch.cat([weight, lora_a.reshape(-1, k)])  # what a model-dtype layer holds
+        starts = tuple(sum(shards[:i]) for i in range(len(shards)))
         for num_tokens in tokens:
             x = torch.randn(num_tokens, k, device=device, dtype=dtype)
             slots = torch.arange(num_tokens, device=device, dtype=torch.int32) % args.used
@@ -140,16 +140,13 @@ def main() -> int:
             segments.fill(slots)
             iters = 2 if args.smoke else args.iters
             base = timed_us(partial(torch.nn.functional.linear, x, weight), device, iters)
-            lora = partial(run_layer, x, weight, lora_a, lora_b, segments, shards, args.rank)
+            lora = partial(run_layer, x, weight, lora_a, lora_b, segments, starts)
             with_lora = timed_us(lora, device, iters)
             shrink = timed_us(partial(lora_shrink, x, lora_a, segments), device, iters)
             t = lora_shrink(x, lora_a, segments)
             y = torch.nn.functional.linear(x, weight)
-            starts = tuple(sum(shards[:i]) for i in range(len(shards)))
             expand = timed_us(partial(lora_expand, t, lora_b, segments, y, starts), device, iters)
-            ext_gemm, ext = extended_layer(
-                x, weight, lora_a, lora_b, segments, starts, device, iters
-            )
+            ext_gemm, ext = extended_layer(x, extended, lora_b, segments, starts, device, iters)
             print(
                 f"{name:8s} {num_tokens:6d} {base:8.1f} {with_lora:8.1f} {with_lora / base:9.2f} "
                 f"{shrink:10.1f} {expand:10.1f} {ext_gemm:12.1f} {ext:7.1f} {ext / base:9.2f}"
@@ -158,7 +155,7 @@ def main() -> int:
                 tiled = partial(lora_expand, t, lora_b, segments, y, starts, block_n, warps)
                 print(f"{'':15s} expand BLOCK_N {block_n}, {warps} warps: "
                       f"{timed_us(tiled, device, iters):.1f} us")  # fmt: skip
-            y_ext = torch.nn.functional.linear(x, torch.cat([weight, lora_a.reshape(-1, k)]))
+            y_ext = torch.nn.functional.linear(x, extended)
             for block_n, warps in args.ext_tiles:
                 tiled = partial(lora_expand_extended, y_ext, n, lora_b, segments, starts, block_n,
                                 warps)  # fmt: skip
