@@ -60,6 +60,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
+    MMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_launch_dependents(USE_PDL)
@@ -85,7 +86,10 @@ def _gemv_kernel(
         rows = (pid % row_blocks) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
         x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-        outs = tile_rows_dot_xs(w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K, EVEN_K)
+        if MMA:
+            outs = tile_rows_mma(w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K, EVEN_K)
+        else:
+            outs = tile_rows_dot_xs(w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K, EVEN_K)
         if HAS_BIAS:
             outs += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -111,6 +115,23 @@ def tile_rows_dot_xs(
     return acc
 
 
+@triton.jit
+def tile_rows_mma(
+    w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
+):
+    """tile_rows_dot_xs on tensor cores (ROWS and BLOCK_N >= 16): x [ROWS, BLOCK_K] times the W
+    tile's transpose, fp32 accumulator."""
+    x = tl.load(x_ptrs, mask=row_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+    acc = tl.dot(x, tl.trans(w))
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        w = load_along_k(w_ptrs, offs_k, K - k0, EVEN_K)
+        acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
 def gemv(
     x: torch.Tensor,  # [M, K], stride(1) == 1, W's dtype
     weight: torch.Tensor,  # [N, K] fp16/bf16, stride(1) == 1
@@ -120,9 +141,11 @@ def gemv(
     num_stages: int = 2,
     bias: torch.Tensor | None = None,  # [N]
     rows_per_program: int = 1,
+    mma: bool = False,
 ) -> torch.Tensor:
     """[M, N] in x's dtype: x @ weight^T + bias, fp32 sums; `rows_per_program` (a power of two
-    <= 16) rows of x share each program's reads of W."""
+    <= 16) rows of x share each program's reads of W; `mma` multiplies them on tensor cores
+    (rows_per_program 16, BLOCK_N and BLOCK_K >= 16)."""
     if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES or weight.stride(1) != 1:
         raise ValueError(
             f"weight must be [N, K] fp16/bf16 with stride(1) == 1, got "
@@ -138,6 +161,11 @@ def gemv(
     check_gemv_tiles(False, block_n, block_k)
     if not 1 <= rows_per_program <= 16 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program: a power of two <= 16, got {rows_per_program}")
+    if mma and (rows_per_program != 16 or min(block_n, block_k) < 16):
+        raise ValueError(
+            f"mma needs rows_per_program 16 and BLOCK_N, BLOCK_K >= 16, got {rows_per_program}, "
+            f"{block_n}, {block_k}"
+        )
     m = x.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -159,6 +187,7 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         ROWS=rows_per_program,
+        MMA=mma,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_args(x.device),
