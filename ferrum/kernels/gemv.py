@@ -4,7 +4,8 @@ p computes rows [b * ROWS, (b + 1) * ROWS) of out[:, n0:n0 + BLOCK_N], b = p % c
 (p // cdiv(M, ROWS)) * BLOCK_N (programs sharing a W tile share it in L2). One row a program
 (ROWS = 1, what the engine runs): fp32 per lane, summed once. Several (a verify step's or a small
 batch's rows, `bench_gemv.py --rows`): each W tile is read once for all of them and reduced per
-tile. Only one-row batches take the GEMV in the engine.
+tile and row, on CUDA cores or (MMA) tensor cores. Only one-row batches take the GEMV in the
+engine: at 2-16 rows neither form beat cuBLAS on the H200 (RESULTS, fifteenth session).
 """
 
 from __future__ import annotations
@@ -83,13 +84,18 @@ def _gemv_kernel(
         out_ptrs = out_ptr + row * stride_om + offs_n
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=n_mask)
     else:
-        rows = (pid % row_blocks) * ROWS + tl.arange(0, ROWS)
+        first_row = (pid % row_blocks) * ROWS
+        rows = first_row + tl.arange(0, ROWS)
         row_mask = rows < M
-        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
         if MMA:
+            x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
             outs = tile_rows_mma(w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K, EVEN_K)
         else:
-            outs = tile_rows_dot_xs(w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K, EVEN_K)
+            x_rows = x_ptr + first_row.to(tl.int64) * stride_xm
+            outs = tile_rows_dot_xs(
+                w, w_ptrs, x_rows, M - first_row, stride_xm, offs_k, K, ROWS, BLOCK_N, BLOCK_K,
+                EVEN_K,
+            )  # fmt: skip
         if HAS_BIAS:
             outs += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -98,20 +104,45 @@ def _gemv_kernel(
 
 
 @triton.jit
+def add_rows_tile(acc, w, x_ptr, rows_left, stride_xm, offs_k, k_left, EVEN_K: tl.constexpr):
+    """acc [ROWS, BLOCK_N] plus the W tile `w` dotted with each of x's rows at x_ptr (row r at
+    x_ptr + r * stride_xm; rows from rows_left on read the last row again: their sums are never
+    stored). W keeps the one-row GEMV's layout and each x row is one broadcast vector."""
+    ROWS: tl.constexpr = acc.shape[0]
+    row_ids = tl.arange(0, ROWS)
+    wf = w.to(tl.float32)
+    for r in tl.static_range(ROWS):
+        x_row = x_ptr + tl.minimum(r, rows_left - 1).to(tl.int64) * stride_xm + offs_k
+        x = load_along_k(x_row, offs_k, k_left, EVEN_K)
+        part = tl.sum(wf * x.to(tl.float32)[None, :], 1)
+        acc = tl.where(row_ids[:, None] == r, acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
 def tile_rows_dot_xs(
-    w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
+    w,
+    w_ptrs,
+    x_ptr,
+    rows_left,
+    stride_xm,
+    offs_k,
+    K,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    """[ROWS, BLOCK_N] fp32: a block of W's rows dotted with each of x's rows (x_ptrs [ROWS,
-    BLOCK_K]; rows off row_mask read as zeros), each W tile read once and reduced per tile; `w`
+    """[ROWS, BLOCK_N] fp32: a block of W's rows dotted with each of ROWS rows of x (from x_ptr,
+    stride_xm apart; rows_left >= 1 of them real), each W tile read once for all of them; `w`
     is the first tile (at w_ptrs), loaded by the caller."""
-    x = tl.load(x_ptrs, mask=row_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-    acc = tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], 2)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    acc = add_rows_tile(acc, w, x_ptr, rows_left, stride_xm, offs_k, K, EVEN_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        x_ptrs += BLOCK_K
+        x_ptr += BLOCK_K
         w_ptrs += BLOCK_K
-        x = tl.load(x_ptrs, mask=row_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
         w = load_along_k(w_ptrs, offs_k, K - k0, EVEN_K)
-        acc += tl.sum(w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], 2)
+        acc = add_rows_tile(acc, w, x_ptr, rows_left, stride_xm, offs_k, K - k0, EVEN_K)
     return acc
 
 
