@@ -76,7 +76,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     from ferrum.engine.arg_utils import EngineArgs, add_config_args
     from ferrum.entrypoints.openai.frontend_args import FrontendConfig
     from ferrum.entrypoints.openai.http_limits import HttpLimits
-    from ferrum.entrypoints.openai.lora_routes import add_lora_args
+    from ferrum.entrypoints.openai.lora_args import add_lora_args
     from ferrum.entrypoints.openai.server_config import ServerConfig
     from ferrum.recovery_config import EngineRecoveryConfig
 

@@ -283,3 +283,18 @@ def test_refused_vllm_flags_name_why(capsys: pytest.CaptureFixture[str]) -> None
             port = s.getsockname()[1]
         assert main(["serve", *argv, "--device", "cpu", "--port", str(port)]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_building_the_parser_imports_no_torch_triton_or_web_framework() -> None:
+    """`ferrum tune` and `bench` on a GPU host need neither the server's web stack nor, until
+    they run, torch: the parser of every command is built from argparse-only modules."""
+    code = (
+        "import sys; from ferrum.entrypoints.cli import build_parser; build_parser(); "
+        "print(sorted(m.split('.')[0] for m in sys.modules))"
+    )
+    modules = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    for heavy in ("torch", "triton", "fastapi", "uvicorn", "starlette"):
+        assert f"'{heavy}'" not in modules, heavy
+    assert "'ferrum'" in modules

@@ -6,9 +6,7 @@ serve is a 400 naming why, and a request never waits on a bad file."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 from contextvars import ContextVar
 
 from fastapi import FastAPI
@@ -36,39 +34,6 @@ class LoadLoRAAdapterRequest(RequestModel):
 class UnloadLoRAAdapterRequest(RequestModel):
     lora_name: str
     lora_int_id: int | None = None
-
-
-def parse_lora_module(text: str) -> tuple[str, str, str | None]:
-    """`name=path` or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}` ->
-    (name, path, base model name or None)."""
-    if not text.lstrip().startswith("{"):
-        name, sep, path = text.partition("=")
-        if not sep or not name or not path:
-            raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: expected name=path")
-        return name, path, None
-    try:
-        value = json.loads(text)
-        unknown = set(value) - {"name", "path", "base_model_name"}
-        if unknown:
-            raise ValueError(f"unknown keys {sorted(unknown)}")
-        base = value.get("base_model_name")
-        return str(value["name"]), str(value["path"]), None if base is None else str(base)
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise argparse.ArgumentTypeError(f"invalid LoRA module {text!r}: {e}") from None
-
-
-def add_lora_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--lora-modules",
-        nargs="+",
-        type=parse_lora_module,
-        default=None,
-        metavar="NAME=PATH",
-        help="LoRA adapters served from start-up (PEFT folders; needs --enable-lora): a "
-        "request's model field names one; also vLLM's JSON form "
-        '\'{"name": "sql", "path": "/adapters/sql", "base_model_name": "m"}\' (base_model_name: '
-        "the served name /v1/models lists as its parent)",
-    )
 
 
 def register_lora_modules(

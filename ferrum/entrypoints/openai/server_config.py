@@ -9,8 +9,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from uvicorn.config import LOGGING_CONFIG
-
 from ferrum.config_fields import field_error as _fail
 from ferrum.config_fields import field_help as _help
 
@@ -107,6 +105,8 @@ class ServerConfig:
 def uvicorn_log_config() -> dict[str, Any]:
     """uvicorn's own logging config with its access log on standard error (not standard output):
     every server log line in one stream, as ferrum's."""
+    from uvicorn.config import LOGGING_CONFIG
+
     config = copy.deepcopy(LOGGING_CONFIG)
     config["handlers"]["access"]["stream"] = "ext://sys.stderr"
     return config

@@ -172,7 +172,7 @@ def test_bench_serve_spreads_requests_over_adapters(lora_server, tmp_path) -> No
 def test_lora_modules_flag_forms() -> None:
     import argparse
 
-    from ferrum.entrypoints.openai.lora_routes import parse_lora_module
+    from ferrum.entrypoints.openai.lora_args import parse_lora_module
 
     assert parse_lora_module("a=/x/y") == ("a", "/x/y", None)
     assert parse_lora_module('{"name": "a", "path": "/x", "base_model_name": "m"}') == (
