@@ -8,8 +8,8 @@ GEMV tiles per shape and prints the best; --save writes ferrum/kernels/gemv_conf
 with the shapes where that tile beat F.linear by more than --min-gain (only those take the GEMV).
 --rows M times M activation rows (a verify step's, a small batch's): F.linear, the GEMV with one
 row a program, and with the M rows sharing each program's reads of W (`gemv_shared_us`, which
---sweep then tunes; --mma: on tensor cores, 16 rows a program; the engine takes the GEMV only at
-one row, so --save needs --rows 1).
+--sweep then tunes; the engine takes this GEMV only at one row, so --save needs --rows 1;
+bench_gemv_rows.py measures and tunes the few-row kernel the engine takes at 2-16 rows).
 
     python benchmarks/bench_gemv.py \
         --models benchmarks/models/qwen3-8b,benchmarks/models/qwen3-0.6b \
@@ -63,18 +63,14 @@ def model_shapes(config_path: Path) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-MMA = False  # --mma: the shared rows multiply on tensor cores (16 rows a program)
-
-
 def gemv_fn(x: torch.Tensor, weights: list[torch.Tensor], tile: GemvTile, rows: int = 1):
     tiles = (tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages)
-    mma = MMA and rows > 1
-    return lambda i: gemv(x, weights[i], *tiles, rows_per_program=rows, mma=mma)
+    return lambda i: gemv(x, weights[i], *tiles, rows_per_program=rows)
 
 
 def shared_rows(m: int) -> int:
     """Rows a program takes when the M rows share its reads of W."""
-    return 16 if MMA else min(16, 1 << (m - 1).bit_length())
+    return min(16, 1 << (m - 1).bit_length())
 
 
 def sweep(x: torch.Tensor, weights: list[torch.Tensor], iters: int, grid: dict) -> dict:
@@ -118,13 +114,13 @@ def measure_shape(
         "rows": m,
     }
     if m > 1:
-        shared = gemv_fn(x, weights, GemvTile(32, 128) if MMA else tile, shared_rows(m))
+        shared = gemv_fn(x, weights, tile, shared_rows(m))
         row["gemv_shared_us"] = graph_us(shared, copies, iters)
     if grid is not None:
         row["sweep"] = sweep(x, weights, iters, grid)
         if row["sweep"]:
             best = GemvTile(**row["sweep"]["tile"])
-            got = gemv_fn(x, [w], best, shared_rows(m))(0).float()
+            got = gemv(x, w, *dataclasses.astuple(best), rows_per_program=shared_rows(m)).float()
             row["sweep"]["max_abs_err"] = (got - expected).abs().max().item()
     return row
 
@@ -154,13 +150,8 @@ def main() -> int:
         "--min-gain", type=float, default=0.03, help="--save: the GEMV must be this much faster"
     )
     parser.add_argument("--rows", type=int, default=1, help="activation rows (1: batch-1 decode)")
-    parser.add_argument(
-        "--mma", action="store_true", help="--rows > 1: the shared rows on tensor cores"
-    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    global MMA
-    MMA = args.mma
     if args.save and not args.sweep:
         parser.error("--save needs --sweep")
     if args.save and args.rows != 1:

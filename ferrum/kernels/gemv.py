@@ -4,8 +4,9 @@ p computes rows [b * ROWS, (b + 1) * ROWS) of out[:, n0:n0 + BLOCK_N], b = p % c
 (p // cdiv(M, ROWS)) * BLOCK_N (programs sharing a W tile share it in L2). One row a program
 (ROWS = 1, what the engine runs): fp32 per lane, summed once. Several (a verify step's or a small
 batch's rows, `bench_gemv.py --rows`): each W tile is read once for all of them and reduced per
-tile and row, on CUDA cores or (MMA) tensor cores. Only one-row batches take the GEMV in the
-engine: at 2-16 rows neither form beat cuBLAS on the H200 (RESULTS, fifteenth session).
+tile and row on CUDA cores. Only one-row batches take this GEMV in the engine: at 4-8 rows it is
+1.2-3x slower than cuBLAS on the H200 (RESULTS, fifteenth session); few rows take gemv_rows.py
+where a table lists them.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
-    MMA: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_launch_dependents(USE_PDL)
@@ -87,15 +87,10 @@ def _gemv_kernel(
         first_row = (pid % row_blocks) * ROWS
         rows = first_row + tl.arange(0, ROWS)
         row_mask = rows < M
-        if MMA:
-            x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-            outs = tile_rows_mma(w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K, EVEN_K)
-        else:
-            x_rows = x_ptr + first_row.to(tl.int64) * stride_xm
-            outs = tile_rows_dot_xs(
-                w, w_ptrs, x_rows, M - first_row, stride_xm, offs_k, K, ROWS, BLOCK_N, BLOCK_K,
-                EVEN_K,
-            )  # fmt: skip
+        x_rows = x_ptr + first_row.to(tl.int64) * stride_xm
+        outs = tile_rows_dot_xs(
+            w, w_ptrs, x_rows, M - first_row, stride_xm, offs_k, K, ROWS, BLOCK_N, BLOCK_K, EVEN_K
+        )  # fmt: skip
         if HAS_BIAS:
             outs += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -146,23 +141,6 @@ def tile_rows_dot_xs(
     return acc
 
 
-@triton.jit
-def tile_rows_mma(
-    w, w_ptrs, x_ptrs, row_mask, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
-):
-    """tile_rows_dot_xs on tensor cores (ROWS and BLOCK_N >= 16): x [ROWS, BLOCK_K] times the W
-    tile's transpose, fp32 accumulator."""
-    x = tl.load(x_ptrs, mask=row_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-    acc = tl.dot(x, tl.trans(w))
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        x = tl.load(x_ptrs, mask=row_mask[:, None] & (offs_k < K - k0)[None, :], other=0.0)
-        w = load_along_k(w_ptrs, offs_k, K - k0, EVEN_K)
-        acc = tl.dot(x, tl.trans(w), acc)
-    return acc
-
-
 def gemv(
     x: torch.Tensor,  # [M, K], stride(1) == 1, W's dtype
     weight: torch.Tensor,  # [N, K] fp16/bf16, stride(1) == 1
@@ -172,11 +150,9 @@ def gemv(
     num_stages: int = 2,
     bias: torch.Tensor | None = None,  # [N]
     rows_per_program: int = 1,
-    mma: bool = False,
 ) -> torch.Tensor:
     """[M, N] in x's dtype: x @ weight^T + bias, fp32 sums; `rows_per_program` (a power of two
-    <= 16) rows of x share each program's reads of W; `mma` multiplies them on tensor cores
-    (rows_per_program 16, BLOCK_N and BLOCK_K >= 16)."""
+    <= 16) rows of x share each program's reads of W."""
     if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES or weight.stride(1) != 1:
         raise ValueError(
             f"weight must be [N, K] fp16/bf16 with stride(1) == 1, got "
@@ -192,11 +168,6 @@ def gemv(
     check_gemv_tiles(False, block_n, block_k)
     if not 1 <= rows_per_program <= 16 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program: a power of two <= 16, got {rows_per_program}")
-    if mma and (rows_per_program != 16 or min(block_n, block_k) < 16):
-        raise ValueError(
-            f"mma needs rows_per_program 16 and BLOCK_N, BLOCK_K >= 16, got {rows_per_program}, "
-            f"{block_n}, {block_k}"
-        )
     m = x.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -218,7 +189,6 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         ROWS=rows_per_program,
-        MMA=mma,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_launch_args(x.device),

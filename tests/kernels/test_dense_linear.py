@@ -9,6 +9,7 @@ import torch
 import ferrum.kernels.dense_linear as dense_linear_module
 from ferrum.kernels.dense_linear import dense_linear, gemv_tile_for
 from ferrum.kernels.gemv_config import GemvTile
+from ferrum.kernels.gemv_rows import GemvRowsTile
 from ferrum.model_executor.kernel_backend import load_kernels
 from ferrum.model_executor.layers.linear import Linear
 from ferrum.model_executor.layers.quantization import get_linear_method
@@ -65,6 +66,36 @@ def test_one_row_takes_the_gemv_and_more_rows_f_linear(gemv_calls) -> None:
         torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=2e-2)
     assert gemv_calls == [(40, 96)] * 3
     assert gemv_tile_for(torch.randn(1, 96, device="cuda"), w) is None  # fp32 x, bf16 W
+
+
+@needs_cuda
+def test_listed_few_row_shapes_take_the_few_row_kernel(monkeypatch) -> None:
+    """2..MAX_ROWS rows take gemv_rows where the table lists the shape; more rows, and unlisted
+    shapes, F.linear."""
+    calls: list[int] = []
+    real = dense_linear_module.gemv_rows
+
+    def spy(x, weight, tile, bias=None):
+        calls.append(x.shape[0])
+        return real(x, weight, tile, bias)
+
+    listed = GemvRowsTile(BLOCK_N=64, BLOCK_K=64, SPLIT_K=2)
+    monkeypatch.setattr(
+        dense_linear_module, "gemv_rows_tile", lambda n, k, rows, d: listed if n == 40 else None
+    )
+    monkeypatch.setattr(dense_linear_module, "gemv_rows", spy)
+    w = torch.randn(40, 96, device="cuda", dtype=torch.bfloat16)
+    other = torch.randn(48, 96, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(40, device="cuda", dtype=torch.bfloat16)
+    most = dense_linear_module.MAX_ROWS
+    for shape in [(2, 96), (3, 1, 96), (most, 96), (most + 1, 96)]:
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+        got = dense_linear(x, w, b)
+        expected = torch.nn.functional.linear(x.float(), w.float(), b.float())
+        assert got.shape == (*shape[:-1], 40)
+        torch.testing.assert_close(got.float(), expected, atol=0.1, rtol=2e-2)
+        dense_linear(x, other)
+    assert calls == [2, 3, most]
 
 
 @needs_cuda
