@@ -26,6 +26,7 @@ from ferrum.kernels.fused_moe import fused_moe
 from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS
 from ferrum.kernels.gemv import gemv
 from ferrum.kernels.gemv_config import GemvTile
+from ferrum.kernels.gemv_rows import GemvRowsTile, gemv_rows
 from ferrum.kernels.tile_rules import cdiv
 
 # Weight copies at most (a tiny weight's copies together still pass twice the L2 cache).
@@ -124,7 +125,7 @@ class GpuBench:
 
 def run_fn(bench: GpuBench, task: TuneTask, config: Config) -> tuple[RunFn, int]:
     """(fn(i) running the candidate on weight copy i, number of copies)."""
-    if task.op == "gemv":
+    if task.op in ("gemv", "gemv_rows"):
         return _gemv_fn(bench, task, config)
     if task.op == "fp8_gemm":
         assert isinstance(config, Fp8GemmConfig)
@@ -139,9 +140,11 @@ def _gemv_fn(bench: GpuBench, task: TuneTask, tile: Config) -> tuple[RunFn, int]
     weights = bench.weights(
         "gemv", shape, lambda: (bench.randn(shape.n, shape.k) * 0.02,), 2 * shape.n * shape.k
     )
-    x = bench.randn(1, shape.k, generator=bench.task_generator(task))
+    x = bench.randn(task.m, shape.k, generator=bench.task_generator(task))
     if tile is None:
         return (lambda i: F.linear(x, weights[i][0])), len(weights)
+    if isinstance(tile, GemvRowsTile):
+        return (lambda i: gemv_rows(x, weights[i][0], tile)), len(weights)
     assert isinstance(tile, GemvTile)
     args = (tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages)
     return (lambda i: gemv(x, weights[i][0], *args)), len(weights)

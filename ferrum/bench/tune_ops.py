@@ -1,6 +1,8 @@
 """The search space of each `ferrum tune` op (`candidates`); tune_gpu times them.
 
 Spaces: gemv, BLOCK_N 1-8 x BLOCK_K 512-4096 x 4/8 warps x 1/2 stages, and F.linear (None);
+gemv_rows, BLOCK_N 64/128 (wgmma's M) x BLOCK_K 64-256 x split-K 1-8 (at least 2 K steps a
+split) x 3/4 stages, and F.linear (None);
 fp8_gemm at one row the FP8 GEMV's grid, above it Triton tiles (the bucket's rows and a second
 height, 32-128 columns, split-K that keeps 4 K steps a split, 3-5 stages; up to 64 rows also
 quantizing the activations inside the GEMM), the Hopper wgmma tiles (block scales) and
@@ -21,6 +23,7 @@ from ferrum.bench.tune_store import Config
 from ferrum.kernels.device_properties import DeviceProperties
 from ferrum.kernels.fp8_gemm_config import SCALE_BLOCK, Fp8GemmConfig
 from ferrum.kernels.gemv_config import GemvTile
+from ferrum.kernels.gemv_rows import GemvRowsTile
 from ferrum.kernels.tile_rules import cdiv, next_pow2
 
 
@@ -36,6 +39,14 @@ def gemv_candidates(shape: LinearShape) -> list[Config]:
     space = itertools.product((1, 2, 4, 8), (512, 1024, 2048, 4096), (4, 8), (1, 2))
     tiles = [GemvTile(*t) for t in space if t[1] <= max(512, widest_k)]
     return [None, *tiles]
+
+
+def gemv_rows_candidates(shape: LinearShape) -> list[Config]:
+    tiles: list[Config] = [None]
+    for bn, bk, split, ns in itertools.product((64, 128), (64, 128, 256), (1, 2, 4, 8), (3, 4)):
+        if split == 1 or cdiv(shape.k, bk) >= 2 * split:
+            tiles.append(GemvRowsTile(bn, bk, split, 4, ns))
+    return tiles
 
 
 def fp8_gemm_candidates(
@@ -113,6 +124,9 @@ def candidates(
     if task.op == "gemv":
         assert isinstance(shape, LinearShape)
         return gemv_candidates(shape)
+    if task.op == "gemv_rows":
+        assert isinstance(shape, LinearShape)
+        return gemv_rows_candidates(shape)
     if task.op == "fp8_gemm":
         assert isinstance(shape, LinearShape)
         return fp8_gemm_candidates(shape, task.m, device, scale_format)

@@ -1,13 +1,14 @@
 """What `ferrum tune` measures: the op shapes a model runs on one tensor-parallel rank, and the
 (op, shape, batch) tasks over them. Ops:
   gemv         the bf16 linear at one row (dense_linear), a shape per weight [N, K];
+  gemv_rows    the bf16 linear at 2-16 rows (gemv_rows), per weight and row bucket;
   fp8_gemm     the FP8 linear (fp8_linear, block or per-channel scales) per weight and row count;
   moe_grouped  the fused MoE's grouped GEMMs per token count above the small-batch path's;
   moe_small    its small-batch GEMVs per token count up to SMALL_BATCH_MAX_TOKENS;
   moe_w8a8     its W8A8 grouped GEMMs (FP8 experts) per token count from W8A8_MIN_TOKENS.
 Linear shapes are those of the attention and MLP projections as ferrum merges them (qkv, o,
-gate_up, down; the LM head for gemv, which FP8 leaves unquantized); linear-attention layers'
-own projections are not listed."""
+gate_up, down; the LM head for gemv and gemv_rows, which FP8 leaves unquantized);
+linear-attention layers' own projections are not listed."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from ferrum.bench.tune_args import OPS
 from ferrum.kernels.fused_moe_rule import W8A8_MIN_TOKENS
 from ferrum.kernels.fused_moe_small_batch import SMALL_BATCH_MAX_TOKENS
+from ferrum.kernels.gemv_rows_config import ROW_BUCKETS
 from ferrum.model_arch import ModelArchConfig
 
 
@@ -111,13 +113,17 @@ def build_tasks(
     moe: list[MoEShape],
     batch_sizes: tuple[int, ...],
 ) -> list[TuneTask]:
-    """The tasks of each op in `ops`: gemv at one row; fp8_gemm at every batch size;
+    """The tasks of each op in `ops`: gemv at one row; gemv_rows at the batch sizes that are
+    its row buckets (gemv_rows_config.ROW_BUCKETS); fp8_gemm at every batch size;
     moe_small at those up to SMALL_BATCH_MAX_TOKENS and moe_grouped at those above; moe_w8a8
     at those the rule runs W8A8 (from W8A8_MIN_TOKENS)."""
     tasks: list[TuneTask] = []
     for op in ops:
         if op == "gemv":
             tasks += [TuneTask(op, shape, 1) for shape in linear]
+        elif op == "gemv_rows":
+            sizes = [m for m in batch_sizes if m in ROW_BUCKETS]
+            tasks += [TuneTask(op, s, m) for s in linear for m in sizes]
         elif op == "fp8_gemm":
             tasks += [TuneTask(op, s, m) for s in linear for m in batch_sizes]
         elif op in ("moe_small", "moe_grouped"):

@@ -23,10 +23,14 @@ from ferrum.kernels.fused_moe_config import load_tuned, save_section
 from ferrum.kernels.fused_moe_rule import rule_buckets
 from ferrum.kernels.gemv_config import CONFIG_DIR as GEMV_DIR
 from ferrum.kernels.gemv_config import GemvTile, save_gemv_tiles
+from ferrum.kernels.gemv_rows import GemvRowsTile
+from ferrum.kernels.gemv_rows_config import CONFIG_DIR as GEMV_ROWS_DIR
+from ferrum.kernels.gemv_rows_config import save_gemv_rows_tiles
 
 LOG_NAME = "tune_log.jsonl"
-# A measured config: an Fp8GemmConfig, a GemvTile (None: F.linear won), or a MoE config dict.
-Config = Fp8GemmConfig | GemvTile | dict[str, int] | None
+# A measured config: an Fp8GemmConfig, a GemvTile or GemvRowsTile (None: F.linear won), or a MoE
+# config dict.
+Config = Fp8GemmConfig | GemvTile | GemvRowsTile | dict[str, int] | None
 
 
 def config_to_json(config: Config) -> dict[str, Any] | None:
@@ -38,6 +42,8 @@ def config_to_json(config: Config) -> dict[str, Any] | None:
 def config_from_json(op: str, data: dict[str, Any] | None) -> Config:
     if data is None or op.startswith("moe"):
         return data
+    if op == "gemv_rows":
+        return GemvRowsTile(**data)
     return Fp8GemmConfig(**data) if op == "fp8_gemm" else GemvTile(**data)
 
 
@@ -123,6 +129,10 @@ class TuneStore:
             assert isinstance(shape, LinearShape)
             tiles = {(shape.n, shape.k): results[1]} if 1 in results else {}
             return save_gemv_tiles(name, tiles, self.folder / GEMV_DIR.name)  # type: ignore[arg-type]
+        if op == "gemv_rows":
+            assert isinstance(shape, LinearShape)
+            rows = {(shape.n, shape.k, m): tile for m, tile in results.items()}
+            return save_gemv_rows_tiles(name, rows, self.folder / GEMV_ROWS_DIR.name)  # type: ignore[arg-type]
         if op == "fp8_gemm":
             assert isinstance(shape, LinearShape)
             fmt, n, k = self.scale_format, shape.n, shape.k

@@ -1,10 +1,10 @@
 """Which few-row linears take the Triton kernel (gemv_rows.py) instead of cuBLAS, and with which
 tile: a file `gemv_rows_configs/{device}.json` (device name, spaces as underscores) maps
-"N{N}_K{K}_M{bucket}" to {BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages}, where a batch of m
-rows (2 <= m <= MAX_ROWS) looks up the smallest bucket of ROW_BUCKETS >= m. Only shapes measured
-faster than cuBLAS are listed (`benchmarks/bench_gemv.py --rows M --mma --sweep --save`); there
-is no rule: a shape no table lists runs F.linear. The user's folder's file (tuned_tables) is
-read first, then the package's."""
+"N{N}_K{K}_M{bucket}" to {BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages}, or to null where
+cuBLAS was measured faster; a batch of m rows (2 <= m <= MAX_ROWS) looks up the smallest bucket of
+ROW_BUCKETS >= m (`ferrum tune --ops gemv_rows`, `benchmarks/bench_gemv_rows.py --save`). There is
+no rule: a shape no table lists runs F.linear. The user's folder's file (tuned_tables) updates
+the package's."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ CONFIG_DIR = Path(__file__).parent / "gemv_rows_configs"
 ROW_BUCKETS = (2, 4, 8, MAX_ROWS)
 _KEY = re.compile(r"N(\d+)_K(\d+)_M(\d+)")
 
-# (N, K, bucket) -> tile
-GemvRowsTiles = dict[tuple[int, int, int], GemvRowsTile]
+# (N, K, bucket) -> tile, or None where F.linear was measured faster
+GemvRowsTiles = dict[tuple[int, int, int], GemvRowsTile | None]
 
 
 def row_bucket(rows: int) -> int:
@@ -38,7 +38,7 @@ def config_path(device_name: str, directory: Path | None = None) -> Path:
 
 
 def parse_rows_tiles(data: object, where: str) -> GemvRowsTiles:
-    """Validates {"N<n>_K<k>_M<bucket>": {GemvRowsTile fields}}."""
+    """Validates {"N<n>_K<k>_M<bucket>": {GemvRowsTile fields} or null}."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: must be an object of weight shapes and row buckets")
     fields = {f.name for f in dataclasses.fields(GemvRowsTile)}
@@ -47,6 +47,9 @@ def parse_rows_tiles(data: object, where: str) -> GemvRowsTiles:
         match = _KEY.fullmatch(str(key))
         if match is None or int(match[3]) not in ROW_BUCKETS:
             raise ValueError(f"{where}: key {key!r} must read N<rows>_K<columns>_M<{ROW_BUCKETS}>")
+        if tile is None:
+            tiles[int(match[1]), int(match[2]), int(match[3])] = None
+            continue
         if not isinstance(tile, dict) or not set(tile) <= fields:
             raise ValueError(f"{where}[{key}]: keys must be among {sorted(fields)}")
         try:
@@ -78,11 +81,14 @@ def gemv_rows_tile(n: int, k: int, rows: int, device: DeviceProperties) -> GemvR
 def save_gemv_rows_tiles(
     device_name: str, tiles: GemvRowsTiles, directory: Path | None = None
 ) -> Path:
-    """Writes `tiles` into the device's file, replacing the entries they name and keeping the
-    others."""
+    """Writes `tiles` into the device's file (None: F.linear), replacing the entries they name
+    and keeping the others."""
     path = config_path(device_name, directory)
     merged = parse_rows_tiles(json.loads(path.read_text()), str(path)) if path.is_file() else {}
     merged.update(tiles)
-    data = {f"N{n}_K{k}_M{m}": dataclasses.asdict(merged[n, k, m]) for n, k, m in sorted(merged)}
+    data = {
+        f"N{n}_K{k}_M{m}": None if tile is None else dataclasses.asdict(tile)
+        for (n, k, m), tile in sorted(merged.items())
+    }
     write_table(path, data, sort_keys=False)
     return path

@@ -16,7 +16,7 @@ from ferrum.bench.tune_ops import candidates
 from ferrum.bench.tune_shapes import LinearShape, MoEShape, TuneTask, build_tasks
 from ferrum.bench.tune_store import LOG_NAME, TuneStore
 from ferrum.default_model import DEFAULT_MODEL_DIR
-from ferrum.kernels import fp8_gemm_config, fused_moe_config, gemv_config
+from ferrum.kernels import fp8_gemm_config, fused_moe_config, gemv_config, gemv_rows_config
 from ferrum.kernels.device_properties import H100, L40S
 from ferrum.kernels.fp8_gemm_config import Fp8GemmConfig, parse_buckets
 from ferrum.kernels.fp8_gemm_rule import fp8_gemm_buckets, fp8_gemm_rule
@@ -30,6 +30,8 @@ from ferrum.kernels.fused_moe_rule import (
     w8a8_rule,
 )
 from ferrum.kernels.gemv_config import gemv_tile
+from ferrum.kernels.gemv_rows import GemvRowsTile
+from ferrum.kernels.gemv_rows_config import gemv_rows_tile
 from ferrum.kernels.tuned_tables import set_user_config_dir, user_config_dir
 
 
@@ -49,6 +51,7 @@ def read_from():
         fp8_gemm_config.load_tuned_buckets.cache_clear()
         fused_moe_config.load_tuned.cache_clear()
         gemv_config.get_gemv_tiles.cache_clear()
+        gemv_rows_config.get_gemv_rows_tiles.cache_clear()
 
     yield point
     point(before)
@@ -69,7 +72,8 @@ def _best(task: TuneTask, device=L40S):
 def test_plan_reads_the_model_shapes_under_tensor_parallelism() -> None:
     plan = tune.plan_from_args(_args(str(DEFAULT_MODEL_DIR), "-tp", "2", "--batch-sizes", "4,1"))
     full = tune.plan_from_args(_args(str(DEFAULT_MODEL_DIR)))
-    assert plan.ops == ("gemv", "moe_grouped", "moe_small") and plan.batch_sizes == (1, 4)
+    assert plan.ops == ("gemv", "gemv_rows", "moe_grouped", "moe_small")
+    assert plan.batch_sizes == (1, 4)
     assert {s.n for s in plan.linear} <= {s.n for s in full.linear} | {
         s.n // 2 for s in full.linear
     }
@@ -180,6 +184,31 @@ def test_gemv_results_mark_f_linear_winners_null(tmp_path, read_from) -> None:
     assert gemv_tile(64, 1024, H100) is None
     first_narrowest = candidates(TuneTask("gemv", shapes[0], 1), H100)[1]  # [0]: F.linear
     assert gemv_tile(256, 512, H100) == first_narrowest
+
+
+def test_gemv_rows_results_land_in_their_row_buckets(tmp_path, read_from) -> None:
+    """gemv_rows runs at the batch sizes that are row buckets; each result is its bucket's
+    entry (null where F.linear won), which the engine's lookup then reads for the rows the
+    bucket holds."""
+    shape = LinearShape(256, 4096)
+    tasks = build_tasks(("gemv_rows",), [shape], [], (1, 2, 3, 4, 16, 32))
+    assert [t.m for t in tasks] == [2, 4, 16]
+    found = candidates(tasks[0], H100)
+    assert found[0] is None and all(isinstance(c, GemvRowsTile) for c in found[1:])
+    assert all(c.SPLIT_K == 1 or 4096 // c.BLOCK_K >= 2 * c.SPLIT_K for c in found[1:])
+
+    def time_fn(task: TuneTask, config) -> float:  # F.linear wins at 16 rows only
+        if config is None:
+            return 1.0 if task.m == 16 else 9.0
+        return 2.0 + config.BLOCK_N / 64 + config.SPLIT_K / 16
+
+    tune.run_tuning(tasks, TuneStore(tmp_path, H100, fp8=False), lambda t: found, time_fn, False)
+    read_from(tmp_path)
+    first = next(c for c in found[1:] if c.BLOCK_N == 64 and c.SPLIT_K == 1)
+    assert gemv_rows_tile(256, 4096, 2, H100) == first
+    assert gemv_rows_tile(256, 4096, 3, H100) == first  # 3 rows: bucket 4
+    assert gemv_rows_tile(256, 4096, 9, H100) is None  # bucket 16: F.linear won
+    assert (tmp_path / "gemv_rows_configs" / f"{H100.table_name}.json").is_file()
 
 
 def test_a_rerun_resumes_where_an_interrupted_run_stopped(tmp_path) -> None:

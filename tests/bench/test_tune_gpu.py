@@ -36,6 +36,15 @@ def test_gemv_candidates_match_f_linear() -> None:
     _same(run_fn(bench, task, tile)[0](1), fn(1), 2e-3)
 
 
+def test_gemv_rows_candidates_match_f_linear() -> None:
+    bench, task = _bench(False), TuneTask("gemv_rows", LinearShape(96, 512), 4)
+    found = candidates(task, L40S)
+    reference = run_fn(bench, task, found[0])[0](0)  # F.linear
+    assert reference.shape == (4, 96)
+    for tile in (found[1], next(c for c in found if c and c.SPLIT_K == 2)):
+        _same(run_fn(bench, task, tile)[0](0), reference, 2e-3)
+
+
 def test_fp8_linear_candidates_agree() -> None:
     bench = _bench(True)
     task = TuneTask("fp8_gemm", LinearShape(128, 1024), 5)

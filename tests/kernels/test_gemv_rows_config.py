@@ -1,5 +1,5 @@
-"""The few-row kernel's tuned table: its buckets, file format, merging, and what the engine
-takes when no table lists a shape (F.linear: there is no rule)."""
+"""The few-row kernel's tuned table: its buckets, file format (null: F.linear), merging, and what
+the engine takes when no table lists a shape (F.linear: there is no rule)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,11 @@ def test_rows_take_the_smallest_bucket_that_holds_them() -> None:
 def test_file_round_trip_keeps_other_entries(tmp_path) -> None:
     first = {(4096, 4096, 4): GemvRowsTile(64, 256, 2), (6144, 4096, 4): GemvRowsTile(128, 128)}
     save_gemv_rows_tiles("Some GPU", first, tmp_path)
-    path = save_gemv_rows_tiles("Some GPU", {(4096, 4096, 4): GemvRowsTile(64, 128, 4)}, tmp_path)
+    second = {(4096, 4096, 4): GemvRowsTile(64, 128, 4), (6144, 4096, 8): None}
+    path = save_gemv_rows_tiles("Some GPU", second, tmp_path)
     assert path.name == "Some_GPU.json"
     data = json.loads(path.read_text())
-    assert data["N4096_K4096_M4"]["SPLIT_K"] == 4 and "N6144_K4096_M4" in data
+    assert data["N4096_K4096_M4"]["SPLIT_K"] == 4 and data["N6144_K4096_M8"] is None
     assert parse_rows_tiles(data, "x")[6144, 4096, 4] == GemvRowsTile(128, 128)
 
 
@@ -41,7 +42,7 @@ def test_file_round_trip_keeps_other_entries(tmp_path) -> None:
         ({"N1_K2_M3": {"BLOCK_N": 64, "BLOCK_K": 64}}, "must read"),
         ({"N1_K2_M4": {"BLOCK_N": 64, "BLOCK_K": 64, "rows": 4}}, "keys must be among"),
         ({"N1_K2_M4": {"BLOCK_N": 8, "BLOCK_K": 64}}, ">= 16"),
-        ({"N1_K2_M4": None}, "keys must be among"),
+        ({"N1_K2_M4": 7}, "keys must be among"),
     ],
 )
 def test_bad_files_are_refused_naming_the_entry(data, message) -> None:
@@ -55,12 +56,15 @@ def test_lookup_by_bucket_user_folder_first_and_no_rule(tmp_path, monkeypatch) -
     get_gemv_rows_tiles.cache_clear()
     save_gemv_rows_tiles("Some GPU", {(64, 32, 4): GemvRowsTile(16, 32)}, tmp_path / "package")
     user = tmp_path / "user"
-    save_gemv_rows_tiles("Some GPU", {(64, 32, 4): GemvRowsTile(32, 32, 2)}, user / "package")
+    user_tiles = {(64, 32, 4): GemvRowsTile(32, 32, 2), (64, 64, 2): None}
+    save_gemv_rows_tiles("Some GPU", user_tiles, user / "package")
+    save_gemv_rows_tiles("Some GPU", {(64, 64, 2): GemvRowsTile(16, 32)}, tmp_path / "package")
     monkeypatch.setattr(gemv_rows_config, "user_config_dir", lambda: user)
     try:
         assert gemv_rows_tile(64, 32, 3, device) == GemvRowsTile(32, 32, 2)
         assert gemv_rows_tile(64, 32, 5, device) is None  # bucket 8: not listed
         assert gemv_rows_tile(64, 32, 1, device) is None  # one row: the GEMV's table
         assert gemv_rows_tile(64, 64, 4, device) is None  # another shape: F.linear
+        assert gemv_rows_tile(64, 64, 2, device) is None  # the user's null hides the package's
     finally:
         get_gemv_rows_tiles.cache_clear()
