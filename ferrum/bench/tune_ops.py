@@ -1,8 +1,7 @@
 """The search space of each `ferrum tune` op (`candidates`); tune_gpu times them.
 
-Spaces: gemv, BLOCK_N 1-8 x BLOCK_K 512-4096 x 4/8 warps x 1/2 stages, and F.linear (None);
-gemv_rows, BLOCK_N 64/128 (wgmma's M) x BLOCK_K 64-256 x split-K 1-8 (at least 2 K steps a
-split) x 3/4 stages, and F.linear (None);
+Spaces: gemv, BLOCK_N 1-8 x BLOCK_K 512-4096 x 4/8 warps x 1/2 stages; gemv_rows, BLOCK_N
+64/128 x BLOCK_K 64-256 x split-K 1-8 (2+ K steps a split) x 3/4 stages; both F.linear (None);
 fp8_gemm at one row the FP8 GEMV's grid, above it Triton tiles (the bucket's rows and a second
 height, 32-128 columns, split-K that keeps 4 K steps a split, 3-5 stages; up to 64 rows also
 quantizing the activations inside the GEMM), the Hopper wgmma tiles (block scales) and
