@@ -4,7 +4,7 @@ fp8_quant's math ("fused": one launch, small M). Block scales (a_scale [M, K / 1
 [ceil(N / 128), K / 128]), each K step of 128:
     acc[m, n] += (sum_k a[m, k] w[n, k]) * a_scale[m, kb] * w_scale[n // 128, kb];
 per-channel scales ([M, 1], [N, 1]) apply once after K. Split-K: the last of a tile's programs to
-arrive (`arrival_counters.py`) sums the fp32 partials in order s = 0..SPLIT_K-1 (deterministic)."""
+arrive sums the fp32 partials (`split_k_sum.py`, deterministic)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from ferrum.kernels.fp8_quant import (
     fp8_scale_of,
     quantize_fp8_tile,
 )
+from ferrum.kernels.split_k_sum import arrive, sum_partials
 
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -152,19 +153,10 @@ def _fp8_gemm_kernel(
             w_ptrs += BLOCK_K
 
     if SPLIT_K > 1:
-        tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         partials = partial_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
-        tl.store(partials + split * (BLOCK_M * BLOCK_N) + tile, acc)
-        # Every thread's partial is written before the count (one thread's release atomic after
-        # the barrier); the last arrival reads the others' partials through L2 after its acquire.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived != SPLIT_K - 1:
+        if not arrive(acc, partials, counter_ptr + pid, split, SPLIT_K):
             return
-        acc = tl.load(partials + tile, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT_K):
-            acc += tl.load(partials + s * (BLOCK_M * BLOCK_N) + tile, cache_modifier=".cg")
-        tl.store(counter_ptr + pid, 0)
+        acc = sum_partials(partials, counter_ptr + pid, SPLIT_K, BLOCK_M, BLOCK_N)
     _fp8_gemm_epilogue(
         acc, out_ptr, a_scale_ptr, w_scale_ptr, bias_ptr, offs_m, offs_n, mask_m, mask_n,
         row_amax, stride_om, BLOCK_SCALES, A_FP8, HAS_BIAS, FP8_MAX, AMAX_FLOOR,

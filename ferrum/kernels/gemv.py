@@ -141,18 +141,11 @@ def tile_rows_dot_xs(
     return acc
 
 
-def gemv(
-    x: torch.Tensor,  # [M, K], stride(1) == 1, W's dtype
-    weight: torch.Tensor,  # [N, K] fp16/bf16, stride(1) == 1
-    block_n: int,
-    block_k: int,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    bias: torch.Tensor | None = None,  # [N]
-    rows_per_program: int = 1,
-) -> torch.Tensor:
-    """[M, N] in x's dtype: x @ weight^T + bias, fp32 sums; `rows_per_program` (a power of two
-    <= 16) rows of x share each program's reads of W."""
+def check_linear_operands(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[int, int]:
+    """(N, K) of an [N, K] fp16/bf16 weight (stride(1) == 1) that x [M, K] (its dtype,
+    stride(1) == 1) and bias [N] (its dtype) fit; a ValueError naming the operand otherwise."""
     if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES or weight.stride(1) != 1:
         raise ValueError(
             f"weight must be [N, K] fp16/bf16 with stride(1) == 1, got "
@@ -165,6 +158,22 @@ def gemv(
         )
     if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype):
         raise ValueError(f"bias must be [{n}] {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    return n, k
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K], stride(1) == 1, W's dtype
+    weight: torch.Tensor,  # [N, K] fp16/bf16, stride(1) == 1
+    block_n: int,
+    block_k: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    bias: torch.Tensor | None = None,  # [N]
+    rows_per_program: int = 1,
+) -> torch.Tensor:
+    """[M, N] in x's dtype: x @ weight^T + bias, fp32 sums; `rows_per_program` (a power of two
+    <= 16) rows of x share each program's reads of W."""
+    n, k = check_linear_operands(x, weight, bias)
     check_gemv_tiles(False, block_n, block_k)
     if not 1 <= rows_per_program <= 16 or rows_per_program & (rows_per_program - 1):
         raise ValueError(f"rows_per_program: a power of two <= 16, got {rows_per_program}")

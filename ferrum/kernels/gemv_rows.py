@@ -5,10 +5,9 @@ Tensor cores with the operands swapped (cuBLAS's "swap AB" for skinny products):
 multiplies a [BLOCK_N, BLOCK_K] W tile by x's [BLOCK_K, ROWS] transpose, so the product's long
 side is W's rows (Hopper's wgmma takes M >= 64) and x's rows, padded to ROWS = MAX_ROWS, are its
 short side. Split-K: program (p, s) sums K steps s * steps_per_split onwards of output columns
-[p * BLOCK_N, (p + 1) * BLOCK_N); with SPLIT_K > 1 the last of a tile's programs to arrive
-(`arrival_counters.py`) sums the fp32 partials in order s = 0..SPLIT_K-1 (deterministic) and
-stores the tile. Rows past M and columns past N read row M - 1 / N - 1 again (never stored), so
-full tiles need no load masks."""
+[p * BLOCK_N, (p + 1) * BLOCK_N); with SPLIT_K > 1 the last of a tile's programs to arrive sums
+the partials and stores the tile (`split_k_sum.py`, deterministic). Rows past M and columns
+past N read row M - 1 / N - 1 again (never stored), so full tiles need no load masks."""
 
 from __future__ import annotations
 
@@ -19,8 +18,9 @@ import triton
 import triton.language as tl
 
 from ferrum.kernels.arrival_counters import arrival_counters
-from ferrum.kernels.gemv import WEIGHT_DTYPES, load_along_k
+from ferrum.kernels.gemv import check_linear_operands, load_along_k
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from ferrum.kernels.split_k_sum import arrive, sum_partials
 
 # x's rows a launch takes, all in one program column (the short side of the product).
 MAX_ROWS = 16
@@ -94,19 +94,10 @@ def _gemv_rows_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if SPLIT_K > 1:
-        tile = tl.arange(0, BLOCK_N)[:, None] * ROWS + rows[None, :]
         partials = partial_ptr + pid.to(tl.int64) * (SPLIT_K * BLOCK_N * ROWS)
-        tl.store(partials + split * (BLOCK_N * ROWS) + tile, acc)
-        # Every thread's partial is written before the count (one thread's release atomic after
-        # the barrier); the last arrival reads the others' partials through L2 after its acquire.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived != SPLIT_K - 1:
+        if not arrive(acc, partials, counter_ptr + pid, split, SPLIT_K):
             return
-        acc = tl.load(partials + tile, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT_K):
-            acc += tl.load(partials + s * (BLOCK_N * ROWS) + tile, cache_modifier=".cg")
-        tl.store(counter_ptr + pid, 0)
+        acc = sum_partials(partials, counter_ptr + pid, SPLIT_K, BLOCK_N, ROWS)
     n_mask = offs_n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -122,22 +113,13 @@ def gemv_rows(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """[M, N] in x's dtype: x @ weight^T + bias, fp32 sums."""
-    if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES or weight.stride(1) != 1:
-        raise ValueError(
-            f"weight must be [N, K] fp16/bf16 with stride(1) == 1, got "
-            f"{tuple(weight.shape)} {weight.dtype}"
-        )
-    n, k = weight.shape
-    if x.dim() != 2 or x.shape[1] != k or x.dtype != weight.dtype or x.stride(1) != 1:
-        raise ValueError(
-            f"x must be [M, {k}] {weight.dtype} with stride(1) == 1, got {tuple(x.shape)} {x.dtype}"
-        )
+    n, k = check_linear_operands(x, weight, bias)
     m = x.shape[0]
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"x must have 1..{MAX_ROWS} rows, got {m}")
-    if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype):
-        raise ValueError(f"bias must be [{n}] {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
     num_tiles = triton.cdiv(n, tile.BLOCK_N)
     if tile.SPLIT_K > 1:
         partials = torch.empty(
