@@ -63,6 +63,34 @@ def model_shapes(config_path: Path) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def add_grid_flags(parser: argparse.ArgumentParser, grid: dict, when: str = "") -> None:
+    """A --block-n style flag per tile field of `grid` (comma-separated values; dest: the
+    field's name)."""
+    for name, values in grid.items():
+        parser.add_argument(
+            f"--{name.lower().replace('_', '-')}",
+            dest=name,
+            type=lambda text: tuple(int(v) for v in text.split(",")),
+            default=values,
+            help=f"{when}comma-separated {name} values (default {values})",
+        )
+
+
+def collect_shapes(
+    parser: argparse.ArgumentParser, models: str, only: str | None
+) -> dict[tuple[int, int], list[str]]:
+    """(N, K) -> the "model:layer" names of the comma-separated model folders' linear layers
+    (`only`: these layer names); a parser error when none is left."""
+    shapes: dict[tuple[int, int], list[str]] = {}
+    for folder in models.split(","):
+        for name, nk in model_shapes(Path(folder) / "config.json").items():
+            if only is None or name in only.split(","):
+                shapes.setdefault(nk, []).append(f"{Path(folder).name}:{name}")
+    if not shapes:
+        parser.error(f"--only {only}: no such layer (qkv, o, gate_up, down, lm_head, router)")
+    return shapes
+
+
 def gemv_fn(x: torch.Tensor, weights: list[torch.Tensor], tile: GemvTile, rows: int = 1):
     tiles = (tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages)
     return lambda i: gemv(x, weights[i], *tiles, rows_per_program=rows)
@@ -137,14 +165,7 @@ def main() -> int:
     )
     parser.add_argument("--iters", type=int, default=50, help="calls per CUDA graph")
     parser.add_argument("--sweep", action="store_true")
-    for name, values in SWEEP.items():
-        parser.add_argument(
-            f"--{name.lower().replace('_', '-')}",
-            dest=name,
-            type=lambda text: tuple(int(v) for v in text.split(",")),
-            default=values,
-            help=f"with --sweep: comma-separated {name} values (default {values})",
-        )
+    add_grid_flags(parser, SWEEP, "with --sweep: ")
     parser.add_argument("--save", action="store_true", help="with --sweep: write the winners")
     parser.add_argument(
         "--min-gain", type=float, default=0.03, help="--save: the GEMV must be this much faster"
@@ -161,13 +182,7 @@ def main() -> int:
         parser.error("the tile grid flags (--block-n, ...) need --sweep")
     device_name = torch.cuda.get_device_name()
     print(f"{device_name}, torch {torch.__version__}, timings: CUDA graph of {args.iters} calls")
-    shapes: dict[tuple[int, int], list[str]] = {}
-    for folder in args.models.split(","):
-        for name, nk in model_shapes(Path(folder) / "config.json").items():
-            if args.only is None or name in args.only.split(","):
-                shapes.setdefault(nk, []).append(f"{Path(folder).name}:{name}")
-    if not shapes:
-        parser.error(f"--only {args.only}: no such layer (qkv, o, gate_up, down, lm_head, router)")
+    shapes = collect_shapes(parser, args.models, args.only)
     tuned = get_gemv_tiles(device_name)
     results, winners = [], {}
     for (n, k), names in shapes.items():

@@ -26,7 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 import torch.nn.functional as F
 
-from benchmarks.bench_gemv import L2_FLUSH_BYTES, MAX_COPIES, model_shapes, tb_per_s
+from benchmarks.bench_gemv import (
+    L2_FLUSH_BYTES,
+    MAX_COPIES,
+    add_grid_flags,
+    collect_shapes,
+    tb_per_s,
+)
 from benchmarks.gpu_timing import graph_us
 from ferrum.kernels.gemv_rows import GemvRowsTile, gemv_rows
 from ferrum.kernels.gemv_rows_config import row_bucket, save_gemv_rows_tiles
@@ -73,14 +79,7 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated layer names (e.g. qkv,o)")
     parser.add_argument("--rows", default="2,4,8,16", help="comma-separated row counts")
     parser.add_argument("--iters", type=int, default=30, help="calls per CUDA graph")
-    for name, values in GRID.items():
-        parser.add_argument(
-            f"--{name.lower().replace('_', '-')}",
-            dest=name,
-            type=lambda text: tuple(int(v) for v in text.split(",")),
-            default=values,
-            help=f"comma-separated {name} values (default {values})",
-        )
+    add_grid_flags(parser, GRID)
     parser.add_argument("--save", action="store_true", help="write the winners' table entries")
     parser.add_argument(
         "--min-gain", type=float, default=0.03, help="--save: the kernel must be this much faster"
@@ -90,11 +89,7 @@ def main() -> int:
     grid = {name: getattr(args, name) for name in GRID}
     device_name = torch.cuda.get_device_name()
     print(f"{device_name}, torch {torch.__version__}, timings: CUDA graph of {args.iters} calls")
-    shapes: dict[tuple[int, int], list[str]] = {}
-    for folder in args.models.split(","):
-        for name, nk in model_shapes(Path(folder) / "config.json").items():
-            if args.only is None or name in args.only.split(","):
-                shapes.setdefault(nk, []).append(f"{Path(folder).name}:{name}")
+    shapes = collect_shapes(parser, args.models, args.only)
     results, winners = [], {}
     for m in (int(v) for v in args.rows.split(",")):
         for (n, k), names in shapes.items():
