@@ -4,10 +4,11 @@ torch's F.linear (cuBLAS) against ferrum's few-row Triton kernel (kernels/gemv_r
 The shapes are each model's linear layers (bench_gemv.model_shapes) at each of --rows row counts.
 Each timing replays a CUDA graph over weight copies larger than L2 (bench_gemv's timer), and
 prints microseconds and the weight bytes read per second. Every tile of the grid (--block-n,
---block-k, --split-k, --num-warps, --num-stages) is timed per shape and row count and the best
-is printed; --save writes ferrum/kernels/gemv_rows_configs/<device>.json entries (the row count's
-bucket, gemv_rows_config.row_bucket) where the best beat F.linear by more than --min-gain: only
-those take the kernel in the engine, every other few-row shape stays on cuBLAS.
+--block-k, --split-k, --num-warps, --num-stages) is first checked against F.linear in fp32 (a
+tile off by more than 1% of the output's largest value is skipped), then timed per shape and row
+count, and the best is printed; --save writes ferrum/kernels/gemv_rows_configs/<device>.json
+entries (the row count's bucket, gemv_rows_config.row_bucket): the best tile where it beat
+F.linear by more than --min-gain, else null (cuBLAS), as `ferrum tune --ops gemv_rows` does.
 
     python benchmarks/bench_gemv_rows.py --models benchmarks/models/qwen3-8b --rows 2,4,8,16 \
         --save --out $OUT/gemv_rows.json
@@ -56,19 +57,21 @@ def measure(n: int, k: int, m: int, grid: dict, iters: int) -> dict:
     expected = F.linear(x.float(), w.float())
     row: dict = {"N": n, "K": k, "rows": m, "weight_bytes": 2 * n * k}
     row["f_linear_us"] = graph_us(lambda i: F.linear(x, weights[i]), copies, iters)
+    tolerance = 0.01 * expected.abs().max().item()
     best: dict = {}
     for values in itertools.product(*grid.values()):
         tile = GemvRowsTile(**dict(zip(grid, values)))
         try:
+            err = (gemv_rows(x, w, tile).float() - expected).abs().max().item()
+            if not err <= tolerance:
+                print(f"    wrong {tile}: max abs error {err:.3g} > {tolerance:.3g}")
+                continue
             us = graph_us(lambda i, t=tile: gemv_rows(x, weights[i], t), copies, iters)
         except Exception as exc:  # a tile the compiler or the GPU's shared memory rejects
             print(f"    skip {tile}: {type(exc).__name__}")
             continue
         if not best or us < best["us"]:
-            best = {"us": us, "tile": dataclasses.asdict(tile)}
-    if best:
-        got = gemv_rows(x, w, GemvRowsTile(**best["tile"])).float()
-        best["max_abs_err"] = (got - expected).abs().max().item()
+            best = {"us": us, "tile": dataclasses.asdict(tile), "max_abs_err": err}
     row["best"] = best
     return row
 
@@ -86,18 +89,25 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    try:
+        row_counts = [int(v) for v in args.rows.split(",")]
+        for m in row_counts:
+            row_bucket(m)
+    except ValueError as e:
+        parser.error(f"--rows: {e}")
     grid = {name: getattr(args, name) for name in GRID}
     device_name = torch.cuda.get_device_name()
     print(f"{device_name}, torch {torch.__version__}, timings: CUDA graph of {args.iters} calls")
     shapes = collect_shapes(parser, args.models, args.only)
-    results, winners = [], {}
-    for m in (int(v) for v in args.rows.split(",")):
+    results: list[dict] = []
+    winners: dict[tuple[int, int, int], GemvRowsTile | None] = {}
+    for m in row_counts:
         for (n, k), names in shapes.items():
             row = measure(n, k, m, grid, args.iters)
             row["shapes"] = names
             best = row["best"]
-            if best and best["us"] * (1 + args.min_gain) < row["f_linear_us"]:
-                winners[n, k, row_bucket(m)] = GemvRowsTile(**best["tile"])
+            wins = best and best["us"] * (1 + args.min_gain) < row["f_linear_us"]
+            winners[n, k, row_bucket(m)] = GemvRowsTile(**best["tile"]) if wins else None
             print(
                 f"rows {m:2d} {','.join(names):32s} N={n:6d} K={k:6d} "
                 f"F.linear {row['f_linear_us']:7.1f} us "
@@ -110,7 +120,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     if args.save:
         path = save_gemv_rows_tiles(device_name, winners)
-        print(f"saved {path} ({len(winners)} entries faster than F.linear)")
+        faster = sum(tile is not None for tile in winners.values())
+        print(f"saved {path} ({faster} of {len(winners)} entries faster than F.linear)")
     if args.out is not None:
         payload = {"device": device_name, "torch": torch.__version__, "results": results}
         args.out.write_text(json.dumps(payload, indent=1))

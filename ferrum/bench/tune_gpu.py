@@ -144,10 +144,30 @@ def _gemv_fn(bench: GpuBench, task: TuneTask, tile: Config) -> tuple[RunFn, int]
     if tile is None:
         return (lambda i: F.linear(x, weights[i][0])), len(weights)
     if isinstance(tile, GemvRowsTile):
-        return (lambda i: gemv_rows(x, weights[i][0], tile)), len(weights)
-    assert isinstance(tile, GemvTile)
-    args = (tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages)
-    return (lambda i: gemv(x, weights[i][0], *args)), len(weights)
+
+        def fn(i: int) -> torch.Tensor:
+            return gemv_rows(x, weights[i][0], tile)
+
+    else:
+        assert isinstance(tile, GemvTile)
+        args = (tile.BLOCK_N, tile.BLOCK_K, tile.num_warps, tile.num_stages)
+
+        def fn(i: int) -> torch.Tensor:
+            return gemv(x, weights[i][0], *args)
+
+    _check_against_f_linear(fn(0), x, weights[0][0], tile)
+    return fn, len(weights)
+
+
+def _check_against_f_linear(
+    got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, tile: Config
+) -> None:
+    """A ValueError (the tuner counts the candidate as failed) unless a GEMV candidate's output
+    is within 1% of the largest value of F.linear's in fp32: a miscompiled tile never wins."""
+    expected = F.linear(x.float(), w.float())
+    err = (got.float() - expected).abs().max().item()
+    if not err <= 0.01 * expected.abs().max().item():
+        raise ValueError(f"{tile}: max abs error {err:.3g} against F.linear")
 
 
 def _fp8_linear_fn(bench: GpuBench, task: TuneTask, config: Fp8GemmConfig) -> tuple[RunFn, int]:

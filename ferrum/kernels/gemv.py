@@ -145,7 +145,8 @@ def check_linear_operands(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[int, int]:
     """(N, K) of an [N, K] fp16/bf16 weight (stride(1) == 1) that x [M, K] (its dtype,
-    stride(1) == 1) and bias [N] (its dtype) fit; a ValueError naming the operand otherwise."""
+    stride(1) == 1) and bias [N] (its dtype, contiguous) fit; a ValueError naming the operand
+    otherwise."""
     if weight.dim() != 2 or weight.dtype not in WEIGHT_DTYPES or weight.stride(1) != 1:
         raise ValueError(
             f"weight must be [N, K] fp16/bf16 with stride(1) == 1, got "
@@ -156,8 +157,12 @@ def check_linear_operands(
         raise ValueError(
             f"x must be [M, {k}] {weight.dtype} with stride(1) == 1, got {tuple(x.shape)} {x.dtype}"
         )
-    if bias is not None and (bias.shape != (n,) or bias.dtype != weight.dtype):
-        raise ValueError(f"bias must be [{n}] {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    if bias is not None and (
+        bias.shape != (n,) or bias.dtype != weight.dtype or bias.stride(0) != 1
+    ):
+        raise ValueError(
+            f"bias must be contiguous [{n}] {weight.dtype}, got {tuple(bias.shape)} {bias.dtype}"
+        )
     return n, k
 
 

@@ -7,17 +7,22 @@ with tile_rules.gemv_tile_rule's tile."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from ferrum.kernels.device_properties import DeviceProperties
 from ferrum.kernels.fp8_gemm_config import check_gemv_tiles
 from ferrum.kernels.tile_rules import gemv_tile_rule
-from ferrum.kernels.tuned_tables import tables_ignored, user_config_dir, write_table
+from ferrum.kernels.tuned_tables import (
+    parse_shape_table,
+    read_shape_tables,
+    tables_ignored,
+    update_shape_table,
+    user_config_dir,
+)
 
 CONFIG_DIR = Path(__file__).parent / "gemv_configs"
 _SHAPE_KEY = re.compile(r"N(\d+)_K(\d+)")
@@ -52,36 +57,16 @@ def config_path(device_name: str, directory: Path | None = None) -> Path:
 
 def parse_tiles(data: object, where: str) -> GemvTiles:
     """Validates {"N<n>_K<k>": {GemvTile fields} or null}."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: must be an object of weight shapes")
-    fields = {f.name for f in dataclasses.fields(GemvTile)}
-    tiles: GemvTiles = {}
-    for key, tile in data.items():
-        match = _SHAPE_KEY.fullmatch(str(key))
-        if match is None:
-            raise ValueError(f"{where}: key {key!r} must read N<rows>_K<columns>")
-        if tile is None:
-            tiles[int(match[1]), int(match[2])] = None
-            continue
-        if not isinstance(tile, dict) or not set(tile) <= fields:
-            raise ValueError(f"{where}[{key}]: keys must be among {sorted(fields)}")
-        try:
-            tiles[int(match[1]), int(match[2])] = GemvTile(**tile)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}[{key}]: {e}") from e
-    return tiles
+    tiles = parse_shape_table(data, where, _SHAPE_KEY, "N<rows>_K<columns>", GemvTile)
+    return cast(GemvTiles, tiles)
 
 
 @functools.cache
 def get_gemv_tiles(device_name: str, user_dir: Path | None = None) -> GemvTiles:
     """The shapes measured on this device, the package's file updated by `user_dir`'s (tuned
     tables); {} without either."""
-    tiles: GemvTiles = {}
-    folders = [CONFIG_DIR] + ([] if user_dir is None else [user_dir / CONFIG_DIR.name])
-    for path in (config_path(device_name, folder) for folder in folders):
-        if path.is_file():
-            tiles |= parse_tiles(json.loads(path.read_text()), str(path))
-    return tiles
+    file_name = config_path(device_name).name
+    return cast(GemvTiles, read_shape_tables(CONFIG_DIR, file_name, user_dir, parse_tiles))
 
 
 def gemv_tile(n: int, k: int, device: DeviceProperties) -> GemvTile | None:
@@ -101,13 +86,6 @@ def save_gemv_tiles(
 ) -> Path:
     """Writes `tiles` as the device's file, replacing the shapes it names, marking those in
     `drop` (measured slower than cuBLAS) null and keeping the others already there."""
+    updates = {**tiles, **dict.fromkeys(drop)}
     path = config_path(device_name, directory)
-    merged = parse_tiles(json.loads(path.read_text()), str(path)) if path.is_file() else {}
-    merged.update(tiles)
-    merged.update(dict.fromkeys(drop))
-    data = {
-        f"N{n}_K{k}": None if merged[n, k] is None else dataclasses.asdict(merged[n, k])
-        for n, k in sorted(merged)
-    }
-    write_table(path, data, sort_keys=False)
-    return path
+    return update_shape_table(path, updates, parse_tiles, lambda nk: f"N{nk[0]}_K{nk[1]}")

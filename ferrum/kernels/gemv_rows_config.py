@@ -8,15 +8,20 @@ the package's."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import re
 from pathlib import Path
+from typing import cast
 
 from ferrum.kernels.device_properties import DeviceProperties
 from ferrum.kernels.gemv_rows import MAX_ROWS, GemvRowsTile
-from ferrum.kernels.tuned_tables import tables_ignored, user_config_dir, write_table
+from ferrum.kernels.tuned_tables import (
+    parse_shape_table,
+    read_shape_tables,
+    tables_ignored,
+    update_shape_table,
+    user_config_dir,
+)
 
 CONFIG_DIR = Path(__file__).parent / "gemv_rows_configs"
 ROW_BUCKETS = (2, 4, 8, MAX_ROWS)
@@ -28,6 +33,8 @@ GemvRowsTiles = dict[tuple[int, int, int], GemvRowsTile | None]
 
 def row_bucket(rows: int) -> int:
     """The table bucket of a batch of `rows` (2..MAX_ROWS) rows."""
+    if not 2 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows: the few-row kernel's tables hold 2..{MAX_ROWS} rows, got {rows}")
     return next(b for b in ROW_BUCKETS if b >= rows)
 
 
@@ -39,35 +46,19 @@ def config_path(device_name: str, directory: Path | None = None) -> Path:
 
 def parse_rows_tiles(data: object, where: str) -> GemvRowsTiles:
     """Validates {"N<n>_K<k>_M<bucket>": {GemvRowsTile fields} or null}."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: must be an object of weight shapes and row buckets")
-    fields = {f.name for f in dataclasses.fields(GemvRowsTile)}
-    tiles: GemvRowsTiles = {}
-    for key, tile in data.items():
-        match = _KEY.fullmatch(str(key))
-        if match is None or int(match[3]) not in ROW_BUCKETS:
-            raise ValueError(f"{where}: key {key!r} must read N<rows>_K<columns>_M<{ROW_BUCKETS}>")
-        if tile is None:
-            tiles[int(match[1]), int(match[2]), int(match[3])] = None
-            continue
-        if not isinstance(tile, dict) or not set(tile) <= fields:
-            raise ValueError(f"{where}[{key}]: keys must be among {sorted(fields)}")
-        try:
-            tiles[int(match[1]), int(match[2]), int(match[3])] = GemvRowsTile(**tile)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}[{key}]: {e}") from e
-    return tiles
+    form = f"N<rows>_K<columns>_M<{ROW_BUCKETS}>"
+    tiles = parse_shape_table(data, where, _KEY, form, GemvRowsTile)
+    for n, k, bucket in tiles:
+        if bucket not in ROW_BUCKETS:
+            raise ValueError(f"{where}: key 'N{n}_K{k}_M{bucket}' must read {form}")
+    return cast(GemvRowsTiles, tiles)
 
 
 @functools.cache
 def get_gemv_rows_tiles(device_name: str, user_dir: Path | None = None) -> GemvRowsTiles:
     """The entries measured on this device, the package's file updated by `user_dir`'s."""
-    tiles: GemvRowsTiles = {}
-    folders = [CONFIG_DIR] + ([] if user_dir is None else [user_dir / CONFIG_DIR.name])
-    for path in (config_path(device_name, folder) for folder in folders):
-        if path.is_file():
-            tiles |= parse_rows_tiles(json.loads(path.read_text()), str(path))
-    return tiles
+    file_name = config_path(device_name).name
+    return cast(GemvRowsTiles, read_shape_tables(CONFIG_DIR, file_name, user_dir, parse_rows_tiles))
 
 
 def gemv_rows_tile(n: int, k: int, rows: int, device: DeviceProperties) -> GemvRowsTile | None:
@@ -84,11 +75,4 @@ def save_gemv_rows_tiles(
     """Writes `tiles` into the device's file (None: F.linear), replacing the entries they name
     and keeping the others."""
     path = config_path(device_name, directory)
-    merged = parse_rows_tiles(json.loads(path.read_text()), str(path)) if path.is_file() else {}
-    merged.update(tiles)
-    data = {
-        f"N{n}_K{k}_M{m}": None if tile is None else dataclasses.asdict(tile)
-        for (n, k, m), tile in sorted(merged.items())
-    }
-    write_table(path, data, sort_keys=False)
-    return path
+    return update_shape_table(path, tiles, parse_rows_tiles, lambda e: "N{}_K{}_M{}".format(*e))

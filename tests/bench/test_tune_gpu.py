@@ -45,6 +45,17 @@ def test_gemv_rows_candidates_match_f_linear() -> None:
         _same(run_fn(bench, task, tile)[0](0), reference, 2e-3)
 
 
+def test_a_wrong_gemv_candidate_is_refused_before_it_is_timed(monkeypatch) -> None:
+    """A tile whose output is off (a miscompile on some GPU) raises, which the tuner counts as
+    a failed candidate, so it can never be the fastest."""
+    import ferrum.bench.tune_gpu as tune_gpu
+
+    monkeypatch.setattr(tune_gpu, "gemv_rows", lambda x, w, tile: x.new_zeros(x.shape[0], 96))
+    bench, task = _bench(False), TuneTask("gemv_rows", LinearShape(96, 512), 4)
+    with pytest.raises(ValueError, match="against F.linear"):
+        run_fn(bench, task, candidates(task, L40S)[1])
+
+
 def test_fp8_linear_candidates_agree() -> None:
     bench = _bench(True)
     task = TuneTask("fp8_gemm", LinearShape(128, 1024), 5)

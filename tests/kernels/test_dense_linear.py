@@ -68,6 +68,44 @@ def test_one_row_takes_the_gemv_and_more_rows_f_linear(gemv_calls) -> None:
     assert gemv_tile_for(torch.randn(1, 96, device="cuda"), w) is None  # fp32 x, bf16 W
 
 
+def test_few_row_dispatch_counts_rows_and_follows_the_table(monkeypatch) -> None:
+    """On the CPU (the interpreter runs the kernel), with the operand check and the device
+    faked: 2..MAX_ROWS rows of any leading shape look the table up with their row count and
+    take gemv_rows where it lists W; other row counts and unlisted shapes take F.linear."""
+    looked_up: list[tuple[int, int, int]] = []
+    listed = GemvRowsTile(BLOCK_N=16, BLOCK_K=32, SPLIT_K=2)
+
+    def table(n: int, k: int, rows: int, device: object) -> GemvRowsTile | None:
+        looked_up.append((n, k, rows))
+        return listed if n == 40 else None
+
+    monkeypatch.setattr(dense_linear_module, "_triton_operands", lambda x, w: True)
+    monkeypatch.setattr(dense_linear_module, "device_properties", lambda d: object())
+    monkeypatch.setattr(dense_linear_module, "gemv_tile", lambda n, k, d: None)
+    monkeypatch.setattr(dense_linear_module, "gemv_rows_tile", table)
+    ran: list[int] = []
+    real = dense_linear_module.gemv_rows
+    monkeypatch.setattr(
+        dense_linear_module, "gemv_rows", lambda x, *a: ran.append(x.shape[0]) or real(x, *a)
+    )
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=gen, dtype=torch.float16)
+    other = torch.randn(48, 96, generator=gen, dtype=torch.float16)
+    most = dense_linear_module.MAX_ROWS
+    for shape in [(1, 96), (2, 96), (3, 1, 96), (most, 96), (most + 1, 96)]:
+        x = torch.randn(*shape, generator=gen, dtype=torch.float16)
+        got = dense_linear(x, w)
+        assert got.shape == (*shape[:-1], 40)
+        torch.testing.assert_close(
+            got.float(), torch.nn.functional.linear(x.float(), w.float()), atol=2e-2, rtol=1e-2
+        )
+        dense_linear(x, other)
+    assert looked_up == [(40, 96, 2), (48, 96, 2), (40, 96, 3), (48, 96, 3)] + [
+        (40, 96, most), (48, 96, most)
+    ]  # fmt: skip
+    assert ran == [2, 3, most]
+
+
 @needs_cuda
 def test_listed_few_row_shapes_take_the_few_row_kernel(monkeypatch) -> None:
     """2..MAX_ROWS rows take gemv_rows where the table lists the shape; more rows, and unlisted

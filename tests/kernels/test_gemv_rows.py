@@ -18,8 +18,9 @@ CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 runs 
 )
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_f_linear(device, dtype, m, n, k, split_k, bias) -> None:
-    """Ragged N and K tiles, rows padded to MAX_ROWS, splits with no K step (the last of
-    (5, 16, 32, 4) has none) and twice in a row (the arrival counters are reset)."""
+    """Ragged N and K tiles, rows padded to MAX_ROWS, splits of several K steps ((3, 64, 128,
+    2): two each), splits with none ((5, 16, 32, 4): one K step, so splits 1-3 sum nothing),
+    and twice in a row (the arrival counters are reset)."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     w = (torch.randn(n, k, generator=gen) * 0.1).to(device, dtype)

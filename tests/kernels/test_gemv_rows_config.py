@@ -21,6 +21,9 @@ from ferrum.kernels.gemv_rows_config import (
 
 def test_rows_take_the_smallest_bucket_that_holds_them() -> None:
     assert [row_bucket(m) for m in (2, 3, 4, 5, 8, 9, MAX_ROWS)] == [2, 4, 4, 8, 8, 16, 16]
+    for rows in (1, MAX_ROWS + 1):
+        with pytest.raises(ValueError, match="rows"):
+            row_bucket(rows)
 
 
 def test_file_round_trip_keeps_other_entries(tmp_path) -> None:

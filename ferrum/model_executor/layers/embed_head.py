@@ -63,8 +63,8 @@ class VocabEmbedding(nn.Module):
 class LMHead(nn.Module):
     """logits = hidden @ W^T with W: [vocab_size, hidden_size]; tied heads share the embedding's
     Parameter object (split the same way), so the checkpoint's (absent or duplicate) lm_head
-    tensor is not needed. The product is `kernels.dense_linear` (Triton: the one-row GEMV where
-    it was measured faster)."""
+    tensor is not needed. The product is `kernels.dense_linear` (Triton: the one-row GEMV, or
+    the few-row kernel where a tuned table lists the shape)."""
 
     def __init__(
         self,

@@ -1,6 +1,6 @@
 """The model-dtype weight format: the layer's weight stays as loaded and its product runs
-`kernels.dense_linear` (Triton: the one-row GEMV where it was measured faster, else F.linear;
-torch: F.linear)."""
+`kernels.dense_linear` (Triton: the one-row GEMV, or the few-row kernel where a tuned table
+lists the shape, else F.linear; torch: F.linear)."""
 
 from __future__ import annotations
 
