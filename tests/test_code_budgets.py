@@ -5,6 +5,7 @@ touched only by envs.py."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import ferrum
@@ -29,7 +30,9 @@ FUNCTION_EXCEPTIONS = {
 }
 
 
+@functools.cache
 def _modules() -> list[tuple[str, Path, ast.Module]]:
+    """Every module of the package, parsed once for all the checks here (they only read it)."""
     return [
         (str(path.relative_to(PACKAGE)), path, ast.parse(path.read_text(), str(path)))
         for path in sorted(PACKAGE.rglob("*.py"))
