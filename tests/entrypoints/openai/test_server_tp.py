@@ -102,7 +102,7 @@ def test_sigterm_stops_every_process(server: RemoteServer) -> None:
 
 def test_hung_worker_with_exit_policy_fails_streams_and_exits(tmp_path: Path) -> None:
     server = RemoteServer(
-        [*SERVER_ARGS, "--engine-failure-policy", "exit", "--engine-stall-timeout", "10"],
+        [*SERVER_ARGS, "--engine-failure-policy", "exit", "--engine-stall-timeout", "5"],
         tmp_path / "server.log",
     )
     try:
