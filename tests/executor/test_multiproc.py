@@ -15,7 +15,7 @@ import pytest
 
 from ferrum import LLM, SamplingParams
 from ferrum.executor import WorkerDiedError, WorkerStepError
-from tests.utils.constrained_requests import assert_valid, constrained_texts
+from tests.utils.constrained_requests import assert_valid, constrained_texts, one_process_texts
 from tests.utils.processes import is_running, wait_gone, wait_until
 from tests.utils.tiny_llm import greedy, make_llm, random_prompts
 
@@ -74,7 +74,7 @@ def test_each_worker_is_its_own_process(mp_llm: LLM) -> None:
 def test_constrained_requests_with_async_scheduling_match_one_process() -> None:
     # Async scheduling defers a constrained step's sampling: the core fills the rows once the
     # previous step's tokens reached its matchers and sends them after the step.
-    expected = constrained_texts(async_scheduling=True)
+    expected = list(one_process_texts(async_scheduling=True))
     texts = constrained_texts(
         async_scheduling=True, tensor_parallel_size=WORLD_SIZE, distributed_executor_backend="mp"
     )

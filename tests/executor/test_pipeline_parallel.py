@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ferrum import LLM, SamplingParams
-from tests.utils.constrained_requests import assert_valid, constrained_texts
+from tests.utils.constrained_requests import assert_valid, constrained_texts, one_process_texts
 from tests.utils.tiny_llm import cuda_llm, greedy, make_llm, random_prompts
 
 # A 92-token KV pool, 16-token steps and 4 requests at a time: the prompts below are chunked,
@@ -121,7 +121,7 @@ def test_each_stage_keeps_a_step_of_other_requests_in_flight(
 
 
 def test_constrained_requests_match_one_process() -> None:
-    expected = constrained_texts()
+    expected = list(one_process_texts())
     texts = constrained_texts(pipeline_parallel_size=2, distributed_executor_backend="mp")
     assert texts == expected
     assert_valid(texts)

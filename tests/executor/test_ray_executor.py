@@ -15,7 +15,7 @@ import pytest
 
 from ferrum import LLM, SamplingParams
 from ferrum.executor import WorkerDiedError, WorkerStepError, ray_cluster
-from tests.utils.constrained_requests import assert_valid, constrained_texts
+from tests.utils.constrained_requests import assert_valid, constrained_texts, one_process_texts
 from tests.utils.processes import wait_until
 from tests.utils.tiny_llm import greedy, make_llm, random_prompts
 
@@ -98,7 +98,7 @@ def test_ray_workers_give_the_greedy_tokens_of_one_process_and_report_a_raising_
 
 def test_constrained_requests_match_one_process() -> None:
     # Async scheduling defers a constrained step's sampling: its rows follow in SampleStep.
-    expected = constrained_texts(async_scheduling=True)
+    expected = list(one_process_texts(async_scheduling=True))
     texts = constrained_texts(
         async_scheduling=True, tensor_parallel_size=WORLD_SIZE, distributed_executor_backend="ray"
     )

@@ -1,9 +1,11 @@
 """Constrained and free requests on the shipped model, to compare a multi-rank engine's texts
 with one process's: `constrained_texts(**engine_kwargs)` runs the same requests on an `LLM` of
-the shipped model (fp32 on the CPU, no whitespace in JSON) and shuts it down."""
+the shipped model (fp32 on the CPU, no whitespace in JSON) and shuts it down;
+`one_process_texts(**engine_kwargs)` is the one-process reference, run once per session."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jsonschema
@@ -48,6 +50,13 @@ def constrained_texts(**engine_kwargs: object) -> list[str]:
         return [o.outputs[0].text for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     finally:
         llm.shutdown()
+
+
+@functools.cache
+def one_process_texts(**engine_kwargs: object) -> tuple[str, ...]:
+    """`constrained_texts` of one process (deterministic: greedy, or sampled with a seed),
+    computed once per session for every test that compares a multi-rank engine with it."""
+    return tuple(constrained_texts(**engine_kwargs))
 
 
 def assert_valid(texts: list[str]) -> None:
