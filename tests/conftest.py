@@ -68,6 +68,17 @@ def shipped_llm() -> Any:
     )
 
 
+@pytest.fixture(scope="session")
+def gloo_ranks() -> Any:
+    """Two gloo rank processes (tests/utils/rank_pool.py) for every test module that runs a
+    function on each rank: started once (about 1.5 s on two cores), closed at the end."""
+    from tests.utils.rank_pool import RankPool
+
+    ranks = RankPool(2)
+    yield ranks
+    ranks.close()
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Any:
     """torch on one intra-op thread for a module, restored afterwards: the tiny models' small

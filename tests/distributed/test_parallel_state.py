@@ -9,14 +9,6 @@ import torch.distributed as dist
 
 from ferrum.distributed.parallel_state import TensorParallelGroup, init_distributed
 from tests.utils.collective_tasks import rank_values, run_collectives
-from tests.utils.rank_pool import RankPool
-
-
-@pytest.fixture(scope="module")
-def pool():
-    ranks = RankPool(2)
-    yield ranks
-    ranks.close()
 
 
 class _Rank:
@@ -24,8 +16,8 @@ class _Rank:
         self.rank = rank
 
 
-def test_collectives_over_two_processes(pool) -> None:
-    results = pool.run(run_collectives)
+def test_collectives_over_two_processes(gloo_ranks) -> None:
+    results = gloo_ranks.run(run_collectives)
     r0, r1 = rank_values(_Rank(0)), rank_values(_Rank(1))
     for rank, result in enumerate(results):
         assert (result["rank"], result["world_size"]) == (rank, 2)

@@ -9,7 +9,6 @@ import pytest
 from tests.utils.eagle3_heads import head_config, random_head_tensors, write_head
 from tests.utils.fp8_checkpoints import write_fp8_checkpoint
 from tests.utils.int4_checkpoints import write_int4_checkpoint
-from tests.utils.rank_pool import RankPool
 from tests.utils.tp_generate import generate, generate_on_rank
 
 # (tiny checkpoint arch, its config overrides, ParallelConfig fields)
@@ -24,20 +23,13 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def pool():
-    ranks = RankPool(2)
-    yield ranks
-    ranks.close()
-
-
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_ranks_generate_what_one_does(pool, tiny_checkpoint, case) -> None:
+def test_two_ranks_generate_what_one_does(gloo_ranks, tiny_checkpoint, case) -> None:
     arch, overrides, parallel = CASES[case]
     path = tiny_checkpoint(arch, **overrides)
     expected = generate(path)
     assert expected["num_preemptions"] > 0 and expected["prefix_cache_hits"] > 0
-    rank0, rank1 = pool.run(generate_on_rank, path, parallel)
+    rank0, rank1 = gloo_ranks.run(generate_on_rank, path, parallel)
     assert rank0 == rank1
     # Greedy requests are exact; the seeded sampled one only has to agree between the ranks.
     assert rank0["tokens"][:-1] == expected["tokens"][:-1]
@@ -47,7 +39,7 @@ def test_two_ranks_generate_what_one_does(pool, tiny_checkpoint, case) -> None:
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
 def test_two_ranks_speculate_like_one_rank_without_speculation(
-    pool, tiny_checkpoint, method, tmp_path
+    gloo_ranks, tiny_checkpoint, method, tmp_path
 ) -> None:
     """Every rank proposes the same drafts (n-gram from the same tokens; the draft model and
     the EAGLE-3 head whole on each rank, the head over the target's vocab-split embedding) and
@@ -60,7 +52,7 @@ def test_two_ranks_speculate_like_one_rank_without_speculation(
         config = head_config(eagle_aux_hidden_state_layer_ids=[1, 0, 1])
         spec["model"] = write_head(tmp_path, config, random_head_tensors(config, 2))
     expected = generate(path)
-    rank0, rank1 = pool.run(generate_on_rank, path, {}, False, spec)
+    rank0, rank1 = gloo_ranks.run(generate_on_rank, path, {}, False, spec)
     assert rank0 == rank1
     # The seeded request too: it draws once per output token, with speculation or without.
     assert rank0["tokens"] == expected["tokens"]
@@ -81,7 +73,9 @@ FP8_CASES = {
 
 
 @pytest.mark.parametrize("case", list(FP8_CASES))
-def test_two_ranks_generate_what_one_does_with_fp8(pool, tiny_checkpoint, tmp_path, case) -> None:
+def test_two_ranks_generate_what_one_does_with_fp8(
+    gloo_ranks, tiny_checkpoint, tmp_path, case
+) -> None:
     """Qwen's block-FP8 format split over two ranks: every rank's share of each weight and of
     its activation (input columns of o_proj and down_proj) is a whole number of 128-blocks, so
     the scales split on block boundaries and the W8A8 arithmetic is that of one rank."""
@@ -89,7 +83,7 @@ def test_two_ranks_generate_what_one_does_with_fp8(pool, tiny_checkpoint, tmp_pa
     source = tiny_checkpoint(arch, **FP8_SHAPES, **overrides)
     path = write_fp8_checkpoint(source, str(tmp_path / "fp8"), "fp8")
     expected = generate(path)
-    rank0, rank1 = pool.run(generate_on_rank, path, parallel)
+    rank0, rank1 = gloo_ranks.run(generate_on_rank, path, parallel)
     assert rank0 == rank1
     assert rank0["tokens"][:-1] == expected["tokens"][:-1]
 
@@ -106,7 +100,7 @@ def test_two_ranks_generate_what_one_does_with_fp8(pool, tiny_checkpoint, tmp_pa
     ],
 )
 def test_two_ranks_generate_what_one_does_with_int4(
-    pool, tiny_checkpoint, tmp_path, arch, fmt, group, parallel
+    gloo_ranks, tiny_checkpoint, tmp_path, arch, fmt, group, parallel
 ):
     """Int4 layers split over two ranks: column-parallel shares split the packed words by output
     rows; row-parallel ones (o_proj, down_proj) by input columns on group boundaries (a
@@ -123,6 +117,6 @@ def test_two_ranks_generate_what_one_does_with_int4(
         act_order=act_order,
     )
     expected = generate(path)
-    rank0, rank1 = pool.run(generate_on_rank, path, parallel)
+    rank0, rank1 = gloo_ranks.run(generate_on_rank, path, parallel)
     assert rank0 == rank1
     assert rank0["tokens"][:-1] == expected["tokens"][:-1]

@@ -10,19 +10,11 @@ import torch
 
 from ferrum.config import ModelConfig
 from tests.utils.parallel_layer_tasks import checkpoint_reads, linear_layers, moe_layers
-from tests.utils.rank_pool import RankPool
-
-
-@pytest.fixture(scope="module")
-def pool():
-    ranks = RankPool(2)
-    yield ranks
-    ranks.close()
 
 
 @pytest.mark.parametrize("task", [linear_layers, moe_layers])
-def test_split_layers_compute_the_whole_layers_part(pool, task) -> None:
-    for rank, pairs in enumerate(pool.run(task)):
+def test_split_layers_compute_the_whole_layers_part(gloo_ranks, task) -> None:
+    for rank, pairs in enumerate(gloo_ranks.run(task)):
         for name, (mine, expected) in pairs.items():
             assert mine.shape == expected.shape, (rank, name)
             torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-5, msg=f"{rank} {name}")
@@ -33,9 +25,11 @@ _REPLICATED = ("norm", ".mlp.gate.")
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
-def test_each_rank_reads_only_its_part_of_the_checkpoint(pool, tiny_checkpoint, expert_parallel):
+def test_each_rank_reads_only_its_part_of_the_checkpoint(
+    gloo_ranks, tiny_checkpoint, expert_parallel
+):
     config = ModelConfig(tiny_checkpoint("qwen3_moe"), dtype="float32")
-    ranks = pool.run(checkpoint_reads, config, expert_parallel)
+    ranks = gloo_ranks.run(checkpoint_reads, config, expert_parallel)
     for reads in ranks:
         for name, shape, whole in reads:
             # Expert parallel: whole experts, only this rank's.

@@ -2,10 +2,11 @@
 by tests.
 
 Starting torch processes costs seconds on the CI's two cores, so one pool serves a whole test
-module: `pool.run(fn, *args)` runs the module-level function `fn(group, *args)` on every rank at
-once and returns the ranks' results in rank order. A rank that raises fails the call with its
-traceback; a call that does not finish within its timeout, or a rank that dies, kills every
-process of the pool (the next call starts a new one), so a failing test never hangs.
+module (the gloo one, fixture `gloo_ranks`, the whole session): `pool.run(fn, *args)` runs the
+module-level function `fn(group, *args)` on every rank at once and returns the ranks' results
+in rank order. A rank that raises fails the call with its traceback; a call that does not
+finish within its timeout, or a rank that dies, kills every process of the pool (the next call
+starts a new one), so a failing test never hangs.
 """
 
 from __future__ import annotations
