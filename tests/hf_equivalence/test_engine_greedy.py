@@ -105,7 +105,9 @@ def test_triton_kernels_match_hf(tiny_checkpoint, arch: str) -> None:
     assert llm.llm_engine.core.executor.runner.kernel_backend == "triton"
     expected = hf_greedy(path, prompts, MAX_TOKENS)
     assert greedy(llm, prompts) == expected
-    assert greedy(llm, prompts[:1]) == expected[:1]  # served from the prefix cache
+    # Served from the prefix cache: its first token comes from a prefill over cached blocks, the
+    # next ones from decode steps over them (the interpreter's decode steps are the first round's).
+    assert greedy(llm, prompts[:1], max_tokens=3) == [expected[0][:3]]
 
 
 @needs_cuda

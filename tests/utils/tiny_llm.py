@@ -19,9 +19,9 @@ def random_prompts(lengths: list[int], seed: int, vocab: int = 200) -> list[list
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
-def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    """MAX_TOKENS greedy tokens per prompt, ignoring EOS (like `hf_greedy`)."""
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """`max_tokens` greedy tokens per prompt, ignoring EOS (like `hf_greedy`)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.prompt_token_ids for o in outputs] == prompts
     return [o.outputs[0].token_ids for o in outputs]
