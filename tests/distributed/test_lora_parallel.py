@@ -13,14 +13,30 @@ from ferrum import LoRARequest, SamplingParams
 from tests.utils.lora_adapters import peft_greedy
 from tests.utils.tiny_llm import MAX_TOKENS, make_llm, random_prompts
 
+PROMPTS = random_prompts([9, 4, 17, 6], seed=9)
 
-@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
-def test_two_ranks_give_peft_tokens(tiny_checkpoint, peft_adapter, parallel) -> None:
-    base = tiny_checkpoint("llama")
+
+@pytest.fixture(scope="module")
+def base_and_loras(tiny_checkpoint, peft_adapter) -> tuple[str, list]:
+    """The base checkpoint and each prompt's adapter (None: the base model)."""
     a = LoRARequest("a", 1, peft_adapter("llama", rank=4, alpha=8.0, seed=1))
     b = LoRARequest("b", 2, peft_adapter("llama", rank=8, use_rslora=True, seed=7))
-    prompts = random_prompts([9, 4, 17, 6], seed=9)
-    loras = [a, None, b, a]
+    return tiny_checkpoint("llama"), [a, None, b, a]
+
+
+@pytest.fixture(scope="module")
+def expected(base_and_loras) -> list[list[int]]:
+    """transformers + PEFT's greedy tokens of each prompt, once for both parallelisms."""
+    base, loras = base_and_loras
+    return [
+        peft_greedy(base, None if lora is None else lora.lora_path, [p], MAX_TOKENS)[0]
+        for p, lora in zip(PROMPTS, loras)
+    ]
+
+
+@pytest.mark.parametrize("parallel", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_two_ranks_give_peft_tokens(base_and_loras, expected, parallel) -> None:
+    base, loras = base_and_loras
     llm = make_llm(
         base,
         distributed_executor_backend="mp",
@@ -35,12 +51,8 @@ def test_two_ranks_give_peft_tokens(tiny_checkpoint, peft_adapter, parallel) -> 
     try:
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outputs = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=loras
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False, lora_request=loras
         )
     finally:
         llm.shutdown()
-    expected = [
-        peft_greedy(base, None if lora is None else lora.lora_path, [p], MAX_TOKENS)[0]
-        for p, lora in zip(prompts, loras)
-    ]
     assert [o.outputs[0].token_ids for o in outputs] == expected
