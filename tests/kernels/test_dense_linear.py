@@ -16,6 +16,8 @@ from ferrum.model_executor.layers.quantization import get_linear_method
 from ferrum.model_executor.layers.quantization.dense import DenseLinearMethod
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# Triton runs CPU tensors only under the interpreter, which conftest turns on where CUDA is absent.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors need the interpreter")
 
 
 @pytest.fixture
@@ -68,6 +70,7 @@ def test_one_row_takes_the_gemv_and_more_rows_f_linear(gemv_calls) -> None:
     assert gemv_tile_for(torch.randn(1, 96, device="cuda"), w) is None  # fp32 x, bf16 W
 
 
+@cpu_only
 def test_few_row_dispatch_counts_rows_and_follows_the_table(monkeypatch) -> None:
     """On the CPU (the interpreter runs the kernel), with the operand check and the device
     faked: 2..MAX_ROWS rows of any leading shape look the table up with their row count and
