@@ -1,10 +1,11 @@
 """`ferrum tune`: finds the fastest kernel tiles of a model's op shapes on this GPU and writes
 them where ferrum reads them first (the user's tuned-table folder, kernels/tuned_tables), as
 vLLM's `benchmark_moe.py --tune` does for its MoE. The shapes come from a model folder (under
---tensor-parallel-size) or --shape; the ops from --dtype (bf16: gemv, moe_grouped, moe_small;
-fp8: fp8_gemm, moe_small with FP8 experts and their W8A8 GEMMs moe_w8a8, plus the weight-only
-moe_grouped on a GPU without FP8 tensor cores, where it runs those batches) or --ops (gemv_rows,
-the few-row linear, only there until it has run on a GPU); the batches from --batch-sizes. Each
+--tensor-parallel-size) or --shape; the ops from --dtype (bf16: gemv, the few-row
+gemv_rows at the batches that are its row buckets, moe_grouped, moe_small; fp8: fp8_gemm,
+moe_small with FP8 experts and their W8A8 GEMMs moe_w8a8, plus the weight-only moe_grouped on a
+GPU without FP8 tensor cores, where it runs those batches) or --ops; the batches from
+--batch-sizes. Each
 (op, shape, batch) times every candidate of tune_ops' search space (tune_gpu: CUDA graphs, CUDA
 events, median) and keeps the fastest; results are written as they come (tune_store), so an
 interrupted run is resumed by running the same command again."""
@@ -17,7 +18,7 @@ from pathlib import Path
 # The command's flags only (cli.py imports the run, tune.py, when it runs): building the CLI
 # imports neither torch nor triton.
 OPS = ("gemv", "gemv_rows", "fp8_gemm", "moe_grouped", "moe_small", "moe_w8a8")
-DTYPE_OPS = {"bf16": ("gemv", "moe_grouped", "moe_small"), "fp8": OPS[2:]}
+DTYPE_OPS = {"bf16": ("gemv", "gemv_rows", "moe_grouped", "moe_small"), "fp8": OPS[2:]}
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
