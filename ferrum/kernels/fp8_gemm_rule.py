@@ -4,7 +4,8 @@ linears take (`fp8_gemm_buckets`): the user's tuned file, the packaged one, else
   2-16       a 16x64 Triton tile, K split to two waves of programs; cuBLASLt instead (block
              scales, Hopper) where even split they make under 1.5 waves;
   17-256     block scales on Hopper: wgmma 64x64 (64x128 above 64 rows where those make half a
-             wave; cuBLASLt above 128 rows where they make four), buffers up to 128 KB; else a
+             wave; cuBLASLt above 128 rows where they make four), buffers up to 128 KB, 4
+             stages where the tiles make more than a wave; else a
              Triton tile of the rows (<= 64, then 64, 128), narrowed to 32 columns and K split
              until one wave; per-channel above 64 rows: cuBLASLt where FP8 tensor cores are;
   larger     cuBLASLt where it takes the operands, else a 128x128 Triton tile, 8 warps.
@@ -31,6 +32,10 @@ RULE_BUCKETS = (1, 16, 32, 64, 128, 256, 1 << 62)
 # wgmma buffers a program keeps in flight at most, and its deepest pipeline.
 WGMMA_BUFFER_BYTES = 128 * 1024
 WGMMA_MAX_STAGES = 8
+# Stages of a wgmma tile when its tiles make more than one wave: two or three programs then share
+# an SM (64 KB / 96 KB of buffers each), one's epilogue hidden behind another's loads. Every
+# multi-wave wgmma entry of the H100 and H200 tables took 4 (and unroll 2); one wave took 6-8.
+WGMMA_MULTI_WAVE_STAGES = 4
 
 
 def fp8_gemm_buckets(scale_format: str, n: int, k: int, device: DeviceProperties | None) -> Buckets:
@@ -104,9 +109,12 @@ def _wgmma_tile(n: int, m: int, device: DeviceProperties) -> Fp8GemmConfig:
     stage_bytes = (64 + block_n) * SCALE_BLOCK
     smem = min(device.shared_memory_per_block, HOPPER_SHARED_MEMORY)
     stages = min(WGMMA_MAX_STAGES, WGMMA_BUFFER_BYTES // stage_bytes, smem // (stage_bytes + 8))
+    multi_wave = cdiv(m, 64) * cdiv(n, block_n) > device.num_sms
+    if multi_wave:
+        stages = min(stages, WGMMA_MULTI_WAVE_STAGES)
     return Fp8GemmConfig(
         "wgmma", BLOCK_M=64, BLOCK_N=block_n, num_warps=4, num_stages=max(2, stages),
-        UNROLL=4 if block_n == 64 else 2,
+        UNROLL=4 if block_n == 64 and not multi_wave else 2,
     )  # fmt: skip
 
 

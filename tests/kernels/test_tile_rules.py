@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from ferrum.kernels.device_properties import A100, H100, KNOWN_DEVICES, L40S, RTX_4090
+from ferrum.kernels.device_properties import A100, H100, H200, KNOWN_DEVICES, L40S, RTX_4090
 from ferrum.kernels.fp8_gemm_config import CONFIG_DIR, SCALE_BLOCK, Fp8GemmConfig, parse_buckets
 from ferrum.kernels.fp8_gemm_rule import RULE_BUCKETS, bucket_rule, fp8_gemm_rule
 from ferrum.kernels.fused_moe_config import CONFIG_DIR as MOE_DIR
@@ -94,6 +94,31 @@ def test_fp8_gemm_rule_reproduces_the_h100_tables() -> None:
             rows = min(m, 4096)
             programs, tuned_programs = _programs(rule, rows, n), _programs(tuned, rows, n)
             assert tuned_programs // 2 <= programs <= tuned_programs * 2, where
+
+
+def test_wgmma_stages_follow_the_waves_as_the_h100_and_h200_tables_do() -> None:
+    """Where a shipped table (either GPU) and the rule both take a wgmma tile of the same width,
+    the rule takes the table's 4 stages when the tiles make more than a wave, and 6 or more
+    (the tables' 6-8) when they make one."""
+    compared = 0
+    for device in (H100, H200):
+        for path in sorted(CONFIG_DIR.glob(f"block_*_{device.name.replace(' ', '_')}.json")):
+            n, k = (int(part[1:]) for part in path.name.split("_")[1:3])
+            for m, tuned in parse_buckets(json.loads(path.read_text()), str(path)).items():
+                rule = bucket_rule("block", n, k, m, device) if m < 1 << 62 else None
+                if tuned.backend != "wgmma" or rule is None or rule.backend != "wgmma":
+                    continue
+                if rule.BLOCK_N != tuned.BLOCK_N:
+                    continue
+                waves = cdiv(m, 64) * cdiv(n, rule.BLOCK_N) / device.num_sms
+                where = f"{device.name} N{n} K{k} M<={m} ({waves:.2f} waves): {tuned} / {rule}"
+                if waves > 1:
+                    assert rule.num_stages == tuned.num_stages == 4, where
+                    assert rule.UNROLL == tuned.UNROLL == 2, where
+                else:
+                    assert rule.num_stages >= 5 and tuned.num_stages >= 6, where
+                compared += 1
+    assert compared >= 20
 
 
 def test_small_shared_memory_gpus_take_fewer_stages_and_no_hopper_paths() -> None:
