@@ -72,6 +72,13 @@ def debug_no_pdl() -> bool:
     return _get("FERRUM_DEBUG_NO_PDL", "0") == "1"
 
 
+def debug_split_kv_fused_reduce() -> bool:
+    """FERRUM_DEBUG_SPLIT_KV_FUSED_REDUCE=1: split-KV decode attention combines its parts inside
+    the split kernel (the last part to finish) instead of a second kernel
+    (kernels/split_kv_combine.py), for the A/B that decides the default."""
+    return _get("FERRUM_DEBUG_SPLIT_KV_FUSED_REDUCE", "0") == "1"
+
+
 def _positive_int(name: str) -> int | None:
     try:
         n = int(_get(name, ""))

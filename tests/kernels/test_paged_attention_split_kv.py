@@ -3,7 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ferrum.kernels.arrival_counters import arrival_counters
 from ferrum.kernels.attention_ref import paged_attention_ref
+from ferrum.kernels.fp8_quant import empty_group_rows
 from ferrum.kernels.paged_attention import (
     SPLIT_KV_MAX_SPLITS,
     allocate_split_kv_workspace,
@@ -77,7 +79,51 @@ def test_sliding_window_split_kv_matches_reference(
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
 
-def _split_kv(b, scale, out, workspace, num_splits, sliding_window=None) -> torch.Tensor:
+@pytest.mark.parametrize("window", [None, 33], ids=["full", "window33"])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_fused_reduce_equals_the_separate_reduce(
+    window: int | None, num_splits: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """The combine inside the split kernel (the last of a request's parts to finish) writes the
+    separate kernel's output bit for bit, with parts past a context and requests of one part,
+    and leaves every arrival counter at zero for the next launch or graph replay."""
+    b = make_batch([1] * 4, [1, 37, 150, 16], 8, 2, 32, 8, dtype, device, seed=11)
+    if window:
+        free_blocks_below_window(b, window, 8)
+    ws = allocate_split_kv_workspace(4, 8, 32, device, max_splits=8)
+    nan = torch.full_like(b.query, float("nan"))
+    separate = _split_kv(b, 0.2, nan.clone(), ws, num_splits, window, fused_reduce=False)
+    for _ in range(2):  # the second launch finds the counters the first left
+        fused = _split_kv(b, 0.2, nan.clone(), ws, num_splits, window, fused_reduce=True)
+        assert torch.equal(fused, separate)
+        assert not arrival_counters(device, 8, "test").any()
+    if window is None:  # the window's reference: test_sliding_window_split_kv_matches_reference
+        torch.testing.assert_close(fused, reference(b, 0.2), **TOL[dtype])
+
+
+def test_fused_reduce_quantizes_the_output_rows_as_the_separate_reduce(
+    device: torch.device,
+) -> None:
+    """FP8 o_proj input rows (heads of 128): the same bytes and scales from either combine."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    b = make_batch([1] * 3, [9, 300, 70], 8, 2, 128, 16, dtype, device, seed=5)
+    ws = allocate_split_kv_workspace(3, 8, 128, device, max_splits=4)
+    got = {}
+    for fused in (False, True):
+        rows = empty_group_rows(3, 8 * 128, device)
+        out = torch.empty_like(b.query)
+        paged_attention_split_kv(
+            b.query, b.kv_cache, b.block_tables, b.seq_lens, b.max_seq_len, 0.1, out, ws,
+            num_splits=4, out_fp8=rows, fused_reduce=fused,
+        )  # fmt: skip
+        got[fused] = (out, rows.q.view(torch.uint8), rows.scales)
+    for separate, fused in zip(got[False], got[True], strict=True):
+        assert torch.equal(separate, fused)
+
+
+def _split_kv(
+    b, scale, out, workspace, num_splits, sliding_window=None, fused_reduce=None
+) -> torch.Tensor:
     """The split-KV path on batch `b` with 16-key tiles; returns `out`."""
     paged_attention_split_kv(
         b.query,
@@ -91,5 +137,6 @@ def _split_kv(b, scale, out, workspace, num_splits, sliding_window=None) -> torc
         num_splits=num_splits,
         block_n=16,
         sliding_window=sliding_window,
+        fused_reduce=fused_reduce,
     )
     return out
