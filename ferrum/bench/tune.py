@@ -24,6 +24,7 @@ from ferrum.bench.tune_store import Config, TuneStore
 
 TimeFn = Callable[[TuneTask, Config], float]
 CandidatesFn = Callable[[TuneTask], list[Config]]
+WarmFn = Callable[[TuneTask, list[Config]], object]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,16 +80,20 @@ def run_tuning(
     candidates_fn: CandidatesFn,
     time_fn: TimeFn,
     show_progress: bool = True,
+    warm_fn: WarmFn | None = None,
 ) -> dict[str, int]:
     """Measures every task the store does not hold yet and records the fastest candidate of
-    each (a candidate that raises, e.g. a tile the compiler refuses, is counted and skipped).
-    Returns counts: measured, skipped (already measured), empty (no candidate ran)."""
+    each (a candidate that raises, e.g. a tile the compiler refuses, is counted and skipped);
+    `warm_fn(task, configs)` first, when given (tune_warm's compile pool). Returns counts:
+    measured, skipped (already measured), empty (no candidate ran)."""
     tasks = list(tasks)
     todo = [t for t in tasks if not store.measured(t)]
     counts = {"measured": 0, "skipped": len(tasks) - len(todo), "empty": 0, "failed": 0}
     bar = tqdm(todo, desc="ferrum tune", unit="task", disable=not show_progress)
     for task in bar:
         configs = candidates_fn(task)
+        if warm_fn is not None:
+            warm_fn(task, configs)
         best: tuple[float, Config] | None = None
         for config in configs:
             try:
@@ -110,10 +115,13 @@ def run_tuning(
 
 
 def main(args: argparse.Namespace) -> int:
+    import functools
+
     import torch
 
     from ferrum import envs
     from ferrum.bench.tune_gpu import GpuBench
+    from ferrum.bench.tune_warm import CompilePool, default_compile_workers
     from ferrum.kernels.device_properties import device_properties
 
     plan_from_args(args)  # bad flags are named before the GPU is looked for
@@ -131,9 +139,19 @@ def main(args: argparse.Namespace) -> int:
     store.write_all()
     print(f"{device.name}: {len(plan.tasks())} tasks, results in {folder}")
     bench = GpuBench(device, fp8, args.scale_format, args.iters, args.repeats)
-    counts = run_tuning(
-        plan.tasks(), store, lambda task: candidates(task, device, args.scale_format), bench
-    )
+    workers = default_compile_workers() if args.compile_workers is None else args.compile_workers
+    pool = None
+    if workers > 0:  # one weight copy a worker: it only compiles
+        warm_bench = functools.partial(GpuBench, max_copies=1)
+        pool = CompilePool(workers, warm_bench, (device, fp8, args.scale_format))
+    try:
+        counts = run_tuning(
+            plan.tasks(), store, lambda task: candidates(task, device, args.scale_format), bench,
+            warm_fn=None if pool is None else pool.warm,
+        )  # fmt: skip
+    finally:
+        if pool is not None:
+            pool.close()
     print(", ".join(f"{n} {what}" for what, n in counts.items()))
     for path in store.write_all():
         print(f"wrote {path}")

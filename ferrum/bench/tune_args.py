@@ -1,14 +1,13 @@
 """`ferrum tune`: finds the fastest kernel tiles of a model's op shapes on this GPU and writes
 them where ferrum reads them first (the user's tuned-table folder, kernels/tuned_tables), as
 vLLM's `benchmark_moe.py --tune` does for its MoE. The shapes come from a model folder (under
---tensor-parallel-size) or --shape; the ops from --dtype (bf16: gemv, the few-row
-gemv_rows at the batches that are its row buckets, moe_grouped, moe_small; fp8: fp8_gemm,
-moe_small with FP8 experts and their W8A8 GEMMs moe_w8a8, plus the weight-only moe_grouped on a
-GPU without FP8 tensor cores, where it runs those batches) or --ops; the batches from
---batch-sizes. Each
-(op, shape, batch) times every candidate of tune_ops' search space (tune_gpu: CUDA graphs, CUDA
-events, median) and keeps the fastest; results are written as they come (tune_store), so an
-interrupted run is resumed by running the same command again."""
+--tensor-parallel-size) or --shape; the ops from --dtype (bf16: gemv, the few-row gemv_rows at
+the batches that are its row buckets, moe_grouped, moe_small; fp8: fp8_gemm, moe_small with FP8
+experts and their W8A8 GEMMs moe_w8a8, plus the weight-only moe_grouped on a GPU without FP8
+tensor cores, where it runs those batches) or --ops; the batches from --batch-sizes. Each (op,
+shape, batch) times every candidate of tune_ops' search space (tune_gpu: CUDA graphs, CUDA
+events, median; tune_warm's workers compile them first) and keeps the fastest; results are
+written as they come (tune_store), so an interrupted run is resumed by running it again."""
 
 from __future__ import annotations
 
@@ -53,3 +52,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--iters", type=int, default=20, help="calls in a timed CUDA graph")
     parser.add_argument("--repeats", type=int, default=5, help="timed graph replays (median)")
+    parser.add_argument(
+        "--compile-workers", type=int, default=None,
+        help="processes that compile each task's candidates before they are timed (default: "
+        "the cores less one, at most 8; 0: compile while timing)",
+    )  # fmt: skip

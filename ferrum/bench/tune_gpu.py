@@ -79,8 +79,10 @@ class GpuBench:
         repeats: int = 5,
         torch_device: str = "cuda",
         dtype: torch.dtype = torch.bfloat16,
+        max_copies: int = MAX_COPIES,
     ) -> None:
         self.device = device
+        self.max_copies = max_copies
         self.fp8 = fp8
         self.scale_format = scale_format
         self.iters = iters
@@ -93,8 +95,9 @@ class GpuBench:
         self._gen = torch.Generator(device=torch_device).manual_seed(0)
 
     def _copies(self, weight_bytes: int) -> int:
-        """Copies whose bytes together pass twice the L2 cache (one at least, MAX_COPIES most)."""
-        return max(1, min(MAX_COPIES, cdiv(2 * self.device.l2_cache_bytes, max(1, weight_bytes))))
+        """Copies whose bytes together pass twice the L2 cache (one at least, max_copies most)."""
+        wanted = cdiv(2 * self.device.l2_cache_bytes, max(1, weight_bytes))
+        return max(1, min(self.max_copies, wanted))
 
     def randn(self, *shape: int, generator: torch.Generator | None = None) -> torch.Tensor:
         gen = self._gen if generator is None else generator
@@ -121,6 +124,14 @@ class GpuBench:
                 torch.cuda.empty_cache()
             self._weights[key] = [make() for _ in range(self._copies(weight_bytes))]
         return self._weights[key]
+
+
+def warm_run(bench: GpuBench, task: TuneTask, config: Config) -> None:
+    """Runs a candidate once, as the timer's first call does: compiles it (tune_warm's pool)."""
+    fn, _ = run_fn(bench, task, config)
+    fn(0)
+    if bench.torch_device == "cuda":
+        torch.cuda.synchronize()
 
 
 def run_fn(bench: GpuBench, task: TuneTask, config: Config) -> tuple[RunFn, int]:
