@@ -139,7 +139,10 @@ def main(args: argparse.Namespace) -> int:
     store.write_all()
     print(f"{device.name}: {len(plan.tasks())} tasks, results in {folder}")
     bench = GpuBench(device, fp8, args.scale_format, args.iters, args.repeats)
-    workers = default_compile_workers() if args.compile_workers is None else args.compile_workers
+    workers = args.compile_workers
+    if workers is None:
+        memory = torch.cuda.get_device_properties(0).total_memory
+        workers = default_compile_workers([*plan.linear, *plan.moe], memory)
     pool = None
     if workers > 0:  # one weight copy a worker: it only compiles
         warm_bench = functools.partial(GpuBench, max_copies=1)

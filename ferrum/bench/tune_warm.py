@@ -17,16 +17,29 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ferrum.bench.tune_shapes import TuneTask
+from ferrum.bench.tune_shapes import LinearShape, MoEShape, TuneTask
 from ferrum.bench.tune_store import Config
 
-# Workers when --compile-workers is not given: one core is left to the timer's process.
+# Workers when --compile-workers is not given: one core is left to the timer's process, and
+# the workers together hold at most half the GPU's memory (a CUDA context and one copy of the
+# largest shape's weights each, WORKER_CONTEXT_BYTES + `shape_bytes`).
 MAX_DEFAULT_WORKERS = 8
+WORKER_CONTEXT_BYTES = 1 << 30
 _worker_bench: Any = None
 
 
-def default_compile_workers() -> int:
-    return max(0, min(MAX_DEFAULT_WORKERS, (os.cpu_count() or 1) - 1))
+def shape_bytes(shape: LinearShape | MoEShape) -> int:
+    """A bound on the bytes of one copy of a shape's operands while they are made (bf16, and
+    FP8 quantized from bf16)."""
+    if isinstance(shape, LinearShape):
+        return 3 * shape.n * shape.k
+    return 9 * shape.num_experts * shape.inter * shape.hidden
+
+
+def default_compile_workers(shapes: Sequence[LinearShape | MoEShape], gpu_memory_bytes: int) -> int:
+    per_worker = WORKER_CONTEXT_BYTES + max((shape_bytes(s) for s in shapes), default=0)
+    by_memory = gpu_memory_bytes // 2 // per_worker
+    return max(0, min(MAX_DEFAULT_WORKERS, (os.cpu_count() or 1) - 1, by_memory))
 
 
 def start_bench(make_bench: Callable[..., Any], *args: Any) -> None:

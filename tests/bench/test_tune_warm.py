@@ -13,7 +13,7 @@ import torch
 from ferrum.bench import tune, tune_warm
 from ferrum.bench.tune_gpu import GpuBench
 from ferrum.bench.tune_ops import candidates
-from ferrum.bench.tune_shapes import LinearShape, TuneTask, build_tasks
+from ferrum.bench.tune_shapes import LinearShape, MoEShape, TuneTask, build_tasks
 from ferrum.bench.tune_store import TuneStore
 from ferrum.kernels.device_properties import H100, L40S
 from ferrum.kernels.gemv_config import GemvTile
@@ -66,6 +66,16 @@ def test_workers_run_every_candidate_on_their_bench_and_report_failures() -> Non
         assert all(int(r[3]) != os.getpid() for r in ran)  # in the worker processes
     finally:
         pool.close()
+
+
+def test_default_workers_fit_half_the_gpu_memory() -> None:
+    gib = 1 << 30
+    experts = MoEShape(128, 768, 2048, 8)  # Qwen3-30B-A3B's: 1.7 GB as bf16, 3.6 GB bound
+    assert tune_warm.shape_bytes(experts) == 9 * 128 * 768 * 2048
+    cores = (os.cpu_count() or 1) - 1
+    assert tune_warm.default_compile_workers([experts], 141 * gib) == min(8, cores)
+    assert tune_warm.default_compile_workers([experts], 24 * gib) == min(2, cores)
+    assert tune_warm.default_compile_workers([LinearShape(4096, 4096)], 1 * gib) == 0
 
 
 def test_a_dead_worker_closes_the_pool_and_the_run_goes_on() -> None:
