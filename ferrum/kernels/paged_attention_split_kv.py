@@ -294,5 +294,5 @@ def paged_attention_split_kv(
         query, kv_cache, block_tables, seq_lens, scale, workspace, plan, out, out_fp8, fused_reduce
     )
     if not fused_reduce:
-        reduce_parts(out, out_fp8, workspace, seq_lens, kv_cache.shape[3], *plan)
+        reduce_parts(out, out_fp8, workspace, seq_lens, *plan)
     return out

@@ -3,7 +3,7 @@ each of a request's query heads, out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - 
 parts inside its context, M = max_p m_p, parts summed in order 0..num_parts-1 (deterministic).
 
 Two ways to run it, the same arithmetic (bit for bit):
-  separate  a second kernel, one program per (request, kv head) (`reduce_parts`);
+  separate  a second kernel, one program per (request, query head) (`reduce_parts`);
   fused     inside the split kernel: each part's program counts its arrival on its (request,
             kv head)'s counter (`arrival_counters.py`) and the last to arrive combines the
             group's heads and resets the counter (`combine_if_last`): one launch fewer a layer.
@@ -91,21 +91,20 @@ def _split_kv_reduce_kernel(
     stride_o_tok, stride_o_head, stride_po_req, stride_po_head, stride_po_part,
     stride_pm_req, stride_pm_head,
     num_splits,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr, FP8_OUT: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, FP8_OUT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (req, kv_head): `combine_parts` for the group's query heads."""
+    """Program (req, head): `combine_parts` for one query head."""
     pdl_launch_dependents(USE_PDL)
     pdl_wait(USE_PDL)
     req = tl.program_id(0)
-    kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - context_start(seq_len, WINDOW)
     num_parts = tl.cdiv(context_len, split_length(context_len, num_splits, BLOCK_N))
-    rows = tl.arange(0, BLOCK_M)
+    head = tl.program_id(1) + tl.arange(0, 1)
     combine_parts(
         out_ptr, q8_ptr, q8_scale_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
-        req, kv_head * GROUP + rows, rows < GROUP, num_parts, tl.num_programs(1) * GROUP,
+        req, head, head >= 0, num_parts, tl.num_programs(1),
         stride_o_tok, stride_o_head, stride_po_req, stride_po_head, stride_po_part,
         stride_pm_req, stride_pm_head, HEAD_DIM, FP8_OUT,
     )  # fmt: skip
@@ -139,15 +138,13 @@ def reduce_parts(
     out_fp8: Fp8GroupRows | None,
     workspace: SplitKVWorkspace,
     seq_lens: torch.Tensor,  # [num_reqs] int32
-    num_kv_heads: int,
     num_splits: int,
     block_n: int,
     window: int,
 ) -> None:
     """Launches the separate combine of the workspace's parts into `out` (and `out_fp8`)."""
     ws_out, ws_max, ws_sum = workspace.partial_out, workspace.partial_max, workspace.partial_sum
-    group = out.shape[1] // num_kv_heads
-    _split_kv_reduce_kernel[(seq_lens.shape[0], num_kv_heads)](
+    _split_kv_reduce_kernel[(seq_lens.shape[0], out.shape[1])](
         out,
         out if out_fp8 is None else out_fp8.q,
         out if out_fp8 is None else out_fp8.scales,
@@ -155,12 +152,10 @@ def reduce_parts(
         out.stride(0), out.stride(1), ws_out.stride(0), ws_out.stride(1), ws_out.stride(2),
         ws_max.stride(0), ws_max.stride(1),
         num_splits,
-        GROUP=group,
-        BLOCK_M=triton.next_power_of_2(group),
         HEAD_DIM=out.shape[2],
         BLOCK_N=block_n,
         WINDOW=window,
         FP8_OUT=out_fp8 is not None,
-        num_warps=1 if group * out.shape[2] <= 256 else 4,
+        num_warps=1 if out.shape[2] <= 64 else 2,
         **pdl_launch_args(out.device),
     )  # fmt: skip
