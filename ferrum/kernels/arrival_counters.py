@@ -1,8 +1,8 @@
 """Per-device arrival counters for kernels whose programs share an output tile: each program
 counts its arrival on the tile's counter; the last to arrive sums the others' partials and resets
-the counter to zero. Used by the split-K FP8 GEMM, the fused MoE's split down GEMV and the LoRA
-shrink; all such launches on a device share one buffer, so they must run one at a time (one
-stream: the forward)."""
+the counter to zero. Used by the split-K FP8 GEMM, the few-row linear's split-K, the fused MoE's
+split down GEMV, the LoRA shrink and split-KV attention's fused combine; all such launches on a
+device share one buffer, so they must run one at a time (one stream: the forward)."""
 
 from __future__ import annotations
 

@@ -44,8 +44,10 @@ SPLIT_KV_FP8_NUM_WARPS = 2
 # neither is specialised, nor the metadata pointers' alignment (see paged_attention.py).
 @triton.jit(
     do_not_specialize=("stride_bt_req", "num_splits"),
-    do_not_specialize_on_alignment=("block_tables_ptr", "seq_lens_ptr"),
-)
+    do_not_specialize_on_alignment=(
+        "block_tables_ptr", "seq_lens_ptr", "counters_ptr", "q8_scale_ptr",
+    ),
+)  # fmt: skip
 def _paged_attention_split_kernel(
     partial_out_ptr,  # [max_num_seqs, num_heads, max_splits, head_dim] fp32
     partial_max_ptr,  # [max_num_seqs, num_heads, max_splits] fp32

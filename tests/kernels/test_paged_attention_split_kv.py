@@ -121,6 +121,36 @@ def test_fused_reduce_quantizes_the_output_rows_as_the_separate_reduce(
         assert torch.equal(separate, fused)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_reduce_on_the_gpu_under_repeats_and_graph_replays() -> None:
+    """Where a request's parts run at once: 24 requests of up to 32 parts, the workspace filled
+    with NaN before every launch (a stale or early read would show), 30 eager launches and 30
+    CUDA-graph replays, each equal to the separate combine bit for bit."""
+    device = torch.device("cuda")
+    gen = torch.Generator().manual_seed(3)
+    seq_lens = torch.randint(1, 3000, (24,), generator=gen).tolist()
+    b = make_batch([1] * 24, seq_lens, 8, 2, 128, 16, torch.bfloat16, device, seed=3)
+    ws = allocate_split_kv_workspace(24, 8, 128, device, max_splits=32)
+    expected = _split_kv(b, 0.1, torch.empty_like(b.query), ws, 32, fused_reduce=False)
+    out = torch.empty_like(b.query)
+
+    def launch() -> None:
+        for part in (ws.partial_out, ws.partial_max, ws.partial_sum, out):
+            part.fill_(float("nan"))
+        _split_kv(b, 0.1, out, ws, 32, fused_reduce=True)
+
+    for _ in range(30):
+        launch()
+        assert torch.equal(out, expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    for _ in range(30):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+
+
 def _split_kv(
     b, scale, out, workspace, num_splits, sliding_window=None, fused_reduce=None
 ) -> torch.Tensor:
