@@ -38,12 +38,13 @@ from benchmarks.gpu_timing import graph_us
 from ferrum.kernels.gemv_rows import GemvRowsTile, gemv_rows
 from ferrum.kernels.gemv_rows_config import row_bucket, save_gemv_rows_tiles
 
+# ferrum tune's space (tune_ops.gemv_rows_candidates), each dimension a flag to narrow it.
 GRID = {
-    "BLOCK_N": (64, 128),
+    "BLOCK_N": (16, 32, 64, 128),
     "BLOCK_K": (64, 128, 256),
     "SPLIT_K": (1, 2, 4, 8),
     "num_warps": (4,),
-    "num_stages": (3, 4),
+    "num_stages": (2, 3, 4),
 }
 
 

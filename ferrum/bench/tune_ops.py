@@ -1,7 +1,7 @@
 """The search space of each `ferrum tune` op (`candidates`); tune_gpu times them.
 
 Spaces: gemv, BLOCK_N 1-8 x BLOCK_K 512-4096 x 4/8 warps x 1/2 stages; gemv_rows, BLOCK_N
-64/128 x BLOCK_K 64-256 x split-K 1-8 (2+ K steps a split) x 3/4 stages; both F.linear (None);
+16-128 x BLOCK_K 64-256 x split-K 1-8 (2+ K steps a split) x 2-4 stages; both F.linear (None);
 fp8_gemm at one row the FP8 GEMV's grid, above it Triton tiles (the bucket's rows and a second
 height, 32-128 columns, split-K that keeps 4 K steps a split, 3-5 stages; up to 64 rows also
 quantizing the activations inside the GEMM), the Hopper wgmma tiles (block scales) and
@@ -42,7 +42,9 @@ def gemv_candidates(shape: LinearShape) -> list[Config]:
 
 def gemv_rows_candidates(shape: LinearShape) -> list[Config]:
     tiles: list[Config] = [None]
-    for bn, bk, split, ns in itertools.product((64, 128), (64, 128, 256), (1, 2, 4, 8), (3, 4)):
+    # 16-32 columns run mma.sync in small programs, several an SM; 64-128 run wgmma.
+    space = itertools.product((16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8), (2, 3, 4))
+    for bn, bk, split, ns in space:
         if split == 1 or cdiv(shape.k, bk) >= 2 * split:
             tiles.append(GemvRowsTile(bn, bk, split, 4, ns))
     return tiles

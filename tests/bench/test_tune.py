@@ -204,7 +204,8 @@ def test_gemv_rows_results_land_in_their_row_buckets(tmp_path, read_from) -> Non
 
     tune.run_tuning(tasks, TuneStore(tmp_path, H100, fp8=False), lambda t: found, time_fn, False)
     read_from(tmp_path)
-    first = next(c for c in found[1:] if c.BLOCK_N == 64 and c.SPLIT_K == 1)
+    first = min(found[1:], key=lambda c: time_fn(tasks[0], c))  # the first of the fastest
+    assert first.BLOCK_N == 16 and first.SPLIT_K == 1
     assert gemv_rows_tile(256, 4096, 2, H100) == first
     assert gemv_rows_tile(256, 4096, 3, H100) == first  # 3 rows: bucket 4
     assert gemv_rows_tile(256, 4096, 9, H100) is None  # bucket 16: F.linear won
