@@ -97,3 +97,19 @@ def test_a_worker_runs_real_candidates_once_and_names_a_refused_one() -> None:
     assert tune_warm.warm_candidate((task, None)) is None  # F.linear
     refused = tune_warm.warm_candidate((task, {"BLOCK_N": 3}))  # not a GEMV tile
     assert refused is not None and refused.startswith("AssertionError")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU build of the calls")
+def test_spawned_workers_run_real_candidates_end_to_end() -> None:
+    """The pool as `ferrum tune` starts it (GpuBench in each worker, warm_candidate), here on
+    CPU tensors under the interpreter the workers inherit: tiles, tasks and the device pickle
+    across, a good tile runs and a wrong one is named."""
+    make = functools.partial(GpuBench, max_copies=1, torch_device="cpu", dtype=torch.float16)
+    pool = tune_warm.CompilePool(1, make, (L40S, False))
+    try:
+        task = TuneTask("gemv", LinearShape(48, 256), 1)
+        assert pool.warm(task, [GemvTile(2, 128), None]) == [None, None]
+        refused = pool.warm(task, [{"BLOCK_N": 3}])[0]
+        assert refused is not None and refused.startswith("AssertionError")
+    finally:
+        pool.close()
