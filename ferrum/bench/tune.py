@@ -141,8 +141,8 @@ def main(args: argparse.Namespace) -> int:
     bench = GpuBench(device, fp8, args.scale_format, args.iters, args.repeats)
     workers = args.compile_workers
     if workers is None:
-        memory = torch.cuda.get_device_properties(0).total_memory
-        workers = default_compile_workers([*plan.linear, *plan.moe], memory)
+        free_memory, _ = torch.cuda.mem_get_info()
+        workers = default_compile_workers([*plan.linear, *plan.moe], free_memory)
     pool = None
     if workers > 0:  # one weight copy a worker: it only compiles
         warm_bench = functools.partial(GpuBench, max_copies=1)
@@ -154,6 +154,8 @@ def main(args: argparse.Namespace) -> int:
         )  # fmt: skip
     finally:
         if pool is not None:
+            if pool.closed_because is not None:
+                print(f"compile workers stopped ({pool.closed_because}); compiled while timing")
             pool.close()
     print(", ".join(f"{n} {what}" for what, n in counts.items()))
     for path in store.write_all():

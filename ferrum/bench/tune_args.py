@@ -55,6 +55,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile-workers", type=int, default=None,
         help="processes that compile each task's candidates before they are timed (default: "
-        "the cores less one, at most 8, as many as half the GPU memory holds; 0: compile while "
-        "timing)",
+        "the cores less one, at most 8, as many as half the free GPU memory holds; 0: compile "
+        "while timing)",
     )  # fmt: skip

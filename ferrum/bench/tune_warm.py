@@ -6,8 +6,10 @@ most of a tuning run.
 
 The workers are idle while the timer runs: a kernel of another process on the GPU would
 share it with the timed graph. A worker that fails on a candidate reports it and goes on (the
-timer meets the same failure and counts it); if a worker process dies the pool closes, and
-the run goes on compiling in the timer's process."""
+timer meets the same failure and counts it). The pool closes, its processes ended before the
+timer goes on, and the run goes on compiling in the timer's process, when a worker dies, when
+one reports a CUDA error or runs out of memory (its context may be unusable), or when a task's
+warm-up outlasts WARM_TIMEOUT_S; `closed_because` says which."""
 
 from __future__ import annotations
 
@@ -21,25 +23,38 @@ from ferrum.bench.tune_shapes import LinearShape, MoEShape, TuneTask
 from ferrum.bench.tune_store import Config
 
 # Workers when --compile-workers is not given: one core is left to the timer's process, and
-# the workers together hold at most half the GPU's memory (a CUDA context and one copy of the
-# largest shape's weights each, WORKER_CONTEXT_BYTES + `shape_bytes`).
+# the workers together take at most half the GPU's free memory (a CUDA context and the peak of
+# making the largest shape's operands each, WORKER_CONTEXT_BYTES + `shape_bytes`).
 MAX_DEFAULT_WORKERS = 8
 WORKER_CONTEXT_BYTES = 1 << 30
+# A task's warm-up past this is taken for a hung worker (a compile takes seconds).
+WARM_TIMEOUT_S = 900.0
+# A worker's failure that may leave its CUDA context unusable.
+FATAL_FAILURES = ("CUDA error", "out of memory", "illegal memory access")
 _worker_bench: Any = None
 
 
 def shape_bytes(shape: LinearShape | MoEShape) -> int:
-    """A bound on the bytes of one copy of a shape's operands while they are made (bf16, and
-    FP8 quantized from bf16)."""
+    """A bound on the peak bytes of making one copy of a shape's operands: bf16 weights, and
+    for FP8 their quantization's fp32 temporaries, codes and stacked copies."""
     if isinstance(shape, LinearShape):
-        return 3 * shape.n * shape.k
-    return 9 * shape.num_experts * shape.inter * shape.hidden
+        return 16 * shape.n * shape.k
+    return 16 * shape.num_experts * shape.inter * shape.hidden
 
 
-def default_compile_workers(shapes: Sequence[LinearShape | MoEShape], gpu_memory_bytes: int) -> int:
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_compile_workers(
+    shapes: Sequence[LinearShape | MoEShape], free_gpu_memory_bytes: int
+) -> int:
     per_worker = WORKER_CONTEXT_BYTES + max((shape_bytes(s) for s in shapes), default=0)
-    by_memory = gpu_memory_bytes // 2 // per_worker
-    return max(0, min(MAX_DEFAULT_WORKERS, (os.cpu_count() or 1) - 1, by_memory))
+    by_memory = free_gpu_memory_bytes // 2 // per_worker
+    return max(0, min(MAX_DEFAULT_WORKERS, usable_cores() - 1, by_memory))
 
 
 def start_bench(make_bench: Callable[..., Any], *args: Any) -> None:
@@ -56,7 +71,17 @@ def warm_candidate(item: tuple[TuneTask, Config]) -> str | None:
         warm_run(_worker_bench, *item)
     except Exception as e:  # the timer meets it again and counts it
         return f"{type(e).__name__}: {e}"
+    finally:
+        _release_cached_memory()
     return None
+
+
+def _release_cached_memory() -> None:
+    """Returns the temporaries of making operands to the GPU: the timer needs the room."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 class CompilePool:
@@ -69,8 +94,11 @@ class CompilePool:
         make_bench: Callable[..., Any],
         bench_args: Sequence[Any],
         work: Callable[[tuple[TuneTask, Config]], str | None] = warm_candidate,
+        timeout_s: float = WARM_TIMEOUT_S,
     ) -> None:
         self.work = work
+        self.timeout_s = timeout_s
+        self.closed_because: str | None = None
         self.executor: futures.ProcessPoolExecutor | None = futures.ProcessPoolExecutor(
             workers,
             mp_context=multiprocessing.get_context("spawn"),
@@ -82,13 +110,31 @@ class CompilePool:
         """Each config's failure (None: it ran); all None once the pool has closed."""
         if self.executor is None:
             return [None] * len(configs)
+        items = [(task, c) for c in configs]
         try:
-            return list(self.executor.map(self.work, [(task, c) for c in configs]))
+            failures = list(self.executor.map(self.work, items, timeout=self.timeout_s))
         except futures.process.BrokenProcessPool:
-            self.close()
+            self.close("a worker process died")
             return [None] * len(configs)
+        except futures.TimeoutError:
+            self.close(f"{task.key}'s warm-up took over {self.timeout_s:.0f} s")
+            return [None] * len(configs)
+        fatal = next((f for f in failures if f and any(m in f for m in FATAL_FAILURES)), None)
+        if fatal is not None:
+            self.close(f"a worker failed on {task.key}: {fatal[:200]}")
+        return failures
 
-    def close(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=False, cancel_futures=True)
-            self.executor = None
+    def close(self, because: str = "closed") -> None:
+        """Ends the workers, a busy or hung one too, before returning."""
+        if self.executor is None:
+            return
+        if self.closed_because is None and because != "closed":
+            self.closed_because = because
+        # The executor's own processes (no public handle): a busy one is not ended by shutdown.
+        processes = list((getattr(self.executor, "_processes", None) or {}).values())
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(timeout=30)
+        self.executor = None

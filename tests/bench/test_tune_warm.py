@@ -5,6 +5,7 @@ reported and the rest still run, and a dead worker closes the pool without stopp
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 
 import pytest
@@ -68,21 +69,51 @@ def test_workers_run_every_candidate_on_their_bench_and_report_failures() -> Non
         pool.close()
 
 
-def test_default_workers_fit_half_the_gpu_memory() -> None:
+def test_default_workers_fit_half_the_free_gpu_memory(monkeypatch) -> None:
+    monkeypatch.setattr(tune_warm, "usable_cores", lambda: 16)  # the H200 host's
     gib = 1 << 30
-    experts = MoEShape(128, 768, 2048, 8)  # Qwen3-30B-A3B's: 1.7 GB as bf16, 3.6 GB bound
-    assert tune_warm.shape_bytes(experts) == 9 * 128 * 768 * 2048
-    cores = (os.cpu_count() or 1) - 1
-    assert tune_warm.default_compile_workers([experts], 141 * gib) == min(8, cores)
-    assert tune_warm.default_compile_workers([experts], 24 * gib) == min(2, cores)
+    experts = MoEShape(128, 768, 2048, 8)  # Qwen3-30B-A3B's: 1.2 GB as bf16
+    assert tune_warm.shape_bytes(experts) == 16 * 128 * 768 * 2048  # 3.2 GB making FP8 ones
+    assert tune_warm.default_compile_workers([experts], 130 * gib) == 8
+    # Half of 24 GiB over (1 GiB + 3.2 GB) a worker: 3.
+    assert tune_warm.default_compile_workers([experts], 24 * gib) == 3
     assert tune_warm.default_compile_workers([LinearShape(4096, 4096)], 1 * gib) == 0
+    monkeypatch.setattr(tune_warm, "usable_cores", lambda: 2)  # this machine, CI's
+    assert tune_warm.default_compile_workers([experts], 130 * gib) == 1
+
+
+def _hang(item) -> str | None:
+    import time
+
+    time.sleep(120)
+    return None
+
+
+def _cuda_error(item) -> str | None:
+    return "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+def test_a_hung_worker_is_ended_and_named() -> None:
+    before = set(multiprocessing.active_children())
+    pool = tune_warm.CompilePool(1, _label, ("x",), work=_hang, timeout_s=3.0)
+    task = TuneTask("gemv", LinearShape(64, 128), 1)
+    assert pool.warm(task, ["a"]) == [None]
+    assert pool.executor is None and "took over 3 s" in pool.closed_because
+    assert set(multiprocessing.active_children()) <= before  # ended, not left on the GPU
+
+
+def test_a_cuda_error_in_a_worker_closes_the_pool() -> None:
+    pool = tune_warm.CompilePool(1, _label, ("x",), work=_cuda_error)
+    task = TuneTask("gemv", LinearShape(64, 128), 1)
+    assert pool.warm(task, ["a"])[0].startswith("RuntimeError: CUDA error")
+    assert pool.executor is None and "CUDA error" in pool.closed_because
 
 
 def test_a_dead_worker_closes_the_pool_and_the_run_goes_on() -> None:
     pool = tune_warm.CompilePool(1, _label, ("x",), work=_die)
     task = TuneTask("gemv", LinearShape(64, 128), 1)
     assert pool.warm(task, ["a", "b"]) == [None, None]
-    assert pool.executor is None
+    assert pool.executor is None and pool.closed_because == "a worker process died"
     assert pool.warm(task, ["c"]) == [None]  # closed: the timer's process compiles
 
 
