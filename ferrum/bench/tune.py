@@ -21,10 +21,11 @@ from ferrum.bench.tune_shapes import (
     parse_shape,
 )
 from ferrum.bench.tune_store import Config, TuneStore
+from ferrum.bench.tune_warm import breaks_the_context
 
 TimeFn = Callable[[TuneTask, Config], float]
 CandidatesFn = Callable[[TuneTask], list[Config]]
-WarmFn = Callable[[TuneTask, list[Config]], object]
+WarmFn = Callable[[TuneTask, list[Config]], list[str | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,18 +85,22 @@ def run_tuning(
 ) -> dict[str, int]:
     """Measures every task the store does not hold yet and records the fastest candidate of
     each (a candidate that raises, e.g. a tile the compiler refuses, is counted and skipped);
-    `warm_fn(task, configs)` first, when given (tune_warm's compile pool). Returns counts:
-    measured, skipped (already measured), empty (no candidate ran)."""
+    `warm_fn(task, configs)` first, when given (tune_warm's compile pool; a candidate that
+    broke a worker's CUDA context is not timed). Returns counts: measured, skipped (already
+    measured), empty (no candidate ran), failed."""
     tasks = list(tasks)
     todo = [t for t in tasks if not store.measured(t)]
     counts = {"measured": 0, "skipped": len(tasks) - len(todo), "empty": 0, "failed": 0}
     bar = tqdm(todo, desc="ferrum tune", unit="task", disable=not show_progress)
     for task in bar:
         configs = candidates_fn(task)
-        if warm_fn is not None:
-            warm_fn(task, configs)
+        failures = [None] * len(configs) if warm_fn is None else warm_fn(task, configs)
         best: tuple[float, Config] | None = None
-        for config in configs:
+        for config, failure in zip(configs, failures, strict=True):
+            if breaks_the_context(failure):
+                counts["failed"] += 1
+                bar.write(f"{task.key}: {config} broke a compile worker: {failure}"[:300])
+                continue
             try:
                 us = time_fn(task, config)
             except Exception as e:  # a tile the compiler or the kernel refuses

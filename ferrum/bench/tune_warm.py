@@ -31,6 +31,14 @@ WORKER_CONTEXT_BYTES = 1 << 30
 WARM_TIMEOUT_S = 900.0
 # A worker's failure that may leave its CUDA context unusable.
 FATAL_FAILURES = ("CUDA error", "out of memory", "illegal memory access")
+
+
+def breaks_the_context(failure: str | None) -> bool:
+    """Whether a candidate's failure in a worker was a CUDA error of its own (not a lack of
+    memory): timing it would break the timer's context too, so the tuner skips it."""
+    return bool(failure) and "CUDA error" in failure and "out of memory" not in failure
+
+
 _worker_bench: Any = None
 
 

@@ -42,9 +42,10 @@ def test_the_tuner_warms_each_task_it_times_before_timing_it(tmp_path) -> None:
     store.record(tasks[0], None, 1.0, 1)  # measured before: neither warmed nor timed again
     events: list[tuple[str, str]] = []
 
-    def warm(task: TuneTask, configs: list) -> None:
+    def warm(task: TuneTask, configs: list) -> list:
         assert configs == candidates(task, H100)
         events.append(("warm", task.key))
+        return [None] * len(configs)
 
     def time_fn(task: TuneTask, config) -> float:
         events.append(("time", task.key))
@@ -54,6 +55,25 @@ def test_the_tuner_warms_each_task_it_times_before_timing_it(tmp_path) -> None:
     timed = [e for e in events if e[0] == "time"]
     assert events[0] == ("warm", tasks[1].key) and len(events) == 1 + len(timed)
     assert {key for _, key in timed} == {tasks[1].key}
+
+
+def test_a_candidate_that_broke_a_workers_context_is_not_timed(tmp_path) -> None:
+    """A CUDA error of the candidate's own in a worker (an illegal address) would break the
+    timer's context too: it is counted as failed, not run; a worker's lack of memory is not the
+    candidate's, so that one is still timed."""
+    task = build_tasks(("gemv",), [LinearShape(256, 4096)], [], (1,))[0]
+    configs = candidates(task, H100)[:3]
+    failures = [
+        "RuntimeError: CUDA error: an illegal memory access was encountered",
+        "OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        None,
+    ]
+    timed: list = []
+    counts = tune.run_tuning(
+        [task], TuneStore(tmp_path, H100, fp8=False), lambda t: configs,
+        lambda t, c: timed.append(c) or 1.0, False, lambda t, c: failures,
+    )  # fmt: skip
+    assert timed == configs[1:] and counts["failed"] == 1 and counts["measured"] == 1
 
 
 def test_workers_run_every_candidate_on_their_bench_and_report_failures() -> None:
