@@ -16,6 +16,7 @@ import triton.language as tl
 
 from ferrum.kernels.arrival_counters import arrival_counters
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from ferrum.kernels.split_k_sum import last_to_arrive
 
 # Batches of at most this many tokens take the small-batch GEMV path (no align).
 SMALL_BATCH_MAX_TOKENS = 8
@@ -256,11 +257,8 @@ def _moe_down_split_gemv_kernel(
     y = tl.sum(acc, 1).to(act_ptr.dtype.element_ty).to(tl.float32)
     weighted = y * tl.load(topk_weights_ptr + pair)
     tl.store(partial_ptr + pair * hidden_size + offs_n, weighted, mask=n_mask)
-    # Every thread's partial is written before the count (one thread's release atomic after the
-    # barrier); the last arrival reads the others' partials through L2 after its acquire.
-    tl.debug_barrier()
     counter = counter_ptr + token * tl.num_programs(1) + pid_n
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == top_k - 1:
+    if last_to_arrive(counter, top_k):
         rows = partial_ptr + token * top_k * hidden_size + offs_n
         total = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for j in range(0, top_k):

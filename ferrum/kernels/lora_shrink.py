@@ -20,6 +20,7 @@ from ferrum.kernels.device_properties import device_properties
 from ferrum.kernels.lora_segments import LoRASegments, block_m
 from ferrum.kernels.lora_tiles import max_token_blocks, slot_block, slot_rows
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from ferrum.kernels.split_k_sum import last_to_arrive
 
 BLOCK_K = 64
 MAX_SPLITS = 32
@@ -87,11 +88,8 @@ def _lora_shrink_kernel(
         mask = mask_m[:, None] & mask_n[None, :]
         if SPLIT:
             tl.store(partial_ptr + tl.program_id(2) * stride_partial + tile, acc, mask)
-            # Every thread's partial is written before the count (one release atomic after the
-            # barrier); the last arrival reads the others' partials through L2 after its acquire.
-            tl.debug_barrier()
             counter = counter_ptr + tl.program_id(0) * tl.num_programs(1) + pid_n
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != num_splits - 1:
+            if not last_to_arrive(counter, num_splits):
                 return
             acc = tl.load(partial_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
             for s in range(1, num_splits):

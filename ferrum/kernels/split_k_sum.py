@@ -1,7 +1,8 @@
 """The last-arrival sum of a split-K tile (Triton): each of a tile's SPLIT_K programs stores its
 fp32 partial and counts its arrival on the tile's counter (`arrival_counters.py`); the last to
 arrive sums the partials in order s = 0..SPLIT_K-1 (deterministic) and resets the counter to
-zero. Used by the split-K FP8 GEMM and the few-row linear:
+zero. Used by the split-K FP8 GEMM and the few-row linear (`last_to_arrive`, the count alone, by
+every kernel whose programs share an output tile):
 
     if not arrive(acc, partials, counter, split, SPLIT_K):
         return
@@ -24,10 +25,17 @@ def arrive(acc, partials, counter, split, SPLIT_K: tl.constexpr):
     A: tl.constexpr = acc.shape[0]
     B: tl.constexpr = acc.shape[1]
     tl.store(partials + split * (A * B) + _tile(A, B), acc)
-    # Every thread's partial is written before the count (one thread's release atomic after the
-    # barrier); the last arrival reads the others' partials through L2 after its acquire.
+    return last_to_arrive(counter, SPLIT_K)
+
+
+@triton.jit
+def last_to_arrive(counter, arrivals):
+    """Counts this program's arrival on the int32 `counter` after its partials are stored;
+    whether it is the last of `arrivals`. Every thread's partial is written before the count
+    (one thread's release atomic after the barrier); the last arrival reads the others'
+    partials through L2 (.cg loads) after its acquire, then resets the counter to zero."""
     tl.debug_barrier()
-    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == arrivals - 1
 
 
 @triton.jit

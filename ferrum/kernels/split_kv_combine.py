@@ -18,6 +18,7 @@ import triton.language as tl
 from ferrum.kernels.fp8_quant import Fp8GroupRows
 from ferrum.kernels.paged_attention_common import _NEG_BIG, store_fp8_heads
 from ferrum.kernels.pdl import pdl_launch_args, pdl_launch_dependents, pdl_wait
+from ferrum.kernels.split_k_sum import last_to_arrive
 from ferrum.kernels.split_kv_plan import SplitKVWorkspace
 
 
@@ -120,10 +121,7 @@ def combine_if_last(
 ):  # fmt: skip
     """Called by each part's program after it stored its partials: counts it on the (request,
     kv head)'s `counter`; the last of the num_parts to arrive combines the group and resets it."""
-    # Every thread's partials are written before the count (one thread's release atomic after
-    # the barrier); the last arrival reads the others' through L2 after its acquire.
-    tl.debug_barrier()
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_parts - 1:
+    if last_to_arrive(counter, num_parts):
         combine_parts(
             out_ptr, q8_ptr, q8_scale_ptr, partial_out_ptr, partial_max_ptr, partial_sum_ptr,
             req, head, row_valid, num_parts, num_heads,
