@@ -35,17 +35,12 @@ from benchmarks.bench_gemv import (
     tb_per_s,
 )
 from benchmarks.gpu_timing import graph_us
+from ferrum.bench.tune_ops import GEMV_ROWS_SPACE
 from ferrum.kernels.gemv_rows import GemvRowsTile, gemv_rows
 from ferrum.kernels.gemv_rows_config import row_bucket, save_gemv_rows_tiles
 
-# ferrum tune's space (tune_ops.gemv_rows_candidates), each dimension a flag to narrow it.
-GRID = {
-    "BLOCK_N": (16, 32, 64, 128),
-    "BLOCK_K": (64, 128, 256),
-    "SPLIT_K": (1, 2, 4, 8),
-    "num_warps": (4,),
-    "num_stages": (2, 3, 4),
-}
+# ferrum tune's space, each dimension a flag to narrow it.
+GRID = GEMV_ROWS_SPACE
 
 
 def measure(n: int, k: int, m: int, grid: dict, iters: int) -> dict:

@@ -40,13 +40,23 @@ def gemv_candidates(shape: LinearShape) -> list[Config]:
     return [None, *tiles]
 
 
+# The few-row linear's tiles: 16-32 columns run mma.sync in small programs, several an SM;
+# 64-128 run wgmma. benchmarks/bench_gemv_rows.py sweeps the same space.
+GEMV_ROWS_SPACE = {
+    "BLOCK_N": (16, 32, 64, 128),
+    "BLOCK_K": (64, 128, 256),
+    "SPLIT_K": (1, 2, 4, 8),
+    "num_warps": (4,),
+    "num_stages": (2, 3, 4),
+}
+
+
 def gemv_rows_candidates(shape: LinearShape) -> list[Config]:
     tiles: list[Config] = [None]
-    # 16-32 columns run mma.sync in small programs, several an SM; 64-128 run wgmma.
-    space = itertools.product((16, 32, 64, 128), (64, 128, 256), (1, 2, 4, 8), (2, 3, 4))
-    for bn, bk, split, ns in space:
-        if split == 1 or cdiv(shape.k, bk) >= 2 * split:
-            tiles.append(GemvRowsTile(bn, bk, split, 4, ns))
+    for values in itertools.product(*GEMV_ROWS_SPACE.values()):
+        tile = GemvRowsTile(**dict(zip(GEMV_ROWS_SPACE, values)))
+        if tile.SPLIT_K == 1 or cdiv(shape.k, tile.BLOCK_K) >= 2 * tile.SPLIT_K:
+            tiles.append(tile)
     return tiles
 
 

@@ -7,6 +7,8 @@ context length on the device, the grid only the batch shape (CUDA graph safe). S
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -245,6 +247,12 @@ def _attend_parts(
     )  # fmt: skip
 
 
+@functools.cache
+def _fused_reduce_by_default() -> bool:
+    """Read once: a decode step calls the path once a layer."""
+    return envs.debug_split_kv_fused_reduce()
+
+
 def paged_attention_split_kv(
     query: torch.Tensor,  # [num_reqs, num_heads, head_dim], one decode token per request
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -275,7 +283,7 @@ def paged_attention_split_kv(
     num_heads, head_dim = query.shape[1], query.shape[2]
     fp8_cache = kv_cache.dtype == FP8_KV_DTYPE
     if fused_reduce is None:
-        fused_reduce = envs.debug_split_kv_fused_reduce()
+        fused_reduce = _fused_reduce_by_default()
     if num_splits is None:
         num_splits = default_num_splits(
             num_reqs, kv_cache.shape[3], workspace.max_splits, fp8_cache
