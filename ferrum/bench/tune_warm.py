@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import multiprocessing
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,8 +142,21 @@ class CompilePool:
         # The executor's own processes (no public handle): a busy one is not ended by shutdown.
         processes = list((getattr(self.executor, "_processes", None) or {}).values())
         self.executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join(timeout=30)
+        _end(processes)
         self.executor = None
+
+
+def _end(processes: Sequence[Any], within_s: float = 30.0) -> None:
+    """Terminates the processes and waits until each has been reaped. A join can return
+    before its process is reaped (its sentinel closes just before the kernel makes it a
+    zombie, or the executor's own thread reaps it first), so it waits on `exitcode`."""
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + within_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        while process.exitcode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if process.exitcode is None:
+            process.kill()
+            process.join(timeout=5)
