@@ -30,14 +30,19 @@ MAX_DEFAULT_WORKERS = 8
 WORKER_CONTEXT_BYTES = 1 << 30
 # A task's warm-up past this is taken for a hung worker (a compile takes seconds).
 WARM_TIMEOUT_S = 900.0
-# A worker's failure that may leave its CUDA context unusable.
-FATAL_FAILURES = ("CUDA error", "out of memory", "illegal memory access")
+# A worker's failure that may leave its CUDA context unusable (torch's and Triton's launcher's
+# words for a CUDA error, and a lack of memory).
+FATAL_FAILURES = ("CUDA error", "Triton Error [CUDA]", "illegal memory access", "out of memory")
+
+
+def is_fatal(failure: str | None) -> bool:
+    return bool(failure) and any(words in failure for words in FATAL_FAILURES)
 
 
 def breaks_the_context(failure: str | None) -> bool:
     """Whether a candidate's failure in a worker was a CUDA error of its own (not a lack of
     memory): timing it would break the timer's context too, so the tuner skips it."""
-    return bool(failure) and "CUDA error" in failure and "out of memory" not in failure
+    return is_fatal(failure) and "out of memory" not in failure
 
 
 _worker_bench: Any = None
@@ -128,7 +133,7 @@ class CompilePool:
         except futures.TimeoutError:
             self.close(f"{task.key}'s warm-up took over {self.timeout_s:.0f} s")
             return [None] * len(configs)
-        fatal = next((f for f in failures if f and any(m in f for m in FATAL_FAILURES)), None)
+        fatal = next((f for f in failures if is_fatal(f)), None)
         if fatal is not None:
             self.close(f"a worker failed on {task.key}: {fatal[:200]}")
         return failures

@@ -33,7 +33,7 @@ def last_to_arrive(counter, arrivals):
     """Counts this program's arrival on the int32 `counter` after its partials are stored;
     whether it is the last of `arrivals`. Every thread's partial is written before the count
     (one thread's release atomic after the barrier); the last arrival reads the others'
-    partials through L2 (.cg loads) after its acquire, then resets the counter to zero."""
+    partials through L2 (.cg loads) after its acquire, and its caller resets the counter."""
     tl.debug_barrier()
     return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == arrivals - 1
 
